@@ -1,0 +1,139 @@
+"""Backend dispatch: which array namespace an array belongs to, and dtype rules.
+
+npnorm follows the Array API community's convention (the one SciPy and scikit-learn
+use): the namespace is read off the arrays with ``array_api_compat.array_namespace``,
+so NumPy, CuPy and ``array_api_strict`` arrays all go through one code path. Nothing
+here imports CuPy or torch: a backend is imported only when the user names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import array_api_compat
+import numpy as np
+
+Array = Any  # an array of any Array API namespace (numpy, cupy, array_api_strict, ...)
+Namespace = Any  # an Array API namespace module
+
+FLOAT_NAMES = ("float16", "float32", "float64")
+
+
+def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
+    """The Array API namespace shared by ``arrays`` (``None`` entries ignored).
+
+    Raises
+    ------
+    TypeError
+        If an entry is not an array, or the arrays come from different backends.
+    """
+    present = [a for a in arrays if a is not None]
+    for a in present:
+        if not array_api_compat.is_array_api_obj(a):
+            raise TypeError(
+                f"{what}: expected an array (numpy, cupy or another Array API "
+                f"namespace), got {type(a).__name__}"
+            )
+    try:
+        return array_api_compat.array_namespace(*present)
+    except TypeError as err:
+        kinds = sorted({type(a).__module__.split(".")[0] + "." + type(a).__name__ for a in present})
+        raise TypeError(
+            f"{what} live on different array backends ({', '.join(kinds)}); "
+            "move them to one backend first, e.g. with module.to(...)"
+        ) from err
+
+
+def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
+    """Turn ``None``, a name (``"numpy"``, ``"cupy"``, ``"array_api_strict"``) or a
+    namespace module into the namespace ``array_namespace`` reports for its arrays."""
+    if xp is None:
+        xp = "numpy"
+    if isinstance(xp, str):
+        try:
+            module = importlib.import_module(xp)
+        except ImportError as err:
+            raise ValueError(f"array backend {xp!r} is not installed") from err
+    elif isinstance(xp, ModuleType):
+        module = xp
+    else:
+        raise TypeError(f"xp must be None, a backend name or a namespace module, got {xp!r}")
+    probe = module.empty((0,))
+    return array_api_compat.array_namespace(probe)
+
+
+def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
+    """The floating dtype object of ``xp`` named by ``dtype`` (``None`` means float32).
+
+    ``dtype`` may be a name (``"float64"``), a NumPy dtype or scalar type, or a dtype
+    of ``xp`` itself.
+    """
+    if dtype is None:
+        return xp.float32
+    for name in FLOAT_NAMES:
+        candidate = getattr(xp, name, None)
+        if candidate is not None and dtype == candidate:
+            return candidate
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in FLOAT_NAMES:
+        raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {dtype!r}")
+    resolved = getattr(xp, name, None)
+    if resolved is None:
+        raise TypeError(f"backend {xp.__name__} has no {name} dtype")
+    return resolved
+
+
+def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
+    """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
+    if not xp.isdtype(x.dtype, "real floating"):
+        raise TypeError(f"{what} must have a floating dtype (float16/32/64), got {x.dtype}")
+
+
+def compute_dtype(xp: Namespace, *dtypes: Any) -> Any:
+    """The dtype the math runs in: the widest of the given dtypes and float32.
+
+    float16 input is therefore computed in float32, and an input whose dtype differs
+    from the parameters' is computed at the wider of the two precisions.
+    """
+    present = [d for d in dtypes if d is not None]
+    return xp.result_type(xp.float32, *present)
+
+
+def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
+    """Copy ``value`` (an array of any backend, a CPU torch tensor, a list or a
+    scalar) into a fresh array of ``xp``, optionally cast to ``dtype``."""
+    if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
+        out = xp.asarray(value, copy=True)
+    else:
+        host = _to_host(value)
+        out = xp.asarray(host)
+    if dtype is not None and out.dtype != dtype:
+        out = xp.astype(out, dtype)
+    return out
+
+
+def to_host(value: Any) -> np.ndarray:
+    """A NumPy copy of ``value`` (any backend, torch tensor, list or scalar)."""
+    return np.array(_to_host(value), copy=True)
+
+
+def _to_host(value: Any) -> Any:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        value = value.detach().cpu()
+    if array_api_compat.is_cupy_array(value):
+        return value.get()
+    if array_api_compat.is_array_api_obj(value) and not isinstance(value, np.ndarray):
+        # e.g. array_api_strict: go through DLPack where the array supports it
+        try:
+            return np.from_dlpack(value)
+        except (TypeError, RuntimeError, BufferError, AttributeError):
+            return np.asarray(value)
+    return np.asarray(value)

@@ -1,0 +1,83 @@
+"""Input validation shared by the functional layer and the modules.
+
+Every check raises before anything is computed or stored, with a message that says
+what was expected and what arrived.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from ._backend import Array, Namespace, check_floating, compute_dtype, namespace_of
+
+Shape = tuple[int, ...]
+
+
+def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shape") -> Shape:
+    """An int or a sequence of ints as a non-empty tuple of positive ints."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape: Shape = (int(normalized_shape),)
+    else:
+        try:
+            shape = tuple(int(d) for d in normalized_shape)  # type: ignore[union-attr]
+        except TypeError as err:
+            raise TypeError(f"{what} must be an int or a sequence of ints, got {normalized_shape!r}") from err
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(f"{what} must be a non-empty shape of positive sizes, got {normalized_shape!r}")
+    return shape
+
+
+def prod(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def float_inputs(*arrays: Array | None, names: Sequence[str]) -> Namespace:
+    """Namespace of the arrays, each checked to be a floating array of that backend."""
+    present = [n for n, a in zip(names, arrays, strict=True) if a is not None]
+    xp = namespace_of(*arrays, what=" and ".join(present))
+    for name, a in zip(names, arrays, strict=True):
+        if a is not None:
+            check_floating(xp, a, name)
+    return xp
+
+
+def check_trailing(x: Array, shape: Shape, what: str = "input") -> None:
+    """``x`` must end in ``shape``."""
+    k = len(shape)
+    if x.ndim < k or tuple(x.shape[x.ndim - k :]) != shape:
+        raise ValueError(
+            f"{what} of shape {tuple(x.shape)} does not end in the normalized shape "
+            f"{shape}: expected an input of shape (*, {', '.join(map(str, shape))})"
+        )
+
+
+def check_param(p: Array | None, shape: Shape, name: str) -> None:
+    if p is not None and tuple(p.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(p.shape)}")
+
+
+def check_grad_output(grad_output: Array, x: Array) -> None:
+    if tuple(grad_output.shape) != tuple(x.shape):
+        raise ValueError(
+            f"grad_output must have the shape of the forward's input {tuple(x.shape)}, "
+            f"got {tuple(grad_output.shape)}"
+        )
+
+
+def check_eps(eps: Any) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not float(eps) >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    return float(eps)
+
+
+def cast(xp: Namespace, x: Array, dtype: Any) -> Array:
+    """``x`` in ``dtype``, without a copy when it already is."""
+    return x if x.dtype == dtype else xp.astype(x, dtype)
+
+
+def work_dtype(xp: Namespace, *arrays: Array | None) -> Any:
+    """The computation dtype of these arrays (see ``compute_dtype``)."""
+    return compute_dtype(xp, *(a.dtype for a in arrays if a is not None))

@@ -1,0 +1,79 @@
+"""The one statistics helper every layer uses, and its backward.
+
+Every normalization layer in npnorm is the same computation over a different set of
+axes (Ba et al. 2016, "Layer Normalization", eq. 4; Ioffe & Szegedy 2015, alg. 1):
+
+    mean = E[x]                   (over ``axes``; 0 when ``center=False``)
+    var  = E[(x - mean)^2]        (biased, two-pass; E[x^2] when ``center=False``)
+    rstd = 1 / sqrt(var + eps)
+    xhat = (x - mean) * rstd
+
+LayerNorm reduces over the trailing axes, RMSNorm is the same call with ``center=False``
+(Zhang & Sennrich 2019), GroupNorm reduces over (channels in a group, spatial),
+InstanceNorm over spatial, BatchNorm over (batch, spatial).
+
+The variance is two-pass: the mean is removed before squaring, so a large common
+offset (say rows with mean 1e4 in float32) does not cancel catastrophically as it
+would in E[x^2] - E[x]^2.
+"""
+
+from __future__ import annotations
+
+from ._backend import Array, Namespace
+
+Axes = tuple[int, ...]
+
+
+def moments(xp: Namespace, x: Array, axes: Axes, *, center: bool = True) -> tuple[Array | None, Array]:
+    """Mean (``None`` when ``center=False``) and biased variance of ``x`` over ``axes``.
+
+    Both keep the reduced axes (size 1) so that they broadcast against ``x``.
+    """
+    if center:
+        mean = xp.mean(x, axis=axes, keepdims=True)  # reduced axes -> 1
+        xc = x - mean  # same shape as x
+        var = xp.mean(xc * xc, axis=axes, keepdims=True)  # reduced axes -> 1
+        return mean, var
+    ms = xp.mean(x * x, axis=axes, keepdims=True)  # mean square, reduced axes -> 1
+    return None, ms
+
+
+def standardize(
+    xp: Namespace, x: Array, axes: Axes, eps: float, *, center: bool = True
+) -> tuple[Array, Array | None, Array]:
+    """``(xhat, mean, rstd)`` of ``x`` over ``axes``; mean and rstd keep dims."""
+    mean, var = moments(xp, x, axes, center=center)
+    rstd = 1.0 / xp.sqrt(var + eps)  # reduced axes -> 1
+    xhat = (x - mean if mean is not None else x) * rstd  # same shape as x
+    return xhat, mean, rstd
+
+
+def xhat_from(x: Array, mean: Array | None, rstd: Array) -> Array:
+    """Recompute the normalized input from the saved statistics.
+
+    Backward passes recompute ``xhat`` rather than saving it: the saved statistics
+    are one number per reduced group instead of one per element (memory for compute).
+    """
+    return (x - mean if mean is not None else x) * rstd
+
+
+def standardize_backward(
+    xp: Namespace, dxhat: Array, xhat: Array, rstd: Array, axes: Axes, *, center: bool = True
+) -> Array:
+    """Gradient through ``xhat = (x - mean) * rstd`` with batch statistics.
+
+    With ``n`` the number of reduced elements, the chain rule through ``x``, ``mean``
+    and ``rstd`` gives three terms:
+
+        term 1 (direct path):       rstd * dxhat
+        term 2 (through the mean):  -rstd * mean(dxhat)
+        term 3 (through the var):   -rstd * xhat * mean(dxhat * xhat)
+
+    so that ``dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``.
+    Without centring (RMSNorm) term 2 vanishes.
+    """
+    proj = xp.mean(dxhat * xhat, axis=axes, keepdims=True)  # reduced axes -> 1
+    inner = dxhat - xhat * proj  # term 1 + term 3, divided by rstd
+    if center:
+        inner = inner - xp.mean(dxhat, axis=axes, keepdims=True)  # + term 2
+    return inner * rstd  # same shape as x

@@ -1,0 +1,95 @@
+"""Shared fixtures: the backends every test is parametrized over.
+
+numpy always; ``array_api_strict`` as the CPU stand-in for a second backend (it
+rejects anything outside the Array API standard, so a NumPy-only call in the math
+fails there); cupy only where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+import npnorm
+from npnorm._backend import resolve_namespace, to_host
+
+settings.register_profile("default", deadline=None, max_examples=25, derandomize=True)
+settings.load_profile("default")
+
+
+def _gpu_available() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+BACKENDS = [
+    pytest.param("numpy", id="numpy"),
+    pytest.param("array_api_strict", id="array_api_strict"),
+    pytest.param(
+        "cupy",
+        id="cupy",
+        marks=pytest.mark.skipif(not _gpu_available(), reason="cupy needs a CUDA GPU; none here"),
+    ),
+]
+
+
+class Backend:
+    """A backend under test: its namespace and converters to and from NumPy."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.xp = resolve_namespace(name)
+        self.has_float16 = hasattr(self.xp, "float16")
+
+    def asarray(self, a, dtype="float64"):
+        return self.xp.asarray(np.asarray(a, dtype=dtype), dtype=getattr(self.xp, dtype))
+
+    @staticmethod
+    def numpy(a) -> np.ndarray:
+        return to_host(a)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.fixture(params=BACKENDS, scope="session")
+def backend(request) -> Backend:
+    return Backend(request.param)
+
+
+@pytest.fixture(scope="session")
+def torch():
+    return pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def assert_state_equal(a: npnorm.Module, b_state: dict, grads: dict | None = None) -> None:
+    """Module ``a``'s state_dict equals ``b_state`` exactly (and its grads ``grads``)."""
+    sa = a.state_dict()
+    assert sa.keys() == b_state.keys()
+    for k in sa:
+        np.testing.assert_array_equal(to_host(sa[k]), to_host(b_state[k]), err_msg=k)
+    if grads is not None:
+        assert a.grads.keys() == grads.keys()
+        for k in grads:
+            np.testing.assert_array_equal(to_host(a.grads[k]), to_host(grads[k]), err_msg=k)
+
+
+def snapshot(m: npnorm.Module) -> tuple[dict, dict]:
+    return (
+        {k: to_host(v) for k, v in m.state_dict().items()},
+        {k: to_host(v) for k, v in m.grads.items()},
+    )

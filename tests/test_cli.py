@@ -1,0 +1,13 @@
+import subprocess
+import sys
+
+
+def test_main_job_passes_and_prints_a_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm"], capture_output=True, text=True, check=False, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all checks passed" in out.stdout
+    for layer in ("LayerNorm", "RMSNorm"):
+        assert layer in out.stdout
+    assert "array_api_strict" in out.stdout

@@ -1,0 +1,25 @@
+import subprocess
+import sys
+
+
+def test_import_pulls_in_neither_cupy_nor_torch():
+    code = (
+        "import sys, npnorm, npnorm.functional, npnorm.modules\n"
+        "bad = sorted(m for m in ('cupy', 'torch') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names():
+    import npnorm
+    import npnorm.functional as F
+
+    for name in ("LayerNorm", "RMSNorm", "gradcheck", "GradcheckError", "functional"):
+        assert hasattr(npnorm, name)
+    for name in (
+        "layer_norm", "layer_norm_forward", "layer_norm_backward",
+        "rms_norm", "rms_norm_forward", "rms_norm_backward",
+    ):
+        assert callable(getattr(F, name))
+    assert issubclass(npnorm.GradcheckError, AssertionError)

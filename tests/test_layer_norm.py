@@ -1,0 +1,168 @@
+"""LayerNorm: parity with torch.nn.LayerNorm, properties, gradcheck, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import snapshot
+from helpers import randomize, step_and_compare
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+
+shapes = st.tuples(
+    st.lists(st.integers(1, 4), min_size=0, max_size=2),  # batch dims
+    st.lists(st.integers(1, 5), min_size=1, max_size=3),  # normalized_shape, ranks 1-3
+)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@given(
+    shape=shapes,
+    eps=st.sampled_from([1e-5, 1e-3, 0.5]),
+    affine=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_with_torch(torch, backend, dtype, shape, eps, affine, bias, seed):
+    batch, norm = shape
+    rng = np.random.default_rng(seed)
+    ours = npnorm.LayerNorm(norm, eps, affine, bias, dtype=dtype, xp=backend.xp)
+    ref = torch.nn.LayerNorm(norm, eps, affine, bias, dtype=getattr(torch, dtype))
+    randomize(ours, rng)
+    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    full = (*batch, *norm)
+    x = rng.normal(size=full) * 3 + rng.normal()
+    step_and_compare(torch, backend, ours, ref, x, rng.normal(size=full), dtype)
+
+
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, True)])
+def test_gradcheck(backend, rng, affine, bias):
+    m = npnorm.LayerNorm((3, 4), elementwise_affine=affine, bias=bias, xp=backend.xp)
+    randomize(m, rng)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(2, 3, 4))))
+
+
+@given(norm=st.integers(2, 20), rows=st.integers(1, 6), seed=st.integers(0, 1000))
+def test_output_rows_have_mean_0_and_variance_1(norm, rows, seed):
+    x = np.random.default_rng(seed).normal(size=(rows, norm)) * 5 + 3
+    y = F.layer_norm(x, norm, eps=0.0)
+    np.testing.assert_allclose(y.mean(axis=-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y.var(axis=-1), 1, atol=1e-10)
+
+
+def test_invariant_to_per_row_shift(backend, rng):
+    x = rng.normal(size=(4, 3, 5))
+    shift = rng.normal(size=(4, 1, 1)) * 100
+    w, b = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+    args = [backend.asarray(a) for a in (w, b)]
+    y1 = F.layer_norm(backend.asarray(x), (3, 5), *args)
+    y2 = F.layer_norm(backend.asarray(x + shift), (3, 5), *args)
+    np.testing.assert_allclose(backend.numpy(y1), backend.numpy(y2), atol=1e-10)
+
+
+def test_dx_sums_to_zero_along_normalized_axes(backend, rng):
+    x = backend.asarray(rng.normal(size=(4, 3, 5)))
+    w = backend.asarray(rng.normal(size=(5,)))
+    y, mean, rstd = F.layer_norm_forward(x, 5, w, None)
+    dx, dw, db = F.layer_norm_backward(backend.asarray(rng.normal(size=(4, 3, 5))), x, 5, mean, rstd, w)
+    np.testing.assert_allclose(backend.numpy(dx).sum(axis=-1), 0, atol=1e-12)
+    assert db is None and dw.shape == (5,)
+
+
+def test_forward_saves_only_per_row_statistics(backend, rng):
+    y, mean, rstd = F.layer_norm_forward(backend.asarray(rng.normal(size=(2, 3, 4, 5))), (4, 5))
+    assert tuple(mean.shape) == tuple(rstd.shape) == (2, 3)
+
+
+def test_float32_large_mean_as_accurate_as_torch(torch, rng):
+    """Two-pass variance: rows of mean 1e4 and unit spread stay accurate in float32."""
+    x64 = rng.normal(size=(64, 768)) + 1e4
+    x32 = x64.astype(np.float32)
+    truth = F.layer_norm(x32.astype(np.float64), 768)  # exact math on the same float32 data
+    ours = F.layer_norm(x32, 768)
+    theirs = torch.nn.functional.layer_norm(torch.from_numpy(x32), (768,)).numpy()
+    err_ours = np.abs(ours - truth).max()
+    err_torch = np.abs(theirs - truth).max()
+    assert err_ours <= max(2 * err_torch, 1e-3), (err_ours, err_torch)
+    # E[x^2]-E[x]^2 in float32 would be off by far more than this
+    assert err_ours < 1e-2
+
+
+def test_float16_computed_in_float32_returned_in_float16(rng):
+    x = (rng.normal(size=(3, 8)) * 4).astype(np.float16)
+    m = npnorm.LayerNorm(8)
+    y = m(x)
+    assert y.dtype == np.float16
+    ref = F.layer_norm(x.astype(np.float32), 8)
+    np.testing.assert_array_equal(y, ref.astype(np.float16))
+    dx = m.backward(np.ones_like(x))
+    assert dx.dtype == np.float16 and m.grads["weight"].dtype == np.float32
+
+
+def test_mixed_precision_computes_wide_returns_input_dtype(rng):
+    m = npnorm.LayerNorm(6, dtype="float64")
+    randomize(m, rng)
+    x = rng.normal(size=(2, 6)).astype(np.float32)
+    y = m(x)
+    assert y.dtype == np.float32
+    expect = F.layer_norm(x.astype(np.float64), 6, m.weight, m.bias)
+    np.testing.assert_array_equal(y, expect.astype(np.float32))
+
+
+# --- bad input: clear errors, nothing changed ---------------------------------
+
+
+def test_wrong_trailing_shape_says_what_was_expected(backend):
+    m = npnorm.LayerNorm((3, 4), xp=backend.xp)
+    with pytest.raises(ValueError, match=r"\(2, 3, 5\).*\(\*, 3, 4\)"):
+        m(backend.asarray(np.zeros((2, 3, 5))))
+    with pytest.raises(ValueError, match="normalized shape"):
+        m(backend.asarray(np.zeros((4,))))
+
+
+@pytest.mark.parametrize("dtype", ["int64", "bool"])
+def test_non_float_input_is_a_type_error(dtype):
+    with pytest.raises(TypeError, match="floating"):
+        npnorm.LayerNorm(3)(np.ones((2, 3), dtype=dtype))
+
+
+def test_non_array_input_is_a_type_error():
+    with pytest.raises(TypeError, match="expected an array"):
+        npnorm.LayerNorm(3)([[1.0, 2.0, 3.0]])
+
+
+def test_backend_mismatch_is_a_type_error(rng):
+    import array_api_strict
+
+    m = npnorm.LayerNorm(3)
+    with pytest.raises(TypeError, match="different array backends"):
+        m(array_api_strict.asarray(rng.normal(size=(2, 3))))
+
+
+def test_failed_forward_keeps_saved_context(rng):
+    m = npnorm.LayerNorm(3, dtype="float64")
+    x = rng.normal(size=(2, 3))
+    m(x)
+    with pytest.raises(ValueError):
+        m(np.zeros((2, 4)))
+    before = snapshot(m)
+    dx = m.backward(np.ones((2, 3)))  # still the first forward's context
+    assert dx.shape == (2, 3)
+    assert before[0].keys() == snapshot(m)[0].keys()
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError):
+        npnorm.LayerNorm(0)
+    with pytest.raises(ValueError):
+        npnorm.LayerNorm(3, eps=-1.0)
+    with pytest.raises(TypeError):
+        npnorm.LayerNorm(3, dtype="int32")
+
+
+def test_functional_weight_shape_checked():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        F.layer_norm(np.zeros((2, 3)), 3, np.ones(4))

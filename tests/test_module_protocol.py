@@ -1,0 +1,137 @@
+"""The module protocol every layer shares: grads, modes, state_dict, to()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_state_equal, snapshot
+from helpers import randomize
+
+import npnorm
+
+
+def test_backward_before_forward_is_a_runtime_error():
+    with pytest.raises(RuntimeError, match="forward"):
+        npnorm.LayerNorm(3).backward(np.ones((2, 3), np.float32))
+
+
+def test_grad_output_of_wrong_shape_is_a_value_error(rng):
+    m = npnorm.LayerNorm(3)
+    m(rng.normal(size=(2, 3)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"grad_output must have the shape.*\(2, 3\)"):
+        m.backward(np.ones((3, 3), np.float32))
+    assert m.grads == {}
+
+
+def test_grads_accumulate_and_zero_grad_clears(rng):
+    m = npnorm.LayerNorm(4, dtype="float64")
+    x, dy = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    m(x)
+    m.backward(dy)
+    first = {k: v.copy() for k, v in m.grads.items()}
+    assert set(first) == {"weight", "bias"}
+    m(x)
+    m.backward(dy)
+    for k in first:
+        np.testing.assert_allclose(m.grads[k], 2 * first[k])
+    m.zero_grad()
+    assert m.grads == {}
+
+
+def test_parameters_train_eval():
+    m = npnorm.LayerNorm(3, bias=False)
+    assert list(m.parameters()) == ["weight"] and m.bias is None
+    assert m.training
+    assert m.eval() is m and not m.training
+    assert m.train() is m and m.training
+    assert npnorm.LayerNorm(3, elementwise_affine=False).parameters() == {}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t.nn.LayerNorm(5),
+        lambda t: t.nn.LayerNorm((2, 5), bias=False),
+        lambda t: t.nn.LayerNorm(5, elementwise_affine=False),
+        lambda t: t.nn.RMSNorm(5),
+        lambda t: t.nn.RMSNorm(5, elementwise_affine=False),
+    ],
+)
+def test_state_dict_round_trip_with_real_torch_module(torch, make, rng):
+    ref = make(torch)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p))
+    cls = getattr(npnorm, type(ref).__name__)
+    kwargs = {"elementwise_affine": ref.elementwise_affine}
+    if isinstance(ref, torch.nn.LayerNorm):
+        kwargs["bias"] = ref.bias is not None or not ref.elementwise_affine
+    ours = cls(ref.normalized_shape, **kwargs)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())  # CPU torch tensors load directly
+    back = make(torch)
+    back.load_state_dict({k: torch.as_tensor(v) for k, v in ours.state_dict().items()})
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[k].numpy(), v.numpy())
+    x = torch.randn(3, *ref.normalized_shape)
+    np.testing.assert_allclose(ours(x.numpy()), ref(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_load_state_dict_accepts_lists_and_keeps_dtype():
+    m = npnorm.LayerNorm(3)
+    m.load_state_dict({"weight": [1.0, 2.0, 3.0], "bias": np.zeros(3)})
+    assert m.weight.dtype == np.float32
+    np.testing.assert_array_equal(m.weight, [1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"weight": np.ones(3)}, "missing key"),
+        ({"weight": np.ones(3), "bias": np.ones(3), "extra": np.ones(1)}, "unexpected key"),
+        ({"weight": np.ones(3), "bias": np.ones(4)}, "size mismatch for 'bias'"),
+        ({"weight": np.full(3, 7.0), "bias": [["a"]]}, "bias"),
+    ],
+)
+def test_load_state_dict_is_atomic(backend, rng, bad, match):
+    m = npnorm.LayerNorm(3, xp=backend.xp)
+    randomize(m, rng)
+    m(backend.asarray(rng.normal(size=(2, 3)), "float32"))
+    m.backward(backend.asarray(rng.normal(size=(2, 3)), "float32"))
+    state, grads = snapshot(m)
+    with pytest.raises(RuntimeError, match=match):
+        m.load_state_dict(bad)
+    assert_state_equal(m, state, grads)
+
+
+def test_load_state_dict_non_strict_reports_keys():
+    m = npnorm.LayerNorm(3)
+    result = m.load_state_dict({"weight": np.full(3, 2.0), "other": np.ones(1)}, strict=False)
+    assert result.missing_keys == ["bias"] and result.unexpected_keys == ["other"]
+    np.testing.assert_array_equal(m.weight, 2.0)
+
+
+def test_to_moves_parameters_grads_and_dtype(rng):
+    import array_api_strict as aas
+
+    m = npnorm.LayerNorm(3)
+    m(rng.normal(size=(2, 3)).astype(np.float32))
+    m.backward(np.ones((2, 3), np.float32))
+    assert m.to("array_api_strict") is m
+    assert isinstance(m.weight, type(aas.asarray(1.0)))
+    assert isinstance(m.grads["weight"], type(aas.asarray(1.0)))
+    with pytest.raises(RuntimeError):
+        m.backward(aas.ones((2, 3)))  # the saved context was dropped by the move
+    y = m(aas.asarray(rng.normal(size=(2, 3)), dtype=aas.float32))
+    assert y.dtype == aas.float32
+    m.to("numpy", dtype="float64")
+    assert m.weight.dtype == np.float64 and m.grads["bias"].dtype == np.float64
+
+
+def test_to_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="not installed"):
+        npnorm.LayerNorm(3).to("no_such_backend_xyz")
+
+
+def test_repr():
+    assert repr(npnorm.LayerNorm(4)) == "LayerNorm((4,), eps=1e-05, elementwise_affine=True)"

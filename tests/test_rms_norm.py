@@ -1,0 +1,81 @@
+"""RMSNorm: parity with torch.nn.RMSNorm, properties, gradcheck, eps=None."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import randomize, step_and_compare
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@given(
+    batch=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+    norm=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    eps=st.sampled_from([None, 1e-6, 1e-2]),
+    affine=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_with_torch(torch, backend, dtype, batch, norm, eps, affine, seed):
+    rng = np.random.default_rng(seed)
+    ours = npnorm.RMSNorm(norm, eps, affine, dtype=dtype, xp=backend.xp)
+    ref = torch.nn.RMSNorm(norm, eps, affine, dtype=getattr(torch, dtype))
+    randomize(ours, rng)
+    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    full = (*batch, *norm)
+    step_and_compare(torch, backend, ours, ref, rng.normal(size=full) * 2, rng.normal(size=full), dtype)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_gradcheck(backend, rng, affine):
+    m = npnorm.RMSNorm((2, 5), elementwise_affine=affine, xp=backend.xp)
+    randomize(m, rng)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(3, 2, 5))))
+
+
+def test_invariant_to_positive_per_row_scale(backend, rng):
+    x = rng.normal(size=(4, 6))
+    scale = rng.uniform(0.1, 50, size=(4, 1))
+    y1 = F.rms_norm(backend.asarray(x), 6, eps=0.0)
+    y2 = F.rms_norm(backend.asarray(x * scale), 6, eps=0.0)
+    np.testing.assert_allclose(backend.numpy(y1), backend.numpy(y2), atol=1e-12)
+
+
+def test_output_has_unit_mean_square():
+    x = np.random.default_rng(0).normal(size=(5, 32)) * 7
+    y = F.rms_norm(x, 32, eps=0.0)
+    np.testing.assert_allclose((y * y).mean(axis=-1), 1, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "dtype,expect", [("float32", np.finfo(np.float32).eps), ("float64", np.finfo(np.float64).eps)]
+)
+def test_eps_none_is_machine_epsilon_of_compute_dtype(dtype, expect):
+    x = np.zeros((1, 4), dtype=dtype)
+    x[0, 0] = 1e-4
+    _, rstd = F.rms_norm_forward(x, 4)
+    np.testing.assert_allclose(rstd[0], 1 / np.sqrt(1e-8 / 4 + expect), rtol=1e-6)
+
+
+def test_float16_uses_float32_epsilon():
+    x = np.zeros((1, 4), dtype=np.float16)
+    _, rstd = F.rms_norm_forward(x, 4)
+    assert rstd.dtype == np.float32
+    np.testing.assert_allclose(rstd[0], 1 / np.sqrt(np.finfo(np.float32).eps), rtol=1e-6)
+
+
+def test_state_dict_keys_match_torch(torch):
+    for affine in (True, False):
+        ours = npnorm.RMSNorm(3, elementwise_affine=affine)
+        assert list(ours.state_dict()) == list(torch.nn.RMSNorm(3, elementwise_affine=affine).state_dict())
+
+
+def test_backward_returns_triple_with_no_bias(rng):
+    x = rng.normal(size=(2, 3))
+    y, rstd = F.rms_norm_forward(x, 3, np.ones(3))
+    dx, dw, db = F.rms_norm_backward(np.ones_like(x), x, 3, rstd, np.ones(3))
+    assert db is None and dw.shape == (3,)
