@@ -7,13 +7,32 @@ differences and ``torch.autograd``.
 
 from . import functional
 from .gradient_check import GradcheckError, gradcheck
-from .modules import IncompatibleKeys, LayerNorm, Module, RMSNorm
+from .modules import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    IncompatibleKeys,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Module,
+    RMSNorm,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
     "GradcheckError",
+    "GroupNorm",
     "IncompatibleKeys",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
     "LayerNorm",
     "Module",
     "RMSNorm",

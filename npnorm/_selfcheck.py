@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ._backend import Namespace, resolve_namespace, to_host
 from .gradient_check import GradcheckError, gradcheck
-from .modules import LayerNorm, Module, RMSNorm
+from .modules import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Module,
+    RMSNorm,
+)
 
 
 @dataclass(frozen=True)
@@ -28,8 +39,6 @@ class Case:
     make_torch: Callable[[Any], Any]  # torch -> torch.nn module
     shape: tuple[int, ...]
     steps: int = 1  # training steps before the eval comparison
-    modes: tuple[str, ...] = ("train",)
-    dtypes: tuple[str, ...] = field(default=("float64", "float32"))
 
 
 CASES: list[Case] = [
@@ -41,6 +50,48 @@ CASES: list[Case] = [
         (5, 6),
     ),
     Case("RMSNorm", lambda **kw: RMSNorm(6, **kw), lambda t: t.nn.RMSNorm(6), (2, 3, 6)),
+    Case("BatchNorm1d", lambda **kw: BatchNorm1d(3, **kw), lambda t: t.nn.BatchNorm1d(3), (4, 3), steps=3),
+    Case(
+        "BatchNorm2d",
+        lambda **kw: BatchNorm2d(3, **kw),
+        lambda t: t.nn.BatchNorm2d(3),
+        (2, 3, 3, 2),
+        steps=3,
+    ),
+    Case(
+        "BatchNorm2d(momentum=None)",
+        lambda **kw: BatchNorm2d(3, momentum=None, **kw),
+        lambda t: t.nn.BatchNorm2d(3, momentum=None),
+        (2, 3, 3, 2),
+        steps=3,
+    ),
+    Case(
+        "BatchNorm3d",
+        lambda **kw: BatchNorm3d(2, **kw),
+        lambda t: t.nn.BatchNorm3d(2),
+        (2, 2, 2, 2, 3),
+        steps=3,
+    ),
+    Case(
+        "InstanceNorm1d(affine)",
+        lambda **kw: InstanceNorm1d(3, affine=True, **kw),
+        lambda t: t.nn.InstanceNorm1d(3, affine=True),
+        (2, 3, 5),
+    ),
+    Case(
+        "InstanceNorm2d(track)",
+        lambda **kw: InstanceNorm2d(3, affine=True, track_running_stats=True, **kw),
+        lambda t: t.nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+        (2, 3, 3, 2),
+        steps=3,
+    ),
+    Case(
+        "InstanceNorm3d",
+        lambda **kw: InstanceNorm3d(2, **kw),
+        lambda t: t.nn.InstanceNorm3d(2),
+        (2, 2, 2, 2, 2),
+    ),
+    Case("GroupNorm", lambda **kw: GroupNorm(2, 4, **kw), lambda t: t.nn.GroupNorm(2, 4), (2, 4, 3)),
 ]
 
 
@@ -62,7 +113,7 @@ def available_backends() -> list[str]:
 
 def randomize(module: Module, rng: np.random.Generator) -> None:
     """Give the parameters (and running statistics) non-trivial values."""
-    state = {}
+    state: dict[str, Any] = {}
     for name, value in module.state_dict().items():
         shape = tuple(value.shape)
         if name == "num_batches_tracked":
@@ -133,7 +184,8 @@ def run(verbose: bool = True) -> bool:
                 randomize(m, rng)
                 y = m(xp.asarray(rng.normal(size=case.shape), dtype=xp.float32))
                 finite = bool(np.isfinite(to_host(y)).all())
-                gc = "pass" if gradcheck(m, xp.asarray(rng.normal(size=case.shape))) else "FAIL"
+                x64 = xp.asarray(rng.normal(size=case.shape))
+                gc = "pass" if gradcheck(m.train(), x64) and gradcheck(m.eval(), x64) else "FAIL"
             except GradcheckError:
                 finite, gc = True, "FAIL"
             par = {}
@@ -145,16 +197,25 @@ def run(verbose: bool = True) -> bool:
                     par[dtype] = "no torch"
             if not finite or gc != "pass" or any("FAIL" in v for v in par.values()):
                 status, all_ok = "FAIL", False
-            rows.append((case.name, backend, "finite" if finite else "NaN", gc, par["float64"], par["float32"], status))
+            rows.append(
+                (
+                    case.name,
+                    backend,
+                    "finite" if finite else "NaN",
+                    gc,
+                    par["float64"],
+                    par["float32"],
+                    status,
+                )
+            )
     if verbose:
-        header = ("layer", "backend", "forward", "gradcheck", "torch f64", "torch f32", "result")
+        header = ("layer", "backend", "forward", "gradcheck train+eval", "torch f64", "torch f32", "result")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, tuple("-" * w for w in widths), *rows]:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         print(
             "\ntorch columns: largest error relative to max(1, |torch value|) over outputs, "
-            "gradients and buffers"
-            + ("" if torch_ok else " (install torch==2.13.0 for the parity columns)")
+            "gradients and buffers" + ("" if torch_ok else " (install torch==2.13.0 for the parity columns)")
         )
         print("all checks passed" if all_ok else "SOME CHECKS FAILED")
     return all_ok

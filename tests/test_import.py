@@ -18,8 +18,12 @@ def test_public_names():
     for name in ("LayerNorm", "RMSNorm", "gradcheck", "GradcheckError", "functional"):
         assert hasattr(npnorm, name)
     for name in (
-        "layer_norm", "layer_norm_forward", "layer_norm_backward",
-        "rms_norm", "rms_norm_forward", "rms_norm_backward",
+        "layer_norm",
+        "layer_norm_forward",
+        "layer_norm_backward",
+        "rms_norm",
+        "rms_norm_forward",
+        "rms_norm_backward",
     ):
         assert callable(getattr(F, name))
     assert issubclass(npnorm.GradcheckError, AssertionError)

@@ -66,14 +66,14 @@ def test_invariant_to_per_row_shift(backend, rng):
 def test_dx_sums_to_zero_along_normalized_axes(backend, rng):
     x = backend.asarray(rng.normal(size=(4, 3, 5)))
     w = backend.asarray(rng.normal(size=(5,)))
-    y, mean, rstd = F.layer_norm_forward(x, 5, w, None)
+    _y, mean, rstd = F.layer_norm_forward(x, 5, w, None)
     dx, dw, db = F.layer_norm_backward(backend.asarray(rng.normal(size=(4, 3, 5))), x, 5, mean, rstd, w)
     np.testing.assert_allclose(backend.numpy(dx).sum(axis=-1), 0, atol=1e-12)
     assert db is None and dw.shape == (5,)
 
 
 def test_forward_saves_only_per_row_statistics(backend, rng):
-    y, mean, rstd = F.layer_norm_forward(backend.asarray(rng.normal(size=(2, 3, 4, 5))), (4, 5))
+    _y, mean, rstd = F.layer_norm_forward(backend.asarray(rng.normal(size=(2, 3, 4, 5))), (4, 5))
     assert tuple(mean.shape) == tuple(rstd.shape) == (2, 3)
 
 

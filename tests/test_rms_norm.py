@@ -76,6 +76,6 @@ def test_state_dict_keys_match_torch(torch):
 
 def test_backward_returns_triple_with_no_bias(rng):
     x = rng.normal(size=(2, 3))
-    y, rstd = F.rms_norm_forward(x, 3, np.ones(3))
-    dx, dw, db = F.rms_norm_backward(np.ones_like(x), x, 3, rstd, np.ones(3))
+    _y, rstd = F.rms_norm_forward(x, 3, np.ones(3))
+    _dx, dw, db = F.rms_norm_backward(np.ones_like(x), x, 3, rstd, np.ones(3))
     assert db is None and dw.shape == (3,)

@@ -8,6 +8,8 @@ math modules never branch on the backend themselves: they ask ``kernel(op, xp)``
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,6 +20,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 _GENERIC: dict[str, Callable[..., Any]] = {}
 _SPECIALIZED: dict[tuple[str, str], Callable[..., Any]] = {}
 _DISABLED: set[str] = set()
+# Modules holding the specialized kernels of a namespace, imported the first time an
+# array of that namespace is seen (so `import npnorm` stays light).
+_PROVIDERS: dict[str, str] = {"array_api_compat.numpy": "npnorm.kernels.numpy_fast"}
+_LOADED: set[str] = set()
 
 
 def generic(op: str) -> Callable[[F], F]:
@@ -51,6 +57,11 @@ def set_specialized(namespace_name: str, enabled: bool) -> None:
 def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
     """The kernel that computes ``op`` for arrays of ``xp``."""
     name = xp.__name__
+    if name not in _LOADED:
+        _LOADED.add(name)
+        provider = _PROVIDERS.get(name)
+        if provider is not None and importlib.util.find_spec(provider) is not None:
+            importlib.import_module(provider)
     if name not in _DISABLED:
         fn = _SPECIALIZED.get((op, name))
         if fn is not None:

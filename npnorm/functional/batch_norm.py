@@ -1,0 +1,210 @@
+"""BatchNorm: forward with running statistics, analytical backward, torch-style call.
+
+Ioffe & Szegedy (2015), "Batch Normalization: Accelerating Deep Network Training by
+Reducing Internal Covariate Shift", https://arxiv.org/abs/1502.03167.
+"""
+
+from __future__ import annotations
+
+from .._backend import Array, Namespace
+from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
+from .._stats import moments, standardize_backward, xhat_from
+from ._channels import (
+    as_ncs,
+    channel_affine,
+    channel_affine_backward,
+    check_buffers_paired,
+    check_channels,
+    check_momentum,
+    check_per_channel,
+    running_update,
+)
+from ._dispatch import generic, kernel
+
+
+def batch_norm_forward(
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    r"""BatchNorm forward; returns the output, saved statistics and updated buffers.
+
+    Training (batch statistics over the batch and spatial axes, per channel):
+
+    .. math::
+        \mu_c = \mathrm{E}[x_{:,c}],\quad \sigma_c^2 = \mathrm{E}[(x_{:,c} - \mu_c)^2],\quad
+        y = \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}}\, w_c + b_c
+
+    and, when buffers are given, ``new = (1 - momentum) * old + momentum * batch``,
+    where the running variance takes the *unbiased* batch variance
+    :math:`\sigma_c^2 \cdot n/(n-1)` (``n`` values per channel), as PyTorch does.
+    Inference (``training=False``) normalizes with the running statistics.
+
+    This function is pure: it never writes into ``running_mean``/``running_var``;
+    the updated buffers are returned (:func:`batch_norm` writes them in place).
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    running_mean, running_var : arrays of shape (C,), or None
+        Required when ``training`` is False.
+    weight, bias : arrays of shape (C,), optional
+    training : bool
+        Use batch statistics (and update the buffers, if any).
+    momentum : float
+    eps : float
+
+    Returns
+    -------
+    output : array, shape and dtype of ``input``
+    mean, rstd : arrays of shape (C,)
+        The statistics the output was normalized with (batch or running), in the
+        computation dtype (float32 for float16 input).
+    new_running_mean, new_running_var : arrays of shape (C,) or None
+        Updated buffers when training with buffers; else the buffers as given.
+
+    Raises
+    ------
+    ValueError
+        On a wrong shape, or when training with one value per channel.
+    """
+    eps = check_eps(eps)
+    momentum = check_momentum(momentum)
+    xp = float_inputs(
+        input, running_mean, running_var, weight, bias,
+        names=("input", "running_mean", "running_var", "weight", "bias"),
+    )  # fmt: skip
+    c = check_channels(input, None, "batch_norm")
+    check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    check_buffers_paired(running_mean, running_var)
+    if training and int(input.shape[0]) * prod(input.shape[2:]) <= 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
+        )
+    if not training and running_mean is None:
+        raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
+    return kernel("batch_norm_forward", xp)(
+        xp, input, running_mean, running_var, weight, bias, bool(training), momentum, eps
+    )
+
+
+def batch_norm_backward(
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    training: bool = True,
+) -> tuple[Array, Array | None, Array | None]:
+    r"""BatchNorm backward from the upstream gradient and the saved statistics.
+
+    With :math:`\hat{x} = (x - \mu_c)\,\mathrm{rstd}_c` and :math:`g = dy \cdot w_c`,
+    bars being means over the ``n`` values of a channel (batch and spatial axes):
+
+    .. math::
+        dx = \mathrm{rstd}_c\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big)
+        \quad\text{(training: batch statistics depend on } x\text{)}
+
+        dx = \mathrm{rstd}_c\, g
+        \quad\text{(inference: running statistics are constants)}
+
+    and :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy` in both cases.
+    ``training`` must be the value the forward was called with.
+    """
+    xp = float_inputs(
+        grad_output, input, mean, rstd, weight, bias,
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+    )  # fmt: skip
+    c = check_channels(input, None, "batch_norm")
+    check_grad_output(grad_output, input)
+    check_per_channel(c, mean=mean, rstd=rstd, weight=weight, bias=bias)
+    return kernel("batch_norm_backward", xp)(xp, grad_output, input, mean, rstd, weight, bias, bool(training))
+
+
+def batch_norm(
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Array:
+    """BatchNorm with ``torch.nn.functional.batch_norm``'s signature and semantics:
+    when training, the given running buffers are updated in place."""
+    y, _, _, new_mean, new_var = batch_norm_forward(
+        input, running_mean, running_var, weight, bias, training, momentum, eps
+    )
+    if training and running_mean is not None and running_var is not None:
+        running_mean[...] = new_mean
+        running_var[...] = new_var
+    return y
+
+
+# --- generic Array API kernels ---
+
+
+@generic("batch_norm_forward")
+def batch_norm_forward_generic(
+    xp: Namespace,
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None,
+    bias: Array | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
+    x = as_ncs(xp, input, ct)  # N,C,S
+    new_mean, new_var = running_mean, running_var
+    if training:
+        mean, var = moments(xp, x, (0, 2))  # 1,C,1  1,C,1 (biased)
+        assert mean is not None
+        if running_mean is not None and running_var is not None:
+            n = int(x.shape[0]) * int(x.shape[2])  # values per channel
+            unbiased = xp.reshape(var, (-1,)) * (n / (n - 1))  # C
+            new_mean = running_update(xp, running_mean, xp.reshape(mean, (-1,)), momentum)  # C
+            new_var = running_update(xp, running_var, unbiased, momentum)  # C
+    else:
+        assert running_mean is not None and running_var is not None
+        mean = xp.reshape(cast(xp, running_mean, ct), (1, -1, 1))  # 1,C,1
+        var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
+    rstd = 1.0 / xp.sqrt(var + eps)  # 1,C,1
+    xhat = xhat_from(x, mean, rstd)  # N,C,S
+    y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
+    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    return y, xp.reshape(mean, (-1,)), xp.reshape(rstd, (-1,)), new_mean, new_var
+
+
+@generic("batch_norm_backward")
+def batch_norm_backward_generic(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+    training: bool,
+) -> tuple[Array, Array | None, Array | None]:
+    ct = work_dtype(xp, input, weight, bias, mean)
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    mean = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
+    rstd = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
+    xhat = xhat_from(x, mean, rstd)  # N,C,S
+    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
+    if training:
+        dx = standardize_backward(xp, dxhat, xhat, rstd, (0, 2))  # N,C,S
+    else:
+        dx = dxhat * rstd  # N,C,S: the statistics are constants
+    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias

@@ -1,0 +1,134 @@
+"""GroupNorm: forward, analytical backward, torch-style call.
+
+Wu & He (2018), "Group Normalization", https://arxiv.org/abs/1803.08494.
+"""
+
+from __future__ import annotations
+
+from .._backend import Array, Namespace
+from .._checks import cast, check_eps, check_grad_output, float_inputs, work_dtype
+from .._stats import standardize, standardize_backward, xhat_from
+from ._channels import as_ncs, channel_affine, channel_affine_backward, check_channels, check_per_channel
+from ._dispatch import generic, kernel
+
+
+def check_groups(num_groups: int, num_channels: int) -> None:
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if num_channels % num_groups:
+        raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
+
+
+def group_norm_forward(
+    input: Array,
+    num_groups: int,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    eps: float = 1e-5,
+) -> tuple[Array, Array, Array]:
+    r"""GroupNorm forward, returning the per-(sample, group) statistics.
+
+    The C channels are split into ``num_groups`` groups of ``C/G`` channels; each
+    (sample, group) is normalized over its channels and spatial axes, then each
+    channel gets its own affine map:
+
+    .. math::
+        y_{n,c} = \frac{x_{n,c} - \mu_{n,g(c)}}{\sqrt{\sigma^2_{n,g(c)} + \epsilon}}\, w_c + b_c
+
+    One group is LayerNorm over (C, *spatial) with per-channel affine; C groups is
+    InstanceNorm.
+
+    Returns
+    -------
+    output : array, shape and dtype of ``input``
+    mean, rstd : arrays of shape (N, num_groups), in the computation dtype
+    """
+    eps = check_eps(eps)
+    xp = float_inputs(input, weight, bias, names=("input", "weight", "bias"))
+    c = check_channels(input, None, "group_norm")
+    check_groups(num_groups, c)
+    check_per_channel(c, weight=weight, bias=bias)
+    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps)
+
+
+def group_norm_backward(
+    grad_output: Array,
+    input: Array,
+    num_groups: int,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+) -> tuple[Array, Array | None, Array | None]:
+    r"""GroupNorm backward: with :math:`g = dy\cdot w_c` reshaped to (N, G, C/G·S),
+    :math:`dx = \mathrm{rstd}\,(g - \overline{g} - \hat{x}\,\overline{g\hat{x}})` per
+    (sample, group); :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy`."""
+    xp = float_inputs(
+        grad_output, input, mean, rstd, weight, bias,
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+    )  # fmt: skip
+    c = check_channels(input, None, "group_norm")
+    check_groups(num_groups, c)
+    check_grad_output(grad_output, input)
+    check_per_channel(c, weight=weight, bias=bias)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        if tuple(a.shape) != (int(input.shape[0]), num_groups):
+            raise ValueError(
+                f"{name} must have shape {(int(input.shape[0]), num_groups)}, got {tuple(a.shape)}"
+            )
+    return kernel("group_norm_backward", xp)(xp, grad_output, input, num_groups, mean, rstd, weight, bias)
+
+
+def group_norm(
+    input: Array,
+    num_groups: int,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    eps: float = 1e-5,
+) -> Array:
+    """GroupNorm with ``torch.nn.functional.group_norm``'s signature; returns the output."""
+    return group_norm_forward(input, num_groups, weight, bias, eps)[0]
+
+
+# --- generic Array API kernels ---
+
+
+@generic("group_norm_forward")
+def group_norm_forward_generic(
+    xp: Namespace, input: Array, num_groups: int, weight: Array | None, bias: Array | None, eps: float
+) -> tuple[Array, Array, Array]:
+    ct = work_dtype(xp, input, weight, bias)  # float32 at least
+    x = as_ncs(xp, input, ct)  # N,C,S
+    n, c, s = (int(d) for d in x.shape)
+    xg = xp.reshape(x, (n, num_groups, (c // num_groups) * s))  # N,G,C/G*S
+    xhat, mean, rstd = standardize(xp, xg, (2,), eps)  # N,G,C/G*S  N,G,1  N,G,1
+    assert mean is not None
+    y = channel_affine(xp, xp.reshape(xhat, (n, c, s)), weight, bias, ct)  # N,C,S
+    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    return y, xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
+
+
+@generic("group_norm_backward")
+def group_norm_backward_generic(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    num_groups: int,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+) -> tuple[Array, Array | None, Array | None]:
+    ct = work_dtype(xp, input, weight, bias, mean)
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    n, c, s = (int(d) for d in x.shape)
+    group = (n, num_groups, (c // num_groups) * s)
+    mean = xp.reshape(cast(xp, mean, ct), (n, num_groups, 1))  # N,G,1
+    rstd = xp.reshape(cast(xp, rstd, ct), (n, num_groups, 1))  # N,G,1
+    xhat = xhat_from(xp.reshape(x, group), mean, rstd)  # N,G,C/G*S
+    dxhat, dweight, dbias = channel_affine_backward(
+        xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
+    )  # N,C,S  C  C
+    dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2,))  # N,G,C/G*S
+    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias

@@ -1,0 +1,194 @@
+"""InstanceNorm: forward with optional running statistics, analytical backward.
+
+Ulyanov, Vedaldi & Lempitsky (2016), "Instance Normalization: The Missing Ingredient
+for Fast Stylization", https://arxiv.org/abs/1607.08022.
+"""
+
+from __future__ import annotations
+
+from .._backend import Array, Namespace
+from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
+from .._stats import moments, standardize_backward, xhat_from
+from ._channels import (
+    as_ncs,
+    channel_affine,
+    channel_affine_backward,
+    check_buffers_paired,
+    check_channels,
+    check_momentum,
+    check_per_channel,
+    running_update,
+)
+from ._dispatch import generic, kernel
+
+
+def instance_norm_forward(
+    input: Array,
+    running_mean: Array | None = None,
+    running_var: Array | None = None,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    r"""InstanceNorm forward; returns the output, saved statistics and updated buffers.
+
+    With input statistics (the usual case), each (sample, channel) pair is normalized
+    over its spatial axes:
+
+    .. math::
+        y_{n,c} = \frac{x_{n,c} - \mathrm{E}[x_{n,c}]}{\sqrt{\mathrm{Var}[x_{n,c}] + \epsilon}}\, w_c + b_c
+
+    With buffers, they move towards the *batch average* of the per-instance
+    statistics (the variance unbiased with ``S/(S-1)``, S spatial elements), exactly
+    as PyTorch computes it. ``use_input_stats=False`` normalizes with the buffers.
+    Pure: buffers are returned, never written (:func:`instance_norm` writes them).
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    running_mean, running_var : arrays of shape (C,), or None
+    weight, bias : arrays of shape (C,), optional
+    use_input_stats : bool
+    momentum, eps : float
+
+    Returns
+    -------
+    output : array, shape and dtype of ``input``
+    mean, rstd : arrays of shape (N, C) with input statistics, (C,) with running ones
+    new_running_mean, new_running_var : arrays of shape (C,) or None
+    """
+    eps = check_eps(eps)
+    momentum = check_momentum(momentum)
+    xp = float_inputs(
+        input, running_mean, running_var, weight, bias,
+        names=("input", "running_mean", "running_var", "weight", "bias"),
+    )  # fmt: skip
+    c = check_channels(input, None, "instance_norm", min_ndim=3)
+    check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    check_buffers_paired(running_mean, running_var)
+    if use_input_stats and prod(input.shape[2:]) <= 1:
+        raise ValueError(
+            f"Expected more than 1 spatial element when training, got input size {tuple(input.shape)}"
+        )
+    if not use_input_stats and running_mean is None:
+        raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
+    return kernel("instance_norm_forward", xp)(
+        xp, input, running_mean, running_var, weight, bias, bool(use_input_stats), momentum, eps
+    )
+
+
+def instance_norm_backward(
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    use_input_stats: bool = True,
+) -> tuple[Array, Array | None, Array | None]:
+    r"""InstanceNorm backward: the LayerNorm formula per (sample, channel) over the
+    spatial axes when ``use_input_stats``, else the affine map's backward
+    :math:`dx = \mathrm{rstd}_c\, dy\, w_c`. Returns ``(dx, dweight, dbias)``."""
+    xp = float_inputs(
+        grad_output, input, mean, rstd, weight, bias,
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+    )  # fmt: skip
+    c = check_channels(input, None, "instance_norm", min_ndim=3)
+    check_grad_output(grad_output, input)
+    check_per_channel(c, weight=weight, bias=bias)
+    stats_shape = (int(input.shape[0]), c) if use_input_stats else (c,)
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        if tuple(a.shape) != stats_shape:
+            raise ValueError(f"{name} must have shape {stats_shape}, got {tuple(a.shape)}")
+    return kernel("instance_norm_backward", xp)(
+        xp, grad_output, input, mean, rstd, weight, bias, bool(use_input_stats)
+    )
+
+
+def instance_norm(
+    input: Array,
+    running_mean: Array | None = None,
+    running_var: Array | None = None,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Array:
+    """InstanceNorm with ``torch.nn.functional.instance_norm``'s signature: with input
+    statistics, the given running buffers are updated in place."""
+    y, _, _, new_mean, new_var = instance_norm_forward(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+    if use_input_stats and running_mean is not None and running_var is not None:
+        running_mean[...] = new_mean
+        running_var[...] = new_var
+    return y
+
+
+# --- generic Array API kernels ---
+
+
+@generic("instance_norm_forward")
+def instance_norm_forward_generic(
+    xp: Namespace,
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
+    x = as_ncs(xp, input, ct)  # N,C,S
+    n, c, s = (int(d) for d in x.shape)
+    new_mean, new_var = running_mean, running_var
+    if use_input_stats:
+        mean, var = moments(xp, x, (2,))  # N,C,1  N,C,1 (biased)
+        assert mean is not None
+        if running_mean is not None and running_var is not None:
+            batch_mean = xp.mean(xp.reshape(mean, (n, c)), axis=0)  # C
+            batch_var = xp.mean(xp.reshape(var, (n, c)), axis=0) * (s / (s - 1))  # C, unbiased
+            new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
+            new_var = running_update(xp, running_var, batch_var, momentum)  # C
+        stats_shape: tuple[int, ...] = (n, c)
+    else:
+        assert running_mean is not None and running_var is not None
+        mean = xp.reshape(cast(xp, running_mean, ct), (1, c, 1))  # 1,C,1
+        var = xp.reshape(cast(xp, running_var, ct), (1, c, 1))  # 1,C,1
+        stats_shape = (c,)
+    rstd = 1.0 / xp.sqrt(var + eps)  # N,C,1 or 1,C,1
+    xhat = xhat_from(x, mean, rstd)  # N,C,S
+    y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
+    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    return y, xp.reshape(mean, stats_shape), xp.reshape(rstd, stats_shape), new_mean, new_var
+
+
+@generic("instance_norm_backward")
+def instance_norm_backward_generic(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+) -> tuple[Array, Array | None, Array | None]:
+    ct = work_dtype(xp, input, weight, bias, mean)
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    stats = (int(x.shape[0]), int(x.shape[1]), 1) if use_input_stats else (1, int(x.shape[1]), 1)
+    mean = xp.reshape(cast(xp, mean, ct), stats)  # N,C,1 or 1,C,1
+    rstd = xp.reshape(cast(xp, rstd, ct), stats)  # N,C,1 or 1,C,1
+    xhat = xhat_from(x, mean, rstd)  # N,C,S
+    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
+    if use_input_stats:
+        dx = standardize_backward(xp, dxhat, xhat, rstd, (2,))  # N,C,S
+    else:
+        dx = dxhat * rstd  # N,C,S
+    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias

@@ -1,0 +1,268 @@
+"""BatchNorm1d/2d/3d: parity with torch.nn over training steps then eval, running-stat
+rules pinned one by one, gradcheck in train and eval, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_state_equal, snapshot
+from helpers import randomize, step_and_compare
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+
+SPATIAL = {"BatchNorm1d": [(), (3,)], "BatchNorm2d": [(3, 2)], "BatchNorm3d": [(2, 2, 3)]}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", list(SPATIAL))
+@given(
+    data=st.data(),
+    n=st.integers(2, 4),
+    c=st.integers(1, 4),
+    momentum=st.sampled_from([0.1, 0.5, None]),
+    affine=st.booleans(),
+    track=st.booleans(),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_over_training_steps_then_eval(
+    torch, backend, dtype, name, data, n, c, momentum, affine, track, steps, seed
+):
+    spatial = data.draw(st.sampled_from(SPATIAL[name]))
+    rng = np.random.default_rng(seed)
+    ours = getattr(npnorm, name)(c, 1e-5, momentum, affine, track, dtype=dtype, xp=backend.xp)
+    ref = getattr(torch.nn, name)(c, 1e-5, momentum, affine, track, dtype=getattr(torch, dtype))
+    randomize(ours, rng)
+    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    shape = (n, c, *spatial)
+    if dtype == "float32" and n * int(np.prod(spatial)) == 2:
+        # 2 values per channel: dx is pure cancellation (see test_group_norm), so float32
+        # parity uses at least 3
+        shape = (3, c, *spatial)
+    for _ in range(steps):
+        x = rng.normal(size=shape) * rng.uniform(0.5, 3) + rng.normal(size=(1, c) + (1,) * len(spatial))
+        step_and_compare(torch, backend, ours, ref, x, rng.normal(size=shape), dtype)
+    ours.eval()
+    ref.eval()
+    step_and_compare(torch, backend, ours, ref, rng.normal(size=shape), rng.normal(size=shape), dtype)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("track", [True, False])
+def test_gradcheck_train_and_eval(backend, rng, training, track):
+    m = npnorm.BatchNorm2d(3, track_running_stats=track, xp=backend.xp)
+    randomize(m, rng)
+    m.train(training)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(2, 3, 2, 2))))
+
+
+@pytest.mark.parametrize("cls,shape", [(npnorm.BatchNorm1d, (4, 3)), (npnorm.BatchNorm3d, (2, 3, 2, 1, 2))])
+def test_gradcheck_1d_3d(backend, rng, cls, shape):
+    m = cls(3, xp=backend.xp)
+    randomize(m, rng)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=shape)))
+
+
+# --- the running-statistics rules, each pinned -------------------------------
+
+
+def test_running_var_takes_the_unbiased_batch_variance(rng):
+    m = npnorm.BatchNorm1d(2, momentum=1.0, dtype="float64")
+    x = rng.normal(size=(5, 2))
+    y = m(x)
+    np.testing.assert_allclose(m.running_var, x.var(axis=0, ddof=1), rtol=1e-12)  # n/(n-1)
+    np.testing.assert_allclose(m.running_mean, x.mean(axis=0), rtol=1e-12)
+    # ... while the output is normalized with the biased one
+    np.testing.assert_allclose(y, (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5), rtol=1e-12)
+
+
+def test_momentum_update_rule(rng):
+    m = npnorm.BatchNorm1d(2, momentum=0.3, dtype="float64")
+    x = rng.normal(size=(6, 2, 3))
+    m(x)
+    batch_var = x.transpose(1, 0, 2).reshape(2, -1).var(axis=1, ddof=1)
+    np.testing.assert_allclose(m.running_var, 0.7 * 1.0 + 0.3 * batch_var, rtol=1e-12)
+    np.testing.assert_allclose(m.running_mean, 0.3 * x.mean(axis=(0, 2)), rtol=1e-12)
+
+
+def test_momentum_none_is_a_cumulative_average(rng):
+    m = npnorm.BatchNorm1d(3, momentum=None, dtype="float64")
+    xs = [rng.normal(size=(4, 3)) + i for i in range(4)]
+    for x in xs:
+        m(x)
+    np.testing.assert_allclose(m.running_mean, np.mean([x.mean(0) for x in xs], axis=0), rtol=1e-12)
+    np.testing.assert_allclose(m.running_var, np.mean([x.var(0, ddof=1) for x in xs], axis=0), rtol=1e-12)
+    assert int(m.num_batches_tracked) == 4
+
+
+def test_num_batches_tracked_only_counts_training_with_running_stats(rng):
+    m = npnorm.BatchNorm1d(2)
+    x = rng.normal(size=(3, 2)).astype(np.float32)
+    m(x)
+    m(x)
+    m.eval()
+    m(x)
+    assert int(m.num_batches_tracked) == 2
+    assert m.num_batches_tracked.dtype == np.int64 and m.num_batches_tracked.shape == ()
+
+
+def test_without_running_stats_batch_statistics_in_eval_too(rng):
+    m = npnorm.BatchNorm1d(2, track_running_stats=False, dtype="float64").eval()
+    assert m.running_mean is None and m.running_var is None and m.num_batches_tracked is None
+    assert list(m.state_dict()) == ["weight", "bias"]
+    x = rng.normal(size=(5, 2)) * 3 + 2
+    np.testing.assert_allclose(m(x), (x - x.mean(0)) / np.sqrt(x.var(0) + 1e-5), rtol=1e-12)
+
+
+def test_eval_backward_is_the_affine_maps_backward(rng):
+    m = npnorm.BatchNorm1d(2, dtype="float64")
+    m.load_state_dict(
+        {"weight": [2.0, 3.0], "bias": [0.0, 1.0], "running_mean": [1.0, -1.0],
+         "running_var": [4.0, 0.25], "num_batches_tracked": 7}
+    )  # fmt: skip
+    m.eval()
+    x, dy = rng.normal(size=(4, 2)), rng.normal(size=(4, 2))
+    m(x)
+    dx = m.backward(dy)
+    np.testing.assert_allclose(dx, dy * np.array([2.0, 3.0]) / np.sqrt(np.array([4.0, 0.25]) + 1e-5))
+
+
+def test_state_dict_keys_are_torchs(torch):
+    for kw in (
+        {},
+        {"affine": False},
+        {"track_running_stats": False},
+        {"affine": False, "track_running_stats": False},
+    ):
+        assert list(npnorm.BatchNorm2d(3, **kw).state_dict()) == list(
+            torch.nn.BatchNorm2d(3, **kw).state_dict()
+        )
+
+
+def test_trained_torch_checkpoint_loads_and_gives_torchs_eval_output(torch, backend, rng):
+    ref = torch.nn.BatchNorm2d(4)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 2)
+        ref.bias.normal_()
+    for _ in range(5):
+        ref(torch.randn(8, 4, 5, 5) * 3 + 1)
+    ref.eval()
+    ours = npnorm.BatchNorm2d(4, xp=backend.xp)
+    ours.load_state_dict(ref.state_dict())
+    ours.eval()
+    assert int(ours.num_batches_tracked) == 5
+    x = rng.normal(size=(2, 4, 5, 5)).astype(np.float32)
+    expect = ref(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(
+        backend.numpy(ours(backend.asarray(x, "float32"))), expect, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_float16_stats_in_float32_output_float16(rng):
+    m = npnorm.BatchNorm2d(3)
+    x = (rng.normal(size=(4, 3, 2, 2)) * 2).astype(np.float16)
+    y = m(x)
+    assert y.dtype == np.float16 and m.running_mean.dtype == np.float32
+    ref = npnorm.BatchNorm2d(3)
+    np.testing.assert_array_equal(y, ref(x.astype(np.float32)).astype(np.float16))
+    np.testing.assert_array_equal(m.running_var, ref.running_var)
+    assert m.backward(np.ones_like(x)).dtype == np.float16
+
+
+def test_float32_large_mean_stays_accurate(rng):
+    x = (rng.normal(size=(32, 8, 16, 16)) + 1e4).astype(np.float32)
+    truth = npnorm.BatchNorm2d(8, dtype="float64")(x.astype(np.float64))
+    np.testing.assert_allclose(npnorm.BatchNorm2d(8)(x), truth, atol=1e-2)
+
+
+def test_functional_batch_norm_updates_buffers_in_place(backend, rng):
+    rm, rv = backend.asarray(np.zeros(3)), backend.asarray(np.ones(3))
+    x = rng.normal(size=(4, 3))
+    F.batch_norm(backend.asarray(x), rm, rv, training=True, momentum=0.5)
+    np.testing.assert_allclose(backend.numpy(rm), 0.5 * x.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(backend.numpy(rv), 0.5 + 0.5 * x.var(0, ddof=1), rtol=1e-12)
+    before = backend.numpy(rm).copy()
+    F.batch_norm(backend.asarray(x), rm, rv, training=False)
+    np.testing.assert_array_equal(backend.numpy(rm), before)
+
+
+def test_forward_is_pure(rng):
+    rm, rv = np.zeros(3), np.ones(3)
+    _, mean, rstd, new_rm, _new_rv = F.batch_norm_forward(rng.normal(size=(4, 3)), rm, rv, training=True)
+    assert (rm == 0).all() and (rv == 1).all() and new_rm is not rm
+    assert mean.shape == rstd.shape == (3,)
+
+
+# --- bad input: clear errors, nothing changed ---------------------------------
+
+
+def _trained(backend, rng):
+    m = npnorm.BatchNorm2d(3, xp=backend.xp)
+    randomize(m, rng)
+    m(backend.asarray(rng.normal(size=(2, 3, 2, 2)), "float32"))
+    m.backward(backend.asarray(rng.normal(size=(2, 3, 2, 2)), "float32"))
+    return m
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,match",
+    [
+        ((1, 3, 1, 1), "float32", "more than 1 value per channel"),
+        ((2, 4, 2, 2), "float32", "expected 3 channels"),
+        ((2, 3, 2), "float32", "expected 4D input"),
+        ((2, 3, 2, 2), "int64", "floating"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(backend, rng, shape, dtype, match):
+    m = _trained(backend, rng)
+    state, grads = snapshot(m)
+    x = backend.xp.asarray(np.ones(shape, dtype=dtype))
+    with pytest.raises((ValueError, TypeError), match=match):
+        m(x)
+    assert_state_equal(m, state, grads)
+    assert int(m.num_batches_tracked) == int(state["num_batches_tracked"])
+
+
+def test_one_value_per_channel_leaves_counter_untouched_unlike_torch(torch):
+    """PyTorch increments num_batches_tracked before raising; npnorm changes nothing."""
+    ours, ref = npnorm.BatchNorm1d(2), torch.nn.BatchNorm1d(2)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ours(np.ones((1, 2), np.float32))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        ref(torch.ones(1, 2))
+    assert int(ours.num_batches_tracked) == 0
+    assert int(ref.num_batches_tracked) == 1
+
+
+def test_one_value_per_channel_is_fine_in_eval():
+    m = npnorm.BatchNorm1d(2).eval()
+    assert m(np.ones((1, 2), np.float32)).shape == (1, 2)
+
+
+def test_backend_mismatch(rng):
+    import array_api_strict as aas
+
+    m = npnorm.BatchNorm1d(2)
+    with pytest.raises(TypeError, match="different array backends"):
+        m(aas.asarray(rng.normal(size=(3, 2))))
+    assert int(m.num_batches_tracked) == 0
+
+
+def test_load_state_dict_atomic_on_bad_shape(rng):
+    m = npnorm.BatchNorm1d(2)
+    state, grads = snapshot(m)
+    bad = {**{k: np.asarray(v) for k, v in state.items()}, "running_var": np.ones(3)}
+    bad["weight"] = np.full(2, 9.0)
+    with pytest.raises(RuntimeError, match="running_var"):
+        m.load_state_dict(bad)
+    assert_state_equal(m, state, grads)
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError):
+        npnorm.BatchNorm1d(0)
+    with pytest.raises(TypeError):
+        npnorm.BatchNorm1d(3, momentum="fast")

@@ -1,0 +1,112 @@
+"""InstanceNorm1d/2d/3d: parity with torch (quirks included), batched and unbatched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_state_equal, snapshot
+from helpers import randomize, step_and_compare
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+
+SPATIAL = {"InstanceNorm1d": [(3,), (5,)], "InstanceNorm2d": [(2, 3)], "InstanceNorm3d": [(2, 2, 2)]}
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", list(SPATIAL))
+@given(
+    data=st.data(),
+    n=st.integers(0, 3),  # 0 = unbatched input
+    c=st.integers(1, 4),
+    momentum=st.sampled_from([0.1, 0.7, None]),
+    affine=st.booleans(),
+    track=st.booleans(),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_over_training_steps_then_eval(
+    torch, backend, dtype, name, data, n, c, momentum, affine, track, steps, seed
+):
+    spatial = data.draw(st.sampled_from(SPATIAL[name]))
+    rng = np.random.default_rng(seed)
+    ours = getattr(npnorm, name)(c, 1e-5, momentum, affine, track, dtype=dtype, xp=backend.xp)
+    ref = getattr(torch.nn, name)(c, 1e-5, momentum, affine, track, dtype=getattr(torch, dtype))
+    randomize(ours, rng)
+    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    shape = ((n,) if n else ()) + (c, *spatial)
+    for _ in range(steps):
+        x = rng.normal(size=shape) * rng.uniform(0.5, 3) + rng.normal()
+        step_and_compare(torch, backend, ours, ref, x, rng.normal(size=shape), dtype)
+    ours.eval()
+    ref.eval()
+    step_and_compare(torch, backend, ours, ref, rng.normal(size=shape), rng.normal(size=shape), dtype)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("affine,track", [(True, True), (False, False), (True, False)])
+def test_gradcheck(backend, rng, training, affine, track):
+    m = npnorm.InstanceNorm2d(2, affine=affine, track_running_stats=track, xp=backend.xp)
+    randomize(m, rng)
+    m.train(training)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(2, 2, 2, 3))))
+
+
+def test_gradcheck_unbatched(backend, rng):
+    m = npnorm.InstanceNorm1d(3, affine=True, xp=backend.xp)
+    randomize(m, rng)
+    assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(3, 4))))
+
+
+def test_running_stats_are_the_batch_average_of_instance_stats(rng):
+    m = npnorm.InstanceNorm1d(2, momentum=1.0, track_running_stats=True, dtype="float64")
+    x = rng.normal(size=(3, 2, 5))
+    m(x)
+    np.testing.assert_allclose(m.running_mean, x.mean(axis=2).mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(m.running_var, x.var(axis=2, ddof=1).mean(axis=0), rtol=1e-12)
+
+
+def test_torch_quirks_pinned(torch, rng):
+    """num_batches_tracked is in the state_dict but never incremented; momentum=None
+    leaves the running statistics where they are."""
+    ours = npnorm.InstanceNorm1d(2, momentum=None, track_running_stats=True)
+    ref = torch.nn.InstanceNorm1d(2, momentum=None, track_running_stats=True)
+    x = rng.normal(size=(3, 2, 4)).astype(np.float32)
+    ours(x)
+    ref(torch.from_numpy(x))
+    assert (
+        list(ours.state_dict())
+        == list(ref.state_dict())
+        == ["running_mean", "running_var", "num_batches_tracked"]
+    )
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 0
+    np.testing.assert_array_equal(ours.running_mean, 0)
+    np.testing.assert_array_equal(ref.running_mean.numpy(), 0)
+
+
+def test_channel_mismatch_raises_where_torch_only_warns(torch):
+    ours = npnorm.InstanceNorm1d(3)
+    with pytest.warns(UserWarning):
+        torch.nn.InstanceNorm1d(3)(torch.randn(4, 5))  # unbatched (C=4, L=5): torch warns, runs
+    with pytest.raises(ValueError, match=r"dim=0 to match num_features \(3\), but got: 4"):
+        ours(np.ones((4, 5), np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape,match",
+    [((2, 3, 1), "more than 1 spatial element"), ((2, 3), "dim=0"), ((2, 2, 3, 4), "expected 2D .* or 3D")],
+)
+def test_bad_input_raises_and_changes_nothing(rng, shape, match):
+    m = npnorm.InstanceNorm1d(3, affine=True, track_running_stats=True)
+    randomize(m, rng)
+    m(rng.normal(size=(2, 3, 4)).astype(np.float32))
+    state, grads = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        m(np.ones(shape, np.float32))
+    assert_state_equal(m, state, grads)
+
+
+def test_one_spatial_element_fine_in_eval_with_running_stats():
+    m = npnorm.InstanceNorm1d(3, track_running_stats=True).eval()
+    assert m(np.ones((2, 3, 1), np.float32)).shape == (2, 3, 1)
