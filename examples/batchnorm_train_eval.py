@@ -41,5 +41,5 @@ if importlib.util.find_spec("torch"):
     ours.load_state_dict(ref.state_dict())  # a real PyTorch checkpoint loads as is
     ours.eval()
     diff = np.abs(ours(batches[0]) - ref(torch.from_numpy(batches[0])).detach().numpy()).max()
-    print("torch checkpoint loaded; eval outputs differ by at most %.1e" % diff)
+    print(f"torch checkpoint loaded; eval outputs differ by at most {diff:.1e}")
     print("running stats agree with torch:", np.allclose(bn.running_var, ref.running_var.numpy(), rtol=1e-5))
