@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._backend import Array, Namespace
-from .._checks import cast, prod
+from .._checks import cast, prod, work_dtype
+from .._stats import moments, standardize_backward, xhat_from
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -75,3 +76,76 @@ def check_momentum(momentum: Any) -> float:
 def check_buffers_paired(running_mean: Array | None, running_var: Array | None) -> None:
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together (or both None)")
+
+
+def channel_norm_forward(
+    xp: Namespace,
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    axes: tuple[int, ...],
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    """The forward BatchNorm (``axes=(0, 2)``) and InstanceNorm (``axes=(2,)``) share.
+
+    On the (N, C, S) view: with input statistics, mean and biased variance over
+    ``axes`` (kept as size-1 axes), and the running buffers moved towards their average
+    over the remaining instances (one for BatchNorm, N for InstanceNorm) with the
+    variance unbiased by ``count/(count-1)``, ``count`` the values per statistic.
+    Without, the running statistics, shaped (1, C, 1). Returns the output in the input's
+    shape and dtype, mean and rstd as computed (keepdims), and the new buffers.
+    """
+    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
+    x = as_ncs(xp, input, ct)  # N,C,S
+    new_mean, new_var = running_mean, running_var
+    if use_input_stats:
+        mean, var = moments(xp, x, axes)  # 1,C,1 (BN) or N,C,1 (IN); variance biased
+        assert mean is not None
+        if running_mean is not None and running_var is not None:
+            count = prod(x.shape[a] for a in axes)  # values per statistic
+            batch_mean = xp.mean(mean, axis=(0, 2))  # C, average over instances
+            batch_var = xp.mean(var, axis=(0, 2)) * (count / (count - 1))  # C, unbiased
+            new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
+            new_var = running_update(xp, running_var, batch_var, momentum)  # C
+    else:
+        assert running_mean is not None and running_var is not None
+        mean = xp.reshape(cast(xp, running_mean, ct), (1, -1, 1))  # 1,C,1
+        var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
+    rstd = 1.0 / xp.sqrt(var + eps)  # same shape as mean
+    y = channel_affine(xp, xhat_from(x, mean, rstd), weight, bias, ct)  # N,C,S
+    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    return y, mean, rstd, new_mean, new_var
+
+
+def channel_norm_backward(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+    axes: tuple[int, ...],
+) -> tuple[Array, Array | None, Array | None]:
+    """The backward BatchNorm and InstanceNorm share; ``mean``/``rstd`` as the forward
+    computed them, in any shape that reshapes to 1,C,1 (running or BatchNorm) or N,C,1."""
+    ct = work_dtype(xp, input, weight, bias, mean)
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    n, c = int(x.shape[0]), int(x.shape[1])
+    per_instance = use_input_stats and 0 not in axes  # InstanceNorm's input statistics
+    stats = (n, c, 1) if per_instance else (1, c, 1)
+    mean = xp.reshape(cast(xp, mean, ct), stats)  # 1,C,1 or N,C,1
+    rstd = xp.reshape(cast(xp, rstd, ct), stats)  # 1,C,1 or N,C,1
+    xhat = xhat_from(x, mean, rstd)  # N,C,S
+    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
+    if use_input_stats:
+        dx = standardize_backward(xp, dxhat, xhat, rstd, axes)  # N,C,S
+    else:
+        dx = dxhat * rstd  # N,C,S: the statistics are constants
+    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias

@@ -7,17 +7,14 @@ Reducing Internal Covariate Shift", https://arxiv.org/abs/1502.03167.
 from __future__ import annotations
 
 from .._backend import Array, Namespace
-from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
-from .._stats import moments, standardize_backward, xhat_from
+from .._checks import check_eps, check_grad_output, float_inputs, prod
 from ._channels import (
-    as_ncs,
-    channel_affine,
-    channel_affine_backward,
+    channel_norm_backward,
+    channel_norm_forward,
     check_buffers_paired,
     check_channels,
     check_momentum,
     check_per_channel,
-    running_update,
 )
 from ._dispatch import generic, kernel
 
@@ -163,26 +160,11 @@ def batch_norm_forward_generic(
     momentum: float,
     eps: float,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
-    x = as_ncs(xp, input, ct)  # N,C,S
-    new_mean, new_var = running_mean, running_var
-    if training:
-        mean, var = moments(xp, x, (0, 2))  # 1,C,1  1,C,1 (biased)
-        assert mean is not None
-        if running_mean is not None and running_var is not None:
-            n = int(x.shape[0]) * int(x.shape[2])  # values per channel
-            unbiased = xp.reshape(var, (-1,)) * (n / (n - 1))  # C
-            new_mean = running_update(xp, running_mean, xp.reshape(mean, (-1,)), momentum)  # C
-            new_var = running_update(xp, running_var, unbiased, momentum)  # C
-    else:
-        assert running_mean is not None and running_var is not None
-        mean = xp.reshape(cast(xp, running_mean, ct), (1, -1, 1))  # 1,C,1
-        var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
-    rstd = 1.0 / xp.sqrt(var + eps)  # 1,C,1
-    xhat = xhat_from(x, mean, rstd)  # N,C,S
-    y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
-    return y, xp.reshape(mean, (-1,)), xp.reshape(rstd, (-1,)), new_mean, new_var
+    # statistics over the batch and spatial axes of the N,C,S view: one per channel
+    y, mean, rstd, new_mean, new_var = channel_norm_forward(
+        xp, input, running_mean, running_var, weight, bias, training, momentum, eps, axes=(0, 2)
+    )
+    return y, xp.reshape(mean, (-1,)), xp.reshape(rstd, (-1,)), new_mean, new_var  # out, C, C, C, C
 
 
 @generic("batch_norm_backward")
@@ -196,15 +178,4 @@ def batch_norm_backward_generic(
     bias: Array | None,
     training: bool,
 ) -> tuple[Array, Array | None, Array | None]:
-    ct = work_dtype(xp, input, weight, bias, mean)
-    x = as_ncs(xp, input, ct)  # N,C,S
-    dy = as_ncs(xp, grad_output, ct)  # N,C,S
-    mean = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
-    rstd = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
-    xhat = xhat_from(x, mean, rstd)  # N,C,S
-    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
-    if training:
-        dx = standardize_backward(xp, dxhat, xhat, rstd, (0, 2))  # N,C,S
-    else:
-        dx = dxhat * rstd  # N,C,S: the statistics are constants
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias
+    return channel_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, training, axes=(0, 2))

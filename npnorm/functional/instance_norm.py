@@ -7,17 +7,14 @@ for Fast Stylization", https://arxiv.org/abs/1607.08022.
 from __future__ import annotations
 
 from .._backend import Array, Namespace
-from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
-from .._stats import moments, standardize_backward, xhat_from
+from .._checks import check_eps, check_grad_output, float_inputs, prod
 from ._channels import (
-    as_ncs,
-    channel_affine,
-    channel_affine_backward,
+    channel_norm_backward,
+    channel_norm_forward,
     check_buffers_paired,
     check_channels,
     check_momentum,
     check_per_channel,
-    running_update,
 )
 from ._dispatch import generic, kernel
 
@@ -143,28 +140,12 @@ def instance_norm_forward_generic(
     momentum: float,
     eps: float,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
-    x = as_ncs(xp, input, ct)  # N,C,S
-    n, c, s = (int(d) for d in x.shape)
-    new_mean, new_var = running_mean, running_var
-    if use_input_stats:
-        mean, var = moments(xp, x, (2,))  # N,C,1  N,C,1 (biased)
-        assert mean is not None
-        if running_mean is not None and running_var is not None:
-            batch_mean = xp.mean(xp.reshape(mean, (n, c)), axis=0)  # C
-            batch_var = xp.mean(xp.reshape(var, (n, c)), axis=0) * (s / (s - 1))  # C, unbiased
-            new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
-            new_var = running_update(xp, running_var, batch_var, momentum)  # C
-        stats_shape: tuple[int, ...] = (n, c)
-    else:
-        assert running_mean is not None and running_var is not None
-        mean = xp.reshape(cast(xp, running_mean, ct), (1, c, 1))  # 1,C,1
-        var = xp.reshape(cast(xp, running_var, ct), (1, c, 1))  # 1,C,1
-        stats_shape = (c,)
-    rstd = 1.0 / xp.sqrt(var + eps)  # N,C,1 or 1,C,1
-    xhat = xhat_from(x, mean, rstd)  # N,C,S
-    y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    # statistics over the spatial axis of the N,C,S view: one per (sample, channel)
+    y, mean, rstd, new_mean, new_var = channel_norm_forward(
+        xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, axes=(2,)
+    )
+    n, c = int(input.shape[0]), int(input.shape[1])
+    stats_shape = (n, c) if use_input_stats else (c,)
     return y, xp.reshape(mean, stats_shape), xp.reshape(rstd, stats_shape), new_mean, new_var
 
 
@@ -179,16 +160,5 @@ def instance_norm_backward_generic(
     bias: Array | None,
     use_input_stats: bool,
 ) -> tuple[Array, Array | None, Array | None]:
-    ct = work_dtype(xp, input, weight, bias, mean)
-    x = as_ncs(xp, input, ct)  # N,C,S
-    dy = as_ncs(xp, grad_output, ct)  # N,C,S
-    stats = (int(x.shape[0]), int(x.shape[1]), 1) if use_input_stats else (1, int(x.shape[1]), 1)
-    mean = xp.reshape(cast(xp, mean, ct), stats)  # N,C,1 or 1,C,1
-    rstd = xp.reshape(cast(xp, rstd, ct), stats)  # N,C,1 or 1,C,1
-    xhat = xhat_from(x, mean, rstd)  # N,C,S
-    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
-    if use_input_stats:
-        dx = standardize_backward(xp, dxhat, xhat, rstd, (2,))  # N,C,S
-    else:
-        dx = dxhat * rstd  # N,C,S
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias
+    axes = (2,)
+    return channel_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, axes)
