@@ -1,4 +1,7 @@
-"""``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``)."""
+"""``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``).
+
+``python -m npnorm bench [--quick] [--json FILE]``: time every layer (see ``npnorm._bench``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,17 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m npnorm", description=__doc__)
     parser.add_argument("--quiet", action="store_true", help="print nothing; exit status only")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser("bench", help="time every layer against textbook NumPy and PyTorch")
+    bench.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    bench.add_argument("--json", metavar="FILE", help="save the figures as JSON")
+    bench.add_argument("--reps", type=int, default=None, help="timed repetitions per figure")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from ._bench import run as run_bench
+
+        run_bench(quick=args.quick, reps=args.reps, json_path=args.json)
+        return 0
     from ._selfcheck import run
 
     return 0 if run(verbose=not args.quiet) else 1

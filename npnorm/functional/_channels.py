@@ -106,7 +106,7 @@ def channel_norm_forward(
         mean, var = moments(xp, x, axes)  # 1,C,1 (BN) or N,C,1 (IN); variance biased
         assert mean is not None
         if running_mean is not None and running_var is not None:
-            count = prod(x.shape[a] for a in axes)  # values per statistic
+            count = prod([int(x.shape[a]) for a in axes])  # values per statistic
             batch_mean = xp.mean(mean, axis=(0, 2))  # C, average over instances
             batch_var = xp.mean(var, axis=(0, 2)) * (count / (count - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C

@@ -8,9 +8,10 @@ math modules never branch on the backend themselves: they ask ``kernel(op, xp)``
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from .._backend import Namespace
@@ -22,7 +23,9 @@ _SPECIALIZED: dict[tuple[str, str], Callable[..., Any]] = {}
 _DISABLED: set[str] = set()
 # Modules holding the specialized kernels of a namespace, imported the first time an
 # array of that namespace is seen (so `import npnorm` stays light).
-_PROVIDERS: dict[str, str] = {"array_api_compat.numpy": "npnorm.kernels.numpy_fast"}
+_PROVIDERS: dict[str, tuple[str, ...]] = {
+    "array_api_compat.numpy": ("npnorm.kernels.numpy_fast", "npnorm.kernels.numpy_fast_channels"),
+}
 _LOADED: set[str] = set()
 
 
@@ -54,14 +57,26 @@ def set_specialized(namespace_name: str, enabled: bool) -> None:
         _DISABLED.add(namespace_name)
 
 
+@contextlib.contextmanager
+def generic_only(namespace_name: str = "array_api_compat.numpy") -> Iterator[None]:
+    """Within the block, use the generic kernels for ``namespace_name`` (for
+    benchmarks and tests that compare the two paths)."""
+    was_disabled = namespace_name in _DISABLED
+    set_specialized(namespace_name, False)
+    try:
+        yield
+    finally:
+        set_specialized(namespace_name, not was_disabled)
+
+
 def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
     """The kernel that computes ``op`` for arrays of ``xp``."""
     name = xp.__name__
     if name not in _LOADED:
         _LOADED.add(name)
-        provider = _PROVIDERS.get(name)
-        if provider is not None and importlib.util.find_spec(provider) is not None:
-            importlib.import_module(provider)
+        for provider in _PROVIDERS.get(name, ()):
+            if importlib.util.find_spec(provider) is not None:
+                importlib.import_module(provider)
     if name not in _DISABLED:
         fn = _SPECIALIZED.get((op, name))
         if fn is not None:
