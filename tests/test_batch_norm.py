@@ -266,3 +266,17 @@ def test_constructor_errors():
         npnorm.BatchNorm1d(0)
     with pytest.raises(TypeError):
         npnorm.BatchNorm1d(3, momentum="fast")
+
+
+def test_eval_statistics_do_not_alias_the_buffers(backend, rng):
+    rm, rv = backend.asarray(np.zeros(2)), backend.asarray(np.ones(2))
+    _, mean, _, _, _ = F.batch_norm_forward(backend.asarray(rng.normal(size=(3, 2))), rm, rv)
+    rm[...] = backend.asarray(np.full(2, 5.0))
+    np.testing.assert_array_equal(backend.numpy(mean), 0.0)
+
+
+def test_float64_running_var_widens_the_computation(rng):
+    x = rng.normal(size=(4, 2)).astype(np.float32)
+    rm, rv = np.zeros(2, np.float32), np.ones(2, np.float64)
+    _, mean, rstd, _, new_rv = F.batch_norm_forward(x, rm, rv, training=True)
+    assert mean.dtype == rstd.dtype == np.float64 and new_rv.dtype == np.float64

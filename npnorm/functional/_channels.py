@@ -99,7 +99,7 @@ def channel_norm_forward(
     Without, the running statistics, shaped (1, C, 1). Returns the output in the input's
     shape and dtype, mean and rstd as computed (keepdims), and the new buffers.
     """
-    ct = work_dtype(xp, input, weight, bias, running_mean)  # float32 at least
+    ct = work_dtype(xp, input, weight, bias, running_mean, running_var)  # float32 at least
     x = as_ncs(xp, input, ct)  # N,C,S
     new_mean, new_var = running_mean, running_var
     if use_input_stats:
@@ -113,7 +113,8 @@ def channel_norm_forward(
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
     else:
         assert running_mean is not None and running_var is not None
-        mean = xp.reshape(cast(xp, running_mean, ct), (1, -1, 1))  # 1,C,1
+        # a copy, so that the saved statistics never alias the caller's buffers
+        mean = xp.reshape(xp.asarray(running_mean, dtype=ct, copy=True), (1, -1, 1))  # 1,C,1
         var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
     rstd = 1.0 / xp.sqrt(var + eps)  # same shape as mean
     y = channel_affine(xp, xhat_from(x, mean, rstd), weight, bias, ct)  # N,C,S

@@ -1,0 +1,147 @@
+"""Row blocks: how the fast NumPy kernels cut a ``(rows, D)`` array into pieces.
+
+A normalization over the trailing axes is independent from row to row, so the
+kernels view the input as ``(R, D)`` and work through it ``B`` rows at a time, with
+``B * D`` elements of the computation dtype about ``BLOCK_BYTES``. A block and the
+few scratch blocks a kernel needs then stay in the core's L2 cache: the input is
+read from memory by the first NumPy call on a block and the output written by one,
+and the other calls (five to ten per block) read and write cache only. Blocks much
+smaller than this make the per-call overhead (about a microsecond, partly under the
+GIL) count; much larger ones spill out of L2.
+
+The rows are split into one contiguous, block-aligned chunk per thread
+(``chunks``); each thread allocates its scratch once and walks its chunk block by
+block. The split depends only on ``R``, ``B`` and the thread count, so whatever a
+kernel sums over rows (dweight, dbias) is summed in the same order every time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._threads import get_num_threads, run_parallel
+
+T = TypeVar("T")
+
+BLOCK_BYTES = 256 * 1024  # one block in the computation dtype; a kernel uses up to ~6 per thread
+MIN_BLOCKS_PER_THREAD = 4  # below this a thread's share does not pay for the hand-off
+
+
+def rows_view(a: np.ndarray, D: int) -> np.ndarray:
+    """``a`` as ``(R, D)``: a view when its layout allows, else one C-ordered copy.
+
+    A view may have strided rows (a transposed or sliced input); ``stage`` copies
+    such blocks into contiguous scratch one at a time.
+    """
+    return np.reshape(a, (-1, D))  # R,D
+
+
+def param(p: np.ndarray | None, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A weight or bias as a contiguous ``(D,)`` array of ``dtype`` (``None`` stays)."""
+    if p is None:
+        return None
+    return np.ascontiguousarray(np.reshape(p, (D,)), dtype=dtype)  # D
+
+
+def per_row(s: np.ndarray, R: int, dtype: np.dtype[Any], what: str) -> np.ndarray:
+    """A saved per-row statistic as a contiguous ``(R,)`` array of ``dtype``."""
+    if s.size != R:
+        raise ValueError(f"{what} must have one value per row ({R}), got shape {tuple(s.shape)}")
+    return np.ascontiguousarray(np.reshape(s, (R,)), dtype=dtype)  # R
+
+
+def block_rows(R: int, D: int, itemsize: int) -> int:
+    """Rows per block: about ``BLOCK_BYTES``, at least one row, at most ``R``."""
+    return max(1, min(R, BLOCK_BYTES // (D * itemsize)))
+
+
+def needs_staging(a: np.ndarray, dtype: np.dtype[Any]) -> bool:
+    """Whether blocks of the ``(R, D)`` array ``a`` must be copied before use: they
+    must be of ``dtype`` and have unit stride along a row."""
+    return a.dtype != dtype or (a.shape[1] > 1 and a.strides[1] != a.itemsize)
+
+
+def stage(src: np.ndarray, buf: np.ndarray | None) -> np.ndarray:
+    """The block ``src`` (n,D) itself, or its copy in ``buf[:n]`` converted to
+    ``buf``'s dtype when ``buf`` is given."""
+    if buf is None:
+        return src
+    out = buf[: src.shape[0]]  # n,D
+    np.copyto(out, src, casting="unsafe")  # float16 -> float32 is exact
+    return out
+
+
+def blocks(start: int, stop: int, B: int) -> Iterator[tuple[int, int]]:
+    """``(a, b)`` row ranges of at most ``B`` rows covering ``[start, stop)``."""
+    for a in range(start, stop, B):
+        yield a, min(a + B, stop)
+
+
+def chunks(R: int, B: int) -> list[tuple[int, int]]:
+    """One block-aligned ``(start, stop)`` row range per thread; a single range
+    (run inline) when there are too few blocks to share."""
+    n_blocks = -(-R // B)
+    n = max(1, min(get_num_threads(), n_blocks // MIN_BLOCKS_PER_THREAD))
+    edges = [min(R, (k * n_blocks // n) * B) for k in range(n + 1)]
+    return list(itertools.pairwise(edges))
+
+
+def run_chunks(work: Callable[[int, int], T], R: int, B: int) -> list[T]:
+    """``work(start, stop)`` over the chunks of ``R`` rows, in parallel; results in
+    chunk order. NumPy's floating-point error settings (``np.errstate``) are per
+    thread, so the caller's are applied in the workers too."""
+    err = np.geterr()
+
+    def task(start: int, stop: int) -> T:
+        with np.errstate(**err):
+            return work(start, stop)
+
+    return run_parallel([partial(task, a, b) for a, b in chunks(R, B)])
+
+
+def sum_in_order(partials: list[np.ndarray | None]) -> np.ndarray | None:
+    """The per-thread partial sums added in thread order (deterministic)."""
+    total = None
+    for p in partials:
+        if p is not None:
+            total = p.copy() if total is None else np.add(total, p, out=total)
+    return total
+
+
+# --- reductions over a block ---------------------------------------------------------
+# einsum's own loops rather than BLAS (matmul, vecdot): NumPy holds the GIL through a
+# BLAS call, and OpenBLAS runs a gemv this size on its own threads, which busy-wait
+# afterwards on the cores our threads need. einsum releases the GIL.
+
+
+def rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks."""
+    return np.einsum("ij,ij->i", a, b, out=out)  # n
+
+
+def rowsum(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j]`` for an (n,D) block."""
+    return np.einsum("ij->i", a, out=out)  # n
+
+
+def colsum(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[j] = sum_i a[i, j]`` for an (n,D) block."""
+    return np.add.reduce(a, axis=0, out=out)  # D
+
+
+def vecmat(v: np.ndarray, a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[j] = sum_i v[i] * a[i, j]`` for an (n,) vector and an (n,D) block."""
+    return np.einsum("i,ij->j", v, a, out=out)  # D
+
+
+def tiled(v: np.ndarray | None, B: int) -> np.ndarray | None:
+    """A (D,) parameter repeated on B rows, so that multiplying a block by it is one
+    contiguous pass (a broadcast (D,) operand costs NumPy one loop call per row)."""
+    if v is None:
+        return None
+    return np.tile(v, (B, 1))  # B,D

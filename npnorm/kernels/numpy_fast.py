@@ -1,0 +1,347 @@
+"""Fast NumPy kernels for LayerNorm and RMSNorm (forward and backward).
+
+Same signatures and results (to rounding) as the generic kernels in
+``npnorm.functional.layer_norm`` / ``rms_norm``; registered for NumPy arrays with
+``specialized(op, "array_api_compat.numpy")``, so the public functions use them
+whenever their input is a NumPy array. ``set_specialized("array_api_compat.numpy",
+False)`` switches back to the generic kernels.
+
+How they are fast (see ``_blocks`` for the blocking):
+
+* the input is viewed as ``(R, D)`` rows and processed in blocks of rows that fit
+  in L2 cache: x (and dy) are read from memory once and the output written once;
+  the other arithmetic passes over a block run from cache;
+* every NumPy call writes into a preallocated buffer (``out=``): per thread, a few
+  block-sized scratch buffers reused for every block, or the output block itself;
+* weight and bias are tiled to block shape once per thread, so multiplying by them
+  is one contiguous loop rather than one loop call per row;
+* row statistics are einsum reductions; column sums (dweight, dbias) go into
+  per-thread partial sums, added in thread order at the end;
+* the rows are split over threads (``npnorm._threads``): NumPy releases the GIL
+  inside ufuncs and einsum.
+
+The variance is two-pass, ``E[(x - E[x])^2]``, as in ``npnorm._stats``: a block's
+rows are in cache, so the second pass costs little.
+
+float16 (and any input narrower than the computation dtype) is converted block by
+block into a float32 scratch block and the result converted back on the way out.
+Besides the outputs, memory use is a few blocks per thread plus one ``(D,)``
+partial sum per thread for each of dweight and dbias.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._backend import Namespace
+from .._checks import Shape, prod, work_dtype
+from ..functional._dispatch import specialized
+from ._blocks import (
+    block_rows,
+    blocks,
+    colsum,
+    needs_staging,
+    param,
+    per_row,
+    rowdot,
+    rows_view,
+    rowsum,
+    run_chunks,
+    stage,
+    sum_in_order,
+    tiled,
+    vecmat,
+)
+
+NS = "array_api_compat.numpy"
+
+Partials = tuple[np.ndarray | None, np.ndarray | None]
+
+
+def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
+    return tuple(input.shape[: input.ndim - len(shape)])
+
+
+def _scratch(needed: bool, B: int, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A block-sized (B,D) buffer, allocated only when ``needed``."""
+    return np.empty((B, D), dtype=dtype) if needed else None
+
+
+def _to_dtype(p: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
+    """A gradient ``p`` in the dtype and shape of its parameter ``like``."""
+    if p is None or like is None:
+        return None
+    return np.reshape(p, like.shape).astype(like.dtype, copy=False)
+
+
+# --- LayerNorm ---------------------------------------------------------------------------
+
+
+@specialized("layer_norm_forward", NS)
+def layer_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    shape: Shape,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """LayerNorm forward, block by block.
+
+    For each block of rows, in the computation dtype ``ct``:
+    ``mean = rowsum(x) / D``; ``xc = x - mean`` (into the output block, or a scratch
+    block when the output dtype differs); ``var = rowdot(xc, xc) / D`` (two-pass,
+    from cache); ``rstd = 1 / sqrt(var + eps)``; then ``xc *= rstd``, ``*= w``,
+    ``+= b`` in place. mean and rstd are written straight into the (R,) outputs.
+    """
+    ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
+    D = prod(shape)
+    x = rows_view(input, D)  # R,D (a view when possible)
+    R = x.shape[0]
+    y = np.empty(input.shape, dtype=input.dtype)  # *,*shape
+    y2 = y.reshape(R, D)  # R,D view of y
+    mean = np.empty(R, dtype=ct)  # R
+    rstd = np.empty(R, dtype=ct)  # R
+    w = param(weight, D, ct)  # D
+    b = param(bias, D, ct)  # D
+    B = block_rows(R, D, ct.itemsize)
+    stage_x = needs_staging(x, ct)
+    direct = y.dtype == ct  # compute in the output block itself
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(stage_x, B, D, ct)  # B,D
+        wbuf = _scratch(not direct, B, D, ct)  # B,D
+        wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = stage(x[a:e], xbuf)  # n,D
+            out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
+            m = mean[a:e]  # n
+            r = rstd[a:e]  # n
+            rowsum(xb, out=m)
+            np.divide(m, D, out=m)  # mean
+            np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
+            rowdot(out, out, out=r)
+            np.divide(r, D, out=r)  # var
+            np.add(r, eps, out=r)
+            np.sqrt(r, out=r)
+            np.reciprocal(r, out=r)  # rstd
+            np.multiply(out, r[:, None], out=out)  # n,D  xhat
+            if wt is not None:
+                np.multiply(out, wt[:n], out=out)  # n,D
+            if bt is not None:
+                np.add(out, bt[:n], out=out)  # n,D
+            if wbuf is not None:
+                np.copyto(y2[a:e], out, casting="same_kind")  # n,D  to the input dtype
+
+    run_chunks(work, R, B)
+    batch = _batch(input, shape)
+    return y, mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
+
+
+@specialized("layer_norm_backward", NS)
+def layer_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    shape: Shape,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """LayerNorm backward, block by block.
+
+    With ``xc = x - mean`` (so ``xhat = xc * rstd``), ``g = dy * w`` and, per row,
+    ``mg = mean(g)`` and ``k = rstd * mean(g * xhat) = rstd^2 * rowsum(dy * xc * w) / D``:
+
+    * ``dbias += colsum(dy)`` and ``dweight += rstd @ (dy * xc)`` (= colsum(dy * xhat)),
+      into this thread's partial sums;
+    * ``dx = rstd * (g - mg - k * xc)``, built in place in the output block (or a
+      scratch block when dx's dtype is not the computation dtype).
+
+    The per-thread partials are added in thread order at the end.
+    """
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    D = prod(shape)
+    x = rows_view(input, D)  # R,D
+    dy = rows_view(grad_output, D)  # R,D
+    R = x.shape[0]
+    mean_c = per_row(mean, R, ct, "mean")  # R
+    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    rr = rstd_c * rstd_c / D  # R  rstd^2 / D
+    w = param(weight, D, ct)  # D
+    dx = np.empty(input.shape, dtype=input.dtype)  # *,*shape
+    dx2 = dx.reshape(R, D)  # R,D view of dx
+    B = block_rows(R, D, ct.itemsize)
+    stage_x = needs_staging(x, ct)
+    stage_dy = needs_staging(dy, ct)
+    direct = dx.dtype == ct
+
+    def work(start: int, stop: int) -> Partials:
+        xbuf = _scratch(stage_x, B, D, ct)  # B,D
+        dybuf = _scratch(stage_dy, B, D, ct)  # B,D
+        xcbuf = np.empty((B, D), dtype=ct)  # B,D
+        ubuf = _scratch(w is not None, B, D, ct)  # B,D
+        dbuf = _scratch(not direct, B, D, ct)  # B,D
+        wt = tiled(w, B)  # B,D
+        col = np.empty(D, dtype=ct)  # D, one block's column sums
+        dw_part = None if w is None else np.zeros(D, dtype=ct)  # D
+        db_part = None if bias is None else np.zeros(D, dtype=ct)  # D
+        kbuf = np.empty(B, dtype=ct)  # B
+        mgbuf = np.empty(B, dtype=ct)  # B
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = stage(x[a:e], xbuf)  # n,D
+            dyb = stage(dy[a:e], dybuf)  # n,D
+            r = rstd_c[a:e, None]  # n,1
+            k, mg = kbuf[:n], mgbuf[:n]  # n  n
+            xc = xcbuf[:n]  # n,D
+            out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
+            np.subtract(xb, mean_c[a:e, None], out=xc)  # n,D  x - mean
+            if db_part is not None:
+                colsum(dyb, out=col)
+                np.add(db_part, col, out=db_part)
+            if wt is not None and ubuf is not None and dw_part is not None:
+                u = ubuf[:n]  # n,D
+                np.multiply(dyb, xc, out=u)  # n,D  dy * xc
+                vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
+                np.add(dw_part, col, out=dw_part)
+                rowdot(u, wt[:n], out=k)  # n  rowsum(g * xc)
+                g = np.multiply(dyb, wt[:n], out=out)  # n,D
+            else:
+                rowdot(dyb, xc, out=k)  # n  rowsum(g * xc)
+                g = dyb  # n,D
+            rowsum(g, out=mg)
+            np.divide(mg, D, out=mg)  # n  mean(g)
+            np.multiply(k, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
+            np.multiply(xc, k[:, None], out=xc)  # n,D
+            np.subtract(g, xc, out=out)  # n,D
+            np.subtract(out, mg[:, None], out=out)  # n,D
+            np.multiply(out, r, out=out)  # n,D  dx
+            if dbuf is not None:
+                np.copyto(dx2[a:e], out, casting="same_kind")  # n,D  to the input dtype
+        return dw_part, db_part
+
+    partials = run_chunks(work, R, B)
+    dweight = sum_in_order([p[0] for p in partials])
+    dbias = sum_in_order([p[1] for p in partials])
+    return dx, _to_dtype(dweight, weight), _to_dtype(dbias, bias)
+
+
+# --- RMSNorm -----------------------------------------------------------------------------
+
+
+@specialized("rms_norm_forward", NS)
+def rms_norm_forward(
+    xp: Namespace, input: np.ndarray, shape: Shape, weight: np.ndarray | None, eps: float | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm forward, block by block: ``rstd = 1 / sqrt(rowdot(x, x) / D + eps)``
+    then ``y = x * rstd * w`` in the output block (or a scratch block converted on
+    the way out)."""
+    ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
+    eps_value = float(np.finfo(ct).eps) if eps is None else eps
+    D = prod(shape)
+    x = rows_view(input, D)  # R,D
+    R = x.shape[0]
+    y = np.empty(input.shape, dtype=input.dtype)  # *,*shape
+    y2 = y.reshape(R, D)  # R,D view of y
+    rstd = np.empty(R, dtype=ct)  # R
+    w = param(weight, D, ct)  # D
+    B = block_rows(R, D, ct.itemsize)
+    stage_x = needs_staging(x, ct)
+    direct = y.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(stage_x, B, D, ct)  # B,D
+        wbuf = _scratch(not direct, B, D, ct)  # B,D
+        wt = tiled(w, B)  # B,D
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = stage(x[a:e], xbuf)  # n,D
+            out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
+            r = rstd[a:e]  # n
+            rowdot(xb, xb, out=r)
+            np.divide(r, D, out=r)  # mean square
+            np.add(r, eps_value, out=r)
+            np.sqrt(r, out=r)
+            np.reciprocal(r, out=r)  # rstd
+            np.multiply(xb, r[:, None], out=out)  # n,D  xhat
+            if wt is not None:
+                np.multiply(out, wt[:n], out=out)  # n,D
+            if wbuf is not None:
+                np.copyto(y2[a:e], out, casting="same_kind")  # n,D
+
+    run_chunks(work, R, B)
+    return y, rstd.reshape(_batch(input, shape))  # out, (*)
+
+
+@specialized("rms_norm_backward", NS)
+def rms_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    shape: Shape,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """RMSNorm backward, block by block.
+
+    With ``xhat = x * rstd``, ``g = dy * w`` and, per row,
+    ``k = rstd * mean(g * xhat) = rstd^2 * rowsum(dy * x * w) / D``:
+    ``dweight += rstd @ (dy * x)`` (= colsum(dy * xhat)) into this thread's partial
+    sum, and ``dx = rstd * (g - k * x)``, built in place in the output block. No mean
+    is subtracted, so working with ``x`` rather than ``xhat`` loses nothing.
+    """
+    ct = np.dtype(work_dtype(xp, input, weight, rstd))
+    D = prod(shape)
+    x = rows_view(input, D)  # R,D
+    dy = rows_view(grad_output, D)  # R,D
+    R = x.shape[0]
+    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    rr = rstd_c * rstd_c / D  # R  rstd^2 / D
+    w = param(weight, D, ct)  # D
+    dx = np.empty(input.shape, dtype=input.dtype)  # *,*shape
+    dx2 = dx.reshape(R, D)  # R,D view of dx
+    B = block_rows(R, D, ct.itemsize)
+    stage_x = needs_staging(x, ct)
+    stage_dy = needs_staging(dy, ct)
+    direct = dx.dtype == ct
+
+    def work(start: int, stop: int) -> np.ndarray | None:
+        xbuf = _scratch(stage_x, B, D, ct)  # B,D
+        dybuf = _scratch(stage_dy, B, D, ct)  # B,D
+        ubuf = np.empty((B, D), dtype=ct)  # B,D
+        dbuf = _scratch(not direct, B, D, ct)  # B,D
+        wt = tiled(w, B)  # B,D
+        col = np.empty(D, dtype=ct)  # D
+        dw_part = None if w is None else np.zeros(D, dtype=ct)  # D
+        kbuf = np.empty(B, dtype=ct)  # B
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = stage(x[a:e], xbuf)  # n,D
+            dyb = stage(dy[a:e], dybuf)  # n,D
+            k = kbuf[:n]  # n
+            u = ubuf[:n]  # n,D
+            out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
+            if wt is not None and dw_part is not None:
+                np.multiply(dyb, xb, out=u)  # n,D  dy * x
+                vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
+                np.add(dw_part, col, out=dw_part)
+                rowdot(u, wt[:n], out=k)  # n  rowsum(g * x)
+                g = np.multiply(dyb, wt[:n], out=out)  # n,D
+            else:
+                rowdot(dyb, xb, out=k)  # n  rowsum(g * x)
+                g = dyb  # n,D
+            np.multiply(k, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
+            np.multiply(xb, k[:, None], out=u)  # n,D
+            np.subtract(g, u, out=out)  # n,D
+            np.multiply(out, rstd_c[a:e, None], out=out)  # n,D  dx
+            if dbuf is not None:
+                np.copyto(dx2[a:e], out, casting="same_kind")  # n,D
+        return dw_part
+
+    partials = run_chunks(work, R, B)
+    return dx, _to_dtype(sum_in_order(partials), weight)

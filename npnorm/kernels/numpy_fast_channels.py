@@ -1,0 +1,829 @@
+"""Fast NumPy kernels for BatchNorm, InstanceNorm and GroupNorm (forward and backward).
+
+Same signatures and results (to rounding) as the generic kernels in
+``npnorm.functional.batch_norm`` / ``instance_norm`` / ``group_norm``; registered for
+NumPy arrays with ``specialized(op, "array_api_compat.numpy")``.
+
+Layout. An input of shape (N, C, *spatial) is viewed as rows, S = prod(spatial):
+
+* BatchNorm, and InstanceNorm with running statistics: ``R = N*C`` rows of ``S``
+  values, row ``r`` being sample ``r // C``, channel ``r % C``;
+* GroupNorm with G groups of ``k = C/G`` channels: ``R = N*G`` *group rows* of
+  ``L = k*S`` values, each made of ``k`` channel rows of ``S`` values (InstanceNorm
+  with input statistics is the case ``G = C``, ``k = 1``).
+
+The rows are processed in blocks of about ``BLOCK_BYTES`` (whole rows; at least one),
+split into one chunk per thread (``_blocks.run_chunks``). A block is read from memory
+once per sweep; the several NumPy calls on it then run from cache, each writing into
+the output block or a per-thread scratch block (``out=``). Besides the outputs a
+kernel holds a few blocks per thread and a few arrays of one value per row: no
+full-size temporary. Per-channel values reach a block through a ``_Ring`` (a slice,
+no gather), and per-row broadcasts run unbuffered (``_loop_mode``).
+
+The passes ("sweep": one read of the inputs from memory):
+
+* GroupNorm / InstanceNorm forward, one sweep: per group row ``mean = sum(x)/L``,
+  ``xc = x - mean`` (in the output block), ``var = dot(xc, xc)/L`` (two-pass, from
+  cache), then ``y = xc * (rstd*w_c) + b_c`` per channel row, in place.
+* GroupNorm / InstanceNorm backward, one sweep: per channel row ``sum(dy)`` and
+  ``dot(dy, x - mean)``, combined per group row with the weights into ``sum(g)`` and
+  ``sum(g*(x - mean))`` (``g = dy*w``), then
+  ``dx = rstd*w_c*dy - rstd^3*mean(g*(x - mean))*(x - mean) - rstd*mean(g)``.
+* BatchNorm forward, two sweeps: per row the mean, its rounding residual and
+  ``M2 = sum((x - mean)^2)``, merged over the N rows of a channel with Chan et al.'s
+  formula for equal counts (``mean_c`` = mean of the row means,
+  ``M2_c = sum(M2) + S*sum((mean_r - mean_c)^2)``, in float64: as exact as a
+  two-pass variance over the channel); then ``y = (x - mean_c)*(rstd_c*w_c) + b_c``.
+* BatchNorm backward, two sweeps: per row ``sum(dy)`` and ``dot(dy, x - mean_c)``,
+  summed per channel; then ``dx = a_c*dy + b_c*(x - mean_c) + c_c``.
+* Running statistics (BatchNorm eval, InstanceNorm without input statistics): one
+  sweep ``y = (x - mean_c)*(rstd_c*w_c) + b_c``; backward ``dx = rstd_c*w_c*dy``,
+  with the sums for dweight/dbias in the same sweep.
+
+When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
+the subtraction of the mean is folded into the constant terms (``y = x*s + t``;
+``sum(dy*x) - mean*sum(dy)``), one pass fewer for the same accuracy to a few ulps;
+otherwise (a large common offset) the kernels centre first.
+
+Per-row results are written to their slot of an (R,) array and reduced per channel
+at the end in a fixed order, so that results are the same whatever the number of
+threads, up to how BLAS groups the rows of a block; bitwise the same for a given
+thread count.
+
+float16 (and any input narrower than the computation dtype) is converted block by
+block into scratch of the computation dtype, and the result converted on the way
+out. Inputs that cannot be viewed as rows (Fortran order, some slicings) are copied
+block by block, one sample at a time (small ones whole). Empty inputs go to the
+generic kernels. A single row longer than a block (GroupNorm with few, large groups)
+is one block: memory then grows to a few such rows per thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from .._backend import Namespace
+from .._checks import cast, prod, work_dtype
+from ..functional._channels import running_update
+from ..functional._dispatch import generic_kernel, specialized
+from ._blocks import blocks, needs_staging, param, run_chunks, stage
+
+NS = "array_api_compat.numpy"
+
+# Bytes of one block in the computation dtype. A thread works on up to four blocks at
+# once (input, gradient, scratch, output), which should stay in its core's L2 cache;
+# larger blocks mean fewer NumPy calls (each costs ~1-2 us). 192 KiB to 512 KiB measured
+# within noise of each other on the 2 MiB L2 of the development machine.
+BLOCK_BYTES = 384 * 1024
+
+# A mean is folded into the constant term when within this many standard deviations of
+# 0 (see ``_foldable``): the rounding error then grows by at most ~2*FOLD_LIMIT ulps.
+FOLD_LIMIT = 4.0
+# Arrays below this size that cannot be viewed as rows are copied whole (cheaper than
+# copying them block by block, sample by sample, when samples are small).
+SMALL_COPY_BYTES = 1 << 20
+# NumPy buffers a broadcast operation ``block * col[:, None]`` whose rows are shorter
+# than its buffer size (8192 elements), which makes it about 3x slower than the
+# unbuffered loop for rows of a few hundred elements and more. The kernels set a
+# minimal buffer size while they run when rows are at least this long.
+UNBUFFERED_MIN_ROW = 256
+
+
+# --- row reductions of a block ----------------------------------------------------------
+# vecdot is a BLAS dot per row: one read of the block at full speed. einsum is the
+# fallback for NumPy < 2 (no vecdot).
+
+_HAS_VECDOT = hasattr(np, "vecdot")
+
+
+def _rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,L) blocks (``b`` may be one (L,) row)."""
+    if _HAS_VECDOT:
+        return np.vecdot(a, b, out=out)  # n
+    return np.einsum("ij,...j->i", a, b, out=out)  # n
+
+
+def _rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j]`` for an (n,L) block, ``ones`` an (L,) array of ones."""
+    return _rowdot(a, ones, out)  # n
+
+
+# --- geometry, row access and scratch ---------------------------------------------------
+
+
+def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``a`` reshaped to ``shape`` if that is possible without a copy, else None."""
+    try:
+        return np.reshape(a, shape, copy=False)
+    except ValueError:
+        return None
+    except TypeError:  # NumPy < 2.1: no copy argument
+        r = np.reshape(a, shape)
+        return r if np.may_share_memory(r, a) else None
+
+
+class _Rows:
+    """Read access to an (N, C, *spatial) array as ``R = N*G`` rows of ``L = (C/G)*S``
+    values, block by block, in the computation dtype ``ct``.
+
+    ``read(start, stop, buf)`` returns rows ``[start, stop)`` as an (n, L) array with
+    unit stride along rows: a view of the input when its layout and dtype allow
+    (``staged`` is False), else their copy in the scratch block ``buf``.
+    """
+
+    def __init__(self, a: np.ndarray, G: int, ct: np.dtype[Any]) -> None:
+        N, C = int(a.shape[0]), int(a.shape[1])
+        self.G, self.k, self.spatial = G, C // G, tuple(int(d) for d in a.shape[2:])
+        self.R, self.L = N * G, self.k * prod(self.spatial)
+        rows = _view(a, (self.R, self.L))  # R,L
+        if rows is None and a.nbytes <= SMALL_COPY_BYTES:
+            rows = np.reshape(np.ascontiguousarray(a), (self.R, self.L))  # R,L (a small copy)
+        self._rows = rows
+        # splitting the channel axis is always a view: N,G,k,*spatial
+        self._split = np.reshape(a, (N, G, self.k, *self.spatial))
+        self.staged = rows is None or needs_staging(rows, ct)
+
+    def read(self, start: int, stop: int, buf: np.ndarray | None) -> np.ndarray:
+        if self._rows is not None:
+            return stage(self._rows[start:stop], buf)  # n,L
+        assert buf is not None
+        out = buf[: stop - start]  # n,L
+        r = start
+        while r < stop:  # one sample's rows at a time
+            n, g = divmod(r, self.G)
+            e = min(stop, (n + 1) * self.G)
+            dst = np.reshape(out[r - start : e - start], (e - r, self.k, *self.spatial))
+            np.copyto(dst, self._split[n, g : g + e - r], casting="unsafe")
+            r = e
+        return out
+
+
+def _block_rows(L: int, ct: np.dtype[Any]) -> int:
+    """Rows of L values per block (about ``BLOCK_BYTES``), at least one."""
+    return max(1, BLOCK_BYTES // (L * ct.itemsize))
+
+
+def _scratch(needed: bool, B: int, L: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+    """A (B,L) scratch block of ``dtype`` (allocated once per thread and sweep), or None
+    unless ``needed``."""
+    return np.empty((B, L), dtype=dtype) if needed else None
+
+
+class _Ring:
+    """The per-row values of a per-channel (or per-group) array ``v`` of P entries for
+    blocks of at most B rows, row ``r`` taking ``v[r % P]``: ``rows(start, n)`` is a
+    slice of ``v`` tiled over ``B + P`` rows, so a block needs no gather."""
+
+    def __init__(self, v: np.ndarray, B: int) -> None:
+        self.P = int(v.shape[0])
+        reps = -(-(B + self.P) // self.P)
+        self.tiled = np.tile(v, (reps,) + (1,) * (v.ndim - 1))[: B + self.P]  # B+P,*v.shape[1:]
+
+    def rows(self, start: int, n: int) -> np.ndarray:
+        s = start % self.P
+        return self.tiled[s : s + n]  # n,*v.shape[1:]
+
+    def col(self, start: int, n: int) -> np.ndarray:
+        """``rows`` of a 1-d ``v`` as an (n, 1) column, to broadcast along rows."""
+        return self.rows(start, n)[:, None]  # n,1
+
+
+def _ring(v: np.ndarray | None, B: int) -> _Ring | None:
+    return None if v is None else _Ring(v, B)
+
+
+def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
+    """Whether ``x*s + (t - mean*s)`` is as accurate (to a few ulps) as
+    ``(x - mean)*s + t``, saving the subtraction pass: true when every mean is within
+    ``FOLD_LIMIT`` standard deviations of 0, so that little cancels. Else (a large
+    common offset, a near-constant row) the kernels centre first."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return bool(np.all(np.abs(mean) * rstd <= FOLD_LIMIT))
+
+
+@contextmanager
+def _loop_mode(row: int) -> Iterator[None]:
+    """Unbuffered NumPy loops for per-row broadcasts over rows of ``row`` values (see
+    ``UNBUFFERED_MIN_ROW``); the buffer size is per thread, restored on exit."""
+    if row < UNBUFFERED_MIN_ROW:
+        yield
+        return
+    old = np.setbufsize(16)
+    try:
+        yield
+    finally:
+        np.setbufsize(old)
+
+
+def _run(work: Callable[[int, int], Any], R: int, B: int, row: int) -> list[Any]:
+    """``work`` over the thread chunks of R rows, each in ``_loop_mode(row)``."""
+
+    def task(start: int, stop: int) -> Any:
+        with _loop_mode(row):
+            return work(start, stop)
+
+    return run_chunks(task, R, B)
+
+
+def _grad(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
+    """A gradient in the dtype of its parameter (None when there is no parameter)."""
+    if g is None or like is None:
+        return None
+    return g.astype(like.dtype, copy=False)
+
+
+# --- per-channel statistics (BatchNorm, and InstanceNorm/BatchNorm eval) -----------------
+# Rows are the N*C (sample, channel) rows of S values; per-channel values reach a block
+# of rows through a _Ring.
+
+
+def _affine_sweep(
+    rows: _Rows,
+    y: np.ndarray,
+    ct: np.dtype[Any],
+    center: _Ring | None,
+    scale: _Ring,
+    shift: _Ring | None,
+) -> None:
+    """One sweep ``y = (x - center_c) * scale_c + shift_c`` (``x`` itself without
+    ``center``; no shift without ``shift``) over the (N*C, S) rows of x."""
+    R, S = rows.R, rows.L
+    y2 = np.reshape(y, (R, S))  # R,S
+    B = _block_rows(S, ct)
+    direct = y.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(rows.staged, B, S, ct)  # B,S
+        obuf = _scratch(not direct, B, S, ct)  # B,S
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = rows.read(a, e, xbuf)  # n,S
+            out = y2[a:e] if obuf is None else obuf[:n]  # n,S
+            if center is not None:
+                np.subtract(xb, center.col(a, n), out=out)  # n,S  x - mean
+                np.multiply(out, scale.col(a, n), out=out)  # n,S
+            else:
+                np.multiply(xb, scale.col(a, n), out=out)  # n,S
+            if shift is not None:
+                np.add(out, shift.col(a, n), out=out)  # n,S
+            if obuf is not None:
+                np.copyto(y2[a:e], out, casting="same_kind")  # n,S  to the output dtype
+
+    _run(work, R, B, S)
+
+
+def _channel_forward(
+    y: np.ndarray,
+    rows: _Rows,
+    ct: np.dtype[Any],
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+) -> None:
+    """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
+    sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
+    ``_foldable``."""
+    B = _block_rows(rows.L, ct)
+    w, b = param(weight, rows.G, ct), param(bias, rows.G, ct)  # C, C
+    scale = rstd if w is None else rstd * w  # C
+    if _foldable(mean, rstd):
+        shift = -mean * scale if b is None else b - mean * scale  # C
+        _affine_sweep(rows, y, ct, None, _Ring(scale, B), _Ring(shift, B))
+    else:
+        _affine_sweep(rows, y, ct, _Ring(mean, B), _Ring(scale, B), _ring(b, B))
+
+
+def _row_moments(rows: _Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row (N*C rows of S values), two-pass within the cached block: the mean
+    ``m = sum(x)/S`` as rounded to ``ct``, its residual ``d = sum(x - m)/S`` (what the
+    rounding lost: it matters when rows differ little relative to a large common
+    offset) and ``M2 = sum((x - m)^2)``. Three (R,) arrays of ``ct``."""
+    R, S = rows.R, rows.L
+    mean = np.empty(R, dtype=ct)  # R
+    resid = np.empty(R, dtype=ct)  # R
+    m2 = np.empty(R, dtype=ct)  # R
+    B = _block_rows(S, ct)
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(rows.staged, B, S, ct)  # B,S
+        xcbuf = np.empty((B, S), dtype=ct)  # B,S
+        inv = np.full(S, 1.0 / S, dtype=ct)  # S
+        for a, e in blocks(start, stop, B):
+            xb = rows.read(a, e, xbuf)  # n,S
+            xc = xcbuf[: e - a]  # n,S
+            m = mean[a:e]  # n
+            _rowdot(xb, inv, out=m)  # row mean
+            np.subtract(xb, m[:, None], out=xc)  # n,S
+            _rowdot(xc, inv, out=resid[a:e])  # n  residual of the mean
+            _rowdot(xc, xc, out=m2[a:e])  # n  M2 about the rounded mean
+
+    _run(work, R, B, S)
+    return mean, resid, m2
+
+
+def _merge_rows(
+    mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, N: int, C: int, S: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
+    have S values), in float64: with row means ``m_r = mean_r + resid_r``,
+    ``mean_c = mean(m_r)`` and ``M2_c = sum(M2_r - S*resid_r^2) + S*sum((m_r - mean_c)^2)``.
+    Returns ``(mean_c, var_c)`` in the dtype of ``mean``, the variance biased."""
+    rm = np.reshape(mean, (N, C)).astype(np.float64)  # N,C
+    rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
+    mean_c = np.mean(rm + rd, axis=0)  # C
+    dev = (rm - mean_c) + rd  # N,C  row mean - channel mean
+    within = np.sum(np.reshape(m2, (N, C)) - S * (rd * rd), axis=0)  # C
+    m2_c = within + S * np.sum(dev * dev, axis=0)  # C
+    return mean_c.astype(mean.dtype), (m2_c / (N * S)).astype(mean.dtype)
+
+
+def _grad_sums_sweep(
+    rows_dy: _Rows,
+    rows_x: _Rows,
+    ct: np.dtype[Any],
+    center: _Ring | None,
+    need_dot: bool,
+    dx: np.ndarray | None = None,
+    a_coef: _Ring | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Per row (N*C rows of S values): ``sum(dy)`` and, if ``need_dot``,
+    ``sum(dy * (x - center_c))`` (``sum(dy * x)`` without ``center``); (R,) arrays.
+
+    With ``dx`` and ``a_coef``, the same sweep writes ``dx = a_c * dy`` (the backward
+    with running statistics).
+    """
+    R, S = rows_x.R, rows_x.L
+    sdy = np.empty(R, dtype=ct)  # R
+    sdx = np.empty(R, dtype=ct) if need_dot else None  # R
+    dx2 = None if dx is None else np.reshape(dx, (R, S))  # R,S
+    B = _block_rows(S, ct)
+    direct = dx is None or dx.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        dybuf = _scratch(rows_dy.staged, B, S, ct)  # B,S
+        xbuf = _scratch(need_dot and rows_x.staged, B, S, ct)  # B,S
+        xcbuf = _scratch(need_dot and center is not None, B, S, ct)  # B,S
+        obuf = _scratch(dx2 is not None and not direct, B, S, ct)  # B,S
+        ones = np.ones(S, dtype=ct)  # S
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            dyb = rows_dy.read(a, e, dybuf)  # n,S
+            _rowsum(dyb, ones, out=sdy[a:e])  # n  sum(dy)
+            if sdx is not None:
+                xs = rows_x.read(a, e, xbuf)  # n,S
+                if center is not None and xcbuf is not None:
+                    xs = np.subtract(xs, center.col(a, n), out=xcbuf[:n])  # n,S  x - mean
+                _rowdot(dyb, xs, out=sdx[a:e])  # n
+            if dx2 is not None and a_coef is not None:
+                out = dx2[a:e] if obuf is None else obuf[:n]  # n,S
+                np.multiply(dyb, a_coef.col(a, n), out=out)  # n,S
+                if obuf is not None:
+                    np.copyto(dx2[a:e], out, casting="same_kind")  # n,S
+
+    _run(work, R, B, S)
+    return sdy, sdx
+
+
+def _dx_sweep(
+    rows_dy: _Rows,
+    rows_x: _Rows,
+    dx: np.ndarray,
+    ct: np.dtype[Any],
+    center: _Ring | None,
+    a_coef: _Ring,
+    b_coef: _Ring,
+    c_coef: _Ring,
+) -> None:
+    """One sweep ``dx = a_c*dy + b_c*(x - center_c) + c_c`` (``x`` itself without
+    ``center``) over the (N*C, S) rows."""
+    R, S = rows_x.R, rows_x.L
+    dx2 = np.reshape(dx, (R, S))  # R,S
+    B = _block_rows(S, ct)
+    direct = dx.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(rows_x.staged, B, S, ct)  # B,S
+        dybuf = _scratch(rows_dy.staged, B, S, ct)  # B,S
+        tbuf = np.empty((B, S), dtype=ct)  # B,S
+        obuf = _scratch(not direct, B, S, ct)  # B,S
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = rows_x.read(a, e, xbuf)  # n,S
+            dyb = rows_dy.read(a, e, dybuf)  # n,S
+            t = tbuf[:n]  # n,S
+            out = dx2[a:e] if obuf is None else obuf[:n]  # n,S
+            if center is not None:
+                np.subtract(xb, center.col(a, n), out=t)  # n,S  x - mean
+                np.multiply(t, b_coef.col(a, n), out=t)  # n,S
+            else:
+                np.multiply(xb, b_coef.col(a, n), out=t)  # n,S
+            np.multiply(dyb, a_coef.col(a, n), out=out)  # n,S
+            np.add(out, t, out=out)  # n,S
+            np.add(out, c_coef.col(a, n), out=out)  # n,S
+            if obuf is not None:
+                np.copyto(dx2[a:e], out, casting="same_kind")  # n,S
+
+    _run(work, R, B, S)
+
+
+def _channel_backward(
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    ct: np.dtype[Any],
+    batch_stats: bool,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Backward from (C,) per-channel statistics: BatchNorm's (``batch_stats``: the
+    statistics were the batch's), or the affine map's with running statistics.
+
+    With batch statistics, ``M = N*S`` values per channel, ``g = dy*w``:
+    ``dx = rstd*(g - mean(g) - xhat*mean(g*xhat)) = a*dy + b*(x - mean) + c`` with
+    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/M``, ``c = -rstd*w*sum(dy)/M``:
+    a sweep for the sums, then one for dx. With running statistics ``dx = a*dy``, in
+    the sweep that takes the sums for dweight/dbias.
+    """
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    rows_x = _Rows(input, C, ct)
+    rows_dy = _Rows(grad_output, C, ct)
+    B = _block_rows(S, ct)
+    m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
+    r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
+    w = param(weight, C, ct)  # C
+    a_coef = r if w is None else r * w  # C
+    fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
+    center = None if fold else _Ring(m, B)
+    dx = np.empty(input.shape, dtype=input.dtype)
+    need_dot = batch_stats or weight is not None
+    if batch_stats:
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
+    else:
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, _Ring(a_coef, B))
+    sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
+    sum_dyxc = None  # C: sum(dy * (x - mean))
+    if sdx is not None:
+        sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
+        if fold:
+            sum_dyxc = sum_dyxc - m * sum_dy
+    if batch_stats:
+        assert sum_dyxc is not None
+        wv = 1.0 if w is None else w
+        b_coef = -(r * r * r) * (wv * sum_dyxc) / (N * S)  # C
+        c_coef = -r * (wv * sum_dy) / (N * S)  # C
+        if fold:
+            c_coef = c_coef - b_coef * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+        rings = (_Ring(a_coef, B), _Ring(b_coef, B), _Ring(c_coef, B))
+        _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
+    dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
+    dbias = None if bias is None else sum_dy  # C
+    return dx, _grad(dweight, weight), _grad(dbias, bias)
+
+
+# --- per-group statistics (GroupNorm, InstanceNorm with input statistics) ----------------
+# Rows are the N*G (sample, group) rows of L = k*S values; a block of n group rows is
+# also viewed as n*k channel rows of S values for the per-channel affine map.
+
+
+def _group_forward(
+    input: np.ndarray,
+    G: int,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    ct: np.dtype[Any],
+    keep_var: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Normalize each (sample, group) row over its L = k*S values, one sweep: per block
+    ``mean = sum(x)/L``, ``xc = x - mean`` (in the output block), ``var = dot(xc, xc)/L``,
+    then ``y = xc * (rstd*w_c) + b_c`` in place.
+
+    Returns ``(y, mean, rstd, var)``, the statistics (N*G,) arrays of ``ct``; ``var``
+    (biased) only when ``keep_var``.
+    """
+    C = int(input.shape[1])
+    rows = _Rows(input, G, ct)
+    R, L, k = rows.R, rows.L, rows.k
+    S = L // k
+    y = np.empty(input.shape, dtype=input.dtype)
+    y2 = np.reshape(y, (R, L))  # R,L
+    mean = np.empty(R, dtype=ct)  # R
+    rstd = np.empty(R, dtype=ct)  # R
+    var = np.empty(R, dtype=ct) if keep_var else None  # R
+    B = _block_rows(L, ct)
+    w = param(weight, C, ct)  # C
+    b = param(bias, C, ct)  # C
+    w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
+    b_ring = None if b is None else _Ring(np.reshape(b, (G, k)), B)
+    direct = y.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(rows.staged, B, L, ct)  # B,L
+        obuf = _scratch(not direct, B, L, ct)  # B,L
+        inv = np.full(L, 1.0 / L, dtype=ct)  # L
+        scale = np.empty((B, k), dtype=ct)  # B,k
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = rows.read(a, e, xbuf)  # n,L
+            out = y2[a:e] if obuf is None else obuf[:n]  # n,L
+            out_c = out.reshape(n * k, S)  # n*k,S  channel rows
+            m, r = mean[a:e], rstd[a:e]  # n, n
+            _rowdot(xb, inv, out=m)  # mean
+            np.subtract(xb, m[:, None], out=out)  # n,L  xc = x - mean
+            _rowdot(out, out, out=r)
+            np.divide(r, L, out=r)  # var
+            if var is not None:
+                var[a:e] = r
+            np.add(r, eps, out=r)
+            np.sqrt(r, out=r)
+            np.divide(1.0, r, out=r)  # rstd
+            if w_ring is None:
+                np.multiply(out, r[:, None], out=out)  # n,L  xhat
+            else:
+                sc = np.multiply(w_ring.rows(a, n), r[:, None], out=scale[:n])  # n,k  rstd*w
+                np.multiply(out_c, sc.reshape(n * k, 1), out=out_c)  # n*k,S
+            if b_ring is not None:
+                np.add(out_c, b_ring.rows(a, n).reshape(n * k, 1), out=out_c)  # n*k,S
+            if obuf is not None:
+                np.copyto(y2[a:e], out, casting="same_kind")  # n,L  to the output dtype
+
+    _run(work, R, B, S)
+    return y, mean, rstd, var
+
+
+def _group_backward(
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    G: int,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    ct: np.dtype[Any],
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Backward of ``_group_forward`` (batch statistics), one sweep.
+
+    Per block of group rows, with ``xs = x - mean`` (or ``x`` itself when
+    ``_foldable``, the mean then corrected for in the sums and the constant):
+
+    * per channel row ``sum(dy)`` and ``sum(dy*xs)``;
+    * per group row, with ``g = dy*w``: ``sg = sum(g)``, ``sgx = sum(g*(x - mean))``;
+    * ``dx = (rstd*w_c)*dy + b*(x - mean) + c``, ``b = -rstd^3*sgx/L``, ``c = -rstd*sg/L``.
+
+    The per-row factors are computed for all rows before the sweep. dweight and
+    dbias are the per-channel sums over samples of ``rstd*sum(dy*(x - mean))`` and
+    ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
+    """
+    N, C = int(input.shape[0]), int(input.shape[1])
+    rows_x = _Rows(input, G, ct)
+    rows_dy = _Rows(grad_output, G, ct)
+    R, L, k = rows_x.R, rows_x.L, rows_x.k
+    S = L // k
+    m_all = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
+    r_all = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
+    fold = _foldable(m_all, r_all)
+    nb_all = (r_all * r_all * r_all) / -L  # R: b = nb * sgx
+    nc_all = r_all / -L  # R: c = nc * sg
+    B = _block_rows(L, ct)
+    w = param(weight, C, ct)  # C
+    w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
+    # d(dx)/d(dy) per channel row: rstd*w (R,k), or rstd per group row without weight
+    a_all = None if w is None else np.reshape(r_all, (R, 1)) * np.tile(np.reshape(w, (G, k)), (N, 1))
+    dx = np.empty(input.shape, dtype=input.dtype)
+    dx2 = np.reshape(dx, (R, L))  # R,L
+    sdy_all = np.empty(R * k, dtype=ct)  # N*C  sum(dy) per channel row
+    sdx_all = np.empty(R * k, dtype=ct)  # N*C  sum(dy * xs) per channel row
+    direct = dx.dtype == ct
+
+    def work(start: int, stop: int) -> None:
+        xbuf = _scratch(rows_x.staged, B, L, ct)  # B,L
+        dybuf = _scratch(rows_dy.staged, B, L, ct)  # B,L
+        tbuf = np.empty((B, L), dtype=ct)  # B,L
+        obuf = _scratch(not direct, B, L, ct)  # B,L
+        ones = np.ones(S, dtype=ct)  # S
+        sg_buf, sgx_buf, b_buf, c_buf = (np.empty(B, dtype=ct) for _ in range(4))  # B each
+        for a, e in blocks(start, stop, B):
+            n = e - a
+            xb = rows_x.read(a, e, xbuf)  # n,L
+            dyb = rows_dy.read(a, e, dybuf)  # n,L
+            m = m_all[a:e]  # n
+            t = tbuf[:n]  # n,L
+            xs = xb if fold else np.subtract(xb, m[:, None], out=t)  # n,L
+            dy_c = dyb.reshape(n * k, S)  # n*k,S  channel rows
+            sdy, sdx = sdy_all[a * k : e * k], sdx_all[a * k : e * k]  # n*k, n*k
+            _rowsum(dy_c, ones, out=sdy)  # sum(dy)
+            _rowdot(dy_c, xs.reshape(n * k, S), out=sdx)  # sum(dy * xs)
+            sg, sgx, b_, c_ = sg_buf[:n], sgx_buf[:n], b_buf[:n], c_buf[:n]  # n each
+            if w_ring is not None:
+                wb = w_ring.rows(a, n)  # n,k
+                _rowdot(wb, sdy.reshape(n, k), out=sg)  # sum(g)
+                _rowdot(wb, sdx.reshape(n, k), out=sgx)  # sum(g * xs)
+            else:
+                np.add.reduce(sdy.reshape(n, k), axis=1, out=sg)
+                np.add.reduce(sdx.reshape(n, k), axis=1, out=sgx)
+            if fold:  # sum(g * (x - mean)) = sum(g * x) - mean * sum(g)
+                np.subtract(sgx, np.multiply(m, sg, out=b_), out=sgx)
+            np.multiply(nb_all[a:e], sgx, out=b_)  # b
+            np.multiply(nc_all[a:e], sg, out=c_)  # c
+            if fold:  # b*(x - mean) + c = b*x + (c - b*mean)
+                np.subtract(c_, np.multiply(b_, m, out=sg), out=c_)
+            out = dx2[a:e] if obuf is None else obuf[:n]  # n,L
+            if a_all is not None:
+                out_c = out.reshape(n * k, S)  # n*k,S
+                np.multiply(dy_c, a_all[a:e].reshape(n * k, 1), out=out_c)  # (rstd*w)*dy
+            else:
+                np.multiply(dyb, r_all[a:e, None], out=out)  # n,L  rstd*dy
+            np.multiply(xs, b_[:, None], out=t)  # n,L
+            np.add(out, t, out=out)  # n,L
+            np.add(out, c_[:, None], out=out)  # n,L  dx
+            if obuf is not None:
+                np.copyto(dx2[a:e], out, casting="same_kind")  # n,L
+
+    _run(work, R, B, S)
+    dweight = dbias = None
+    if weight is not None:
+        sdx3 = np.reshape(sdx_all, (N, G, k))  # N,G,k
+        if fold:  # sum(dy * (x - mean)) = sum(dy * x) - mean * sum(dy)
+            sdx3 = sdx3 - np.reshape(m_all, (N, G, 1)) * np.reshape(sdy_all, (N, G, k))
+        dxhat = sdx3 * np.reshape(r_all, (N, G, 1))  # N,G,k  sum(dy * xhat)
+        dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
+    if bias is not None:
+        dbias = np.sum(np.reshape(sdy_all, (N, C)), axis=0)  # C
+    return dx, _grad(dweight, weight), _grad(dbias, bias)
+
+
+# --- BatchNorm ---------------------------------------------------------------------------
+
+
+@specialized("batch_norm_forward", NS)
+def batch_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    running_mean: np.ndarray | None,
+    running_var: np.ndarray | None,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """BatchNorm forward: the statistics sweep (training) then the normalize sweep."""
+    if input.size == 0:  # nothing to sweep over: the generic kernel's results
+        return generic_kernel("batch_norm_forward")(
+            xp, input, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    rows = _Rows(input, C, ct)
+    new_mean, new_var = running_mean, running_var
+    if training:
+        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased)
+        if running_mean is not None and running_var is not None:
+            n = N * S  # values per channel
+            new_mean = running_update(xp, running_mean, mean, momentum)  # C
+            new_var = running_update(xp, running_var, var * (n / (n - 1)), momentum)  # C
+    else:
+        assert running_mean is not None and running_var is not None
+        mean = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
+        var = cast(xp, running_var, ct)  # C
+    rstd = 1.0 / np.sqrt(var + eps)  # C
+    y = np.empty(input.shape, dtype=input.dtype)
+    _channel_forward(y, rows, ct, mean, rstd, weight, bias)
+    return y, mean, rstd, new_mean, new_var
+
+
+@specialized("batch_norm_backward", NS)
+def batch_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    training: bool,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """BatchNorm backward: the sums sweep then the dx sweep (training), or one sweep
+    ``dx = rstd*w*dy`` (inference)."""
+    if input.size == 0:
+        return generic_kernel("batch_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, training
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training)
+
+
+# --- InstanceNorm ------------------------------------------------------------------------
+
+
+@specialized("instance_norm_forward", NS)
+def instance_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    running_mean: np.ndarray | None,
+    running_var: np.ndarray | None,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """InstanceNorm forward: GroupNorm's sweep with one channel per group, or the
+    running statistics' sweep."""
+    if input.size == 0:
+        return generic_kernel("instance_norm_forward")(
+            xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    new_mean, new_var = running_mean, running_var
+    if use_input_stats:
+        with_buffers = running_mean is not None and running_var is not None
+        y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, keep_var=with_buffers)
+        if running_mean is not None and running_var is not None:
+            assert var is not None
+            batch_mean = np.mean(np.reshape(mean, (N, C)), axis=0)  # C
+            batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
+            new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
+            new_var = running_update(xp, running_var, batch_var, momentum)  # C
+        return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
+    assert running_mean is not None and running_var is not None
+    m = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
+    r = 1.0 / np.sqrt(cast(xp, running_var, ct) + eps)  # C
+    y = np.empty(input.shape, dtype=input.dtype)
+    _channel_forward(y, _Rows(input, C, ct), ct, m, r, weight, bias)
+    return y, m, r, new_mean, new_var
+
+
+@specialized("instance_norm_backward", NS)
+def instance_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    use_input_stats: bool,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """InstanceNorm backward: GroupNorm's with one channel per group, or the affine
+    map's ``dx = rstd_c*w_c*dy`` with running statistics."""
+    if input.size == 0:
+        return generic_kernel("instance_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if use_input_stats:
+        C = int(input.shape[1])
+        return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct)
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, False)
+
+
+# --- GroupNorm ---------------------------------------------------------------------------
+
+
+@specialized("group_norm_forward", NS)
+def group_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    num_groups: int,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GroupNorm forward, one sweep over the (sample, group) rows."""
+    if input.size == 0:
+        return generic_kernel("group_norm_forward")(xp, input, num_groups, weight, bias, eps)
+    ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
+    N = int(input.shape[0])
+    y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct)
+    return y, np.reshape(mean, (N, num_groups)), np.reshape(rstd, (N, num_groups))
+
+
+@specialized("group_norm_backward", NS)
+def group_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    num_groups: int,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """GroupNorm backward, one sweep over the (sample, group) rows."""
+    if input.size == 0:
+        return generic_kernel("group_norm_backward")(
+            xp, grad_output, input, num_groups, mean, rstd, weight, bias
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct)

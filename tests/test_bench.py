@@ -1,0 +1,28 @@
+"""The benchmark command runs and reports every figure it promises (no timing assertions:
+the machines are shared and noisy, so speed is read from the printed figures)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_quick_writes_every_figure(tmp_path):
+    out_file = tmp_path / "bench.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "bench", "--quick", "--reps", "1", "--json", str(out_file)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out_file.read_text())
+    layers = {r["layer"] for r in data["rows"]}
+    assert layers == {"LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d"}
+    impls = {r["impl"] for r in data["rows"]}
+    assert {"npnorm fast", "npnorm generic", "textbook"} <= impls
+    for r in data["rows"]:
+        for key in ("fwd_ms", "bwd_ms", "fb_ms", "copy_GBps", "roofline_fwd", "roofline_fb"):
+            assert r[key] > 0, (r["impl"], key)
+        if r["impl"] != "torch":
+            assert r["extra_memory_x_input"] is not None
+    assert "targets for npnorm fast" in out.stdout

@@ -1,0 +1,424 @@
+"""The fast NumPy BatchNorm/InstanceNorm/GroupNorm kernels against the generic ones.
+
+``npnorm.kernels.numpy_fast_channels`` must give the generic kernels' results to
+rounding for every layout, dtype, size and mode (batch or running statistics, with or
+without buffers, weight and bias). Most tests shrink the block size so that small
+inputs span many blocks (blocks ending mid-sample, mid-group) and both threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+from collections.abc import Iterator
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npnorm.functional as F
+from npnorm import _threads
+from npnorm.functional._dispatch import generic_kernel, kernel
+from npnorm.kernels import _blocks
+from npnorm.kernels import numpy_fast_channels as fast
+
+OPS = (
+    "batch_norm_forward",
+    "batch_norm_backward",
+    "instance_norm_forward",
+    "instance_norm_backward",
+    "group_norm_forward",
+    "group_norm_backward",
+)
+FLOATS = ("float16", "float32", "float64")
+LAYOUTS = ("C", "F", "sliced", "transposed", "channels_last")
+REL = {"float64": 1e-11, "float32": 2e-5}  # of the computation dtype
+DRAWN = 300  # examples per drawn test (each takes a few ms)
+
+
+@contextlib.contextmanager
+def config(threads: int = 2, block_bytes: int | None = None, small_copy: int | None = None) -> Iterator[None]:
+    """Thread count, block size and whole-copy limit for the block; restored after."""
+    saved = (
+        _threads.get_num_threads(),
+        fast.BLOCK_BYTES,
+        fast.SMALL_COPY_BYTES,
+        _blocks.MIN_BLOCKS_PER_THREAD,
+    )
+    _threads.set_num_threads(threads)
+    if block_bytes is not None:
+        fast.BLOCK_BYTES = block_bytes
+        _blocks.MIN_BLOCKS_PER_THREAD = 1
+    if small_copy is not None:
+        fast.SMALL_COPY_BYTES = small_copy
+    try:
+        yield
+    finally:
+        _threads.set_num_threads(saved[0])
+        fast.BLOCK_BYTES, fast.SMALL_COPY_BYTES, _blocks.MIN_BLOCKS_PER_THREAD = saved[1:]
+
+
+def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
+    """The values of ``a`` in another memory layout (same dtype)."""
+    if layout == "F":
+        return np.asfortranarray(a)
+    if layout == "sliced":  # every other entry along the last axis: no (rows, S) view
+        big = np.zeros((*a.shape[:-1], 2 * a.shape[-1]), dtype=a.dtype)
+        big[..., ::2] = a
+        return big[..., ::2]
+    if layout == "transposed":  # all strides reversed
+        return np.ascontiguousarray(a.T).T
+    if layout == "channels_last":  # (N, *spatial, C) in memory
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).transpose(0, a.ndim - 1, *range(1, a.ndim - 1))
+    return a
+
+
+def ulp(dtype) -> float:
+    return float(np.finfo(dtype).eps)
+
+
+def assert_close(ours, ref, ct, scale, what):
+    """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` (relative
+    to ``scale``) plus two roundings to the result's dtype."""
+    if ref is None:
+        assert ours is None, what
+        return
+    assert isinstance(ours, np.ndarray), what
+    assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (what, ours.dtype, ref.dtype, ours.shape)
+    a, b = ours.astype(np.float64), ref.astype(np.float64)
+    tol = REL[np.dtype(ct).name] * scale + 2 * ulp(ref.dtype) * np.abs(b) + 1e-30
+    bad = np.abs(a - b) > tol
+    assert not bad.any(), f"{what}: {bad.sum()} of {bad.size} differ, worst {np.max(np.abs(a - b) - tol):.3g}"
+
+
+def compare(ops: tuple[str, str], args_fwd, make_bwd, ct, x, dy, w):
+    """Forward and backward through the fast and the generic kernels; all outputs equal
+    to rounding. ``make_bwd(fwd_outputs)`` gives the backward's arguments."""
+    fast_f = kernel(ops[0], xp)(xp, *args_fwd)
+    ref_f = generic_kernel(ops[0])(xp, *args_fwd)
+    fast_b = kernel(ops[1], xp)(xp, *make_bwd(ref_f))
+    ref_b = generic_kernel(ops[1])(xp, *make_bwd(ref_f))
+    x64 = np.abs(x.astype(np.float64))
+    rstd_max = float(np.max(ref_f[2]))
+    w_max = 1.0 if w is None else float(np.max(np.abs(w)))
+    xhat_max = (2 * float(np.max(x64)) + 1) * rstd_max
+    scale_y = xhat_max * w_max + float(np.max(np.abs(ref_f[0].astype(np.float64))))
+    assert_close(fast_f[0], ref_f[0], ct, scale_y, "y")
+    assert_close(fast_f[1], ref_f[1], ct, float(np.max(x64)), "mean")
+    assert_close(fast_f[2], ref_f[2], ct, np.abs(ref_f[2]) * (1 + float(np.max(x64)) * rstd_max), "rstd")
+    for i, name in ((3, "new_running_mean"), (4, "new_running_var")):
+        if len(ref_f) > i:
+            scale = 0 if ref_f[i] is None else float(np.max(np.abs(ref_f[i].astype(np.float64)))) + 1
+            assert_close(fast_f[i], ref_f[i], ct, scale, name)
+    dy_sum = float(np.sum(np.abs(dy.astype(np.float64))))
+    scale_dx = 4 * rstd_max * w_max * float(np.max(np.abs(dy.astype(np.float64))))
+    assert_close(fast_b[0], ref_b[0], ct, scale_dx, "dx")
+    assert_close(fast_b[1], ref_b[1], ct, dy_sum * xhat_max, "dweight")
+    assert_close(fast_b[2], ref_b[2], ct, dy_sum, "dbias")
+    return fast_f, fast_b
+
+
+# --- drawn cases --------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw, kind: str):
+    n = draw(st.integers(1, 4))
+    if kind == "group":
+        groups = draw(st.integers(1, 3))
+        c = groups * draw(st.integers(1, 3))
+    else:
+        groups, c = 0, draw(st.integers(1, 5))
+    spatial = tuple(draw(st.lists(st.integers(1, 7), min_size=1 if kind != "batch" else 0, max_size=3)))
+    return dict(
+        shape=(n, c, *spatial),
+        groups=groups,
+        dtype=draw(st.sampled_from(FLOATS)),
+        param_dtype=draw(st.sampled_from(("same", "float32", "float64"))),
+        layout=draw(st.sampled_from(LAYOUTS)),
+        dy_layout=draw(st.sampled_from(LAYOUTS)),
+        weight=draw(st.booleans()),
+        bias=draw(st.booleans()),
+        training=draw(st.booleans()),
+        buffers=draw(st.booleans()),
+        momentum=draw(st.sampled_from((0.1, 0.5, 1.0, 0.0))),
+        block_bytes=draw(st.sampled_from((None, 64, 1000))),
+        threads=draw(st.sampled_from((1, 2))),
+        small_copy=draw(st.sampled_from((None, 0))),  # 0: stage sample by sample
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def make_inputs(case):
+    rng = np.random.default_rng(case["seed"])
+    shape, dtype = case["shape"], case["dtype"]
+    c = shape[1]
+    pdt = dtype if case["param_dtype"] == "same" else case["param_dtype"]
+    offset = rng.normal(size=(1, c) + (1,) * (len(shape) - 2))
+    x = (rng.normal(size=shape) * rng.uniform(0.5, 3) + offset).astype(dtype)
+    dy = rng.normal(size=shape).astype(dtype)
+    w = rng.uniform(0.5, 1.5, c).astype(pdt) if case["weight"] else None
+    b = rng.normal(size=c).astype(pdt) if case["bias"] else None
+    rm = rv = None
+    if case["buffers"] or not case["training"]:
+        rm = rng.normal(size=c).astype(pdt)
+        rv = rng.uniform(0.5, 2, c).astype(pdt)
+    return laid_out(x, case["layout"]), laid_out(dy, case["dy_layout"]), w, b, rm, rv
+
+
+def compute_dtype(*arrays):
+    return np.result_type(np.float32, *(a.dtype for a in arrays if a is not None))
+
+
+@settings(max_examples=DRAWN)
+@given(case=cases("batch"))
+def test_batch_norm_matches_generic(case):
+    x, dy, w, b, rm, rv = make_inputs(case)
+    n, s = x.shape[0], int(np.prod(x.shape[2:]))
+    training = case["training"] or rm is None
+    if training and n * s <= 1:
+        x, dy = np.concatenate([x, x + 1]), np.concatenate([dy, dy])  # 2 values per channel
+    ct = compute_dtype(x, w, b, rm)
+    fwd = (x, rm, rv, w, b, training, case["momentum"], 1e-5)
+    with config(case["threads"], case["block_bytes"], case["small_copy"]):
+        f, _ = compare(
+            ("batch_norm_forward", "batch_norm_backward"),
+            fwd,
+            lambda r: (dy, x, r[1], r[2], w, b, training),
+            ct,
+            x,
+            dy,
+            w,
+        )
+    assert f[0].flags.c_contiguous and f[1].shape == f[2].shape == (x.shape[1],)
+    assert f[1].dtype == f[2].dtype == ct
+    if not training:  # the buffers come back as given
+        assert f[3] is rm and f[4] is rv
+
+
+@settings(max_examples=DRAWN)
+@given(case=cases("instance"))
+def test_instance_norm_matches_generic(case):
+    x, dy, w, b, rm, rv = make_inputs(case)
+    use_input_stats = case["training"] or rm is None
+    if use_input_stats and int(np.prod(x.shape[2:])) <= 1:
+        x, dy = np.concatenate([x, x + 1], axis=-1), np.concatenate([dy, dy], axis=-1)
+    ct = compute_dtype(x, w, b, rm)
+    fwd = (x, rm, rv, w, b, use_input_stats, case["momentum"], 1e-5)
+    with config(case["threads"], case["block_bytes"], case["small_copy"]):
+        f, _ = compare(
+            ("instance_norm_forward", "instance_norm_backward"),
+            fwd,
+            lambda r: (dy, x, r[1], r[2], w, b, use_input_stats),
+            ct,
+            x,
+            dy,
+            w,
+        )
+    stats = x.shape[:2] if use_input_stats else x.shape[1:2]
+    assert f[1].shape == f[2].shape == stats and f[1].dtype == ct
+
+
+@settings(max_examples=DRAWN)
+@given(case=cases("group"))
+def test_group_norm_matches_generic(case):
+    x, dy, w, b, _, _ = make_inputs(case)
+    g = case["groups"]
+    ct = compute_dtype(x, w, b)
+    with config(case["threads"], case["block_bytes"], case["small_copy"]):
+        f, _ = compare(
+            ("group_norm_forward", "group_norm_backward"),
+            (x, g, w, b, 1e-5),
+            lambda r: (dy, x, g, r[1], r[2], w, b),
+            ct,
+            x,
+            dy,
+            w,
+        )
+    assert f[1].shape == f[2].shape == (x.shape[0], g) and f[1].dtype == ct
+
+
+# --- sizes spanning several default blocks and both threads -------------------------------
+
+LARGE = (16, 16, 64, 64)  # 4 MiB of float32: 8+ default blocks, two thread chunks
+
+
+def run_all(x, dy, w, b, rm, rv, groups=4):
+    """Every fast forward and backward on the same data; a flat list of the outputs."""
+    out = []
+    for training in (True, False):
+        f = F.batch_norm_forward(x, rm, rv, w, b, training, 0.1, 1e-5)
+        out += [*f, *F.batch_norm_backward(dy, x, f[1], f[2], w, b, training)]
+        f = F.instance_norm_forward(x, rm, rv, w, b, training, 0.1, 1e-5)
+        out += [*f, *F.instance_norm_backward(dy, x, f[1], f[2], w, b, training)]
+    f = F.group_norm_forward(x, groups, w, b, 1e-5)
+    out += [*f, *F.group_norm_backward(dy, x, groups, f[1], f[2], w, b)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def large():
+    rng = np.random.default_rng(7)
+    c = LARGE[1]
+    x = (rng.normal(size=LARGE) * 2 + rng.normal(size=(1, c, 1, 1))).astype(np.float32)
+    dy = rng.normal(size=LARGE).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    b = rng.normal(size=c).astype(np.float32)
+    rm, rv = rng.normal(size=c).astype(np.float32), rng.uniform(0.5, 2, c).astype(np.float32)
+    return x, dy, w, b, rm, rv
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "sliced"])
+@pytest.mark.parametrize("kind", ["batch", "instance", "group"])
+def test_large_inputs_match_generic(large, kind, layout):
+    x, dy, w, b, rm, rv = large
+    x, dy = laid_out(x, layout), laid_out(dy, layout)
+    with config(threads=2):
+        for training in (True, False):
+            if kind == "batch":
+                ops = ("batch_norm_forward", "batch_norm_backward")
+                args = (x, rm, rv, w, b, training, 0.1, 1e-5)
+            elif kind == "instance":
+                ops = ("instance_norm_forward", "instance_norm_backward")
+                args = (x, rm, rv, w, b, training, 0.1, 1e-5)
+            else:
+                ops = ("group_norm_forward", "group_norm_backward")
+                args = (x, 4, w, b, 1e-5)
+
+            def bwd(r, training=training):
+                if kind == "group":
+                    return (dy, x, 4, r[1], r[2], w, b)
+                return (dy, x, r[1], r[2], w, b, training)
+
+            compare(ops, args, bwd, np.float32, x, dy, w)
+            if kind == "group":
+                break
+
+
+def test_deterministic_for_a_thread_count_and_close_across_counts(large):
+    with config(threads=2):
+        first = run_all(*large)
+        second = run_all(*large)
+    for a, b in zip(first, second, strict=True):
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a, b)
+    with config(threads=1):
+        single = run_all(*large)
+    for a, b in zip(first, single, strict=True):
+        if isinstance(a, np.ndarray):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(b))))
+
+
+def test_thread_count_is_restored_by_config():
+    before = _threads.get_num_threads()
+    with config(threads=1):
+        assert _threads.get_num_threads() == 1
+    assert _threads.get_num_threads() == before
+
+
+# --- accuracy, memory, dispatch, edge cases -----------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_as_accurate_as_generic_with_a_large_common_offset(offset):
+    """Against a float64 reference, float32 errors stay within a small multiple of the
+    generic kernels' (the mean is subtracted before anything is squared or scaled)."""
+    rng = np.random.default_rng(3)
+    shape, c = (6, 8, 20, 20), 8
+    x = (rng.normal(size=shape) + offset).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, c).astype(np.float32)
+    b = rng.normal(size=c).astype(np.float32)
+
+    def everything(x_, dy_, w_, b_, generic=False):
+        def k(op):
+            return generic_kernel(op) if generic else kernel(op, xp)
+
+        f = k("batch_norm_forward")(xp, x_, None, None, w_, b_, True, 0.1, 1e-5)
+        out = [*f[:3], *k("batch_norm_backward")(xp, dy_, x_, f[1], f[2], w_, b_, True)]
+        f = k("instance_norm_forward")(xp, x_, None, None, w_, b_, True, 0.1, 1e-5)
+        out += [*f[:3], *k("instance_norm_backward")(xp, dy_, x_, f[1], f[2], w_, b_, True)]
+        f = k("group_norm_forward")(xp, x_, 2, w_, b_, 1e-5)
+        return [*out, *f, *k("group_norm_backward")(xp, dy_, x_, 2, f[1], f[2], w_, b_)]
+
+    ref = everything(*(a.astype(np.float64) for a in (x, dy, w, b)), generic=True)
+    ours = everything(x, dy, w, b)
+    gen = everything(x, dy, w, b, generic=True)
+    for r, o, g in zip(ref, ours, gen, strict=True):
+        scale = float(np.max(np.abs(r)))
+        err_ours = float(np.max(np.abs(o - r))) / scale
+        err_gen = float(np.max(np.abs(g - r))) / scale
+        assert err_ours <= 4 * err_gen + 8 * ulp(np.float32), (err_ours, err_gen)
+
+
+def test_peak_memory_is_a_fraction_of_the_input():
+    """Forward + backward allocate, besides their results, a few blocks per thread and
+    per-row statistics: no full-size temporary."""
+    rng = np.random.default_rng(0)
+    shape, c = (16, 32, 32, 32), 32
+    x = rng.normal(size=shape).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
+    rm, rv = np.zeros(c, np.float32), np.ones(c, np.float32)
+    runs = {
+        "batch": lambda: (
+            f := F.batch_norm_forward(x, rm, rv, w, b, True),
+            F.batch_norm_backward(dy, x, f[1], f[2], w, b, True),
+        ),
+        "instance": lambda: (
+            f := F.instance_norm_forward(x, rm, rv, w, b, True),
+            F.instance_norm_backward(dy, x, f[1], f[2], w, b, True),
+        ),
+        "group": lambda: (
+            f := F.group_norm_forward(x, 8, w, b),
+            F.group_norm_backward(dy, x, 8, f[1], f[2], w, b),
+        ),
+    }
+    with config(threads=2, block_bytes=32 * 1024):
+        for name, run in runs.items():
+            run()  # the thread pool and imports, outside the measure
+            tracemalloc.start()
+            try:
+                fwd, bwd = run()
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            kept = sum(a.nbytes for a in (*fwd, *bwd) if isinstance(a, np.ndarray))
+            assert (peak - kept) / x.nbytes <= 0.25, name
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_registered_for_numpy(op):
+    assert kernel(op, xp) is getattr(fast, op)
+    assert generic_kernel(op) is not getattr(fast, op)
+
+
+def test_empty_inputs_give_the_generic_results():
+    x = np.zeros((0, 3, 4), np.float32)
+    y, mean, rstd, _, _ = F.batch_norm_forward(
+        x, np.zeros(3, np.float32), np.ones(3, np.float32), training=False
+    )
+    assert y.shape == x.shape and mean.shape == rstd.shape == (3,)
+    y, mean, rstd = F.group_norm_forward(x, 3)
+    assert y.shape == x.shape and mean.shape == (0, 3)
+    dx, _, _ = F.group_norm_backward(x, x, 3, mean, rstd)
+    assert dx.shape == x.shape
+
+
+def test_tiny_shapes():
+    """One row; two values per channel; one value per row with several rows."""
+    rng = np.random.default_rng(1)
+    for shape in [(1, 1, 2), (2, 1), (1, 3, 2), (5, 4, 1)]:
+        x = rng.normal(size=shape)
+        dy = rng.normal(size=shape)
+        ours = F.batch_norm_forward(x, None, None, training=True)
+        ref = generic_kernel("batch_norm_forward")(xp, x, None, None, None, None, True, 0.1, 1e-5)
+        np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12, atol=1e-12)
+        dx = F.batch_norm_backward(dy, x, ours[1], ours[2])[0]
+        dx_ref = generic_kernel("batch_norm_backward")(xp, dy, x, ref[1], ref[2], None, None, True)[0]
+        np.testing.assert_allclose(dx, dx_ref, rtol=1e-9, atol=1e-9)
+        y, _mean, _rstd = F.group_norm_forward(x, 1)
+        y_ref = generic_kernel("group_norm_forward")(xp, x, 1, None, None, 1e-5)[0]
+        np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,386 @@
+"""The fast NumPy LayerNorm/RMSNorm kernels against the generic ones, and the threads.
+
+``npnorm.kernels.numpy_fast`` must give the generic kernels' results to rounding for
+every layout, dtype and size; the block size is shrunk in most tests so that small
+arrays still span many blocks and several threads.
+"""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import npnorm.functional as F
+from npnorm import _threads
+from npnorm.functional._dispatch import generic_kernel, kernel, set_specialized
+from npnorm.kernels import _blocks
+from npnorm.kernels import numpy_fast as fast
+
+OPS = ("layer_norm_forward", "layer_norm_backward", "rms_norm_forward", "rms_norm_backward")
+LAYOUTS = ("C", "F", "rows_sliced", "inner_sliced", "transposed", "batch_swapped")
+FLOATS = ("float16", "float32", "float64")
+# the block size and thread count fixtures hold for every drawn example
+FIXTURES_OK = [HealthCheck.function_scoped_fixture]
+REL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-5}  # of the computation dtype
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = _threads.get_num_threads()
+    yield
+    _threads.set_num_threads(before)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 512 bytes: a few rows each, so small inputs span many blocks."""
+    monkeypatch.setattr(_blocks, "BLOCK_BYTES", 512)
+    monkeypatch.setattr(_blocks, "MIN_BLOCKS_PER_THREAD", 1)
+
+
+def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
+    """The values of ``a`` in a different memory layout (same dtype)."""
+    if layout == "F":
+        return np.asfortranarray(a)
+    if layout == "rows_sliced":  # every other entry along the first axis
+        big = np.zeros((2 * a.shape[0], *a.shape[1:]), dtype=a.dtype)
+        big[::2] = a
+        return big[::2]
+    if layout == "inner_sliced":  # every other entry along the last axis
+        big = np.zeros((*a.shape[:-1], 2 * a.shape[-1]), dtype=a.dtype)
+        big[..., ::2] = a
+        return big[..., ::2]
+    if layout == "transposed":  # all strides reversed
+        return np.ascontiguousarray(a.T).T
+    if layout == "batch_swapped" and a.ndim >= 2:
+        return np.ascontiguousarray(np.swapaxes(a, 0, 1)).swapaxes(0, 1)
+    return a
+
+
+def ulp(dtype) -> float:
+    return float(np.finfo(dtype).eps)
+
+
+def assert_close(ours, ref, ct, scale, what):
+    """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` plus one
+    rounding to the result's dtype; ``scale`` is the size errors are relative to."""
+    if ref is None:
+        assert ours is None, what
+        return
+    assert isinstance(ours, np.ndarray), what
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (what, ours.dtype, ref.dtype, ours.shape)
+    a, b = ours.astype(np.float64), ref.astype(np.float64)
+    scale = np.maximum(scale, 1e-30)
+    tol = REL[np.dtype(ct).name] * scale + 2 * ulp(ref.dtype) * np.abs(b)
+    if ref.dtype != ct:  # rounded once more to a narrower dtype: one ulp either way
+        tol = tol + ulp(ref.dtype) * np.abs(b)
+    bad = np.abs(a - b) > tol
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {bad.size} differ, max {np.abs(a - b).max()}"
+
+
+problems = st.fixed_dictionaries(
+    {
+        "batch": st.lists(st.integers(1, 7), min_size=0, max_size=3),
+        "norm": st.lists(st.integers(1, 9), min_size=1, max_size=3),
+        "dtype": st.sampled_from(FLOATS),
+        "param_dtype": st.sampled_from((None, "float32", "float64")),  # None: as the input
+        "layout": st.sampled_from(LAYOUTS),
+        "dy_layout": st.sampled_from(LAYOUTS),
+        "weight": st.booleans(),
+        "bias": st.booleans(),
+        "eps": st.sampled_from((None, 1e-5, 0.25)),
+        "offset": st.sampled_from((0.0, 3.0, 100.0)),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+def make(p):
+    """Input, upstream gradient and parameters of one drawn problem."""
+    rng = np.random.default_rng(p["seed"])
+    norm = tuple(p["norm"])
+    full = (*p["batch"], *norm)
+    pd = p["param_dtype"] or p["dtype"]
+    x = laid_out((rng.normal(size=full) * 2 + p["offset"]).astype(p["dtype"]), p["layout"])
+    dy = laid_out(rng.normal(size=full).astype(p["dtype"]), p["dy_layout"])
+    w = rng.uniform(0.5, 1.5, size=norm).astype(pd) if p["weight"] else None
+    b = rng.normal(size=norm).astype(pd) if p["bias"] else None
+    return norm, x, dy, w, b
+
+
+def grad_scale(dy, rstd, w, norm):
+    """What dx's rounding errors are relative to: rstd * |dy * w| at its largest."""
+    k = len(norm)
+    r = np.abs(rstd.astype(np.float64)).max(initial=0.0)
+    g = np.abs(dy.astype(np.float64)).max(initial=0.0)
+    if w is not None:
+        g *= np.abs(w.astype(np.float64)).max(initial=0.0)
+    return max(r * g, 1e-30) * max(1, int(np.prod(dy.shape[dy.ndim - k :])) ** 0.5)
+
+
+def col_scale(terms, k):
+    """Errors of a sum over rows are relative to the sum of the terms' sizes."""
+    t = np.abs(terms.astype(np.float64))
+    return t.reshape(-1, *t.shape[t.ndim - k :]).sum(axis=0)
+
+
+def check_layer_norm(p, eps=1e-5):
+    norm, x, dy, w, b = make(p)
+    ct = np.result_type(np.float32, *(a.dtype for a in (x, w, b) if a is not None))
+    y, mean, rstd = fast.layer_norm_forward(xp, x, norm, w, b, eps)
+    ry, rmean, rrstd = generic_kernel("layer_norm_forward")(xp, x, norm, w, b, eps)
+    wmax = 1.0 if w is None else float(np.abs(w.astype(np.float64)).max())
+    bmax = 0.0 if b is None else float(np.abs(b.astype(np.float64)).max())
+    xmax = float(np.abs(x.astype(np.float64)).max())
+    rmax = float(np.abs(rrstd).max(initial=0.0))
+    assert_close(mean, rmean, ct, max(xmax, 1e-30), "mean")
+    assert_close(rstd, rrstd, ct, np.abs(rrstd.astype(np.float64)) * 4, "rstd")
+    assert_close(y, ry, ct, 2 * xmax * rmax * wmax + bmax, "output")
+
+    dx, dw, db = fast.layer_norm_backward(xp, dy, x, norm, rmean, rrstd, w, b)
+    rdx, rdw, rdb = generic_kernel("layer_norm_backward")(xp, dy, x, norm, rmean, rrstd, w, b)
+    k = len(norm)
+    xhat = (x.astype(np.float64) - rmean.reshape(*rmean.shape, *(1,) * k)) * rrstd.reshape(
+        *rrstd.shape, *(1,) * k
+    )
+    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xmax * rmax), "dx")
+    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax), "dweight")
+    assert_close(db, rdb, ct, col_scale(dy, k), "dbias")
+
+
+def check_rms_norm(p):
+    norm, x, dy, w, _ = make(p)
+    ct = np.result_type(np.float32, *(a.dtype for a in (x, w) if a is not None))
+    y, rstd = fast.rms_norm_forward(xp, x, norm, w, p["eps"])
+    ry, rrstd = generic_kernel("rms_norm_forward")(xp, x, norm, w, p["eps"])
+    wmax = 1.0 if w is None else float(np.abs(w.astype(np.float64)).max())
+    xmax = float(np.abs(x.astype(np.float64)).max())
+    rmax = float(np.abs(rrstd).max(initial=0.0))
+    assert_close(rstd, rrstd, ct, np.abs(rrstd.astype(np.float64)) * 4, "rstd")
+    assert_close(y, ry, ct, 2 * xmax * rmax * wmax, "output")
+
+    dx, dw = fast.rms_norm_backward(xp, dy, x, norm, rrstd, w)
+    rdx, rdw = generic_kernel("rms_norm_backward")(xp, dy, x, norm, rrstd, w)
+    k = len(norm)
+    xhat = x.astype(np.float64) * rrstd.reshape(*rrstd.shape, *(1,) * k)
+    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xmax * rmax), "dx")
+    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax), "dweight")
+
+
+# --- fast == generic ---------------------------------------------------------------------
+
+
+@settings(max_examples=80, suppress_health_check=FIXTURES_OK)
+@given(p=problems)
+def test_layer_norm_matches_generic_many_blocks_and_threads(small_blocks, p):
+    _threads.set_num_threads(2)
+    check_layer_norm(p, eps=p["eps"] or 1e-5)
+
+
+@settings(max_examples=80, suppress_health_check=FIXTURES_OK)
+@given(p=problems)
+def test_rms_norm_matches_generic_many_blocks_and_threads(small_blocks, p):
+    _threads.set_num_threads(2)
+    check_rms_norm(p)
+
+
+@settings(suppress_health_check=FIXTURES_OK)
+@given(p=problems)
+def test_layer_norm_matches_generic_default_blocks_one_thread(p):
+    _threads.set_num_threads(1)
+    check_layer_norm(p)
+
+
+@settings(suppress_health_check=FIXTURES_OK)
+@given(p=problems)
+def test_rms_norm_matches_generic_default_blocks_one_thread(p):
+    _threads.set_num_threads(1)
+    check_rms_norm(p)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_sizes_around_the_default_block(dtype, rows, layout):
+    """One row, fewer rows than a block, and ~6 blocks of 768-wide rows."""
+    base = {"batch": [rows], "norm": [768], "dtype": dtype, "param_dtype": None, "layout": layout}
+    for weight, bias in [(True, True), (False, False)]:
+        extra = {"dy_layout": "C", "weight": weight, "bias": bias, "eps": None, "offset": 3.0, "seed": rows}
+        p = {**base, **extra}
+        check_layer_norm(p)
+        check_rms_norm(p)
+
+
+def test_public_functions_use_the_fast_kernels_for_numpy(rng):
+    for op in OPS:
+        assert kernel(op, xp) is getattr(fast, op)
+    x = rng.normal(size=(4, 6))
+    try:
+        set_specialized(xp.__name__, False)
+        for op in OPS:
+            assert kernel(op, xp) is generic_kernel(op)
+        slow = F.layer_norm(x, 6)
+    finally:
+        set_specialized(xp.__name__, True)
+    np.testing.assert_allclose(F.layer_norm(x, 6), slow, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_batch(rng):
+    x = np.zeros((0, 3, 4), dtype=np.float32)
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    y, mean, rstd = fast.layer_norm_forward(xp, x, (4,), w, b, 1e-5)
+    assert y.shape == x.shape and mean.shape == rstd.shape == (0, 3)
+    dx, dw, db = fast.layer_norm_backward(xp, x, x, (4,), mean, rstd, w, b)
+    assert dx.shape == x.shape
+    np.testing.assert_array_equal(dw, np.zeros(4))
+    np.testing.assert_array_equal(db, np.zeros(4))
+    dx, dw = fast.rms_norm_backward(xp, x, x, (4,), rstd, w)
+    np.testing.assert_array_equal(dw, np.zeros(4))
+
+
+def test_wrong_number_of_saved_statistics_is_an_error(rng):
+    x = rng.normal(size=(3, 4))
+    with pytest.raises(ValueError, match="one value per row"):
+        fast.layer_norm_backward(xp, x, x, (4,), np.zeros(2), np.ones(3), None, None)
+
+
+def test_caller_errstate_applies_in_worker_threads(small_blocks):
+    """Constant rows with eps=0 divide by zero; the caller silenced that, and pytest
+    turns any warning from any thread into an error."""
+    _threads.set_num_threads(2)
+    x = np.ones((64, 8))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y, _, rstd = fast.layer_norm_forward(xp, x, (8,), None, None, 0.0)
+    assert np.isinf(rstd).all() and np.isnan(y).all()
+
+
+def test_memory_is_outputs_plus_block_scratch(rng):
+    _threads.set_num_threads(2)
+    x = rng.normal(size=(2048, 512)).astype(np.float32)  # 4 MiB
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    w, b = np.ones(512, np.float32), np.zeros(512, np.float32)
+    _, mean, rstd = fast.layer_norm_forward(xp, x, (512,), w, b, 1e-5)
+    # per thread at most ~7 block-sized buffers (scratch, tiled w and b)
+    allowance = 2 * 7 * _blocks.BLOCK_BYTES + 256 * 1024
+    for call in (
+        lambda: fast.layer_norm_forward(xp, x, (512,), w, b, 1e-5),
+        lambda: fast.layer_norm_backward(xp, dy, x, (512,), mean, rstd, w, b),
+        lambda: fast.rms_norm_forward(xp, x, (512,), w, None),
+        lambda: fast.rms_norm_backward(xp, dy, x, (512,), rstd, w),
+    ):
+        tracemalloc.start()
+        try:
+            call()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak <= x.nbytes + allowance, (peak, x.nbytes)
+
+
+# --- determinism and threads ---------------------------------------------------------------
+
+
+def _all_results(x, dy, w, b):
+    D = x.shape[-1]
+    y, mean, rstd = fast.layer_norm_forward(xp, x, (D,), w, b, 1e-5)
+    ln = fast.layer_norm_backward(xp, dy, x, (D,), mean, rstd, w, b)
+    ry, rr = fast.rms_norm_forward(xp, x, (D,), w, None)
+    rms = fast.rms_norm_backward(xp, dy, x, (D,), rr, w)
+    return [y, mean, rstd, *ln, ry, rr, *rms]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_bitwise_reproducible_for_a_thread_count_close_across_counts(small_blocks, rng, dtype):
+    x = (rng.normal(size=(301, 37)) + 5).astype(dtype)
+    dy = rng.normal(size=x.shape).astype(dtype)
+    w, b = rng.uniform(0.5, 1.5, 37).astype(dtype), rng.normal(size=37).astype(dtype)
+    _threads.set_num_threads(2)
+    first, second = _all_results(x, dy, w, b), _all_results(x, dy, w, b)
+    for a, c in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, c)
+    _threads.set_num_threads(1)
+    single = _all_results(x, dy, w, b)
+    rtol = 1e-12 if dtype == "float64" else 1e-5
+    for a, c in zip(first, single, strict=True):
+        np.testing.assert_allclose(a, c, rtol=rtol, atol=rtol * max(1.0, float(np.abs(c).max())))
+
+
+def test_more_threads_than_cpus(small_blocks, rng):
+    x, dy = rng.normal(size=(50, 9)), rng.normal(size=(50, 9))
+    _threads.set_num_threads(1)
+    ref = _all_results(x, dy, None, None)
+    _threads.set_num_threads(5)
+    for a, c in zip(_all_results(x, dy, None, None), ref, strict=True):
+        if c is None:
+            assert a is None
+        else:
+            np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
+
+
+def test_small_inputs_run_inline():
+    _threads.set_num_threads(2)
+    assert _blocks.chunks(10, 4) == [(0, 10)]
+    many = _blocks.chunks(10_000, 100)
+    assert len(many) == 2 and many[0][0] == 0 and many[-1][1] == 10_000
+    assert all(start % 100 == 0 for start, _ in many)
+
+
+@pytest.mark.parametrize("bad", [0, -1, -8])
+def test_set_num_threads_rejects_counts_below_one(bad):
+    with pytest.raises(ValueError, match="at least 1"):
+        _threads.set_num_threads(bad)
+
+
+@pytest.mark.parametrize("bad", [1.5, "2", True, None])
+def test_set_num_threads_rejects_non_integers(bad):
+    with pytest.raises(TypeError):
+        _threads.set_num_threads(bad)
+
+
+def test_set_and_get_num_threads():
+    _threads.set_num_threads(3)
+    assert _threads.get_num_threads() == 3
+    _threads.set_num_threads(np.int64(1))
+    assert _threads.get_num_threads() == 1
+
+
+def test_default_from_environment(monkeypatch):
+    monkeypatch.setattr(_threads, "_num_threads", None)
+    monkeypatch.setenv(_threads.ENV_VAR, "3")
+    assert _threads.get_num_threads() == 3
+    monkeypatch.setattr(_threads, "_num_threads", None)
+    monkeypatch.delenv(_threads.ENV_VAR)
+    assert _threads.get_num_threads() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_bad_environment_value_is_an_error(monkeypatch, bad):
+    monkeypatch.setattr(_threads, "_num_threads", None)
+    monkeypatch.setenv(_threads.ENV_VAR, bad)
+    with pytest.raises(ValueError, match=_threads.ENV_VAR):
+        _threads.get_num_threads()
+
+
+def test_pool_recreated_when_the_count_changes():
+    _threads.set_num_threads(3)
+    assert _threads.run_parallel([lambda k=k: k * k for k in range(6)]) == [0, 1, 4, 9, 16, 25]
+    pool3 = _threads._executor(2)
+    _threads.set_num_threads(2)
+    assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]
+    assert _threads._executor(1) is not pool3
+
+
+def test_task_errors_propagate():
+    _threads.set_num_threads(2)
+
+    def boom():
+        raise RuntimeError("in a worker")
+
+    with pytest.raises(RuntimeError, match="in a worker"):
+        _threads.run_parallel([lambda: 0, boom])
