@@ -6,6 +6,7 @@ differences and ``torch.autograd``.
 """
 
 from . import functional
+from ._threads import get_num_threads, set_num_threads
 from .gradient_check import GradcheckError, gradcheck
 from .modules import (
     BatchNorm1d,
@@ -38,5 +39,7 @@ __all__ = [
     "RMSNorm",
     "__version__",
     "functional",
+    "get_num_threads",
     "gradcheck",
+    "set_num_threads",
 ]

@@ -67,6 +67,18 @@ def check_grad_output(grad_output: Array, x: Array) -> None:
         )
 
 
+def check_row_stats(x: Array, shape: Shape, **stats: Array) -> None:
+    """Saved per-row statistics must hold one value per row of ``x`` (any shape of
+    that size, e.g. the batch shape forward returns)."""
+    rows = prod(x.shape[: x.ndim - len(shape)])
+    for name, a in stats.items():
+        if int(prod(a.shape)) != rows:
+            raise ValueError(
+                f"{name} must hold one value per row: {rows} for an input of shape "
+                f"{tuple(x.shape)} normalized over {shape}, got shape {tuple(a.shape)}"
+            )
+
+
 def check_eps(eps: Any) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not float(eps) >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")

@@ -27,3 +27,14 @@ def test_public_names():
     ):
         assert callable(getattr(F, name))
     assert issubclass(npnorm.GradcheckError, AssertionError)
+
+
+def test_thread_controls_are_public():
+    import npnorm
+
+    n = npnorm.get_num_threads()
+    try:
+        npnorm.set_num_threads(1)
+        assert npnorm.get_num_threads() == 1
+    finally:
+        npnorm.set_num_threads(n)

@@ -166,3 +166,13 @@ def test_bad_constructor_arguments():
 def test_functional_weight_shape_checked():
     with pytest.raises(ValueError, match="weight must have shape"):
         F.layer_norm(np.zeros((2, 3)), 3, np.ones(4))
+
+
+def test_backward_checks_the_saved_statistics(backend, rng):
+    x = backend.asarray(rng.normal(size=(4, 3, 5)))
+    _, mean, rstd = F.layer_norm_forward(x, 5)
+    dy = backend.asarray(rng.normal(size=(4, 3, 5)))
+    with pytest.raises(ValueError, match="one value per row: 12"):
+        F.layer_norm_backward(dy, x, 5, mean[:1, :1], rstd)
+    with pytest.raises(ValueError, match="rstd must hold one value per row"):
+        F.rms_norm_backward(dy, x, 5, rstd[:2])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ _PROVIDERS: dict[str, tuple[str, ...]] = {
     "array_api_compat.numpy": ("npnorm.kernels.numpy_fast", "npnorm.kernels.numpy_fast_channels"),
 }
 _LOADED: set[str] = set()
+_LOCK = threading.Lock()
 
 
 def generic(op: str) -> Callable[[F], F]:
@@ -73,10 +75,12 @@ def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
     """The kernel that computes ``op`` for arrays of ``xp``."""
     name = xp.__name__
     if name not in _LOADED:
-        _LOADED.add(name)
-        for provider in _PROVIDERS.get(name, ()):
-            if importlib.util.find_spec(provider) is not None:
-                importlib.import_module(provider)
+        with _LOCK:
+            if name not in _LOADED:
+                for provider in _PROVIDERS.get(name, ()):
+                    if importlib.util.find_spec(provider) is not None:
+                        importlib.import_module(provider)  # an import error propagates, every time
+                _LOADED.add(name)
     if name not in _DISABLED:
         fn = _SPECIALIZED.get((op, name))
         if fn is not None:

@@ -15,6 +15,7 @@ from .._checks import (
     check_eps,
     check_grad_output,
     check_param,
+    check_row_stats,
     check_trailing,
     float_inputs,
     prod,
@@ -100,6 +101,7 @@ def layer_norm_backward(
     )
     check_trailing(input, shape)
     check_grad_output(grad_output, input)
+    check_row_stats(input, shape, mean=mean, rstd=rstd)
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
     return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias)
@@ -149,7 +151,7 @@ def layer_norm_backward_generic(
     weight: Array | None,
     bias: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
-    ct = work_dtype(xp, input, weight, bias, mean)
+    ct = work_dtype(xp, input, weight, bias, mean, rstd)
     D = prod(shape)
     x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D
     dy = xp.reshape(cast(xp, grad_output, ct), (-1, D))  # R,D

@@ -16,6 +16,7 @@ from .._checks import (
     check_eps,
     check_grad_output,
     check_param,
+    check_row_stats,
     check_trailing,
     float_inputs,
     prod,
@@ -84,6 +85,7 @@ def rms_norm_backward(
     xp = float_inputs(grad_output, input, rstd, weight, names=("grad_output", "input", "rstd", "weight"))
     check_trailing(input, shape)
     check_grad_output(grad_output, input)
+    check_row_stats(input, shape, rstd=rstd)
     check_param(weight, shape, "weight")
     dx, dweight = kernel("rms_norm_backward", xp)(xp, grad_output, input, shape, rstd, weight)
     return dx, dweight, None

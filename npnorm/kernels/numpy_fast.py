@@ -164,7 +164,7 @@ def layer_norm_backward(
 
     The per-thread partials are added in thread order at the end.
     """
-    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     D = prod(shape)
     x = rows_view(input, D)  # R,D
     dy = rows_view(grad_output, D)  # R,D
