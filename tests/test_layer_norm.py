@@ -175,4 +175,4 @@ def test_backward_checks_the_saved_statistics(backend, rng):
     with pytest.raises(ValueError, match="one value per row: 12"):
         F.layer_norm_backward(dy, x, 5, mean[:1, :1], rstd)
     with pytest.raises(ValueError, match="rstd must hold one value per row"):
-        F.rms_norm_backward(dy, x, 5, rstd[:2])
+        F.rms_norm_backward(dy, x, 5, rstd[:2, ...])
