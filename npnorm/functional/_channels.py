@@ -48,6 +48,16 @@ def running_update(xp: Namespace, running: Array, batch: Array, momentum: float)
     return cast(xp, new, running.dtype)
 
 
+def store_running(
+    running_mean: Array | None, running_var: Array | None, new_mean: Array | None, new_var: Array | None
+) -> None:
+    """Write updated running statistics into the caller's buffers, in place (what
+    ``torch.nn.functional.batch_norm``/``instance_norm`` do); no-op without buffers."""
+    if running_mean is not None and running_var is not None:
+        running_mean[...] = new_mean
+        running_var[...] = new_var
+
+
 def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -> int:
     """``x`` is (N, C, *) with at least ``min_ndim`` dims; return C (checked against ``num``)."""
     if x.ndim < min_ndim:

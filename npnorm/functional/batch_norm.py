@@ -15,6 +15,7 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    store_running,
 )
 from ._dispatch import generic, kernel
 
@@ -139,9 +140,8 @@ def batch_norm(
     y, _, _, new_mean, new_var = batch_norm_forward(
         input, running_mean, running_var, weight, bias, training, momentum, eps
     )
-    if training and running_mean is not None and running_var is not None:
-        running_mean[...] = new_mean
-        running_var[...] = new_var
+    if training:
+        store_running(running_mean, running_var, new_mean, new_var)
     return y
 
 

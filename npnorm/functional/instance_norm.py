@@ -15,6 +15,7 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    store_running,
 )
 from ._dispatch import generic, kernel
 
@@ -119,9 +120,8 @@ def instance_norm(
     y, _, _, new_mean, new_var = instance_norm_forward(
         input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
     )
-    if use_input_stats and running_mean is not None and running_var is not None:
-        running_mean[...] = new_mean
-        running_var[...] = new_var
+    if use_input_stats:
+        store_running(running_mean, running_var, new_mean, new_var)
     return y
 
 
