@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import randomize, step_and_compare
+from helpers import load_into_torch, randomize, step_and_compare
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,7 +36,7 @@ def test_parity_over_training_steps_then_eval(
     ours = getattr(npnorm, name)(c, 1e-5, momentum, affine, track, dtype=dtype, xp=backend.xp)
     ref = getattr(torch.nn, name)(c, 1e-5, momentum, affine, track, dtype=getattr(torch, dtype))
     randomize(ours, rng)
-    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    load_into_torch(torch, ours, ref)
     shape = (n, c, *spatial)
     if dtype == "float32" and n * int(np.prod(spatial)) == 2:
         # 2 values per channel: dx is pure cancellation (see test_group_norm), so float32
@@ -280,3 +280,12 @@ def test_float64_running_var_widens_the_computation(rng):
     rm, rv = np.zeros(2, np.float32), np.ones(2, np.float64)
     _, mean, rstd, _, new_rv = F.batch_norm_forward(x, rm, rv, training=True)
     assert mean.dtype == rstd.dtype == np.float64 and new_rv.dtype == np.float64
+
+
+def test_reset_running_stats(rng):
+    m = npnorm.BatchNorm1d(2)
+    m(rng.normal(size=(4, 2)).astype(np.float32))
+    m.reset_running_stats()
+    np.testing.assert_array_equal(m.running_mean, 0)
+    np.testing.assert_array_equal(m.running_var, 1)
+    assert int(m.num_batches_tracked) == 0

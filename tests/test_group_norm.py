@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import randomize, step_and_compare
+from helpers import load_into_torch, randomize, step_and_compare
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,7 +36,7 @@ def test_parity_with_torch(torch, backend, dtype, n, groups, per_group, spatial,
     ours = npnorm.GroupNorm(groups, c, eps, affine, dtype=dtype, xp=backend.xp)
     ref = torch.nn.GroupNorm(groups, c, eps, affine, dtype=getattr(torch, dtype))
     randomize(ours, rng)
-    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    load_into_torch(torch, ours, ref)
     for mode in (True, False):  # no running statistics: eval is the same computation
         ours.train(mode)
         ref.train(mode)

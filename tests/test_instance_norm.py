@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import randomize, step_and_compare
+from helpers import load_into_torch, randomize, step_and_compare
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,7 +34,7 @@ def test_parity_over_training_steps_then_eval(
     ours = getattr(npnorm, name)(c, 1e-5, momentum, affine, track, dtype=dtype, xp=backend.xp)
     ref = getattr(torch.nn, name)(c, 1e-5, momentum, affine, track, dtype=getattr(torch, dtype))
     randomize(ours, rng)
-    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    load_into_torch(torch, ours, ref)
     shape = ((n,) if n else ()) + (c, *spatial)
     for _ in range(steps):
         x = rng.normal(size=shape) * rng.uniform(0.5, 3) + rng.normal()

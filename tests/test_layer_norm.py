@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import snapshot
-from helpers import randomize, step_and_compare
+from helpers import load_into_torch, randomize, step_and_compare
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ def test_parity_with_torch(torch, backend, dtype, shape, eps, affine, bias, seed
     ours = npnorm.LayerNorm(norm, eps, affine, bias, dtype=dtype, xp=backend.xp)
     ref = torch.nn.LayerNorm(norm, eps, affine, bias, dtype=getattr(torch, dtype))
     randomize(ours, rng)
-    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    load_into_torch(torch, ours, ref)
     full = (*batch, *norm)
     x = rng.normal(size=full) * 3 + rng.normal()
     step_and_compare(torch, backend, ours, ref, x, rng.normal(size=full), dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import randomize, step_and_compare
+from helpers import load_into_torch, randomize, step_and_compare
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,7 +25,7 @@ def test_parity_with_torch(torch, backend, dtype, batch, norm, eps, affine, seed
     ours = npnorm.RMSNorm(norm, eps, affine, dtype=dtype, xp=backend.xp)
     ref = torch.nn.RMSNorm(norm, eps, affine, dtype=getattr(torch, dtype))
     randomize(ours, rng)
-    ref.load_state_dict({k: torch.as_tensor(backend.numpy(v)) for k, v in ours.state_dict().items()})
+    load_into_torch(torch, ours, ref)
     full = (*batch, *norm)
     step_and_compare(torch, backend, ours, ref, rng.normal(size=full) * 2, rng.normal(size=full), dtype)
 
