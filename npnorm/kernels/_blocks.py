@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, TypeVar
 
@@ -91,14 +92,14 @@ def chunks(R: int, B: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
-def run_chunks(work: Callable[[int, int], T], R: int, B: int) -> list[T]:
-    """``work(start, stop)`` over the chunks of ``R`` rows, in parallel; results in
-    chunk order. NumPy's floating-point error settings (``np.errstate``) are per
-    thread, so the caller's are applied in the workers too."""
+def run_chunks(work: Callable[[int, int], T], R: int, B: int, row: int = 0) -> list[T]:
+    """``work(start, stop)`` over the chunks of ``R`` rows, in parallel, in
+    ``loop_mode(row)``; results in chunk order. NumPy's floating-point error settings
+    (``np.errstate``) are per thread, so the caller's are applied in the workers too."""
     err = np.geterr()
 
     def task(start: int, stop: int) -> T:
-        with np.errstate(**err):
+        with np.errstate(**err), loop_mode(row):
             return work(start, stop)
 
     return run_parallel([partial(task, a, b) for a, b in chunks(R, B)])
@@ -114,29 +115,60 @@ def sum_in_order(partials: list[np.ndarray | None]) -> np.ndarray | None:
 
 
 # --- reductions over a block ---------------------------------------------------------
-# einsum's own loops rather than BLAS (matmul, vecdot): NumPy holds the GIL through a
-# BLAS call, and OpenBLAS runs a gemv this size on its own threads, which busy-wait
-# afterwards on the cores our threads need. einsum releases the GIL.
+# vecdot and vecmat are BLAS dot / gemv loops: one read of the block at full speed, with
+# the GIL released, and they keep their speed when two threads run them at once (an
+# axis-0 ``add.reduce`` or an ``einsum`` over a block ran 2-3x slower with two threads
+# than with one on the development machine). einsum is the fallback for NumPy < 2.0
+# (no vecdot) and < 2.2 (no vecmat).
+
+_HAS_VECDOT = hasattr(np, "vecdot")
+_HAS_VECMAT = hasattr(np, "vecmat")
 
 
 def rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks."""
-    return np.einsum("ij,ij->i", a, b, out=out)  # n
+    """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks (``b`` may be one (D,) row)."""
+    if _HAS_VECDOT:
+        return np.vecdot(a, b, out=out)  # n
+    return np.einsum("ij,...j->i", a, b, out=out)  # n
 
 
-def rowsum(a: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[i] = sum_j a[i, j]`` for an (n,D) block."""
-    return np.einsum("ij->i", a, out=out)  # n
-
-
-def colsum(a: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[j] = sum_i a[i, j]`` for an (n,D) block."""
-    return np.add.reduce(a, axis=0, out=out)  # D
+def rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j]`` for an (n,D) block; ``ones`` is (D,) of ones."""
+    return rowdot(a, ones, out)  # n
 
 
 def vecmat(v: np.ndarray, a: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[j] = sum_i v[i] * a[i, j]`` for an (n,) vector and an (n,D) block."""
+    if _HAS_VECMAT:
+        return np.vecmat(v, a, out=out)  # D
     return np.einsum("i,ij->j", v, a, out=out)  # D
+
+
+def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[j] = sum_i a[i, j]`` for an (n,D) block; ``ones`` has at least n ones."""
+    return vecmat(ones[: a.shape[0]], a, out)  # D
+
+
+# --- loop mode ------------------------------------------------------------------------
+# NumPy buffers a broadcast ``block * col[:, None]`` whose rows are shorter than its
+# buffer size (8192 elements), which makes it 1.5-3x slower than the unbuffered loop for
+# rows of a few hundred values and more. The kernels' workers set a minimal buffer size
+# while they run when rows are at least this long (the setting is per thread).
+UNBUFFERED_MIN_ROW = 256
+
+
+@contextmanager
+def loop_mode(row: int) -> Iterator[None]:
+    """Unbuffered NumPy loops in this thread for rows of ``row`` values (see
+    ``UNBUFFERED_MIN_ROW``); the previous buffer size is restored on exit."""
+    if row < UNBUFFERED_MIN_ROW:
+        yield
+        return
+    old = np.setbufsize(16)
+    try:
+        yield
+    finally:
+        np.setbufsize(old)
 
 
 def tiled(v: np.ndarray | None, B: int) -> np.ndarray | None:

@@ -106,6 +106,7 @@ def layer_norm_forward(
     rstd = np.empty(R, dtype=ct)  # R
     w = param(weight, D, ct)  # D
     b = param(bias, D, ct)  # D
+    ones = np.ones(D, dtype=ct)  # D
     B = block_rows(R, D, ct.itemsize)
     stage_x = needs_staging(x, ct)
     direct = y.dtype == ct  # compute in the output block itself
@@ -120,7 +121,7 @@ def layer_norm_forward(
             out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
             m = mean[a:e]  # n
             r = rstd[a:e]  # n
-            rowsum(xb, out=m)
+            rowsum(xb, ones, out=m)
             np.divide(m, D, out=m)  # mean
             np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
             rowdot(out, out, out=r)
@@ -136,7 +137,7 @@ def layer_norm_forward(
             if wbuf is not None:
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,D  to the input dtype
 
-    run_chunks(work, R, B)
+    run_chunks(work, R, B, D)
     batch = _batch(input, shape)
     return y, mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
 
@@ -173,6 +174,7 @@ def layer_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     rr = rstd_c * rstd_c / D  # R  rstd^2 / D
     w = param(weight, D, ct)  # D
+    ones = np.ones(D, dtype=ct)  # D
     dx = np.empty(input.shape, dtype=input.dtype)  # *,*shape
     dx2 = dx.reshape(R, D)  # R,D view of dx
     B = block_rows(R, D, ct.itemsize)
@@ -192,6 +194,7 @@ def layer_norm_backward(
         db_part = None if bias is None else np.zeros(D, dtype=ct)  # D
         kbuf = np.empty(B, dtype=ct)  # B
         mgbuf = np.empty(B, dtype=ct)  # B
+        ones_b = np.ones(B, dtype=ct)  # B
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = stage(x[a:e], xbuf)  # n,D
@@ -202,19 +205,20 @@ def layer_norm_backward(
             out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
             np.subtract(xb, mean_c[a:e, None], out=xc)  # n,D  x - mean
             if db_part is not None:
-                colsum(dyb, out=col)
+                colsum(dyb, ones_b, out=col)  # D  colsum(dy)
                 np.add(db_part, col, out=db_part)
-            if wt is not None and ubuf is not None and dw_part is not None:
+            if w is not None and wt is not None and ubuf is not None and dw_part is not None:
                 u = ubuf[:n]  # n,D
                 np.multiply(dyb, xc, out=u)  # n,D  dy * xc
                 vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
                 np.add(dw_part, col, out=dw_part)
-                rowdot(u, wt[:n], out=k)  # n  rowsum(g * xc)
+                rowdot(u, w, out=k)  # n  rowsum(g * xc)
+                rowdot(dyb, w, out=mg)  # n  rowsum(g)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
                 rowdot(dyb, xc, out=k)  # n  rowsum(g * xc)
+                rowsum(dyb, ones, out=mg)  # n  rowsum(g)
                 g = dyb  # n,D
-            rowsum(g, out=mg)
             np.divide(mg, D, out=mg)  # n  mean(g)
             np.multiply(k, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
             np.multiply(xc, k[:, None], out=xc)  # n,D
@@ -225,7 +229,7 @@ def layer_norm_backward(
                 np.copyto(dx2[a:e], out, casting="same_kind")  # n,D  to the input dtype
         return dw_part, db_part
 
-    partials = run_chunks(work, R, B)
+    partials = run_chunks(work, R, B, D)
     dweight = sum_in_order([p[0] for p in partials])
     dbias = sum_in_order([p[1] for p in partials])
     return dx, _to_dtype(dweight, weight), _to_dtype(dbias, bias)
@@ -274,7 +278,7 @@ def rms_norm_forward(
             if wbuf is not None:
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,D
 
-    run_chunks(work, R, B)
+    run_chunks(work, R, B, D)
     return y, rstd.reshape(_batch(input, shape))  # out, (*)
 
 
@@ -326,11 +330,11 @@ def rms_norm_backward(
             k = kbuf[:n]  # n
             u = ubuf[:n]  # n,D
             out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
-            if wt is not None and dw_part is not None:
+            if w is not None and wt is not None and dw_part is not None:
                 np.multiply(dyb, xb, out=u)  # n,D  dy * x
                 vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
                 np.add(dw_part, col, out=dw_part)
-                rowdot(u, wt[:n], out=k)  # n  rowsum(g * x)
+                rowdot(u, w, out=k)  # n  rowsum(g * x)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
                 rowdot(dyb, xb, out=k)  # n  rowsum(g * x)
@@ -343,5 +347,5 @@ def rms_norm_backward(
                 np.copyto(dx2[a:e], out, casting="same_kind")  # n,D
         return dw_part
 
-    partials = run_chunks(work, R, B)
+    partials = run_chunks(work, R, B, D)
     return dx, _to_dtype(sum_in_order(partials), weight)

@@ -18,7 +18,7 @@ once per sweep; the several NumPy calls on it then run from cache, each writing 
 the output block or a per-thread scratch block (``out=``). Besides the outputs a
 kernel holds a few blocks per thread and a few arrays of one value per row: no
 full-size temporary. Per-channel values reach a block through a ``_Ring`` (a slice,
-no gather), and per-row broadcasts run unbuffered (``_loop_mode``).
+no gather), and per-row broadcasts run unbuffered (``loop_mode`` in ``_blocks``).
 
 The passes ("sweep": one read of the inputs from memory):
 
@@ -60,8 +60,6 @@ is one block: memory then grows to a few such rows per thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -70,7 +68,7 @@ from .._backend import Namespace
 from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
-from ._blocks import blocks, needs_staging, param, run_chunks, stage
+from ._blocks import blocks, needs_staging, param, rowdot, rowsum, run_chunks, stage
 
 NS = "array_api_compat.numpy"
 
@@ -86,30 +84,6 @@ FOLD_LIMIT = 4.0
 # Arrays below this size that cannot be viewed as rows are copied whole (cheaper than
 # copying them block by block, sample by sample, when samples are small).
 SMALL_COPY_BYTES = 1 << 20
-# NumPy buffers a broadcast operation ``block * col[:, None]`` whose rows are shorter
-# than its buffer size (8192 elements), which makes it about 3x slower than the
-# unbuffered loop for rows of a few hundred elements and more. The kernels set a
-# minimal buffer size while they run when rows are at least this long.
-UNBUFFERED_MIN_ROW = 256
-
-
-# --- row reductions of a block ----------------------------------------------------------
-# vecdot is a BLAS dot per row: one read of the block at full speed. einsum is the
-# fallback for NumPy < 2 (no vecdot).
-
-_HAS_VECDOT = hasattr(np, "vecdot")
-
-
-def _rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,L) blocks (``b`` may be one (L,) row)."""
-    if _HAS_VECDOT:
-        return np.vecdot(a, b, out=out)  # n
-    return np.einsum("ij,...j->i", a, b, out=out)  # n
-
-
-def _rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[i] = sum_j a[i, j]`` for an (n,L) block, ``ones`` an (L,) array of ones."""
-    return _rowdot(a, ones, out)  # n
 
 
 # --- geometry, row access and scratch ---------------------------------------------------
@@ -205,30 +179,6 @@ def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
         return bool(np.all(np.abs(mean) * rstd <= FOLD_LIMIT))
 
 
-@contextmanager
-def _loop_mode(row: int) -> Iterator[None]:
-    """Unbuffered NumPy loops for per-row broadcasts over rows of ``row`` values (see
-    ``UNBUFFERED_MIN_ROW``); the buffer size is per thread, restored on exit."""
-    if row < UNBUFFERED_MIN_ROW:
-        yield
-        return
-    old = np.setbufsize(16)
-    try:
-        yield
-    finally:
-        np.setbufsize(old)
-
-
-def _run(work: Callable[[int, int], Any], R: int, B: int, row: int) -> list[Any]:
-    """``work`` over the thread chunks of R rows, each in ``_loop_mode(row)``."""
-
-    def task(start: int, stop: int) -> Any:
-        with _loop_mode(row):
-            return work(start, stop)
-
-    return run_chunks(task, R, B)
-
-
 def _grad(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
     """A gradient in the dtype of its parameter (None when there is no parameter)."""
     if g is None or like is None:
@@ -273,7 +223,7 @@ def _affine_sweep(
             if obuf is not None:
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,S  to the output dtype
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
 
 
 def _channel_forward(
@@ -317,12 +267,12 @@ def _row_moments(rows: _Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray
             xb = rows.read(a, e, xbuf)  # n,S
             xc = xcbuf[: e - a]  # n,S
             m = mean[a:e]  # n
-            _rowdot(xb, inv, out=m)  # row mean
+            rowdot(xb, inv, out=m)  # row mean
             np.subtract(xb, m[:, None], out=xc)  # n,S
-            _rowdot(xc, inv, out=resid[a:e])  # n  residual of the mean
-            _rowdot(xc, xc, out=m2[a:e])  # n  M2 about the rounded mean
+            rowdot(xc, inv, out=resid[a:e])  # n  residual of the mean
+            rowdot(xc, xc, out=m2[a:e])  # n  M2 about the rounded mean
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
     return mean, resid, m2
 
 
@@ -373,19 +323,19 @@ def _grad_sums_sweep(
         for a, e in blocks(start, stop, B):
             n = e - a
             dyb = rows_dy.read(a, e, dybuf)  # n,S
-            _rowsum(dyb, ones, out=sdy[a:e])  # n  sum(dy)
+            rowsum(dyb, ones, out=sdy[a:e])  # n  sum(dy)
             if sdx is not None:
                 xs = rows_x.read(a, e, xbuf)  # n,S
                 if center is not None and xcbuf is not None:
                     xs = np.subtract(xs, center.col(a, n), out=xcbuf[:n])  # n,S  x - mean
-                _rowdot(dyb, xs, out=sdx[a:e])  # n
+                rowdot(dyb, xs, out=sdx[a:e])  # n
             if dx2 is not None and a_coef is not None:
                 out = dx2[a:e] if obuf is None else obuf[:n]  # n,S
                 np.multiply(dyb, a_coef.col(a, n), out=out)  # n,S
                 if obuf is not None:
                     np.copyto(dx2[a:e], out, casting="same_kind")  # n,S
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
     return sdy, sdx
 
 
@@ -428,7 +378,7 @@ def _dx_sweep(
             if obuf is not None:
                 np.copyto(dx2[a:e], out, casting="same_kind")  # n,S
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
 
 
 def _channel_backward(
@@ -535,9 +485,9 @@ def _group_forward(
             out = y2[a:e] if obuf is None else obuf[:n]  # n,L
             out_c = out.reshape(n * k, S)  # n*k,S  channel rows
             m, r = mean[a:e], rstd[a:e]  # n, n
-            _rowdot(xb, inv, out=m)  # mean
+            rowdot(xb, inv, out=m)  # mean
             np.subtract(xb, m[:, None], out=out)  # n,L  xc = x - mean
-            _rowdot(out, out, out=r)
+            rowdot(out, out, out=r)
             np.divide(r, L, out=r)  # var
             if var is not None:
                 var[a:e] = r
@@ -554,7 +504,7 @@ def _group_forward(
             if obuf is not None:
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,L  to the output dtype
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
     return y, mean, rstd, var
 
 
@@ -618,13 +568,13 @@ def _group_backward(
             xs = xb if fold else np.subtract(xb, m[:, None], out=t)  # n,L
             dy_c = dyb.reshape(n * k, S)  # n*k,S  channel rows
             sdy, sdx = sdy_all[a * k : e * k], sdx_all[a * k : e * k]  # n*k, n*k
-            _rowsum(dy_c, ones, out=sdy)  # sum(dy)
-            _rowdot(dy_c, xs.reshape(n * k, S), out=sdx)  # sum(dy * xs)
+            rowsum(dy_c, ones, out=sdy)  # sum(dy)
+            rowdot(dy_c, xs.reshape(n * k, S), out=sdx)  # sum(dy * xs)
             sg, sgx, b_, c_ = sg_buf[:n], sgx_buf[:n], b_buf[:n], c_buf[:n]  # n each
             if w_ring is not None:
                 wb = w_ring.rows(a, n)  # n,k
-                _rowdot(wb, sdy.reshape(n, k), out=sg)  # sum(g)
-                _rowdot(wb, sdx.reshape(n, k), out=sgx)  # sum(g * xs)
+                rowdot(wb, sdy.reshape(n, k), out=sg)  # sum(g)
+                rowdot(wb, sdx.reshape(n, k), out=sgx)  # sum(g * xs)
             else:
                 np.add.reduce(sdy.reshape(n, k), axis=1, out=sg)
                 np.add.reduce(sdx.reshape(n, k), axis=1, out=sgx)
@@ -646,7 +596,7 @@ def _group_backward(
             if obuf is not None:
                 np.copyto(dx2[a:e], out, casting="same_kind")  # n,L
 
-    _run(work, R, B, S)
+    run_chunks(work, R, B, S)
     dweight = dbias = None
     if weight is not None:
         sdx3 = np.reshape(sdx_all, (N, G, k))  # N,G,k
