@@ -12,6 +12,7 @@ ratios come from one run, in one process. Timings are figures to read, not asser
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -22,6 +23,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -134,18 +136,59 @@ def _textbook_pair(spec: Spec) -> tuple[Callable[[np.ndarray], Any], Callable[[n
     return gn_forward, gn_backward
 
 
-def _median_ms(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+@dataclass(frozen=True)
+class _Impl:
+    """One implementation of a layer: ``forward()`` returns what ``backward`` needs (its
+    output is dropped otherwise), ``both()`` runs forward then backward; ``fb_arrays``
+    runs both and returns the arrays it produced (for the memory figure), or None."""
+
+    forward: Callable[[], Any]
+    backward: Callable[[Any], Any]
+    both: Callable[[], Any]
+    fb_arrays: Callable[[], tuple[np.ndarray, ...]] | None = None
 
 
-def _peak_extra(fb: Callable[[], Any], input_bytes: int) -> float:
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return 1e3 * (time.perf_counter() - t0), out
+
+
+def _round(impl: _Impl) -> dict[str, float]:
+    """One forward, one backward (of that forward) and one forward+backward, in ms."""
+    fwd, saved = _timed(impl.forward)
+    bwd, _ = _timed(partial(impl.backward, saved))
+    del saved
+    fb, _ = _timed(impl.both)
+    return {"fwd": fwd, "bwd": bwd, "fb": fb}
+
+
+Times = dict[str, dict[str, list[float]]]  # implementation -> figure -> ms per round
+
+
+def _interleaved(impls: dict[str, _Impl], copy: Callable[[], Any], reps: int) -> Times:
+    """Times of ``reps`` rounds (after one warm-up round). In each round every
+    implementation and the copy run once, in an order rotated from round to round, so
+    that a slow spell of a shared machine falls on all of them alike; ratios are then
+    taken round by round."""
+    names = list(impls)
+    times: Times = {n: {"fwd": [], "bwd": [], "fb": []} for n in names}
+    times["copy"] = {"copy": []}
+    for i in range(reps + 1):
+        k = i % len(names)
+        for name in ["copy", *names[k:], *names[:k]]:
+            if name == "copy":
+                t = {"copy": _timed(copy)[0]}
+            else:
+                t = _round(impls[name])
+            if i > 0:
+                for key, v in t.items():
+                    times[name][key].append(v)
+    return times
+
+
+def _peak_extra(fb: Callable[[], tuple[np.ndarray, ...]], input_bytes: int) -> float:
     """Peak traced memory of one forward+backward beyond the arrays it returns, x input size."""
     gc.collect()
     tracemalloc.start()
@@ -158,68 +201,61 @@ def _peak_extra(fb: Callable[[], Any], input_bytes: int) -> float:
     return (peak - kept) / input_bytes
 
 
-def _time_npnorm(spec: Spec, x: np.ndarray, dy: np.ndarray, reps: int) -> dict[str, float]:
+def _npnorm_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, generic: bool = False) -> _Impl:
+    """npnorm's module; with ``generic``, every call runs the generic kernels."""
     m = _ours(spec)
 
+    def mode() -> contextlib.AbstractContextManager[None]:
+        return generic_only() if generic else contextlib.nullcontext()
+
+    def forward() -> None:
+        with mode():
+            m(x)  # the module keeps what its backward needs
+
+    def backward(_: None) -> None:
+        with mode():
+            m.backward(dy)
+
     def fb() -> tuple[np.ndarray, ...]:
-        y = m(x)
-        return y, m.backward(dy), *m.grads.values()
+        with mode():
+            y = m(x)
+            dx = m.backward(dy)
+        grads = tuple(m.grads.values())
+        m.grads = {}  # fresh gradients each time, as the memory figure needs
+        return y, dx, *grads
 
-    out = {"fwd": _median_ms(lambda: m(x), reps)}
-    m(x)
-    out["bwd"] = _median_ms(lambda: m.backward(dy), reps)
-    out["fb"] = _median_ms(fb, reps)
-    m.zero_grad()
-    del m.grads  # measure without the accumulated grads
-    m.grads = {}
-    out["mem"] = _peak_extra(fb, x.nbytes)
-    return out
+    return _Impl(forward, backward, fb, fb)
 
 
-def _time_textbook(spec: Spec, x: np.ndarray, dy: np.ndarray, reps: int) -> dict[str, float]:
+def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
     fwd, bwd = _textbook_pair(spec)
-    out = {"fwd": _median_ms(lambda: fwd(x), reps)}
-    saved = fwd(x)
-    out["bwd"] = _median_ms(lambda: bwd(dy, saved), reps)
 
     def fb() -> tuple[np.ndarray, ...]:
         y = fwd(x)
         return (y[0], *bwd(dy, y))
 
-    out["fb"] = _median_ms(fb, reps)
-    out["mem"] = _peak_extra(fb, x.nbytes)
-    return out
+    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb, fb)
 
 
-def _time_torch(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray, reps: int) -> dict[str, float]:
+def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
     m = _torch_module(torch, spec)
     xt = torch.from_numpy(x).requires_grad_(True)
     dyt = torch.from_numpy(dy)
 
-    def fwd() -> Any:
-        return m(xt)
-
-    out = {"fwd": _median_ms(fwd, reps)}
-    y = m(xt)
-
-    def bwd() -> None:
+    def backward(y: Any) -> None:
         xt.grad = None
-        y.backward(dyt, retain_graph=True)
-
-    out["bwd"] = _median_ms(bwd, reps)
+        y.backward(dyt)
 
     def fb() -> None:
         xt.grad = None
         m(xt).backward(dyt)
 
-    out["fb"] = _median_ms(fb, reps)
-    return out
+    return _Impl(lambda: m(xt), backward, fb)
 
 
-def _copy_ms(x: np.ndarray, reps: int) -> float:
-    """Median time of copying ``x`` into a preallocated array: the memory roofline's unit."""
-    scratch = np.empty_like(x)
-    return _median_ms(lambda: np.copyto(scratch, x), reps)
+def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> float:
+    """Median over rounds of ``scale * num[i] / den[i]``."""
+    return statistics.median(scale * a / b for a, b in zip(num, den, strict=True))
 
 
 def machine() -> dict[str, Any]:
@@ -253,30 +289,37 @@ def run(quick: bool = False, reps: int | None = None, json_path: str | None = No
     for spec in specs:
         x = rng.standard_normal(spec.shape, dtype=np.float32)
         dy = rng.standard_normal(spec.shape, dtype=np.float32)
-        copy_ms = _copy_ms(x, reps)
-        results = {"npnorm fast": _time_npnorm(spec, x, dy, reps)}
-        with generic_only():
-            results["npnorm generic"] = _time_npnorm(spec, x, dy, reps)
-        results["textbook"] = _time_textbook(spec, x, dy, reps)
+        scratch = np.empty_like(x)
+        impls = {
+            "npnorm fast": _npnorm_impl(spec, x, dy),
+            "npnorm generic": _npnorm_impl(spec, x, dy, generic=True),
+            "textbook": _textbook_impl(spec, x, dy),
+        }
         if torch is not None:
-            results["torch"] = _time_torch(torch, spec, x, dy, reps)
-        for impl, r in results.items():
+            impls["torch"] = _torch_impl(torch, spec, x, dy)
+        times = _interleaved(impls, partial(np.copyto, scratch, x), reps)
+        memory = {n: _peak_extra(i.fb_arrays, x.nbytes) for n, i in impls.items() if i.fb_arrays}
+        copy = times["copy"]["copy"]
+        copy_ms = statistics.median(copy)
+        for impl in impls:
+            t = times[impl]
             row = {
                 "layer": spec.layer,
                 "shape": list(spec.shape),
                 "impl": impl,
-                "fwd_ms": r["fwd"],
-                "bwd_ms": r["bwd"],
-                "fb_ms": r["fb"],
+                "fwd_ms": statistics.median(t["fwd"]),
+                "bwd_ms": statistics.median(t["bwd"]),
+                "fb_ms": statistics.median(t["fb"]),
                 "copy_ms": copy_ms,
                 "copy_GBps": 2 * x.nbytes / copy_ms / 1e6,
-                "roofline_fwd": copy_ms / r["fwd"],
-                "roofline_fb": 2.5 * copy_ms / r["fb"],
-                "extra_memory_x_input": r.get("mem"),
-                "fb_vs_torch": r["fb"] / results["torch"]["fb"] if torch is not None else None,
+                "roofline_fwd": _median_ratio(copy, t["fwd"]),
+                "roofline_fb": _median_ratio(copy, t["fb"], 2.5),
+                "extra_memory_x_input": memory.get(impl),
+                "fb_vs_torch": _median_ratio(t["fb"], times["torch"]["fb"]) if torch is not None else None,
+                "times_ms": t,
             }
             rows.append(row)
-        _print_rows(rows[-len(results) :], spec)
+        _print_rows(rows[-len(impls) :], spec)
     _print_targets(rows)
     if json_path:
         with open(json_path, "w") as f:
