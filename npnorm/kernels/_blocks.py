@@ -29,7 +29,7 @@ from .._threads import get_num_threads, run_parallel
 
 T = TypeVar("T")
 
-BLOCK_BYTES = 256 * 1024  # one block in the computation dtype; a kernel uses up to ~6 per thread
+BLOCK_BYTES = 384 * 1024  # one block in the computation dtype; a kernel touches up to ~6 per thread
 MIN_BLOCKS_PER_THREAD = 4  # below this a thread's share does not pay for the hand-off
 
 
