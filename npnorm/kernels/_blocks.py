@@ -129,7 +129,7 @@ def rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks (``b`` may be one (D,) row)."""
     if _HAS_VECDOT:
         return np.vecdot(a, b, out=out)  # n
-    return np.einsum("ij,...j->i", a, b, out=out)  # n
+    return np.einsum("ij,ij->i" if b.ndim == 2 else "ij,j->i", a, b, out=out)  # n
 
 
 def rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:

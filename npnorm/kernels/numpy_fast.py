@@ -15,10 +15,12 @@ How they are fast (see ``_blocks`` for the blocking):
   block-sized scratch buffers reused for every block, or the output block itself;
 * weight and bias are tiled to block shape once per thread, so multiplying by them
   is one contiguous loop rather than one loop call per row;
-* row statistics are einsum reductions; column sums (dweight, dbias) go into
-  per-thread partial sums, added in thread order at the end;
+* row statistics are BLAS dot products per row (``vecdot``); column sums (dweight,
+  dbias) are ``vecmat`` products into per-thread partial sums, added in thread order
+  at the end;
+* per-row broadcasts (``block * rstd[:, None]``) run unbuffered (``loop_mode``);
 * the rows are split over threads (``npnorm._threads``): NumPy releases the GIL
-  inside ufuncs and einsum.
+  inside ufuncs and these reductions.
 
 The variance is two-pass, ``E[(x - E[x])^2]``, as in ``npnorm._stats``: a block's
 rows are in cache, so the second pass costs little.
