@@ -16,7 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time every layer against textbook NumPy and PyTorch")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     bench.add_argument("--json", metavar="FILE", help="save the figures as JSON")
-    bench.add_argument("--reps", type=int, default=None, help="timed repetitions per figure")
+    bench.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed rounds per shape, at least (default 3 quick, 5 full; full runs add rounds up to 10 s)",
+    )
     args = parser.parse_args(argv)
     if args.command == "bench":
         from ._bench import run as run_bench

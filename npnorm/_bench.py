@@ -45,6 +45,11 @@ TARGET_VS_TORCH = {
 }
 TARGET_ROOFLINE = 0.30
 TARGET_EXTRA_MEMORY = 0.25
+# Rounds per shape: at least ``reps``, and more, up to MAX_ROUNDS, until the shape has had
+# SECONDS of rounds (the full run; the quick one stops at ``reps``): medians of fast
+# layers then rest on a few dozen rounds, those of slow ones on ``reps``.
+SECONDS = 10.0
+MAX_ROUNDS = 50
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,6 @@ class _Impl:
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
     t0 = time.perf_counter()
     out = fn()
     return 1e3 * (time.perf_counter() - t0), out
@@ -167,24 +171,33 @@ def _round(impl: _Impl) -> dict[str, float]:
 Times = dict[str, dict[str, list[float]]]  # implementation -> figure -> ms per round
 
 
-def _interleaved(impls: dict[str, _Impl], copy: Callable[[], Any], reps: int) -> Times:
-    """Times of ``reps`` rounds (after one warm-up round). In each round every
+def _interleaved(impls: dict[str, _Impl], copy: Callable[[], Any], reps: int, seconds: float) -> Times:
+    """Times of at least ``reps`` rounds (after one warm-up round), more while the rounds
+    have taken less than ``seconds`` in all (at most ``MAX_ROUNDS``). In each round every
     implementation and the copy run once, in an order rotated from round to round, so
     that a slow spell of a shared machine falls on all of them alike; ratios are then
     taken round by round."""
     names = list(impls)
     times: Times = {n: {"fwd": [], "bwd": [], "fb": []} for n in names}
     times["copy"] = {"copy": []}
-    for i in range(reps + 1):
+    start = time.perf_counter()
+    i = 0
+    while i <= reps or (time.perf_counter() - start < seconds and i <= MAX_ROUNDS):
         k = i % len(names)
-        for name in ["copy", *names[k:], *names[:k]]:
-            if name == "copy":
-                t = {"copy": _timed(copy)[0]}
-            else:
-                t = _round(impls[name])
-            if i > 0:
-                for key, v in t.items():
-                    times[name][key].append(v)
+        gc.collect()  # once a round (with torch loaded a collection takes tens of ms), then
+        gc.disable()  # no collection inside a timed call
+        try:
+            for name in ["copy", *names[k:], *names[:k]]:
+                if name == "copy":
+                    t = {"copy": _timed(copy)[0]}
+                else:
+                    t = _round(impls[name])
+                if i > 0:
+                    for key, v in t.items():
+                        times[name][key].append(v)
+        finally:
+            gc.enable()
+        i += 1
     return times
 
 
@@ -297,13 +310,14 @@ def run(quick: bool = False, reps: int | None = None, json_path: str | None = No
         }
         if torch is not None:
             impls["torch"] = _torch_impl(torch, spec, x, dy)
-        times = _interleaved(impls, partial(np.copyto, scratch, x), reps)
+        times = _interleaved(impls, partial(np.copyto, scratch, x), reps, 0.0 if quick else SECONDS)
         memory = {n: _peak_extra(i.fb_arrays, x.nbytes) for n, i in impls.items() if i.fb_arrays}
         copy = times["copy"]["copy"]
         copy_ms = statistics.median(copy)
         for impl in impls:
             t = times[impl]
             row = {
+                "rounds": len(times["copy"]["copy"]),
                 "layer": spec.layer,
                 "shape": list(spec.shape),
                 "impl": impl,
@@ -336,7 +350,7 @@ def _print_rows(rows: list[dict[str, Any]], spec: Spec) -> None:
     first = rows[0]
     print(
         f"\n{spec.layer} {tuple(spec.shape)} float32   copy {first['copy_ms']:.2f} ms "
-        f"({first['copy_GBps']:.1f} GB/s read+write)"
+        f"({first['copy_GBps']:.1f} GB/s read+write); medians of {first['rounds']} rounds"
     )
     header = f"  {'impl':15} {'fwd ms':>8} {'bwd ms':>8} {'f+b ms':>8} {'f+b/torch':>9} "
     header += f"{'roof fwd':>8} {'roof f+b':>8} {'extra mem':>9}"
