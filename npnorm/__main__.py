@@ -1,6 +1,10 @@
 """``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``).
 
-``python -m npnorm bench [--quick] [--json FILE]``: time every layer (see ``npnorm._bench``).
+``python -m npnorm bench [--quick] [--json FILE] [--reps N]``: time every layer (see
+``npnorm._bench``).
+
+``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
+``npnorm._profile``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="timed rounds per shape, at least (default 3 quick, 5 full; full runs add rounds up to 10 s)",
     )
+    prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
+    prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
+    prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
     args = parser.parse_args(argv)
+    if args.command == "profile":
+        from ._profile import run as run_profile
+
+        run_profile(args.layers or None, reps=args.reps)
+        return 0
     if args.command == "bench":
         from ._bench import run as run_bench
 
