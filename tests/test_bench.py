@@ -26,3 +26,6 @@ def test_bench_quick_writes_every_figure(tmp_path):
         if r["impl"] != "torch":
             assert r["extra_memory_x_input"] is not None
     assert "targets for npnorm fast" in out.stdout
+    # the quick shapes are not the ones the targets are for: figures, no verdicts
+    assert "apply to the standard shapes" in out.stdout and "MISSED" not in out.stdout
+    assert "rounds" in out.stdout and all(r["rounds"] == 1 for r in data["rows"])
