@@ -144,13 +144,13 @@ def _textbook_pair(spec: Spec) -> tuple[Callable[[np.ndarray], Any], Callable[[n
 @dataclass(frozen=True)
 class _Impl:
     """One implementation of a layer: ``forward()`` returns what ``backward`` needs (its
-    output is dropped otherwise), ``both()`` runs forward then backward; ``fb_arrays``
-    runs both and returns the arrays it produced (for the memory figure), or None."""
+    output is dropped otherwise), ``both()`` runs forward then backward; with
+    ``measure_memory``, ``both()`` returns the arrays it produced (for the memory figure)."""
 
     forward: Callable[[], Any]
     backward: Callable[[Any], Any]
     both: Callable[[], Any]
-    fb_arrays: Callable[[], tuple[np.ndarray, ...]] | None = None
+    measure_memory: bool = True
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -234,10 +234,10 @@ def _npnorm_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, generic: bool = Fals
             y = m(x)
             dx = m.backward(dy)
         grads = tuple(m.grads.values())
-        m.grads = {}  # fresh gradients each time, as the memory figure needs
+        m.zero_grad()  # fresh gradients each time, as the memory figure needs
         return y, dx, *grads
 
-    return _Impl(forward, backward, fb, fb)
+    return _Impl(forward, backward, fb)
 
 
 def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
@@ -247,7 +247,7 @@ def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         y = fwd(x)
         return (y[0], *bwd(dy, y))
 
-    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb, fb)
+    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb)
 
 
 def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
@@ -263,7 +263,7 @@ def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         xt.grad = None
         m(xt).backward(dyt)
 
-    return _Impl(lambda: m(xt), backward, fb)
+    return _Impl(lambda: m(xt), backward, fb, measure_memory=False)
 
 
 def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> float:
@@ -311,13 +311,13 @@ def run(quick: bool = False, reps: int | None = None, json_path: str | None = No
         if torch is not None:
             impls["torch"] = _torch_impl(torch, spec, x, dy)
         times = _interleaved(impls, partial(np.copyto, scratch, x), reps, 0.0 if quick else SECONDS)
-        memory = {n: _peak_extra(i.fb_arrays, x.nbytes) for n, i in impls.items() if i.fb_arrays}
+        memory = {n: _peak_extra(i.both, x.nbytes) for n, i in impls.items() if i.measure_memory}
         copy = times["copy"]["copy"]
         copy_ms = statistics.median(copy)
         for impl in impls:
             t = times[impl]
             row = {
-                "rounds": len(times["copy"]["copy"]),
+                "rounds": len(copy),
                 "layer": spec.layer,
                 "shape": list(spec.shape),
                 "impl": impl,
