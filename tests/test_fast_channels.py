@@ -43,13 +43,13 @@ def config(threads: int = 2, block_bytes: int | None = None, small_copy: int | N
     """Thread count, block size and whole-copy limit for the block; restored after."""
     saved = (
         _threads.get_num_threads(),
-        fast.BLOCK_BYTES,
+        _blocks.BLOCK_BYTES,
         fast.SMALL_COPY_BYTES,
         _blocks.MIN_BLOCKS_PER_THREAD,
     )
     _threads.set_num_threads(threads)
     if block_bytes is not None:
-        fast.BLOCK_BYTES = block_bytes
+        _blocks.BLOCK_BYTES = block_bytes
         _blocks.MIN_BLOCKS_PER_THREAD = 1
     if small_copy is not None:
         fast.SMALL_COPY_BYTES = small_copy
@@ -57,7 +57,7 @@ def config(threads: int = 2, block_bytes: int | None = None, small_copy: int | N
         yield
     finally:
         _threads.set_num_threads(saved[0])
-        fast.BLOCK_BYTES, fast.SMALL_COPY_BYTES, _blocks.MIN_BLOCKS_PER_THREAD = saved[1:]
+        _blocks.BLOCK_BYTES, fast.SMALL_COPY_BYTES, _blocks.MIN_BLOCKS_PER_THREAD = saved[1:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:

@@ -33,8 +33,6 @@ partial sum per thread for each of dweight and dbias.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from .._backend import Namespace
@@ -51,6 +49,7 @@ from ._blocks import (
     rows_view,
     rowsum,
     run_chunks,
+    scratch,
     stage,
     sum_in_order,
     tiled,
@@ -64,11 +63,6 @@ Partials = tuple[np.ndarray | None, np.ndarray | None]
 
 def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
     return tuple(input.shape[: input.ndim - len(shape)])
-
-
-def _scratch(needed: bool, B: int, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
-    """A block-sized (B,D) buffer, allocated only when ``needed``."""
-    return np.empty((B, D), dtype=dtype) if needed else None
 
 
 def _to_dtype(p: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
@@ -114,8 +108,8 @@ def layer_norm_forward(
     direct = y.dtype == ct  # compute in the output block itself
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(stage_x, B, D, ct)  # B,D
-        wbuf = _scratch(not direct, B, D, ct)  # B,D
+        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        wbuf = scratch(not direct, B, D, ct)  # B,D
         wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -185,11 +179,11 @@ def layer_norm_backward(
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> Partials:
-        xbuf = _scratch(stage_x, B, D, ct)  # B,D
-        dybuf = _scratch(stage_dy, B, D, ct)  # B,D
+        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        dybuf = scratch(stage_dy, B, D, ct)  # B,D
         xcbuf = np.empty((B, D), dtype=ct)  # B,D
-        ubuf = _scratch(w is not None, B, D, ct)  # B,D
-        dbuf = _scratch(not direct, B, D, ct)  # B,D
+        ubuf = scratch(w is not None, B, D, ct)  # B,D
+        dbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
         col = np.empty(D, dtype=ct)  # D, one block's column sums
         dw_part = None if w is None else np.zeros(D, dtype=ct)  # D
@@ -261,8 +255,8 @@ def rms_norm_forward(
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(stage_x, B, D, ct)  # B,D
-        wbuf = _scratch(not direct, B, D, ct)  # B,D
+        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        wbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -317,10 +311,10 @@ def rms_norm_backward(
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> np.ndarray | None:
-        xbuf = _scratch(stage_x, B, D, ct)  # B,D
-        dybuf = _scratch(stage_dy, B, D, ct)  # B,D
+        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        dybuf = scratch(stage_dy, B, D, ct)  # B,D
         ubuf = np.empty((B, D), dtype=ct)  # B,D
-        dbuf = _scratch(not direct, B, D, ct)  # B,D
+        dbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
         col = np.empty(D, dtype=ct)  # D
         dw_part = None if w is None else np.zeros(D, dtype=ct)  # D

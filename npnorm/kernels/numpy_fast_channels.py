@@ -12,9 +12,9 @@ Layout. An input of shape (N, C, *spatial) is viewed as rows, S = prod(spatial):
   ``L = k*S`` values, each made of ``k`` channel rows of ``S`` values (InstanceNorm
   with input statistics is the case ``G = C``, ``k = 1``).
 
-The rows are processed in blocks of about ``BLOCK_BYTES`` (whole rows; at least one),
-split into one chunk per thread (``_blocks.run_chunks``). A block is read from memory
-once per sweep; the several NumPy calls on it then run from cache, each writing into
+The rows are processed in blocks of about ``_blocks.BLOCK_BYTES`` (whole rows; at
+least one), split into one chunk per thread (``_blocks.run_chunks``). A block is read
+from memory once per sweep; the several NumPy calls on it then run from cache, each writing into
 the output block or a per-thread scratch block (``out=``). Besides the outputs a
 kernel holds a few blocks per thread and a few arrays of one value per row: no
 full-size temporary. Per-channel values reach a block through a ``_Ring`` (a slice,
@@ -68,15 +68,10 @@ from .._backend import Namespace
 from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
-from ._blocks import blocks, needs_staging, param, rowdot, rowsum, run_chunks, stage
+from . import _blocks
+from ._blocks import blocks, needs_staging, param, rowdot, rowsum, run_chunks, scratch, stage
 
 NS = "array_api_compat.numpy"
-
-# Bytes of one block in the computation dtype. A thread works on up to four blocks at
-# once (input, gradient, scratch, output), which should stay in its core's L2 cache;
-# larger blocks mean fewer NumPy calls (each costs ~1-2 us). 192 KiB to 512 KiB measured
-# within noise of each other on the 2 MiB L2 of the development machine.
-BLOCK_BYTES = 384 * 1024
 
 # A mean is folded into the constant term when within this many standard deviations of
 # 0 (see ``_foldable``): the rounding error then grows by at most ~2*FOLD_LIMIT ulps.
@@ -137,14 +132,8 @@ class _Rows:
 
 
 def _block_rows(L: int, ct: np.dtype[Any]) -> int:
-    """Rows of L values per block (about ``BLOCK_BYTES``), at least one."""
-    return max(1, BLOCK_BYTES // (L * ct.itemsize))
-
-
-def _scratch(needed: bool, B: int, L: int, dtype: np.dtype[Any]) -> np.ndarray | None:
-    """A (B,L) scratch block of ``dtype`` (allocated once per thread and sweep), or None
-    unless ``needed``."""
-    return np.empty((B, L), dtype=dtype) if needed else None
+    """Rows of L values per block (about ``_blocks.BLOCK_BYTES``), at least one."""
+    return max(1, _blocks.BLOCK_BYTES // (L * ct.itemsize))
 
 
 class _Ring:
@@ -207,8 +196,8 @@ def _affine_sweep(
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(rows.staged, B, S, ct)  # B,S
-        obuf = _scratch(not direct, B, S, ct)  # B,S
+        xbuf = scratch(rows.staged, B, S, ct)  # B,S
+        obuf = scratch(not direct, B, S, ct)  # B,S
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = rows.read(a, e, xbuf)  # n,S
@@ -260,7 +249,7 @@ def _row_moments(rows: _Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray
     B = _block_rows(S, ct)
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(rows.staged, B, S, ct)  # B,S
+        xbuf = scratch(rows.staged, B, S, ct)  # B,S
         xcbuf = np.empty((B, S), dtype=ct)  # B,S
         inv = np.full(S, 1.0 / S, dtype=ct)  # S
         for a, e in blocks(start, stop, B):
@@ -315,10 +304,10 @@ def _grad_sums_sweep(
     direct = dx is None or dx.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        dybuf = _scratch(rows_dy.staged, B, S, ct)  # B,S
-        xbuf = _scratch(need_dot and rows_x.staged, B, S, ct)  # B,S
-        xcbuf = _scratch(need_dot and center is not None, B, S, ct)  # B,S
-        obuf = _scratch(dx2 is not None and not direct, B, S, ct)  # B,S
+        dybuf = scratch(rows_dy.staged, B, S, ct)  # B,S
+        xbuf = scratch(need_dot and rows_x.staged, B, S, ct)  # B,S
+        xcbuf = scratch(need_dot and center is not None, B, S, ct)  # B,S
+        obuf = scratch(dx2 is not None and not direct, B, S, ct)  # B,S
         ones = np.ones(S, dtype=ct)  # S
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -357,10 +346,10 @@ def _dx_sweep(
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(rows_x.staged, B, S, ct)  # B,S
-        dybuf = _scratch(rows_dy.staged, B, S, ct)  # B,S
+        xbuf = scratch(rows_x.staged, B, S, ct)  # B,S
+        dybuf = scratch(rows_dy.staged, B, S, ct)  # B,S
         tbuf = np.empty((B, S), dtype=ct)  # B,S
-        obuf = _scratch(not direct, B, S, ct)  # B,S
+        obuf = scratch(not direct, B, S, ct)  # B,S
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = rows_x.read(a, e, xbuf)  # n,S
@@ -475,8 +464,8 @@ def _group_forward(
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(rows.staged, B, L, ct)  # B,L
-        obuf = _scratch(not direct, B, L, ct)  # B,L
+        xbuf = scratch(rows.staged, B, L, ct)  # B,L
+        obuf = scratch(not direct, B, L, ct)  # B,L
         inv = np.full(L, 1.0 / L, dtype=ct)  # L
         scale = np.empty((B, k), dtype=ct)  # B,k
         for a, e in blocks(start, stop, B):
@@ -553,10 +542,10 @@ def _group_backward(
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = _scratch(rows_x.staged, B, L, ct)  # B,L
-        dybuf = _scratch(rows_dy.staged, B, L, ct)  # B,L
+        xbuf = scratch(rows_x.staged, B, L, ct)  # B,L
+        dybuf = scratch(rows_dy.staged, B, L, ct)  # B,L
         tbuf = np.empty((B, L), dtype=ct)  # B,L
-        obuf = _scratch(not direct, B, L, ct)  # B,L
+        obuf = scratch(not direct, B, L, ct)  # B,L
         ones = np.ones(S, dtype=ct)  # S
         sg_buf, sgx_buf, b_buf, c_buf = (np.empty(B, dtype=ct) for _ in range(4))  # B each
         for a, e in blocks(start, stop, B):
