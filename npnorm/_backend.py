@@ -109,12 +109,15 @@ def compute_dtype(xp: Namespace, *dtypes: Any) -> Any:
 
 def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     """Copy ``value`` (an array of any backend, a CPU torch tensor, a list or a
-    scalar) into a fresh array of ``xp``, optionally cast to ``dtype``."""
+    scalar) into a fresh array of ``xp``, optionally cast to ``dtype``.
+
+    The result never shares memory with ``value``: a CPU torch tensor or a NumPy
+    array is viewed by ``_to_host`` without a copy, so the copy is made here, always.
+    """
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
         out = xp.asarray(value, copy=True)
     else:
-        host = _to_host(value)
-        out = xp.asarray(host)
+        out = xp.asarray(_to_host(value), copy=True)
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out

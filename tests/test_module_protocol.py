@@ -135,3 +135,22 @@ def test_to_unknown_backend_is_a_clear_error():
 
 def test_repr():
     assert repr(npnorm.LayerNorm(4)) == "LayerNorm((4,), eps=1e-05, elementwise_affine=True)"
+
+
+@pytest.mark.parametrize("source", ["torch", "numpy"])
+def test_load_state_dict_copies_never_aliases(torch, source):
+    """Loading from CPU torch tensors or NumPy arrays of the module's dtype must copy:
+    a later in-place change on either side must not reach the other (PyTorch copies)."""
+    ref = torch.nn.BatchNorm2d(3)
+    ref.train()
+    ref(torch.randn(4, 3, 2, 2))  # non-trivial running stats and counter
+    state = ref.state_dict() if source == "torch" else {k: v.numpy() for k, v in ref.state_dict().items()}
+    ours = npnorm.BatchNorm2d(3)
+    ours.load_state_dict(state)
+    for k, v in ref.state_dict().items():
+        assert not np.shares_memory(getattr(ours, k), v.numpy()), k
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    ours.weight += 1.0  # in place on the npnorm side
+    ref(torch.randn(4, 3, 2, 2))  # a torch training step moves torch's buffers in place
+    assert torch.equal(ref.weight.detach(), before["weight"])
+    np.testing.assert_array_equal(ours.running_mean, before["running_mean"].numpy())
