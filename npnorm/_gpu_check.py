@@ -61,6 +61,8 @@ def versions() -> dict[str, str]:
         try:
             module = __import__(name)
             found[name] = str(getattr(module, "__version__", "?"))
+            if name == "npnorm":  # the installed copy or the source tree: which one ran
+                found[name] += f" ({os.path.dirname(str(module.__file__))})"
         except Exception as err:  # a package that is there but does not import is worth reporting
             found[name] = f"import fails: {type(err).__name__}: {err}"
     return found
@@ -290,7 +292,8 @@ def write_report(out: Path, result: dict[str, Any]) -> tuple[Path, Path]:
             "float32; f+b GB/s counts 5 x the input's bytes (forward reads x, writes y; backward reads "
             "x and dy, writes dx); 'of copy' is that bandwidth over the device-to-device copy's "
             "(2 x bytes); 'vs torch' the median per-round ratio of f+b times; err: largest "
-            "difference from torch relative to max(1, |torch|).",
+            "difference from the reference (torch; npnorm generic where torch is absent) relative "
+            "to max(1, |reference|), after one forward+backward.",
             "",
         ]
         lines += _md_bench_table(st.get("rows", [])) if st.get("rows") else ["(no rows)"]
