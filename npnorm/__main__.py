@@ -5,6 +5,9 @@
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
 ``npnorm._profile``).
+
+``python -m npnorm gpu-check OUT_DIR``: on a GPU machine, the cupy tests, the main job and a GPU
+benchmark, with a report written into OUT_DIR (see ``npnorm._gpu_check``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,36 @@ def main(argv: list[str] | None = None) -> int:
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
     prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
+    gpu = sub.add_parser("gpu-check", help="cupy tests, main job and GPU benchmark, with a report")
+    gpu.add_argument("out_dir", metavar="OUT_DIR", help="folder for the report and logs (created)")
+    gpu.add_argument(
+        "--stages", default="tests,main,bench", help="comma-separated, of tests,main,bench (default all)"
+    )
+    gpu.add_argument("--quick", action="store_true", help="benchmark the small shapes of bench --quick")
+    gpu.add_argument("--rounds", type=int, default=10, help="timed benchmark rounds per shape (default 10)")
+    for stage in ("tests", "main", "bench"):
+        gpu.add_argument(f"--{stage}-timeout", type=float, help=f"seconds the {stage} stage may take")
+    gpu.add_argument(
+        "--stand-in", action="store_true", help="run on the CPU (a test of the script; no GPU figures)"
+    )
     args = parser.parse_args(argv)
+    if args.command == "gpu-check":
+        from ._gpu_check import STAGES
+        from ._gpu_check import run as run_gpu_check
+
+        stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown or not stages:
+            parser.error(f"--stages: expected a subset of {','.join(STAGES)}, got {args.stages!r}")
+        timeouts = {s: getattr(args, f"{s}_timeout") for s in STAGES}
+        return run_gpu_check(
+            args.out_dir,
+            stages=stages,
+            timeouts=timeouts,
+            quick=args.quick,
+            rounds=args.rounds,
+            stand_in=args.stand_in,
+        )
     if args.command == "profile":
         from ._profile import run as run_profile
 

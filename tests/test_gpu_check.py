@@ -1,0 +1,230 @@
+"""``python -m npnorm gpu-check`` and ``tools/gpu_check.sh`` without a GPU: argument handling,
+the no-GPU path, the report, and the benchmark's code path with NumPy standing in for CuPy
+(a wall-clock timer for the CUDA events). No timing is asserted: only that every figure is
+there and consistent."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npnorm import _gpu_bench, _gpu_check
+from npnorm.__main__ import main
+from npnorm._bench import Spec
+from npnorm.functional import _dispatch
+
+REPO = Path(__file__).resolve().parent.parent
+WRAPPER = REPO / "tools" / "gpu_check.sh"
+LAYERS = {"LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d"}
+TINY = [
+    Spec("LayerNorm", (2, 3, 16)),
+    Spec("RMSNorm", (2, 3, 16)),
+    Spec("BatchNorm2d", (2, 32, 3, 3)),
+    Spec("GroupNorm", (2, 32, 3, 3)),
+    Spec("InstanceNorm2d", (2, 32, 3, 3)),
+]
+
+
+def _wrapper(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(
+        ["bash", str(WRAPPER), *args], capture_output=True, text=True, env=full_env, timeout=300, check=False
+    )
+
+
+def _device_limits_hold(folder: Path) -> None:
+    """What the GPU machine's tool brings back: at most 8 files, plainly named."""
+    files = [p for p in folder.iterdir() if p.is_file()]
+    assert len(files) <= 8, files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", p.name) for p in files), files
+
+
+def test_wrapper_rejects_a_missing_or_misplaced_out_dir():
+    out = _wrapper()
+    assert out.returncode == 2 and "missing OUT_DIR" in out.stderr and "usage:" in out.stderr
+    out = _wrapper("--quick")
+    assert out.returncode == 2 and "must be OUT_DIR" in out.stderr
+    out = _wrapper("--help")
+    assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_wrapper_without_a_gpu_says_why_and_exits_2(tmp_path):
+    # no device visible: CuPy, where installed, finds none; where not, the check says so
+    out = _wrapper(str(tmp_path / "out"), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no GPU can be used" in out.stderr or "finds no" in out.stderr, out.stderr
+    report = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "no GPU:" in report and "exit status 2" in report
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert data["exit_status"] == 2 and data["stages"] == {}
+    assert "array_api_compat: already there" in (tmp_path / "out" / "install.log").read_text()
+    _device_limits_hold(tmp_path / "out")
+
+
+def test_gpu_check_rejects_unknown_stages(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["gpu-check", str(tmp_path), "--stages", "tests,speed"])
+    assert exc.value.code == 2 and "--stages" in capsys.readouterr().err
+
+
+def _fake_cupy(count=None, error=None) -> types.ModuleType:
+    def device_count() -> int:
+        if error is not None:
+            raise error
+        return count
+
+    cupy = types.ModuleType("cupy")
+    cupy.__spec__ = importlib.machinery.ModuleSpec("cupy", None)
+    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=device_count))
+    return cupy
+
+
+def test_gpu_info_says_why_there_is_no_gpu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed
+    with pytest.raises(_gpu_bench.NoGPU, match="CuPy is not installed"):
+        _gpu_bench.gpu_info()
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(error=RuntimeError("no CUDA-capable device")))
+    with pytest.raises(_gpu_bench.NoGPU, match="no usable CUDA GPU: RuntimeError: no CUDA-capable device"):
+        _gpu_bench.gpu_info()
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(count=0))
+    with pytest.raises(_gpu_bench.NoGPU, match="device count 0"):
+        _gpu_bench.gpu_info()
+
+
+def test_bench_stand_in_measures_every_layer_against_torch_and_the_copy(tmp_path):
+    device = _gpu_bench.Device.cpu_stand_in()
+    path = tmp_path / "bench.json"
+    result = _gpu_bench.run(device, TINY, rounds=2, warmup=1, json_path=str(path), log=lambda _: None)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    assert result["complete"] and result["stand_in"] and result["timer"] == "wall clock (stand-in)"
+    rows = result["rows"]
+    torch_there = device.torch is not None
+    expected = {"npnorm generic", "npnorm"} | ({"torch cpu"} if torch_there else set())
+    assert {r["layer"] for r in rows} == LAYERS
+    for layer in LAYERS:
+        assert {r["impl"] for r in rows if r["layer"] == layer} == expected
+    for r in rows:
+        nbytes = 4 * int(np.prod(r["shape"]))
+        for key in ("fwd_ms", "bwd_ms", "fb_ms", "copy_ms", "fb_GBps", "copy_GBps", "fb_of_copy"):
+            assert r[key] > 0, (r["impl"], key)
+        assert r["fb_GBps"] == pytest.approx(5 * nbytes / r["fb_ms"] / 1e6)
+        assert r["copy_GBps"] == pytest.approx(2 * nbytes / r["copy_ms"] / 1e6)
+        assert (r["fb_vs_torch"] is not None) == torch_there
+        assert r["max_error_vs"] == ("torch cpu" if torch_there else "npnorm generic")
+        assert r["max_error_y"] < 1e-5 and r["max_error_dx"] < 1e-5, r
+
+
+def test_bench_generic_rows_run_the_generic_kernels(monkeypatch):
+    device = _gpu_bench.Device.cpu_stand_in()
+    spec = Spec("LayerNorm", (2, 3, 16))
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((2, 2, 3, 16), dtype=np.float32)
+    impls = _gpu_bench.impls_for(device, spec, x, dy)
+    y_fast, dx_fast = impls["npnorm"].both()  # loads NumPy's specialized kernels
+
+    def boom(*args, **kwargs):
+        raise AssertionError("a specialized kernel ran")
+
+    monkeypatch.setattr(_dispatch, "_SPECIALIZED", dict.fromkeys(_dispatch._SPECIALIZED, boom))
+    y, dx = impls["npnorm generic"].both()
+    np.testing.assert_allclose(y, y_fast, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dx_fast, rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError, match="specialized kernel ran"):
+        impls["npnorm"].both()
+
+
+def test_stage_limit_stops_a_hung_stage_and_says_so(tmp_path):
+    res = _gpu_check._run_logged(
+        [sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "s.log", 0.5
+    )
+    assert res["timed_out"] and res["returncode"] is None and res["seconds"] < 20
+    assert "stopped after the stage's limit" in (tmp_path / "s.log").read_text()
+
+
+def _result(stand_in: bool) -> dict:
+    row = {
+        "layer": "LayerNorm",
+        "shape": [8, 2048, 4096],
+        "impl": "npnorm generic",
+        "rounds": 10,
+        "fwd_ms": 1.0,
+        "bwd_ms": 2.0,
+        "fb_ms": 3.0,
+        "fb_GBps": 447.0,
+        "copy_ms": 0.12,
+        "copy_GBps": 4474.0,
+        "fb_of_copy": 0.1,
+        "fb_vs_torch": 4.5,
+        "max_error_vs": "torch cuda",
+        "max_error_y": 1e-7,
+        "max_error_dx": 2e-7,
+    }
+    tests = {"status": "FAILED", "passed": 50, "cupy_passed": 49, "failed": 2, "errors": 0, "skipped": 9}
+    tests |= {"failed_ids": ["tests.test_layer_norm::test_x[cupy]"], "skip_reasons": {"why": 9}}
+    tests |= {"note": "2 failed, 0 errors", "log": "pytest_cupy.log"}
+    main_job = {"status": "passed", "backends": ["cupy", "numpy"], "cupy_rows": 11, "log": "main_job.log"}
+    bench = {"status": "passed", "rows": [row], "timer": "CUDA events", "log": "gpu_bench.log"}
+    return {
+        "started": "then",
+        "stand_in": stand_in,
+        "environment": {"python": "3.12.3", "cupy": "14.2.0"},
+        "device": {"device": "Some GPU"},
+        "stages": {"tests": tests, "main": main_job, "bench": bench},
+        "exit_status": 1,
+    }
+
+
+@pytest.mark.parametrize("stand_in", [False, True])
+def test_report_states_each_stage_and_the_figures(tmp_path, stand_in):
+    (tmp_path / "pytest_cupy.log").write_text("line 1\nFAILED tests/test_layer_norm.py::test_x[cupy]\n")
+    md_path, json_path = _gpu_check.write_report(tmp_path, _result(stand_in))
+    md = md_path.read_text()
+    assert json.loads(json_path.read_text()) == _result(stand_in)
+    assert ("CPU STAND-IN" in md.splitlines()[0]) == stand_in
+    summary = _gpu_check.summary(_result(stand_in)).splitlines()
+    assert summary == [
+        "tests: FAILED (50 passed, 49 of them on cupy, 2 failed, 0 errors, 9 skipped): 2 failed, 0 errors",
+        "main: passed (backends: cupy, numpy; cupy rows: 11)",
+        "bench: passed (1 rows; timer: CUDA events)",
+    ]
+    assert all(line in md for line in summary)
+    assert "- failed: `tests.test_layer_norm::test_x[cupy]`" in md and "- skipped 9: why" in md
+    assert "| LayerNorm (8, 2048, 4096) | npnorm generic | 1.000 | 2.000 | 3.000 | 447 | 10% | 4.50x |" in md
+    assert (
+        "### End of `pytest_cupy.log`" in md and "FAILED tests/test_layer_norm.py" in md
+    )  # a failed log's tail
+    _device_limits_hold(tmp_path)
+
+
+def test_gpu_check_stand_in_runs_every_stage_and_claims_no_gpu(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "npnorm", "gpu-check", str(out), "--stand-in", "--quick", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        check=False,
+    )
+    # on the CPU no case runs on cupy and the main job has no cupy rows: the check fails, as it must
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    data = json.loads((out / "gpu_check.json").read_text())
+    tests, main_job, bench = (data["stages"][s] for s in ("tests", "main", "bench"))
+    assert tests["status"] == "FAILED" and tests["cupy_passed"] == 0 and tests["skipped"] > 0
+    assert "no case ran on the cupy backend" in tests["note"]
+    assert main_job["all_passed"] and {"numpy", "array_api_strict"} <= set(main_job["backends"])
+    assert main_job["status"] == "FAILED" and main_job["cupy_rows"] == 0
+    assert bench["status"] == "passed" and {r["layer"] for r in bench["rows"]} == LAYERS
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# npnorm gpu-check: CPU STAND-IN, no GPU")
+    assert (out / "pytest_cupy.log").exists() and (out / "main_job.log").exists()
+    _device_limits_hold(out)
