@@ -185,6 +185,45 @@ def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, seed):
             np.testing.assert_allclose(total, g_ref, rtol=0, atol=tol * scale, err_msg=k)
 
 
+def test_finite_differences_of_the_loss_over_every_rank():
+    # loss = sum over ranks of sum(y_r * dy_r): its derivative in any rank's x (and in the
+    # shared weight and bias, summed over ranks) is what the ranks' backward returns
+    rng = np.random.default_rng(2)
+    splits = np.cumsum([0, 2, 1, 0])
+    x, dy = rng.normal(size=(3, 2, 2)) * 2 + 1, rng.normal(size=(3, 2, 2))
+    w, b = rng.uniform(0.5, 1.5, 2), rng.normal(size=2)
+
+    def run(x, w, b, backward=False):
+        def rank_fn(comm):
+            m = npnorm.SyncBatchNorm(2, comm=comm, dtype="float64")
+            m.weight, m.bias = w.copy(), b.copy()
+            lo, hi = splits[comm.Get_rank()], splits[comm.Get_rank() + 1]
+            y = m(x[lo:hi])
+            if not backward:
+                return float(np.sum(y * dy[lo:hi]))
+            return m.backward(dy[lo:hi]), m.grads["weight"], m.grads["bias"]
+
+        return run_ranks(3, rank_fn)
+
+    results = run(x, w, b, backward=True)
+    dx = np.concatenate([r[0] for r in results])
+    dw, db = sum(r[1] for r in results), sum(r[2] for r in results)
+    h = 1e-6
+
+    def numeric(arrays, which, index):
+        plus = [a.copy() for a in arrays]
+        minus = [a.copy() for a in arrays]
+        plus[which][index] += h
+        minus[which][index] -= h
+        return (sum(run(*plus)) - sum(run(*minus))) / (2 * h)
+
+    for index in np.ndindex(x.shape):
+        assert abs(numeric([x, w, b], 0, index) - dx[index]) < 1e-6, index
+    for c in range(2):
+        assert abs(numeric([x, w, b], 1, c) - dw[c]) < 1e-6
+        assert abs(numeric([x, w, b], 2, c) - db[c]) < 1e-6
+
+
 def test_the_merge_weights_ranks_by_their_counts():
     # rank 0: 1 value (10), rank 1: 3 values (0, 0, 0); the global mean is 2.5, not (10 + 0)/2
     x = [np.full((1, 1), 10.0), np.zeros((3, 1))]
