@@ -20,6 +20,7 @@ from .modules import (
     LayerNorm,
     Module,
     RMSNorm,
+    SyncBatchNorm,
 )
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "LayerNorm",
     "Module",
     "RMSNorm",
+    "SyncBatchNorm",
     "__version__",
     "functional",
     "get_num_threads",

@@ -13,6 +13,7 @@ from .group_norm import group_norm, group_norm_backward, group_norm_forward
 from .instance_norm import instance_norm, instance_norm_backward, instance_norm_forward
 from .layer_norm import layer_norm, layer_norm_backward, layer_norm_forward
 from .rms_norm import rms_norm, rms_norm_backward, rms_norm_forward
+from .sync_batch_norm import sync_batch_norm_backward, sync_batch_norm_forward
 
 __all__ = [
     "batch_norm",
@@ -30,4 +31,6 @@ __all__ = [
     "rms_norm",
     "rms_norm_backward",
     "rms_norm_forward",
+    "sync_batch_norm_backward",
+    "sync_batch_norm_forward",
 ]

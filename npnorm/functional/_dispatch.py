@@ -25,7 +25,11 @@ _DISABLED: set[str] = set()
 # Modules holding the specialized kernels of a namespace, imported the first time an
 # array of that namespace is seen (so `import npnorm` stays light).
 _PROVIDERS: dict[str, tuple[str, ...]] = {
-    "array_api_compat.numpy": ("npnorm.kernels.numpy_fast", "npnorm.kernels.numpy_fast_channels"),
+    "array_api_compat.numpy": (
+        "npnorm.kernels.numpy_fast",
+        "npnorm.kernels.numpy_fast_channels",
+        "npnorm.kernels.numpy_fast_sync",
+    ),
 }
 _LOADED: set[str] = set()
 _LOCK = threading.Lock()

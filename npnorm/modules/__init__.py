@@ -6,6 +6,7 @@ from .group_norm import GroupNorm
 from .instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "BatchNorm1d",
@@ -19,4 +20,5 @@ __all__ = [
     "LayerNorm",
     "Module",
     "RMSNorm",
+    "SyncBatchNorm",
 ]

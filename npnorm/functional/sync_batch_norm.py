@@ -1,0 +1,374 @@
+"""SyncBatchNorm: BatchNorm whose training statistics span every rank of an MPI communicator.
+
+Ioffe & Szegedy (2015), https://arxiv.org/abs/1502.03167; the merge of per-rank
+statistics is Chan, Golub & LeVeque (1979), "Updating formulae and a pairwise
+algorithm for computing sample variances".
+
+Each rank holds a slice of the global batch. A training step computes, per channel,
+the rank's count, mean and M2 (sum of squared deviations, two-pass), exchanges them
+(one allgather of a float64 payload) and merges them in rank order, so every rank
+normalizes with the same global statistics, bitwise. The normalization itself is
+BatchNorm's with those statistics as constants (``batch_norm_forward`` with
+``training=False``, so the fast NumPy kernels serve it). The backward sums
+``[sum(dy), sum(dy*(x - mean))]`` over ranks (one all-reduce) and takes ``dx`` with
+the global count; ``dweight``/``dbias`` stay the rank's own sums. See the README's
+"SyncBatchNorm" math section for the derivation.
+
+Errors are collective: a training step starts with one small fixed-size exchange
+(ok-flag, channels, local count, dtype), so that every rank raises the same error
+instead of one rank raising while the others wait in a collective forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import numpy as np
+
+from .._backend import FLOAT_NAMES, Array, Namespace, to_host, to_namespace
+from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
+from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
+from .._stats import moments, xhat_from
+from ._channels import (
+    as_ncs,
+    check_buffers_paired,
+    check_channels,
+    check_momentum,
+    check_per_channel,
+    running_update,
+)
+from ._dispatch import generic, kernel
+from .batch_norm import batch_norm_backward, batch_norm_forward
+
+_WHAT = "sync_batch_norm"
+
+
+def sync_batch_norm_forward(
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    comm: Comm | None = None,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    r"""SyncBatchNorm forward: :func:`batch_norm_forward` with the statistics of the
+    global batch, the union of every rank's ``input``.
+
+    Training, with rank ``r`` holding ``n_r`` values of channel ``c`` (``N*prod(spatial)``)
+    of mean :math:`\mu_r` and :math:`M2_r = \sum (x - \mu_r)^2`, merged in rank order
+    (Chan et al.), empty ranks skipped:
+
+    .. math::
+        n = n_a + n_b,\quad \delta = \mu_b - \mu_a,\quad
+        \mu = \mu_a + \delta\,\frac{n_b}{n},\quad
+        M2 = M2_a + M2_b + \delta^2\,\frac{n_a n_b}{n}
+
+    then :math:`y = (x - \mu)/\sqrt{M2/n + \epsilon}\cdot w + b` on the local slice, and
+    the running variance takes the global unbiased variance :math:`M2/(n - 1)`.
+    Inference (``training=False``) and a communicator of one rank make no collective
+    call: this is then :func:`batch_norm_forward` exactly.
+
+    Every rank must call this collectively (empty ranks included: they return empty
+    outputs). Errors are collective: a bad input on any rank, channel counts or dtypes
+    that differ across ranks, or a global count of 0 or 1 values per channel raise the
+    same ``ValueError`` (``TypeError`` for a non-floating or mixed-backend input) on
+    every rank, with the same message.
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial); N may differ across ranks, and be 0
+    running_mean, running_var : arrays of shape (C,), or None
+    weight, bias : arrays of shape (C,), optional
+    training : bool
+    momentum : float
+    eps : float
+    comm : mpi4py intracommunicator, keyword-only
+        Default ``MPI.COMM_WORLD`` (mpi4py is imported only when training needs it).
+
+    Returns
+    -------
+    output, mean, rstd, new_running_mean, new_running_var
+        As :func:`batch_norm_forward`; ``mean`` and ``rstd`` (the global statistics,
+        identical on every rank) are what :func:`sync_batch_norm_backward` needs.
+    """
+    if not training:
+        return batch_norm_forward(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    comm = resolve_comm(comm)
+    if int(comm.Get_size()) == 1:
+        return batch_norm_forward(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    return synced_forward(comm, input, running_mean, running_var, weight, bias, momentum, eps, _WHAT)
+
+
+def sync_batch_norm_backward(
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    training: bool = True,
+    *,
+    comm: Comm | None = None,
+) -> tuple[Array, Array | None, Array | None]:
+    r"""SyncBatchNorm backward from the upstream gradient and the saved global statistics.
+
+    With :math:`\hat{x} = (x - \mu_c)\,\mathrm{rstd}_c`, ``dxhat`` :math:`= dy\cdot w_c`
+    and :math:`\sum_G` a sum over the ``n`` values of channel ``c`` on *every* rank
+    (one all-reduce of :math:`[\sum dy, \sum dy\,(x - \mu_c)]` per channel):
+
+    .. math::
+        dx = \mathrm{rstd}_c\Big(\mathrm{dxhat}
+             - \frac{w_c}{n}\sum_G dy
+             - \hat{x}\,\frac{w_c\,\mathrm{rstd}_c}{n}\sum_G dy\,(x - \mu_c)\Big)
+
+    and :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy` over this rank's values
+    only: their sum over ranks is single-process BatchNorm's (a data-parallel optimizer
+    sums or averages them). ``training=False`` (or one rank) is
+    :func:`batch_norm_backward` exactly, with no collective call.
+
+    Called collectively, with ``mean``/``rstd`` as :func:`sync_batch_norm_forward`
+    returned them on the same communicator (so the same C on every rank); a bad
+    ``grad_output`` (or other argument) on any rank raises the same error on every rank.
+    """
+    if not training:
+        return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, False)
+    comm = resolve_comm(comm)
+    if int(comm.Get_size()) == 1:
+        return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
+    return synced_backward(comm, grad_output, input, mean, rstd, weight, bias, _WHAT)
+
+
+# --- the synchronized paths (also the module's) ------------------------------------------
+
+
+def synced_forward(
+    comm: Comm,
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None,
+    bias: Array | None,
+    momentum: float,
+    eps: float,
+    what: str,
+    local_error: Exception | None = None,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    """The training forward over a communicator of several ranks.
+
+    ``local_error`` is an error the caller's own checks found on this rank (the
+    module's); it is raised collectively like the checks made here.
+    """
+    error = local_error
+    header = np.array([0, -1, -1, -1], dtype=np.int64)  # ok, C, values per channel, dtype
+    if error is None:
+        try:
+            eps = check_eps(eps)
+            momentum = check_momentum(momentum)
+            xp = float_inputs(
+                input, running_mean, running_var, weight, bias,
+                names=("input", "running_mean", "running_var", "weight", "bias"),
+            )  # fmt: skip
+            c = check_channels(input, None, what)
+            check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+            check_buffers_paired(running_mean, running_var)
+            n_local = int(input.shape[0]) * prod(input.shape[2:])  # values per channel here
+            header = np.array([1, c, n_local, _dtype_code(xp, input.dtype)], dtype=np.int64)
+        except (TypeError, ValueError) as err:
+            error = err
+    table = allgather(comm, header)  # P,4: the one fixed-size exchange of the step
+    if not table[:, 0].all():  # some rank failed its checks: every rank knows, every rank raises
+        raise_collectively(comm, error, what)
+    _check_across_ranks(table, what)
+
+    # local (count, mean, M2) per channel, two-pass, in the computation dtype
+    ct = work_dtype(xp, input, weight, bias, running_mean, running_var)  # float32 at least
+    payload = np.zeros(1 + 2 * c, dtype=np.float64)  # n, mean (C), M2 (C)
+    if n_local > 0:
+        mean_r, var_r = kernel("sync_batch_norm_moments", xp)(xp, input, ct)  # C, C
+        payload[0] = n_local
+        payload[1 : 1 + c] = to_host(mean_r)  # staged through host memory
+        payload[1 + c :] = to_host(var_r).astype(np.float64) * n_local  # M2 = n * var
+    n, mean64, m2 = merge_moments(allgather(comm, payload))  # (), C, C: identical on every rank
+
+    mean = to_namespace(mean64, xp, ct)  # C
+    var = to_namespace(m2 / n, xp, ct)  # C, biased: what normalizes
+    # the global statistics as constants: BatchNorm's inference path on the local slice
+    y, mean, rstd, _, _ = batch_norm_forward(input, mean, var, weight, bias, False, momentum, eps)
+    new_mean, new_var = running_mean, running_var
+    if running_mean is not None and running_var is not None:
+        unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
+        new_mean = running_update(xp, running_mean, mean, momentum)  # C
+        new_var = running_update(xp, running_var, unbiased, momentum)  # C
+    return y, mean, rstd, new_mean, new_var
+
+
+def synced_backward(
+    comm: Comm,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+    what: str,
+) -> tuple[Array, Array | None, Array | None]:
+    """The training backward over a communicator of several ranks: one all-reduce of
+    ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C)]`` in float64."""
+    error = None
+    # the payload's C: the saved statistics', the same on every rank (forward checked it)
+    c = int(prod(getattr(mean, "shape", (0,))))
+    try:
+        xp = float_inputs(
+            grad_output, input, mean, rstd, weight, bias,
+            names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+        )  # fmt: skip
+        check_per_channel(check_channels(input, None, what), mean=mean, rstd=rstd, weight=weight, bias=bias)
+        check_grad_output(grad_output, input)
+    except (TypeError, ValueError) as err:
+        error = err
+    payload = np.zeros(2 + 2 * c, dtype=np.float64)  # failed, n, sum dy (C), sum dy*(x - mean) (C)
+    if error is not None:
+        payload[0] = 1.0
+    else:
+        ct = work_dtype(xp, input, weight, bias, mean)
+        sums = kernel("sync_batch_norm_grad_sums", xp)
+        sum_dy, sum_dyxc = sums(xp, grad_output, input, mean, rstd, ct)  # C, C
+        payload[1] = int(input.shape[0]) * prod(input.shape[2:])
+        payload[2 : 2 + c] = to_host(sum_dy)  # staged through host memory
+        payload[2 + c :] = to_host(sum_dyxc)
+    total = allreduce_sum(comm, payload)  # the one collective of the backward
+    if total[0] > 0:  # some rank failed its checks: every rank knows, every rank raises
+        raise_collectively(comm, error, what)
+    n = total[1]
+    mean_dy = to_namespace(total[2 : 2 + c] / n, xp, ct)  # C: global mean of dy
+    mean_dyxc = to_namespace(total[2 + c :] / n, xp, ct)  # C: global mean of dy*(x - mean)
+    dx = kernel("sync_batch_norm_dx", xp)(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc)
+    # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean)), db = sum(dy)
+    dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
+    dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C
+    return dx, dweight, dbias
+
+
+def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """Chan et al.'s merge of per-rank ``[n, mean (C), M2 (C)]`` rows (float64), in rank
+    order, ranks with ``n = 0`` skipped. Returns the global ``(n, mean, M2)``.
+
+    The counts weight the merge: a rank of 1 value must move the mean 1/n of the way,
+    not 1/P (averaging the ranks' means is wrong for uneven ranks), and the spread of
+    the ranks' means about the global mean adds ``delta^2 * n_a*n_b/n`` to M2.
+    """
+    c = (int(table.shape[1]) - 1) // 2
+    n = 0.0
+    mean = np.zeros(c)  # C
+    m2 = np.zeros(c)  # C
+    for row in table:  # rank order
+        n_b = float(row[0])
+        if n_b == 0:
+            continue
+        mean_b, m2_b = row[1 : 1 + c], row[1 + c :]  # C, C
+        total = n + n_b
+        delta = mean_b - mean  # C
+        mean = mean + delta * (n_b / total)  # C (the first rank: mean_b exactly)
+        m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C (the first rank: M2_b exactly)
+        n = total
+    return n, mean, m2
+
+
+def raise_collectively(comm: Comm, error: Exception | None, what: str) -> NoReturn:
+    """Raise the same error on every rank, once every rank knows that some rank failed
+    (``error`` is this rank's failure, or None): the first failing rank's message and
+    class (TypeError stays TypeError, else ValueError), and which other ranks failed.
+    One collective call, made by every rank."""
+    mine = None if error is None else (type(error).__name__, str(error))
+    reports = allgather_object(comm, mine)  # every rank learns every rank's failure
+    ranks = [r for r, report in enumerate(reports) if report is not None]
+    kind, message = reports[ranks[0]]
+    also = f" (rank(s) {', '.join(map(str, ranks[1:]))} failed too)" if len(ranks) > 1 else ""
+    text = f"{what} failed on rank {ranks[0]} of {len(reports)}: {message}{also}"
+    cls = TypeError if kind == "TypeError" else ValueError
+    raise cls(text) from error
+
+
+def _check_across_ranks(table: np.ndarray, what: str) -> None:
+    """The checks that need every rank's header: same C, same dtype, n > 1 overall."""
+    per_rank = ", ".join
+    channels, counts, codes = table[:, 1], table[:, 2], table[:, 3]
+    if len(set(channels.tolist())) > 1:
+        listed = per_rank(f"rank {r}: {int(v)}" for r, v in enumerate(channels))
+        raise ValueError(
+            f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
+            "every rank must pass (N, C, *) with the same C"
+        )
+    if len(set(codes.tolist())) > 1:
+        listed = per_rank(f"rank {r}: {FLOAT_NAMES[int(v)]}" for r, v in enumerate(codes))
+        raise ValueError(
+            f"{what}: the ranks' inputs have different dtypes ({listed}); every rank must pass one dtype"
+        )
+    total = int(counts.sum())
+    if total <= 1:
+        raise ValueError(
+            f"{what}: expected more than 1 value per channel when training, got {total} over the "
+            f"{len(counts)} ranks (values per channel on each rank: {per_rank(str(int(v)) for v in counts)})"
+        )
+
+
+def _dtype_code(xp: Namespace, dtype: Any) -> int:
+    for code, name in enumerate(FLOAT_NAMES):
+        if getattr(xp, name, None) == dtype:
+            return code
+    raise TypeError(f"input must have a floating dtype (float16/32/64), got {dtype}")
+
+
+# --- generic Array API kernels ---
+
+
+@generic("sync_batch_norm_moments")
+def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tuple[Array, Array]:
+    """Per channel of a non-empty (N, C, *) input: the mean and the biased variance over
+    the batch and spatial axes, two-pass, in ``ct``."""
+    mean, var = moments(xp, as_ncs(xp, input, ct), (0, 2))  # 1,C,1  1,C,1
+    assert mean is not None
+    return xp.reshape(mean, (-1,)), xp.reshape(var, (-1,))  # C, C
+
+
+@generic("sync_batch_norm_grad_sums")
+def sync_batch_norm_grad_sums_generic(
+    xp: Namespace, grad_output: Array, input: Array, mean: Array, rstd: Array, ct: Any
+) -> tuple[Array, Array]:
+    """Per channel: ``sum(dy)`` and ``sum(dy * (x - mean))`` over this rank's values, in
+    ``ct`` (``rstd`` is for kernels that fold the mean when it is small against it)."""
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    xc = x - xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # N,C,S
+    return xp.sum(dy, axis=(0, 2)), xp.sum(dy * xc, axis=(0, 2))  # C, C
+
+
+@generic("sync_batch_norm_dx")
+def sync_batch_norm_dx_generic(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    mean_dy: Array,
+    mean_dyxc: Array,
+) -> Array:
+    """``dx = rstd*(dxhat - mean_G(dxhat) - xhat*mean_G(dxhat*xhat))`` from the global
+    means of ``dy`` and ``dy*(x - mean)`` (``mean_G``: over every rank's values)."""
+    ct = work_dtype(xp, input, weight, mean)
+    x = as_ncs(xp, input, ct)  # N,C,S
+    dy = as_ncs(xp, grad_output, ct)  # N,C,S
+    m = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
+    r = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
+    w = 1.0 if weight is None else xp.reshape(cast(xp, weight, ct), (1, -1, 1))  # 1,C,1
+    xhat = xhat_from(x, m, r)  # N,C,S
+    dxhat = dy * w  # N,C,S
+    mean_dxhat = w * xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: term 2's mean
+    mean_dxhat_xhat = w * r * xp.reshape(cast(xp, mean_dyxc, ct), (1, -1, 1))  # 1,C,1: term 3's
+    dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 - term 2 - term 3
+    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)

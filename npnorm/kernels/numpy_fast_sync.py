@@ -1,0 +1,108 @@
+"""Fast NumPy kernels of SyncBatchNorm's per-rank pieces, built from BatchNorm's sweeps.
+
+Same signatures and results (to rounding) as the generic kernels in
+``npnorm.functional.sync_batch_norm``; registered for NumPy arrays. They are the
+BatchNorm kernels of ``numpy_fast_channels`` cut where the ranks communicate:
+
+* ``sync_batch_norm_moments``: BatchNorm's statistics sweep (per row mean, residual and
+  M2, merged per channel with Chan et al.'s formula in float64): the rank's mean and
+  biased variance per channel.
+* ``sync_batch_norm_grad_sums``: BatchNorm's backward sums sweep: per channel
+  ``sum(dy)`` and ``sum(dy*(x - mean))`` (the mean folded in when ``_foldable``).
+* ``sync_batch_norm_dx``: BatchNorm's dx sweep ``dx = a_c*dy + b_c*(x - mean_c) + c_c``
+  with coefficients from the *global* means of ``dy`` and ``dy*(x - mean)``.
+
+(The normalization sweep needs no kernel of its own: it is BatchNorm's inference
+forward with the global statistics.) Empty inputs go to the generic kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._backend import Namespace
+from .._checks import prod, work_dtype
+from ..functional._dispatch import generic_kernel, specialized
+from ._blocks import param
+from .numpy_fast_channels import (
+    NS,
+    _block_rows,
+    _dx_sweep,
+    _foldable,
+    _grad_sums_sweep,
+    _merge_rows,
+    _Ring,
+    _row_moments,
+    _Rows,
+)
+
+
+def _per_channel(v: np.ndarray, C: int, ct: np.dtype[Any]) -> np.ndarray:
+    return np.ascontiguousarray(np.reshape(v, (C,)), dtype=ct)  # C
+
+
+@specialized("sync_batch_norm_moments", NS)
+def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel mean and biased variance of a non-empty input, in ``ct``."""
+    ct = np.dtype(ct)
+    N, C = int(input.shape[0]), int(input.shape[1])
+    return _merge_rows(*_row_moments(_Rows(input, C, ct), ct), N, C, prod(input.shape[2:]))  # C, C
+
+
+@specialized("sync_batch_norm_grad_sums", NS)
+def sync_batch_norm_grad_sums(
+    xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel ``sum(dy)`` and ``sum(dy*(x - mean))``, one sweep."""
+    if input.size == 0:
+        return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
+    ct = np.dtype(ct)
+    N, C = int(input.shape[0]), int(input.shape[1])
+    m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
+    fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
+    center = None if fold else _Ring(m, _block_rows(prod(input.shape[2:]), ct))
+    sdy, sdx = _grad_sums_sweep(_Rows(grad_output, C, ct), _Rows(input, C, ct), ct, center, True)  # R, R
+    assert sdx is not None
+    sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
+    sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
+    if fold:
+        sum_dyxc = sum_dyxc - m * sum_dy  # C
+    return sum_dy, sum_dyxc
+
+
+@specialized("sync_batch_norm_dx", NS)
+def sync_batch_norm_dx(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    mean_dy: np.ndarray,
+    mean_dyxc: np.ndarray,
+) -> np.ndarray:
+    """``dx = a*dy + b*(x - mean) + c`` with ``a = rstd*w``,
+    ``b = -rstd^3*w*mean_G(dy*(x - mean))``, ``c = -rstd*w*mean_G(dy)``: one sweep."""
+    if input.size == 0:
+        return generic_kernel("sync_batch_norm_dx")(
+            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
+        )
+    ct = np.dtype(work_dtype(xp, input, weight, mean))
+    C = int(input.shape[1])
+    B = _block_rows(prod(input.shape[2:]), ct)
+    m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
+    w = param(weight, C, ct)  # C
+    wv = 1.0 if w is None else w
+    a_coef = r * wv  # C
+    b_coef = -(r * r * r) * (wv * _per_channel(mean_dyxc, C, ct))  # C
+    c_coef = -r * (wv * _per_channel(mean_dy, C, ct))  # C
+    fold = _foldable(m, r)
+    if fold:
+        c_coef = c_coef - b_coef * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+    center = None if fold else _Ring(m, B)
+    dx = np.empty(input.shape, dtype=input.dtype)
+    rings = (_Ring(a_coef, B), _Ring(b_coef, B), _Ring(c_coef, B))
+    _dx_sweep(_Rows(grad_output, C, ct), _Rows(input, C, ct), dx, ct, center, *rings)
+    return dx

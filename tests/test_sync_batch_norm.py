@@ -1,0 +1,592 @@
+"""SyncBatchNorm: equal to BatchNorm on the concatenated batch, over MPI and over threads.
+
+Three layers of tests:
+
+* under ``mpiexec -n 3 python -m mpi4py`` (real MPI, one launch per rank script, with a
+  timeout so that a hang fails instead of blocking): ``tests/mpi/sync_checks.py`` runs
+  every comparison and every error case, and the data-parallel example trains to the
+  parameters of its one-process run. Skipped, with the reason, without mpi4py/mpiexec.
+* in-process, with ``tests/threadcomm.py`` (ranks as threads, MPI's semantics): hypothesis
+  draws the number of ranks, the split of the batch (empty ranks too), shapes, dtypes and
+  flags, and every error case is raised on every rank;
+* the rest: no collective call in eval or on one rank, ``import npnorm`` without mpi4py,
+  conversion from BatchNorm, copies and pickles.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import array_api_compat.numpy as xp
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from conftest import assert_state_equal, snapshot
+from helpers import randomize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fast_channels import LAYOUTS, config, laid_out
+from threadcomm import ThreadComm, run_ranks
+
+import npnorm
+import npnorm.functional as F
+from npnorm._backend import to_host
+from npnorm.functional._dispatch import generic_kernel, kernel
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MPIEXEC = pathlib.Path(sys.executable).parent / "mpiexec"
+
+
+def _mpi_missing() -> str | None:
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'npnorm[mpi]')"
+    if not MPIEXEC.exists():
+        return f"no mpiexec next to {sys.executable} (pip install mpich, or 'npnorm[mpi]')"
+    return None
+
+
+needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+
+def launch(args: list[str], timeout: float, ranks: int | None = 3) -> subprocess.CompletedProcess[str]:
+    """Run ``mpiexec -n ranks python -m mpi4py args`` (or plain python when ``ranks`` is
+    None); on timeout kill the whole process group and fail: a hang."""
+    cmd = [sys.executable, *args]
+    if ranks is not None:
+        cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "mpi4py", *args]
+    env = {**os.environ, "NPNORM_NUM_THREADS": "1"}  # 3 ranks on a shared machine: no pools
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s: a hang")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# --- under mpiexec ------------------------------------------------------------------------
+
+
+@needs_mpi
+def test_three_ranks_equal_batch_norm_on_the_whole_batch_and_errors_are_collective():
+    run = launch(["tests/mpi/sync_checks.py"], timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = sorted(line for line in run.stdout.splitlines() if "checks passed" in line)
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1", "rank 2"], run.stdout
+
+
+@needs_mpi
+def test_example_trains_the_same_parameters_on_one_and_three_ranks(tmp_path):
+    example = "examples/sync_batchnorm_data_parallel.py"
+    one = launch([example, "--save", str(tmp_path / "one.npz")], timeout=120, ranks=None)
+    three = launch([example, "--save", str(tmp_path / "three.npz")], timeout=120)
+    for run in (one, three):
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "same parameters as one process (to 1e-12): True" in run.stdout, run.stdout
+    assert "3 rank(s) holding [11, 11, 10]" in three.stdout
+    a, b = np.load(tmp_path / "one.npz"), np.load(tmp_path / "three.npz")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-12, err_msg=k)
+
+
+# --- over threads: drawn splits, shapes, dtypes and flags ----------------------------------
+
+
+@st.composite
+def sync_cases(draw):
+    ranks = draw(st.integers(1, 4))
+    splits = draw(st.lists(st.integers(0, 4), min_size=ranks, max_size=ranks))
+    spatial = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=3))
+    if sum(splits) * int(np.prod(spatial)) < 2:  # training needs 2 values per channel
+        splits[-1] += 2
+    c = draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from(["float64", "float32"]))
+    shape = (sum(splits), c, *spatial)
+    elements = st.floats(-50, 50, allow_nan=False, allow_subnormal=False)
+    x = draw(hnp.arrays(np.float64, shape, elements=elements))
+    dy = draw(hnp.arrays(np.float64, shape, elements=elements))
+    flags = dict(
+        momentum=draw(st.sampled_from([0.1, 0.7, None])),
+        affine=draw(st.booleans()),
+        track=draw(st.booleans()),
+    )
+    return splits, x.astype(dtype), dy.astype(dtype), dtype, flags
+
+
+def _train_step(m, x, dy):
+    m.zero_grad()
+    y = m(x)
+    rstd = to_host(m._saved[2])
+    return y, m.backward(dy), {k: to_host(g) for k, g in m.grads.items()}, snapshot(m)[0], rstd
+
+
+@settings(max_examples=60)
+@given(case=sync_cases(), seed=st.integers(0, 2**16))
+def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, seed):
+    splits, x, dy, dtype, flags = case
+    n, c = x.shape[:2]
+    flat = (n, c, -1)
+    ref = npnorm.BatchNorm1d(c, 1e-5, flags["momentum"], flags["affine"], flags["track"], dtype=dtype)
+    randomize(ref, np.random.default_rng(seed))
+    start = ref.state_dict()
+    want = [_train_step(ref, x.reshape(flat), dy.reshape(flat)) for _ in range(2)]  # two steps, same data
+    ends = np.cumsum([0, *splits])
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(
+            c, 1e-5, flags["momentum"], flags["affine"], flags["track"], comm=comm, dtype=dtype
+        )
+        m.load_state_dict(start)
+        lo, hi = ends[comm.Get_rank()], ends[comm.Get_rank() + 1]
+        return [_train_step(m, x[lo:hi], dy[lo:hi]) for _ in range(2)]
+
+    got = run_ranks(len(splits), rank_fn)
+    tol = 1e-12 if dtype == "float64" else 2e-4
+    # rounding is relative to the magnitudes that cancel: |xhat| <= |x|*rstd (rstd up to
+    # 1/sqrt(eps) for a constant channel), |dxhat| = |dy*w|
+    x_max, dy_max = float(np.max(np.abs(x))), float(np.max(np.abs(dy)))
+    w_max = float(np.max(np.abs(start["weight"]))) if flags["affine"] else 1.0
+    b_max = float(np.max(np.abs(start["bias"]))) if flags["affine"] else 0.0
+    for step in range(2):
+        y_ref, dx_ref, grads_ref, state_ref, rstd_ref = want[step]
+        r_max = float(np.max(rstd_ref))
+        scale_y = 1 + 2 * x_max * r_max * w_max + b_max
+        scale_dx = 1 + 3 * r_max * w_max * dy_max
+        for r, result in enumerate(got):
+            assert not isinstance(result, BaseException), result
+            y, dx, _, state, _ = result[step]
+            lo, hi = ends[r], ends[r + 1]
+            np.testing.assert_allclose(y, to_host(y_ref).reshape(x.shape)[lo:hi], rtol=0, atol=tol * scale_y)
+            np.testing.assert_allclose(
+                dx, to_host(dx_ref).reshape(x.shape)[lo:hi], rtol=0, atol=tol * scale_dx
+            )
+            for k in state_ref:  # running stats and counter: the global batch's, on every rank
+                np.testing.assert_allclose(state[k], state_ref[k], rtol=tol, atol=tol, err_msg=k)
+                assert np.array_equal(state[k], got[0][step][3][k]), f"{k} differs across ranks"
+        for k, g_ref in grads_ref.items():  # dweight/dbias: local sums, summing to BatchNorm's
+            total = sum(result[step][2][k].astype(np.float64) for result in got)
+            scale = float(np.sum(np.abs(dy))) * (1 + 2 * x_max * r_max)
+            np.testing.assert_allclose(total, g_ref, rtol=0, atol=tol * scale, err_msg=k)
+
+
+def test_finite_differences_of_the_loss_over_every_rank():
+    # loss = sum over ranks of sum(y_r * dy_r): its derivative in any rank's x (and in the
+    # shared weight and bias, summed over ranks) is what the ranks' backward returns
+    rng = np.random.default_rng(2)
+    splits = np.cumsum([0, 2, 1, 0])
+    x, dy = rng.normal(size=(3, 2, 2)) * 2 + 1, rng.normal(size=(3, 2, 2))
+    w, b = rng.uniform(0.5, 1.5, 2), rng.normal(size=2)
+
+    def run(x, w, b, backward=False):
+        def rank_fn(comm):
+            m = npnorm.SyncBatchNorm(2, comm=comm, dtype="float64")
+            m.weight, m.bias = w.copy(), b.copy()
+            lo, hi = splits[comm.Get_rank()], splits[comm.Get_rank() + 1]
+            y = m(x[lo:hi])
+            if not backward:
+                return float(np.sum(y * dy[lo:hi]))
+            return m.backward(dy[lo:hi]), m.grads["weight"], m.grads["bias"]
+
+        return run_ranks(3, rank_fn)
+
+    results = run(x, w, b, backward=True)
+    dx = np.concatenate([r[0] for r in results])
+    dw, db = sum(r[1] for r in results), sum(r[2] for r in results)
+    h = 1e-6
+
+    def numeric(arrays, which, index):
+        plus = [a.copy() for a in arrays]
+        minus = [a.copy() for a in arrays]
+        plus[which][index] += h
+        minus[which][index] -= h
+        return (sum(run(*plus)) - sum(run(*minus))) / (2 * h)
+
+    for index in np.ndindex(x.shape):
+        assert abs(numeric([x, w, b], 0, index) - dx[index]) < 1e-6, index
+    for c in range(2):
+        assert abs(numeric([x, w, b], 1, c) - dw[c]) < 1e-6
+        assert abs(numeric([x, w, b], 2, c) - db[c]) < 1e-6
+
+
+def test_the_merge_weights_ranks_by_their_counts():
+    # rank 0: 1 value (10), rank 1: 3 values (0, 0, 0); the global mean is 2.5, not (10 + 0)/2
+    x = [np.full((1, 1), 10.0), np.zeros((3, 1))]
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(1, momentum=1.0, affine=False, comm=comm, dtype="float64")
+        m(x[comm.Get_rank()])
+        return float(m.running_mean[0]), float(m.running_var[0])
+
+    for mean, var in run_ranks(2, rank_fn):
+        assert mean == 2.5
+        assert var == np.var([10.0, 0, 0, 0], ddof=1)  # the global count in Bessel's correction
+
+
+def test_an_offset_of_1e8_keeps_the_variance():
+    # a one-pass sum of squares loses everything here; two-pass and Chan's merge do not
+    rng = np.random.default_rng(0)
+    parts = [1e8 + rng.normal(size=(k, 2)) for k in (3, 4, 5)]
+    whole = np.concatenate(parts)
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(2, momentum=1.0, comm=comm, dtype="float64")
+        m(parts[comm.Get_rank()])
+        return to_host(m.running_var)
+
+    for var in run_ranks(3, rank_fn):
+        np.testing.assert_allclose(var, whole.var(axis=0, ddof=1), rtol=1e-7)
+
+
+# --- over threads: every error on every rank, nothing changed -------------------------------
+
+
+def _error_case(name, rank):
+    """The input rank ``rank`` passes in error case ``name`` (3 ranks, a module of 3 channels)."""
+    good = np.random.default_rng(rank).normal(size=(2, 3, 4))
+    if name == "count 0":
+        return np.zeros((0, 3, 4))
+    if name == "count 1":
+        return np.ones((1, 3)) if rank == 1 else np.zeros((0, 3))
+    if name == "channels":
+        return good[:, :2] if rank == 1 else good
+    if name == "dtype":
+        return good.astype(np.float32) if rank == 0 else good
+    if name == "ndim":
+        return good[0, 0] if rank == 2 else good
+    if name == "integer":
+        return good.astype(np.int64) if rank == 0 else good
+    return good
+
+
+ERRORS = {
+    "count 0": (ValueError, "expected more than 1 value per channel when training, got 0 over the 3 ranks"),
+    "count 1": (ValueError, "got 1 over the 3 ranks (values per channel on each rank: 0, 1, 0)"),
+    "channels": (ValueError, "SyncBatchNorm failed on rank 1 of 3: SyncBatchNorm expected 3 channels"),
+    "dtype": (ValueError, "different dtypes (rank 0: float32, rank 1: float64, rank 2: float64)"),
+    "ndim": (ValueError, "SyncBatchNorm failed on rank 2 of 3: expected at least 2D input (got 1D input"),
+    "integer": (TypeError, "SyncBatchNorm failed on rank 0 of 3: input must have a floating dtype"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_every_forward_error_is_raised_on_every_rank_and_changes_nothing(name):
+    cls, message = ERRORS[name]
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, momentum=None, comm=comm, dtype="float64")
+        randomize(m, np.random.default_rng(0))
+        m(np.random.default_rng(comm.Get_rank()).normal(size=(2, 3, 4)))  # a good step first
+        before, saved = snapshot(m), m._saved
+        with pytest.raises(cls) as info:
+            m(_error_case(name, comm.Get_rank()))
+        assert_state_equal(m, before[0], before[1])
+        assert m._saved is saved
+        return str(info.value)
+
+    messages = run_ranks(3, rank_fn)
+    assert all(isinstance(msg, str) for msg in messages), messages
+    assert len(set(messages)) == 1, messages
+    assert message in messages[0]
+
+
+def test_a_bad_grad_output_on_one_rank_raises_on_every_rank():
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        x = np.random.default_rng(comm.Get_rank()).normal(size=(2, 3, 4))
+        m(x)
+        with pytest.raises(ValueError) as info:
+            m.backward(x[:, :, :3] if comm.Get_rank() == 2 else x)
+        assert m.grads == {}
+        dx = m.backward(x)  # the ranks are still in step
+        return str(info.value), dx.shape
+
+    results = run_ranks(3, rank_fn)
+    assert len({msg for msg, _ in results}) == 1, results
+    assert "failed on rank 2 of 3: grad_output must have the shape" in results[0][0]
+
+
+def test_functional_errors_across_ranks():
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        x = np.ones((2, 2 if rank == 2 else 3))
+        with pytest.raises(ValueError) as channels:
+            F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
+        with pytest.raises(ValueError) as eps:
+            F.sync_batch_norm_forward(
+                np.ones((2, 3)), None, None, training=True, eps=-1.0 if rank else 1.0, comm=comm
+            )
+        return str(channels.value), str(eps.value)
+
+    results = run_ranks(3, rank_fn)
+    assert len(set(results)) == 1, results
+    assert "different numbers of channels (rank 0: 3, rank 1: 3, rank 2: 2)" in results[0][0]
+    assert "failed on rank 1 of 3: eps must be a non-negative number" in results[0][1]
+    assert "(rank(s) 2 failed too)" in results[0][1]
+
+
+# --- no collective call in eval or on one rank ----------------------------------------------
+
+
+class NoCollectives:
+    """A communicator of ``size`` ranks on which any collective call fails the test."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Is_inter(self) -> bool:
+        return False
+
+    def _fail(self, *args):
+        raise AssertionError("a collective call was made")
+
+    Allgather = Allreduce = allgather = _fail
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_eval_makes_no_collective_call_and_equals_batch_norm(rng, track):
+    m = npnorm.SyncBatchNorm(3, track_running_stats=track, comm=NoCollectives(3), dtype="float64")
+    ref = npnorm.BatchNorm2d(3, track_running_stats=track, dtype="float64")
+    randomize(ref, rng)
+    m.load_state_dict(ref.state_dict())
+    m.eval()
+    ref.eval()
+    x, dy = rng.normal(size=(2, 3, 2, 2)), rng.normal(size=(2, 3, 2, 2))
+    assert np.array_equal(m(x), ref(x))  # without running stats: the local batch's statistics
+    assert np.array_equal(m.backward(dy), ref.backward(dy))
+    assert_state_equal(m, ref.state_dict(), ref.grads)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_one_rank_is_batch_norm_bitwise_with_no_collective_call(rng, momentum):
+    m = npnorm.SyncBatchNorm(4, momentum=momentum, comm=NoCollectives(1))
+    ref = npnorm.BatchNorm3d(4, momentum=momentum)
+    for _ in range(3):
+        x = rng.normal(size=(2, 4, 2, 1, 3)).astype(np.float32)
+        dy = rng.normal(size=x.shape).astype(np.float32)
+        assert np.array_equal(m(x), ref(x))
+        assert np.array_equal(m.backward(dy), ref.backward(dy))
+    assert_state_equal(m, ref.state_dict(), ref.grads)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        m(np.ones((1, 4)))
+    dx = F.sync_batch_norm_backward(
+        x, x, m._saved[1], m._saved[2], m.weight, m.bias, True, comm=NoCollectives(1)
+    )
+    assert np.array_equal(
+        dx[0], F.batch_norm_backward(x, x, m._saved[1], m._saved[2], m.weight, m.bias, True)[0]
+    )
+
+
+def test_array_api_strict_backend_over_threads():
+    xps = pytest.importorskip("array_api_strict")
+    rng = np.random.default_rng(5)
+    x, dy = rng.normal(size=(5, 2, 3)), rng.normal(size=(5, 2, 3))
+    ref = npnorm.BatchNorm1d(2, dtype="float64")
+    y_ref, dx_ref = ref(x), ref.backward(dy)
+    splits = np.cumsum([0, 3, 0, 2])
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(2, comm=comm, dtype="float64", xp="array_api_strict")
+        lo, hi = splits[comm.Get_rank()], splits[comm.Get_rank() + 1]
+        y = m(xps.asarray(x[lo:hi]))
+        return to_host(y), to_host(m.backward(xps.asarray(dy[lo:hi]))), to_host(m.running_var)
+
+    for r, (y, dx, var) in enumerate(run_ranks(3, rank_fn)):
+        lo, hi = splits[r], splits[r + 1]
+        np.testing.assert_allclose(y, y_ref[lo:hi], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dx, dx_ref[lo:hi], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(var, ref.running_var, rtol=1e-12)
+
+
+# --- the module: construction, conversion, copies ---------------------------------------------
+
+
+def test_import_npnorm_and_eval_do_not_import_mpi4py():
+    code = (
+        "import sys, numpy as np, npnorm, npnorm.functional, npnorm.modules\n"
+        "m = npnorm.SyncBatchNorm(3).eval()\n"
+        "m(np.ones((2, 3, 4), dtype=np.float32))\n"
+        "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_training_without_mpi4py_says_what_to_install():
+    code = (
+        "import sys, numpy as np\n"
+        "sys.modules['mpi4py'] = None  # as if not installed\n"
+        "import npnorm\n"
+        "m = npnorm.SyncBatchNorm(3)\n"
+        "try:\n"
+        "    m(np.ones((2, 3), dtype=np.float32))\n"
+        "except ImportError as err:\n"
+        "    assert \"pip install 'npnorm[mpi]'\" in str(err), err\n"
+        "    assert int(m.num_batches_tracked) == 0\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_same_state_dict_keys_as_batch_norm_and_any_trailing_axes():
+    for affine in (True, False):
+        for track in (True, False):
+            m = npnorm.SyncBatchNorm(3, affine=affine, track_running_stats=track)
+            ref = npnorm.BatchNorm2d(3, affine=affine, track_running_stats=track)
+            assert list(m.state_dict()) == list(ref.state_dict())
+    m = npnorm.SyncBatchNorm(2, comm=NoCollectives(1), dtype="float64")
+    for shape in [(3, 2), (3, 2, 2), (2, 2, 1, 2, 2, 2)]:
+        assert m(np.random.default_rng(0).normal(size=shape)).shape == shape
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        m(np.ones(2))
+
+
+def test_comm_must_be_an_intracommunicator():
+    with pytest.raises(TypeError, match="mpi4py intracommunicator"):
+        npnorm.SyncBatchNorm(3, comm=object())
+
+    class Inter(NoCollectives):
+        def Is_inter(self) -> bool:
+            return True
+
+    with pytest.raises(TypeError, match="intercommunicator"):
+        npnorm.SyncBatchNorm(3, comm=Inter(2))
+
+
+@pytest.mark.parametrize("cls,shape", [(npnorm.BatchNorm1d, (4, 3)), (npnorm.BatchNorm2d, (2, 3, 2, 2))])
+def test_convert_sync_batchnorm_keeps_configuration_state_and_mode(rng, cls, shape):
+    bn = cls(3, eps=1e-3, momentum=None, affine=True, track_running_stats=True, dtype="float64")
+    randomize(bn, rng)
+    bn(rng.normal(size=shape))
+    bn.backward(rng.normal(size=shape))
+    bn.eval()
+    comm = NoCollectives(1)
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn, comm)
+    assert isinstance(sync, npnorm.SyncBatchNorm) and sync.comm is comm
+    assert (sync.num_features, sync.eps, sync.momentum, sync.affine, sync.track_running_stats) == (
+        3, 1e-3, None, True, True,
+    )  # fmt: skip
+    assert sync.dtype == bn.dtype and sync.xp is bn.xp and sync.training is False
+    assert_state_equal(sync, bn.state_dict(), bn.grads)
+    assert sync.weight is bn.weight  # the same arrays, as torch's conversion shares its Parameters
+    x = rng.normal(size=shape)
+    assert np.array_equal(sync(x), bn(x))
+    no_affine = npnorm.SyncBatchNorm.convert_sync_batchnorm(
+        npnorm.BatchNorm1d(2, affine=False, track_running_stats=False)
+    )
+    assert no_affine.weight is None and no_affine.running_mean is None and no_affine.comm is None
+    ln = npnorm.LayerNorm(3)
+    assert npnorm.SyncBatchNorm.convert_sync_batchnorm(ln) is ln
+    inorm = npnorm.InstanceNorm1d(3)
+    assert npnorm.SyncBatchNorm.convert_sync_batchnorm(inorm) is inorm
+
+
+def test_copies_share_the_communicator_and_pickles_drop_it(rng):
+    comm = NoCollectives(1)
+    m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+    randomize(m, rng)
+    shallow = copy.copy(m)
+    assert shallow.comm is comm and shallow.weight is m.weight
+    deep = copy.deepcopy(m, {id(m.xp): m.xp})  # (namespaces are modules: shared, never copied)
+    assert deep.comm is comm and deep.weight is not m.weight
+    assert_state_equal(deep, m.state_dict())
+    state = m.__getstate__()  # what pickle stores
+    assert state["comm"] is None and m.comm is comm
+    restored = npnorm.SyncBatchNorm.__new__(npnorm.SyncBatchNorm)
+    restored.__setstate__(state)
+    assert restored.comm is None  # falls back to the default communicator, resolved at use
+    assert_state_equal(restored, m.state_dict())
+
+
+def test_thread_comm_is_a_faithful_stand_in():
+    # the stand-in's collectives: rank order, every rank the same result
+    def rank_fn(comm: ThreadComm):
+        r = comm.Get_rank()
+        out = np.empty((3, 2))
+        comm.Allgather(np.array([r, 10.0 * r]), out)
+        total = np.empty(2)
+        comm.Allreduce(np.array([1.0, r]), total)
+        return out, total, comm.allgather(r)
+
+    for out, total, objs in run_ranks(3, rank_fn):
+        assert np.array_equal(out, [[0, 0], [1, 10], [2, 20]])
+        assert np.array_equal(total, [3, 3]) and objs == [0, 1, 2]
+
+
+# --- the fast NumPy kernels against the generic ones ------------------------------------------
+
+
+@settings(max_examples=80)
+@given(
+    shape=hnp.array_shapes(min_dims=2, max_dims=5, min_side=1, max_side=5),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    layout=st.sampled_from(LAYOUTS),
+    weight=st.booleans(),
+    offset=st.sampled_from([0.0, 1e3]),  # 1e3: the mean is not folded into the sums
+    block_bytes=st.sampled_from([None, 64]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_bytes, threads, seed):
+    rng = np.random.default_rng(seed)
+    c = shape[1]
+    ct = np.dtype(np.result_type(np.float32, dtype))
+    x = laid_out((rng.normal(size=shape) + offset).astype(dtype), layout)
+    dy = laid_out(rng.normal(size=shape).astype(dtype), layout)
+    w = rng.uniform(0.5, 1.5, c).astype(dtype) if weight else None
+    mean, var = generic_kernel("sync_batch_norm_moments")(xp, x, ct)
+    rstd = (1.0 / np.sqrt(var + 1e-5)).astype(ct)
+    mean_dy, mean_dyxc = rng.normal(size=c).astype(ct), rng.normal(size=c).astype(ct)
+    tol = {"float64": 1e-11, "float32": 2e-5}[ct.name]
+    with config(threads, block_bytes):
+        fast = (
+            kernel("sync_batch_norm_moments", xp)(xp, x, ct),
+            kernel("sync_batch_norm_grad_sums", xp)(xp, dy, x, mean, rstd, ct),
+            kernel("sync_batch_norm_dx", xp)(xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc),
+        )
+    ref = (
+        (mean, var),
+        generic_kernel("sync_batch_norm_grad_sums")(xp, dy, x, mean, rstd, ct),
+        generic_kernel("sync_batch_norm_dx")(xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc),
+    )
+    n_values = x.size // c
+    x_max = float(np.max(np.abs(x.astype(np.float64))))
+    scales = (
+        (x_max, x_max * x_max),  # mean, var
+        (n_values, n_values * x_max),  # sum(dy), sum(dy*(x - mean)) (|dy| < ~5)
+    )
+    for (got_pair, want_pair), pair_scales in zip(zip(fast[:2], ref[:2], strict=True), scales, strict=True):
+        for got, want, scale in zip(got_pair, want_pair, pair_scales, strict=True):
+            assert got.dtype == want.dtype == ct and got.shape == want.shape == (c,)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 5 * scale)
+    # dx = a*dy + b*(x - mean) + c: the largest term bounds the rounding
+    r = np.reshape(rstd.astype(np.float64), (1, c) + (1,) * (len(shape) - 2))
+    w64 = 1.0 if w is None else np.reshape(w.astype(np.float64), r.shape)
+    xc = np.abs(x.astype(np.float64) - np.reshape(mean.astype(np.float64), r.shape))
+    dy64 = np.abs(dy.astype(np.float64))
+    terms = r * w64 * (dy64 + np.max(np.abs(mean_dy)) + r * r * np.max(np.abs(mean_dyxc)) * xc)
+    assert fast[2].dtype == ref[2].dtype == np.dtype(dtype) and fast[2].shape == shape
+    rounding = 2 * float(np.finfo(dtype).eps) * np.abs(ref[2].astype(np.float64))
+    atol = tol * 8 * float(np.max(terms)) + rounding
+    assert np.all(np.abs(fast[2].astype(np.float64) - ref[2].astype(np.float64)) <= atol), "dx"
