@@ -5,6 +5,9 @@
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
 ``npnorm._profile``).
+
+``python -m npnorm learn [LAYER | bessel | check EXERCISE] [...]``: every backward derived
+node by node and checked step by step (see ``npnorm.learn``; ``learn --help`` for the options).
 """
 
 from __future__ import annotations
@@ -14,6 +17,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learn"]:  # its own options (python -m npnorm learn --help)
+        from .learn._cli import main as run_learn
+
+        return run_learn(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m npnorm", description=__doc__)
     parser.add_argument("--quiet", action="store_true", help="print nothing; exit status only")
     sub = parser.add_subparsers(dest="command")
@@ -29,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
     prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
+    sub.add_parser("learn", help="every backward derived node by node, each step checked (learn --help)")
     args = parser.parse_args(argv)
     if args.command == "profile":
         from ._profile import run as run_profile
