@@ -15,6 +15,8 @@ Exit status 0 when every check passes.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -255,7 +257,8 @@ def bessel() -> bool:
 def check_exercise(target: str, *, solution: bool) -> bool:
     exercise, path = find(target, solution=solution)
     print(f"exercise {exercise.name}: {exercise.title}")
-    print(f"file: {path}   (the derivation: docs/derivations/{exercise.page})")
+    shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
+    print(f"file: {shown}   (the derivation: docs/derivations/{exercise.page})")
     try:
         fn = load(path, exercise.function)
     except Exception as err:  # a syntax error in the learner's file, a missing function

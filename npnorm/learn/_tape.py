@@ -85,7 +85,9 @@ class Tape(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self.steps:
             return self.steps[name]
-        return self.leaves[name]
+        if name in self.leaves:
+            return self.leaves[name]
+        raise KeyError(f"no step {name!r} on this tape; it has {', '.join(self)}")
 
     def __iter__(self) -> Iterator[str]:
         yield from self.leaves

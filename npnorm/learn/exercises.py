@@ -22,7 +22,7 @@ import numpy as np
 
 from . import staged_backward, staged_forward
 from ._tape import Tape
-from .check import CheckRow, check_steps, check_terms, compare, numeric_gradient
+from .check import TERM_NAMES, CheckRow, check_steps, check_terms, compare, numeric_gradient
 from .examples import example, upstream
 from .normalize import staged_normalize
 
@@ -141,14 +141,17 @@ class Grade:
         if self.error:
             return f"FAIL: your {self.exercise.function} raised an error:\n{self.error}"
         wrong = [r for r in self.rows if not r.ok]
+        terms = self.exercise.call is _terms
         if not wrong:
+            if terms:
+                return "PASS: each term matches finite differences along its paths, and their sum matches dx."
             return f"PASS: all {len(self.rows)} gradients match finite differences."
         first = wrong[0]
-        what = "term" if self.exercise.call is _terms and first.name != "input" else "step"
-        return (
-            f"FAIL: {len(wrong)} of {len(self.rows)} wrong. Wrong {what}: `{first.name}` "
-            f"(the first going back from the output; fix it first): {first.note or _diff(first)}"
-        )
+        if terms and first.name in TERM_NAMES:
+            where = f"Wrong term: `{first.name}` ({TERM_NAMES[first.name]})"
+        else:
+            where = f"Wrong step: `{first.name}` (the first wrong one going back from y: fix it first)"
+        return f"FAIL: {len(wrong)} of {len(self.rows)} wrong. {where}: {first.note or _diff(first)}"
 
 
 def _diff(row: CheckRow) -> str:
