@@ -56,15 +56,13 @@ def instance_norm(
     affine(t, "xhat", view, "[c]")  # node 6: y = xhat · w[c] + b[c]
     if use_input_stats and rm is not None and rv is not None:
         m = momentum
-        t.update_formulas["running_mean"] = (
-            "running_mean ← (1 - momentum) · running_mean + momentum · mean over N"
-        )
-        t.updates["running_mean"] = (1 - m) * rm + m * np.mean(t["mean"].reshape(-1, c), axis=0)  # C
+        mean_n = np.mean(t["mean"].reshape(-1, c), axis=0)  # C: averaged over the N instances
+        var_n = np.mean(t["var"].reshape(-1, c), axis=0)  # C
+        t.update_formulas["running_mean"] = "running_mean ← (1 - momentum) · running_mean + momentum · mean_N"
+        t.updates["running_mean"] = (1 - m) * rm + m * mean_n  # C
         t.update_formulas["running_var"] = (
-            "running_var ← (1 - momentum) · running_var + momentum · (var over N) · n/(n-1)"
+            "running_var ← (1 - momentum) · running_var + momentum · var_N · n/(n-1)"
         )
-        t.updates["running_var"] = (1 - m) * rv + m * np.mean(t["var"].reshape(-1, c), axis=0) * n / (
-            n - 1
-        )  # C
+        t.updates["running_var"] = (1 - m) * rv + m * var_n * n / (n - 1)  # C: unbiased
     t.backward = partial(backward, view=view)
     return t
