@@ -319,6 +319,23 @@ def test_the_matrix_view_matches_finite_differences(which):
     )
 
 
+@given(x=arrays((2, 4, 3, 2)), dy=arrays((2, 4, 3, 2)), w=arrays((4,), params), b=arrays((4,), params))
+def test_instance_norm_is_group_norm_with_one_channel_per_group_and_one_group_is_layer_norm(x, dy, w, b):
+    def grads(name, *args):
+        tape = staged_forward(name, *args)
+        return tape.output, staged_backward(tape, dy)
+
+    y_in, d_in = grads("instance_norm", x, None, None, w, b)
+    y_gn, d_gn = grads("group_norm", x, 4, w, b)
+    assert_close(y_in, y_gn, "y")
+    for key in ("input", "weight", "bias"):
+        assert_close(d_in[key], d_gn[key], key)
+    y_one, d_one = grads("group_norm", x, 1)
+    y_ln, d_ln = grads("layer_norm", x, (4, 3, 2))
+    assert_close(y_one, y_ln, "y")
+    assert_close(d_one["input"], d_ln["input"], "dx")
+
+
 # --- the closed form, term by term ---
 
 
