@@ -572,3 +572,13 @@ def test_an_exercise_that_raises_is_reported_not_crashed():
 
     result = grade(exercise, broken)
     assert not result.ok and "no step 'no_such_step' on this tape" in result.message()
+
+
+def test_the_package_docstring_example_runs():
+    import doctest
+
+    import npnorm.learn
+
+    result = doctest.testmod(npnorm.learn)
+    assert result.attempted >= 5 and result.failed == 0
+    assert npnorm.learn is __import__("npnorm").learn  # public from `import npnorm`

@@ -1,4 +1,4 @@
-"""``python -m npnorm learn``: print the staged graphs, their gradient checks, and grade exercises.
+"""python -m npnorm learn: print the staged graphs, their gradient checks, and grade exercises.
 
     python -m npnorm learn layer_norm                     the step table
     python -m npnorm learn layer_norm --staged-vs-closed  staged == the library's closed form
