@@ -582,3 +582,18 @@ def test_the_package_docstring_example_runs():
     result = doctest.testmod(npnorm.learn)
     assert result.attempted >= 5 and result.failed == 0
     assert npnorm.learn is __import__("npnorm").learn  # public from `import npnorm`
+
+
+def test_an_exercise_that_writes_into_the_tape_cannot_fool_the_grader():
+    exercise = EXERCISES["rms_norm"]
+    solution = load(ROOT / "exercises" / "solutions" / "rms_norm.py", "backward")
+
+    def vandal(t, dy):
+        d = solution(t, dy)
+        t["input"][...] = 0.0  # would make the finite differences agree with anything
+        t["xhat"][...] = 0.0
+        d["weight"] = d["weight"] * 0.0
+        return d
+
+    result = grade(exercise, vandal)
+    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "weight"

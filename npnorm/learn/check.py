@@ -190,7 +190,7 @@ def check_steps(
 
 
 TERM_NAMES = {
-    "direct": "term 1, the direct path x → xc → xhat (mean and var held)",
+    "direct": "term 1, the direct path to xhat (the statistics held)",
     "mean": "term 2, the path through the mean",
     "var": "term 3, the path through the variance (mean held)",
     "ms": "term 3, the path through the mean square",
