@@ -511,12 +511,13 @@ def test_python_m_npnorm_learn_layer_norm_prints_a_passing_step_table():
 
 
 def test_the_learn_command_refuses_bad_arguments(capsys):
-    for argv in (["dropout"], ["layer_norm", "--eval"], ["check"], ["layer_norm", "extra"]):
+    bad = (["dropout"], ["layer_norm", "--eval"], ["check"], ["layer_norm", "extra"], ["check", "no_such"])
+    for argv in (*bad, ["check", "/no/such/dir/rms_norm.py"]):
         with pytest.raises(SystemExit) as exit_:
             _cli.main(argv)
         assert exit_.value.code == 2
-    with pytest.raises(ValueError, match="unknown exercise"):
-        _cli.main(["check", "no_such_exercise"])
+    err = capsys.readouterr().err
+    assert "unknown exercise 'no_such'" in err and "no file /no/such/dir/rms_norm.py" in err
 
 
 # --- the exercises ---

@@ -26,7 +26,7 @@ from ._library import closed
 from ._tape import Tape
 from .check import ATOL, RTOL, TERM_NAMES, CheckRow
 from .examples import example, upstream
-from .exercises import EXERCISES, find, grade, load
+from .exercises import EXERCISES, Exercise, find, grade, load
 from .normalize import staged_normalize
 
 SYMBOL = {"input": "x", "weight": "w", "bias": "b"}
@@ -254,8 +254,7 @@ def bessel() -> bool:
     return all(r.ok for r in rows) and all(r.ok for r in right) and not wrong.ok
 
 
-def check_exercise(target: str, *, solution: bool) -> bool:
-    exercise, path = find(target, solution=solution)
+def check_exercise(exercise: Exercise, path: Path) -> bool:
     print(f"exercise {exercise.name}: {exercise.title}")
     shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
     print(f"file: {shown}   (the derivation: docs/derivations/{exercise.page})")
@@ -307,7 +306,11 @@ def main(argv: list[str]) -> int:
     if args.topic == "check":
         if args.exercise is None:
             parser.error(f"check needs an exercise: one of {', '.join(EXERCISES)}")
-        return 0 if check_exercise(args.exercise, solution=args.solution) else 1
+        try:
+            exercise, path = find(args.exercise, solution=args.solution)
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        return 0 if check_exercise(exercise, path) else 1
     if args.exercise is not None:
         parser.error(f"unexpected argument {args.exercise!r}")
     if args.topic == "bessel":
