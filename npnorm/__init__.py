@@ -5,7 +5,7 @@ API (NumPy, CuPy, ...), PyTorch-exact in semantics and checked against finite
 differences and ``torch.autograd``.
 """
 
-from . import functional
+from . import functional, learn
 from ._threads import get_num_threads, set_num_threads
 from .gradient_check import GradcheckError, gradcheck
 from .modules import (
@@ -43,5 +43,6 @@ __all__ = [
     "functional",
     "get_num_threads",
     "gradcheck",
+    "learn",
     "set_num_threads",
 ]

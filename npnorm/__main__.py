@@ -8,6 +8,9 @@
 
 ``python -m npnorm gpu-check OUT_DIR``: on a GPU machine, the cupy tests, the main job and a GPU
 benchmark, with a report written into OUT_DIR (see ``npnorm._gpu_check``).
+
+``python -m npnorm learn [LAYER | bessel | check EXERCISE] [...]``: every backward derived
+node by node and checked step by step (see ``npnorm.learn``; ``learn --help`` for the options).
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["learn"]:  # its own options (python -m npnorm learn --help)
+        from .learn._cli import main as run_learn
+
+        return run_learn(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m npnorm", description=__doc__)
     parser.add_argument("--quiet", action="store_true", help="print nothing; exit status only")
     sub = parser.add_subparsers(dest="command")
@@ -44,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu.add_argument(
         "--stand-in", action="store_true", help="run on the CPU (a test of the script; no GPU figures)"
     )
+    sub.add_parser("learn", help="every backward derived node by node, each step checked (learn --help)")
     args = parser.parse_args(argv)
     if args.command == "gpu-check":
         from ._gpu_check import STAGES

@@ -15,6 +15,9 @@ InstanceNorm over spatial, BatchNorm over (batch, spatial).
 The variance is two-pass: the mean is removed before squaring, so a large common
 offset (say rows with mean 1e4 in float32) does not cancel catastrophically as it
 would in E[x^2] - E[x]^2.
+
+docs/derivations/ derives :func:`standardize_backward` from the chain rule, node by
+node; ``npnorm.learn`` runs that staged backward and checks each step of it.
 """
 
 from __future__ import annotations
@@ -60,20 +63,22 @@ def xhat_from(x: Array, mean: Array | None, rstd: Array) -> Array:
 def standardize_backward(
     xp: Namespace, dxhat: Array, xhat: Array, rstd: Array, axes: Axes, *, center: bool = True
 ) -> Array:
-    """Gradient through ``xhat = (x - mean) * rstd`` with batch statistics.
+    """Gradient ``dx`` through ``xhat = (x - mean) * rstd`` with batch statistics.
 
-    With ``n`` the number of reduced elements, the chain rule through ``x``, ``mean``
-    and ``rstd`` gives three terms:
+    ``dxhat`` is the gradient of the loss with respect to ``xhat`` (``dy * w`` after an
+    affine map). With means over the ``n`` reduced elements, the chain rule through
+    ``x``, ``mean`` and ``rstd`` gives three terms, one per path from ``x`` to ``xhat``:
 
         term 1 (direct path):       rstd * dxhat
         term 2 (through the mean):  -rstd * mean(dxhat)
         term 3 (through the var):   -rstd * xhat * mean(dxhat * xhat)
 
     so that ``dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``.
-    Without centring (RMSNorm) term 2 vanishes.
+    Without centring (RMSNorm) there is no mean, and no term 2.
+    (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
-    proj = xp.mean(dxhat * xhat, axis=axes, keepdims=True)  # reduced axes -> 1
-    inner = dxhat - xhat * proj  # term 1 + term 3, divided by rstd
+    proj = xp.mean(dxhat * xhat, axis=axes, keepdims=True)  # reduced axes -> 1: mean(dxhat * xhat)
+    inner = dxhat - xhat * proj  # (term 1 + term 3) / rstd
     if center:
-        inner = inner - xp.mean(dxhat, axis=axes, keepdims=True)  # + term 2
-    return inner * rstd  # same shape as x
+        inner = inner - xp.mean(dxhat, axis=axes, keepdims=True)  # + term 2 / rstd
+    return inner * rstd  # same shape as x: dx

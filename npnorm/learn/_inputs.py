@@ -1,0 +1,32 @@
+"""The arrays a staged forward starts from: NumPy, float64, copied."""
+
+from __future__ import annotations
+
+import array_api_compat
+import numpy as np
+
+from .._backend import Array
+from .._checks import float_inputs, work_dtype
+
+
+def float64_leaves(**arrays: Array | None) -> list[np.ndarray | None]:
+    """Each array as a float64 NumPy copy (``None`` stays ``None``), in the order given.
+
+    npnorm.learn runs on NumPy in float64: the step checker compares gradients with
+    finite differences, which resolve about 1e-10 in float64 and nothing useful in
+    float32. The arrays are copied, so that the tape never aliases the caller's data.
+    """
+    xp = float_inputs(*arrays.values(), names=tuple(arrays))
+    if not array_api_compat.is_numpy_namespace(xp):
+        raise TypeError(
+            f"npnorm.learn works on NumPy arrays (its checks run in float64 on the CPU); "
+            f"got {xp.__name__} arrays: convert them with numpy.asarray first"
+        )
+    return [None if a is None else np.array(a, dtype=np.float64) for a in arrays.values()]
+
+
+def machine_eps(*arrays: Array | None) -> float:
+    """RMSNorm's default eps: the machine epsilon of the dtype the library computes these in."""
+    present = [a for a in arrays if a is not None]
+    xp = array_api_compat.array_namespace(*present)
+    return float(xp.finfo(work_dtype(xp, *present)).eps)

@@ -1,0 +1,246 @@
+"""The step checker: each step's gradient against finite differences, in float64.
+
+The loss is ``L = sum(y · grad_output)``, a random projection of the output, so its
+gradient with respect to ``y`` is ``grad_output`` and every output element's path
+back is exercised. For a step ``s`` the checker perturbs one element of ``s`` at a
+time by ``±h`` (scaled by the element's magnitude), re-runs only the nodes after
+``s`` (the nodes before it do not change) and takes the central difference
+
+    dL/ds[i] ~ (L(s + h e_i) - L(s - h e_i)) / (2 h)
+
+A gradient passes when ``max |given - numeric| <= atol + rtol · max |numeric|`` and
+its shape is the step's shape exactly: a gradient of shape (C,) for a step of shape
+(1, C, 1, 1) is wrong even though it would broadcast to the right values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._tape import Edge, Tape
+
+ATOL = 1e-7
+RTOL = 1e-6
+H = 1e-6
+
+
+class _Todo:
+    """What an exercise stub holds where a gradient is still to be written."""
+
+    def __repr__(self) -> str:
+        return "TODO"
+
+
+TODO: Any = _Todo()
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One step's verdict.
+
+    ``max_abs`` is ``max |given - numeric|``, ``max_rel`` that over ``max |numeric|``;
+    both NaN when the given gradient could not be compared (``note`` says why).
+    """
+
+    name: str
+    ok: bool
+    shape_ok: bool
+    max_abs: float
+    max_rel: float
+    shape: tuple[int, ...]
+    got_shape: tuple[int, ...] | None
+    note: str = ""
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "WRONG"
+        if np.isnan(self.max_abs):
+            return f"{self.name}: {verdict}: {self.note}"
+        extra = f" ({self.note})" if self.note else ""
+        return (
+            f"{self.name}: {verdict}: max |given - numeric| = {self.max_abs:.2e}, "
+            f"relative {self.max_rel:.2e}, shape {self.shape}{extra}"
+        )
+
+
+def numeric_gradient(
+    tape: Tape, name: str, grad_output: np.ndarray, *, h: float = H, frozen: Collection[Edge] = ()
+) -> np.ndarray:
+    """Central differences of ``L = sum(y · grad_output)`` with respect to step ``name``.
+
+    Only the graph after ``name`` is re-run. Edges in ``frozen`` keep their recorded
+    values, so the result is the gradient along the other paths only.
+    """
+    v0 = np.asarray(tape[name], dtype=np.float64)
+    out = tape.output_name
+    num = np.empty(v0.shape)
+    for i in np.ndindex(v0.shape):
+        step = h * max(1.0, abs(float(v0[i])))
+        losses = []
+        for sign in (1.0, -1.0):
+            v = v0.copy()
+            v[i] += sign * step
+            y = tape.rerun({name: v}, frozen).get(out, tape.output)
+            losses.append(float(np.sum(y * grad_output)))
+        num[i] = (losses[0] - losses[1]) / (2.0 * step)
+    return num
+
+
+def compare(
+    name: str, given: Any, numeric: np.ndarray, *, atol: float = ATOL, rtol: float = RTOL
+) -> CheckRow:
+    """The verdict on ``given`` against ``numeric`` (same shape required, never broadcast)."""
+    shape = tuple(numeric.shape)
+    nan = float("nan")
+    if given is TODO:
+        return CheckRow(name, False, False, nan, nan, shape, None, "not filled in (still TODO)")
+    if given is None:
+        return CheckRow(name, False, False, nan, nan, shape, None, "missing (no gradient given)")
+    if not isinstance(given, (np.ndarray, np.generic)):
+        return CheckRow(name, False, False, nan, nan, shape, None, f"not an array: {type(given).__name__}")
+    got = tuple(given.shape)
+    if got != shape:
+        note = f"shape {got} where the step has shape {shape}"
+        if _broadcasts(got, shape):
+            note += " (it would broadcast, but a gradient has its step's shape exactly)"
+        return CheckRow(name, False, False, nan, nan, shape, got, note)
+    if not np.issubdtype(given.dtype, np.floating):
+        return CheckRow(name, False, True, nan, nan, shape, got, f"dtype {given.dtype}, not floating point")
+    a = given.astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        return CheckRow(name, False, True, nan, nan, shape, got, "contains nan or inf")
+    err = float(np.max(np.abs(a - numeric), initial=0.0))
+    scale = float(np.max(np.abs(numeric), initial=0.0))
+    rel = err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+    ok = err <= atol + rtol * scale
+    return CheckRow(name, ok, True, err, rel, shape, got)
+
+
+def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    try:
+        np.broadcast_shapes(a, b)
+    except ValueError:
+        return False
+    return True
+
+
+def _upstream(tape: Tape, grads: Mapping[str, Any], grad_output: Any) -> np.ndarray:
+    if tape.output.dtype != np.float64:
+        raise TypeError(
+            f"the step checker needs a float64 tape, got {tape.output.dtype} "
+            "(staged_forward always computes in float64)"
+        )
+    if grad_output is None:
+        if tape.output_name not in grads:
+            raise ValueError(
+                f"pass grad_output, or the gradient of the output step {tape.output_name!r} in grads"
+            )
+        grad_output = grads[tape.output_name]
+    dy = np.asarray(grad_output, dtype=np.float64)
+    if dy.shape != tape.output.shape:
+        raise ValueError(f"grad_output must have the output's shape {tape.output.shape}, got {dy.shape}")
+    return dy
+
+
+def check_steps(
+    tape: Tape,
+    grads: Mapping[str, Any],
+    *,
+    grad_output: np.ndarray | None = None,
+    names: Sequence[str] | None = None,
+    atol: float = ATOL,
+    rtol: float = RTOL,
+    h: float = H,
+) -> list[CheckRow]:
+    """Check the gradient of every step (and of input, weight, bias) by finite differences.
+
+    Parameters
+    ----------
+    tape : Tape
+        From :func:`staged_forward` (float64).
+    grads : mapping
+        Step name -> the gradient of ``L = sum(y · grad_output)`` with respect to that
+        step, as :func:`staged_backward` returns (or as you computed it).
+    grad_output : ndarray, optional
+        The upstream gradient ``dy``; by default ``grads[<output step>]``.
+    names : sequence of str, optional
+        The steps to check; by default the differentiable leaves, then every step.
+        A name missing from ``grads`` fails ("missing").
+    atol, rtol, h : float
+        Tolerances and the finite-difference step (see the module docstring).
+
+    Returns
+    -------
+    list of CheckRow
+        One per name, in the order checked.
+    """
+    dy = _upstream(tape, grads, grad_output)
+    if names is None:
+        names = [*tape.differentiable, *tape.steps]
+    rows = []
+    for name in names:
+        if name not in tape or name in tape.constants:
+            raise ValueError(f"{name!r} is not a step of this tape; its steps are {', '.join(tape)}")
+        numeric = numeric_gradient(tape, name, dy, h=h)
+        rows.append(compare(name, grads.get(name), numeric, atol=atol, rtol=rtol))
+    return rows
+
+
+TERM_NAMES = {
+    "direct": "term 1, the direct path to xhat (the statistics held)",
+    "mean": "term 2, the path through the mean",
+    "var": "term 3, the path through the variance (mean held)",
+    "ms": "term 3, the path through the mean square",
+}
+
+
+def term_paths(tape: Tape) -> dict[str, frozenset[Edge]]:
+    """The edges each named term of ``dx`` holds fixed: the term is the gradient along
+    every other path from the normalized value to the loss.
+
+    Term 1 (direct) keeps the statistics fixed; term 2 follows x into the mean (and on
+    from there); term 3 follows x into the variance with the mean fixed. Together they
+    cover every path once, so they sum to ``dx``.
+    """
+    st = tape.standardized
+    if st is None:
+        raise ValueError("this tape has no standardize block")
+    src, out = st.src, st.out
+    if not st.batch_stats:  # running statistics: x reaches xhat only directly
+        return {"direct": frozenset()}
+    if not st.center:
+        return {"direct": frozenset({(src, "ms")}), "ms": frozenset({(src, out)})}
+    return {
+        "direct": frozenset({(src, "mean"), ("xc", "var")}),
+        "mean": frozenset({(src, "xc")}),
+        "var": frozenset({(src, "mean"), ("xc", out)}),
+    }
+
+
+def check_terms(
+    tape: Tape,
+    terms: Mapping[str, Any],
+    *,
+    grad_output: np.ndarray,
+    atol: float = ATOL,
+    rtol: float = RTOL,
+    h: float = H,
+) -> list[CheckRow]:
+    """Check each named term of the closed form against finite differences along its paths.
+
+    ``terms`` maps ``"direct"``, ``"mean"``, ``"var"`` (``"ms"`` for RMSNorm) to arrays
+    of the normalized value's shape (:func:`closed_form` computes them). Each is
+    compared with the gradient of the loss with respect to the normalized value along
+    the paths of that term only (the other edges held at their recorded values).
+    """
+    dy = _upstream(tape, {}, grad_output)
+    st = tape.standardized
+    assert st is not None
+    rows = []
+    for name, frozen in term_paths(tape).items():
+        numeric = numeric_gradient(tape, st.src, dy, h=h, frozen=frozen)
+        rows.append(compare(name, terms.get(name), numeric, atol=atol, rtol=rtol))
+    return rows

@@ -1,0 +1,203 @@
+"""The exercises in ``exercises/`` and their grader (``python -m npnorm learn check NAME``).
+
+Each exercise is a Python file with one function to fill in (its lines say ``TODO``).
+The grader builds a small example, calls the function, and checks what it returns
+with the step checker: every gradient against finite differences of the loss, every
+term of a closed form against finite differences along its own paths. It names the
+first wrong step going back from the output, which is the one to fix first (the
+steps after it are computed from it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from . import staged_backward, staged_forward
+from ._tape import Tape
+from .check import TERM_NAMES, CheckRow, check_steps, check_terms, compare, numeric_gradient
+from .examples import example, upstream
+from .normalize import staged_normalize
+
+Result = tuple[Mapping[str, Any], Mapping[str, Any]]  # (step gradients, closed-form terms)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    name: str
+    title: str
+    page: str  # the derivation to read, under docs/derivations/
+    function: str  # the function the learner writes
+    make: Callable[[], Tape]
+    call: Callable[[Callable[..., Any], Tape, np.ndarray], Result]
+    names: tuple[str, ...] | None = None  # the steps checked; None: every step
+
+
+def _staged(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
+    return fn(t, dy), {}
+
+
+def _terms(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
+    st = t.standardized
+    assert st is not None
+    dxhat = staged_backward(t, dy)[st.out]
+    terms = fn(dxhat.copy(), t[st.out].copy(), t["rstd"].copy(), st.axes)
+    return {}, terms
+
+
+def _from_saved(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
+    x, w = t["input"].copy(), t["weight"].copy()
+    rows = x.shape[: x.ndim - w.ndim]
+    mean, rstd = t["mean"].reshape(rows).copy(), t["rstd"].reshape(rows).copy()  # as the library saves them
+    return fn(dy.copy(), x, mean, rstd, w), {}
+
+
+def _tape(name: str, **kw: Any) -> Callable[[], Tape]:
+    def make() -> Tape:
+        args, kwargs = example(name, **kw)
+        return staged_forward(name, *args, **kwargs)
+
+    return make
+
+
+def _unbiased() -> Tape:
+    rng = np.random.default_rng(3)
+    return staged_normalize(rng.normal(0.5, 2.0, (6, 3)), 0, eps=1e-5, correction=1)  # BatchNorm1d, n-1
+
+
+BN, EVAL, LN = "batch_norm_training.md", "batch_norm_eval.md", "layer_norm.md"
+GN = "group_norm_instance_norm.md"
+SAVED = ("xhat", "weight", "bias", "input")  # what a backward from the saved statistics returns
+EXERCISES = {
+    e.name: e
+    for e in [
+        Exercise("batch_norm_staged", "BatchNorm in training, node by node", BN, "backward",
+                 _tape("batch_norm"), _staged),
+        Exercise("closed_form", "Collapse the staged BatchNorm backward into three terms", BN, "closed_form",
+                 _tape("batch_norm"), _terms),
+        Exercise("layer_norm", "LayerNorm over two trailing axes, node by node", LN, "backward",
+                 _tape("layer_norm"), _staged),
+        Exercise("rms_norm", "RMSNorm, node by node", "rms_norm.md", "backward", _tape("rms_norm"), _staged),
+        Exercise("group_norm", "GroupNorm by reshape, node by node", GN, "backward",
+                 _tape("group_norm"), _staged),
+        Exercise("batch_norm_eval", "BatchNorm in eval mode, node by node", EVAL, "backward",
+                 _tape("batch_norm", eval=True), _staged),
+        Exercise("unbiased_variance", "The closed form when the n-1 variance normalizes", EVAL,
+                 "closed_form", _unbiased, _terms),
+        Exercise("cache_vs_recompute", "LayerNorm's backward from the saved statistics only", LN,
+                 "backward_from_saved", _tape("layer_norm"), _from_saved, SAVED),
+    ]
+}  # fmt: skip
+
+
+def find(name_or_path: str, *, solution: bool = False) -> tuple[Exercise, Path]:
+    """The exercise and the file to grade: a path, or a name looked up in ``exercises/``
+    (``exercises/solutions/`` with ``solution``) under the current directory, then
+    beside the npnorm package (a source checkout)."""
+    path = Path(name_or_path)
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise FileNotFoundError(f"no file {path}")
+        name = path.stem
+    else:
+        name = name_or_path
+        sub = Path("exercises", "solutions") if solution else Path("exercises")
+        candidates = [
+            Path.cwd() / sub / f"{name}.py",
+            Path(__file__).resolve().parents[2] / sub / f"{name}.py",
+        ]
+        found = [c for c in candidates if c.is_file()]
+        if name in EXERCISES and not found:
+            raise FileNotFoundError(f"exercise {name!r} not found at {' or '.join(map(str, candidates))}")
+        path = found[0] if found else path
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}; one of {', '.join(EXERCISES)}")
+    return EXERCISES[name], path
+
+
+@dataclass
+class Grade:
+    exercise: Exercise
+    tape: Tape
+    rows: list[CheckRow]
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(r.ok for r in self.rows)
+
+    @property
+    def first_wrong(self) -> CheckRow | None:
+        return next((r for r in self.rows if not r.ok), None)
+
+    def message(self) -> str:
+        if self.error:
+            return f"FAIL: your {self.exercise.function} raised an error:\n{self.error}"
+        wrong = [r for r in self.rows if not r.ok]
+        terms = self.exercise.call is _terms
+        if not wrong:
+            if terms:
+                return "PASS: each term matches finite differences along its paths, and their sum matches dx."
+            return f"PASS: all {len(self.rows)} gradients match finite differences."
+        first = wrong[0]
+        if terms and first.name in TERM_NAMES:
+            where = f"Wrong term: `{first.name}` ({TERM_NAMES[first.name]})"
+        else:
+            where = f"Wrong step: `{first.name}` (the first wrong one going back from y: fix it first)"
+        return f"FAIL: {len(wrong)} of {len(self.rows)} wrong. {where}: {first.note or _diff(first)}"
+
+
+def _diff(row: CheckRow) -> str:
+    return f"max |yours - numeric| = {row.max_abs:.3e} ({row.max_rel:.1e} of the gradient's size)"
+
+
+def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
+    """Run ``fn`` (the learner's function) on the exercise's example and check what it returns."""
+    tape = exercise.make()
+    dy = upstream(tape.output.shape)
+    reference = staged_backward(tape, dy)  # only its order is used: the order the steps are computed in
+    try:  # on a tape of its own: whatever the function changes in place, the check's tape stays as built
+        grads, terms = exercise.call(fn, exercise.make(), dy.copy())
+    except Exception:
+        return Grade(exercise, tape, [], traceback.format_exc(limit=-2))
+    rows: list[CheckRow] = []
+    if exercise.call is _terms:
+        if not isinstance(terms, Mapping):
+            return Grade(
+                exercise, tape, [], f"{exercise.function} must return a dict of terms, got {type(terms)}"
+            )
+        rows = check_terms(tape, terms, grad_output=dy)
+        st = tape.standardized
+        assert st is not None
+        if all(r.shape_ok for r in rows):
+            total = np.sum([np.asarray(terms[r.name]) for r in rows], axis=0)  # dx: the sum of the terms
+            rows.append(compare(st.src, total, numeric_gradient(tape, st.src, dy)))
+        return Grade(exercise, tape, rows)
+    if not isinstance(grads, Mapping):
+        return Grade(
+            exercise, tape, [], f"{exercise.function} must return a dict of gradients, got {type(grads)}"
+        )
+    names = list(exercise.names) if exercise.names else [k for k in reference if k != tape.output_name]
+    order = [k for k in reference if k in names]
+    rows = check_steps(tape, grads, grad_output=dy, names=order)
+    return Grade(exercise, tape, rows)
+
+
+def load(path: Path, function: str) -> Callable[..., Any]:
+    """The function ``function`` defined in the file ``path``."""
+    spec = importlib.util.spec_from_file_location(f"npnorm_exercise_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise AttributeError(f"{path} defines no function {function!r}")
+    return fn

@@ -1,0 +1,75 @@
+"""The staged graph over any axes you choose (docs/derivations/batch_norm_eval.md uses it
+for the n-1 variance).
+
+Every layer is this graph over its own axes; :func:`staged_normalize` lets you pick
+the axes, leave out the centring (RMSNorm) or normalize with the n-1 variance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import numpy as np
+
+from .._checks import check_eps
+from ._graph import affine, backward, same, standardize
+from ._inputs import float64_leaves
+from ._tape import Tape, count
+
+
+def staged_normalize(
+    input: np.ndarray,
+    axes: int | Sequence[int],
+    weight: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    eps: float = 1e-5,
+    *,
+    center: bool = True,
+    correction: int = 0,
+    float64: bool = True,
+) -> Tape:
+    """Normalize ``input`` over ``axes``, then ``y = xhat · weight + bias``, as a tape.
+
+    Parameters
+    ----------
+    input : ndarray
+    axes : int or sequence of int
+        The axes each statistic is taken over.
+    weight, bias : ndarray, optional
+        Shaped to broadcast against ``input`` (e.g. (1, C, 1, 1) for per-channel);
+        their gradients come back in these shapes.
+    eps : float
+    center : bool
+        False leaves out the mean (RMSNorm).
+    correction : int
+        The variance divides by ``n - correction``: 0 is the biased variance PyTorch
+        normalizes with, 1 the n-1 (unbiased) variance some write-ups normalize with.
+    float64 : bool
+        Compute in float64 (copies of the arrays; what the step checker needs). False
+        computes in the arrays' own dtype without copying them, as textbook NumPy code
+        does (npnorm's benchmark times it that way).
+    """
+    eps = check_eps(eps)
+    if float64:
+        x, weight, bias = float64_leaves(input=input, weight=weight, bias=bias)
+        assert x is not None
+        input = x
+    norm_axes = tuple(sorted(a % input.ndim for a in ((axes,) if isinstance(axes, int) else axes)))
+    if correction not in (0, 1):
+        raise ValueError(f"correction must be 0 (biased variance) or 1 (n-1), got {correction!r}")
+    if count(input.shape, norm_axes) <= correction:
+        raise ValueError(
+            f"the variance over {count(input.shape, norm_axes)} value(s) needs more than {correction}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (
+            p.ndim > input.ndim or np.broadcast_shapes(p.shape, input.shape) != input.shape
+        ):
+            raise ValueError(f"{name} of shape {p.shape} does not broadcast against input {input.shape}")
+    t = Tape("normalize", input=input, weight=weight, bias=bias)
+    t.description = f"normalization over the axes {norm_axes} of input {input.shape}"
+    standardize(t, "input", norm_axes, eps, center=center, correction=correction)  # mean, xc, var, rstd, xhat
+    affine(t, "xhat", same)  # y = xhat · w + b
+    t.backward = partial(backward, view=same)
+    return t

@@ -1,0 +1,600 @@
+"""npnorm.learn: the staged graphs, the step checker, the closed form, the command and the exercises.
+
+- staged == npnorm.functional's closed form (float64, 1e-10) for every layer and mode, on
+  hypothesis-drawn inputs, through the default (fast) and the generic kernels;
+- every row of check_steps passes; a corrupted, missing or wrongly shaped step gradient is
+  caught and named (a shape that would broadcast is still wrong);
+- properties of the derivation: in training dx sums to zero over the reduced axes (per
+  group) and xhat · dx = eps · rstd³ · (xhat · dxhat) (orthogonal when eps = 0); in eval
+  dx = rstd · dxhat; the matrix view J = ∂xhat/∂x matches finite differences;
+- python -m npnorm learn, and the exercises: solutions pass the grader, stubs fail it
+  naming a step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+import npnorm.functional as F
+from npnorm.functional._dispatch import generic_only
+from npnorm.learn import (
+    LAYERS,
+    TODO,
+    Tape,
+    _baseline,
+    _cli,
+    check_steps,
+    check_terms,
+    closed_form,
+    jacobian,
+    staged_backward,
+    staged_forward,
+    staged_normalize,
+)
+from npnorm.learn._library import closed
+from npnorm.learn.examples import example, upstream
+from npnorm.learn.exercises import EXERCISES, grade, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- hypothesis: the arguments of each layer's forward, drawn as arrays ---
+
+values = st.floats(-10, 10, allow_nan=False, allow_infinity=False, width=64)
+params = st.floats(-3, 3, allow_nan=False, allow_infinity=False, width=64)
+EPS = st.sampled_from([1e-5, 1e-3, 0.5])
+
+
+def arrays(shape, elements=values):
+    return hnp.arrays(np.float64, shape, elements=elements)
+
+
+@st.composite
+def layer_calls(draw, case: str):
+    """``(name, args, kwargs)`` for one layer and mode; see CASES."""
+    name, _, mode = case.partition(":")
+    eps = draw(EPS)
+    if name in ("layer_norm", "rms_norm"):
+        batch = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=3))
+        norm = draw(hnp.array_shapes(min_dims=2 if mode == "multi-axis" else 1, max_dims=2, max_side=4))
+        x = draw(arrays(batch + norm))
+        affine = mode != "no affine"
+        w = draw(arrays(norm, params)) if affine else None
+        if name == "rms_norm":
+            return name, (x, norm, w), {"eps": draw(st.sampled_from([None, 1e-5, 0.5]))}
+        b = draw(arrays(norm, params)) if affine else None
+        return name, (x, norm, w, b, eps), {}
+    n = draw(st.integers(1, 3))
+    spatial = draw(hnp.array_shapes(min_dims=1 if name == "instance_norm" else 0, max_dims=2, max_side=3))
+    if name == "group_norm":
+        groups = {"1 group": 1, "C groups": draw(st.integers(1, 4)), "middle": draw(st.integers(2, 3))}[mode]
+        per = {"1 group": draw(st.integers(1, 4)), "C groups": 1, "middle": draw(st.integers(2, 3))}[mode]
+        c = groups * per
+        x = draw(arrays((n, c, *spatial)))
+        return name, (x, groups, draw(arrays((c,), params)), draw(arrays((c,), params)), eps), {}
+    c = draw(st.integers(1, 3))
+    x = draw(arrays((n, c, *spatial)))
+    stats = mode in ("train", "input stats")
+    per_statistic = x.size // c if name == "batch_norm" else x.size // (n * c)
+    assume(not stats or per_statistic > 1)
+    buffers = draw(st.booleans()) if stats else True
+    rm = draw(arrays((c,), params)) if buffers else None
+    rv = draw(arrays((c,), st.floats(0.1, 5.0, width=64))) if buffers else None
+    affine = draw(st.booleans())
+    w, b = (draw(arrays((c,), params)), draw(arrays((c,), params))) if affine else (None, None)
+    flag = "training" if name == "batch_norm" else "use_input_stats"
+    return name, (x, rm, rv, w, b), {flag: stats, "momentum": draw(st.sampled_from([0.1, 0.5])), "eps": eps}
+
+
+CASES = [
+    "batch_norm:train",
+    "batch_norm:eval",
+    "layer_norm:multi-axis",
+    "layer_norm:no affine",
+    "rms_norm:",
+    "group_norm:1 group",
+    "group_norm:middle",
+    "group_norm:C groups",
+    "instance_norm:input stats",
+    "instance_norm:running stats",
+]
+
+
+def assert_close(staged, reference, what):
+    assert staged.shape == reference.shape, what
+    scale = max(1.0, float(np.max(np.abs(reference), initial=0.0)))
+    np.testing.assert_allclose(staged, reference, rtol=1e-10, atol=1e-10 * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("case", CASES)
+@given(data=st.data())
+def test_staged_equals_closed_form(case, data):
+    name, args, kwargs = data.draw(layer_calls(case))
+    tape = staged_forward(name, *args, **kwargs)
+    dy = data.draw(arrays(tape.output.shape))
+    grads = staged_backward(tape, dy)
+    for kernels in ("default", "generic"):
+        if kernels == "generic":
+            with generic_only():
+                lib = closed(name, args, kwargs, dy)
+        else:
+            lib = closed(name, args, kwargs, dy)
+        assert_close(tape.output, lib["y"], f"{kernels}: y")
+        for key in ("input", "weight", "bias"):
+            assert (lib[key] is None) == (key not in grads), key
+            if lib[key] is not None:
+                assert_close(grads[key], lib[key], f"{kernels}: d{key}")
+        for key, new in tape.updates.items():
+            assert_close(new, lib[key], f"{kernels}: {key}")
+        if name in ("batch_norm", "instance_norm") and args[1] is not None and not tape.updates:
+            assert np.array_equal(lib["running_mean"], args[1])  # eval: buffers untouched, none staged
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_step_has_a_gradient_of_its_shape_and_every_check_passes(case):
+    name, _, mode = case.partition(":")
+    kw = {"eval": mode in ("eval", "running stats")}
+    if name == "group_norm":
+        kw["groups"] = {"1 group": 1, "middle": 3, "C groups": 6}[mode]
+    args, kwargs = example(name, **kw)
+    if mode == "no affine":
+        args = (args[0], args[1])
+    if mode == "multi-axis":
+        assert len(args[1]) == 2
+    tape = staged_forward(name, *args, **kwargs)
+    assert len(tape.steps) >= 4 and all(node.formula.startswith(k) for k, node in tape.nodes.items())
+    grads = staged_backward(tape, upstream(tape.output.shape))
+    assert set(grads) == set(tape.steps) | set(tape.differentiable)
+    assert all(grads[k].shape == tape[k].shape for k in grads)
+    rows = check_steps(tape, grads)
+    assert [r.name for r in rows] == [*tape.differentiable, *tape.steps]
+    assert all(r.ok and r.shape_ok for r in rows), [str(r) for r in rows if not r.ok]
+
+
+EXAMPLE_TAPES = ["batch_norm", "batch_norm eval", "layer_norm", "rms_norm", "group_norm", "instance_norm"]
+
+
+def example_tape(which: str) -> Tape:
+    name, _, mode = which.partition(" ")
+    args, kwargs = example(name, eval=mode == "eval")
+    return staged_forward(name, *args, **kwargs)
+
+
+@pytest.mark.parametrize("which", EXAMPLE_TAPES)
+def test_a_corrupted_step_gradient_is_caught_and_named(which):
+    tape = example_tape(which)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    for name in grads:
+        bad = dict(grads)
+        g = grads[name].copy()
+        g.reshape(-1)[g.size // 2] += 1e-3 * max(1.0, float(np.max(np.abs(g))))  # one element, 0.1% off
+        bad[name] = g
+        rows = check_steps(tape, bad, grad_output=dy)
+        assert [r.name for r in rows if not r.ok] == [name], name
+
+
+@pytest.mark.parametrize("which", EXAMPLE_TAPES)
+def test_a_wrongly_shaped_step_gradient_is_flagged_even_when_it_broadcasts(which):
+    tape = example_tape(which)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    for name in grads:
+        bad = dict(grads)
+        bad[name] = grads[name][None]  # the right values, with a leading axis: NumPy would broadcast it
+        (row,) = check_steps(tape, bad, grad_output=dy, names=[name])
+        assert not row.ok and not row.shape_ok and "would broadcast" in row.note, str(row)
+    for name in (k for k, v in grads.items() if v.shape[0] == 1):  # per-channel statistics (1, C, 1, 1)
+        bad = dict(grads)
+        bad[name] = grads[name][0]  # (C, 1, 1): broadcasts against x, and is still the wrong shape
+        (row,) = check_steps(tape, bad, grad_output=dy, names=[name])
+        assert not row.ok and "would broadcast" in row.note, str(row)
+    bad = dict(grads)
+    bad["xhat"] = grads["xhat"][..., None]  # one axis too many
+    (row,) = check_steps(tape, bad, grad_output=dy, names=["xhat"])
+    assert not row.ok and row.got_shape == (*tape["xhat"].shape, 1)
+
+
+def test_missing_todo_and_non_array_gradients_are_named():
+    tape = example_tape("layer_norm")
+    grads = dict(staged_backward(tape, upstream(tape.output.shape)))
+    grads["var"] = TODO
+    grads["rstd"] = [0.0]
+    del grads["mean"]
+    rows = {r.name: r for r in check_steps(tape, grads)}
+    assert (
+        "TODO" in rows["var"].note and "not an array" in rows["rstd"].note and "missing" in rows["mean"].note
+    )
+    assert [k for k, r in rows.items() if not r.ok] == ["mean", "var", "rstd"]
+    assert "WRONG" in str(rows["var"]) and "ok" in str(rows["xc"])
+
+
+def test_the_check_reruns_only_the_graph_after_the_perturbed_step():
+    tape = example_tape("layer_norm")
+    after_var = tape.rerun({"var": tape["var"] + 1.0})
+    assert set(after_var) == {"var", "rstd", "xhat", "y"}
+    assert set(tape.rerun({"weight": tape["weight"] * 2})) == {"weight", "y"}
+    assert set(tape.rerun({"input": tape["input"] + 1.0})) == set(tape.steps) | {"input"}
+    np.testing.assert_allclose(after_var["rstd"], 1 / np.sqrt(tape["var"] + 1.0 + 1e-5))
+    held = tape.rerun({"input": tape["input"] + 1.0}, frozen={("input", "mean")})
+    np.testing.assert_array_equal(held["xc"], (tape["input"] + 1.0) - tape["mean"])  # mean held as recorded
+
+
+def test_the_check_needs_float64_and_the_output_shape():
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    tape = staged_normalize(x, 1, float64=False)
+    assert tape.output.dtype == np.float32
+    grads = staged_backward(tape, np.ones((4, 8), np.float32))
+    assert grads["input"].dtype == np.float32
+    with pytest.raises(TypeError, match="float64"):
+        check_steps(tape, grads)
+    tape64 = example_tape("layer_norm")
+    grads = staged_backward(tape64, upstream(tape64.output.shape))
+    with pytest.raises(ValueError, match="shape"):
+        check_steps(tape64, grads, grad_output=np.ones(tape64.output.shape[1:]))
+    with pytest.raises(ValueError, match="not a step"):
+        check_steps(tape64, grads, names=["nope"])
+    with pytest.raises(ValueError, match="shape"):  # broadcastable, still refused
+        staged_backward(tape64, np.ones(tape64.output.shape[1:]))
+
+
+# --- properties that follow from the derivation ---
+
+
+def batch_stat_cases():
+    return [c for c in CASES if c.partition(":")[2] not in ("eval", "running stats")]
+
+
+@pytest.mark.parametrize("case", batch_stat_cases())
+@given(data=st.data())
+def test_training_dx_sums_to_zero_and_is_orthogonal_to_xhat_up_to_eps(case, data):
+    name, args, kwargs = data.draw(layer_calls(case))
+    tape = staged_forward(name, *args, **kwargs)
+    st_ = tape.standardized
+    assert st_ is not None and st_.batch_stats
+    var = tape["var" if st_.center else "ms"]
+    assume(float(np.min(var)) > 1e-3)  # away from a constant group, where rstd is 1/sqrt(eps)
+    dy = data.draw(arrays(tape.output.shape))
+    grads = staged_backward(tape, dy)
+    dx = grads["input"].reshape(tape[st_.src].shape)  # per group: GroupNorm's (N, G, C/G·S) view
+    xhat, dxhat, rstd = tape[st_.out], grads[st_.out], tape["rstd"]
+    scale = max(1.0, float(np.max(np.abs(dx)) * st_.n))
+    if st_.center:
+        np.testing.assert_allclose(np.sum(dx, axis=st_.axes), 0.0, atol=1e-12 * scale)
+    along = np.sum(xhat * dx, axis=st_.axes, keepdims=True)
+    expected = st_.eps * rstd**3 * np.sum(xhat * dxhat, axis=st_.axes, keepdims=True)
+    np.testing.assert_allclose(along, expected, atol=1e-11 * scale * float(np.max(np.abs(xhat))))
+
+
+@given(x=arrays((5, 3, 4)), dy=arrays((5, 3, 4)))
+def test_with_eps_0_dx_is_exactly_orthogonal_to_xhat(x, dy):
+    assume(float(np.min(np.var(x, axis=(0, 2)))) > 1e-3)
+    tape = staged_forward("batch_norm", x, None, None, training=True, eps=0.0)
+    dx = staged_backward(tape, dy)["input"]
+    scale = float(np.max(np.abs(dx))) * x.size
+    np.testing.assert_allclose(np.sum(tape["xhat"] * dx, axis=(0, 2)), 0.0, atol=1e-12 * max(1.0, scale))
+
+
+@pytest.mark.parametrize("case", ["batch_norm:eval", "instance_norm:running stats"])
+@given(data=st.data())
+def test_eval_dx_is_rstd_times_dxhat(case, data):
+    name, args, kwargs = data.draw(layer_calls(case))
+    tape = staged_forward(name, *args, **kwargs)
+    grads = staged_backward(tape, data.draw(arrays(tape.output.shape)))
+    np.testing.assert_allclose(grads["input"], tape["rstd"] * grads["xhat"], rtol=1e-14, atol=0)
+    assert set(closed_form(tape, grads["xhat"])) == {"direct"}
+
+
+@pytest.mark.parametrize("which", [*EXAMPLE_TAPES, "group_norm 1", "group_norm 6", "unbiased"])
+def test_the_matrix_view_matches_finite_differences(which):
+    if which == "unbiased":
+        tape = staged_normalize(np.random.default_rng(2).normal(size=(6, 3)), 0, correction=1)
+    elif which.startswith("group_norm "):
+        args, kwargs = example("group_norm", groups=int(which.split()[1]))
+        tape = staged_forward("group_norm", *args, **kwargs)
+    else:
+        tape = example_tape(which)
+    J, J_num, xhat, rstd = jacobian(tape)
+    np.testing.assert_allclose(J, J_num, atol=1e-7)
+    np.testing.assert_array_equal(J, J.T)
+    st_ = tape.standardized
+    assert st_ is not None
+    if st_.batch_stats:  # J · xhat = eps · rstd³ · xhat: dx is orthogonal to xhat up to eps
+        np.testing.assert_allclose(J @ xhat, st_.eps * rstd**3 * xhat, atol=1e-13)
+    if st_.batch_stats and st_.center:  # J · 1 = 0: dx sums to zero
+        np.testing.assert_allclose(J @ np.ones(xhat.size), 0.0, atol=1e-13)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    sel = tuple(slice(None) if a in st_.axes else 0 for a in range(tape[st_.src].ndim))
+    np.testing.assert_allclose(
+        J @ grads[st_.out][sel].reshape(-1), grads[st_.src][sel].reshape(-1), atol=1e-12
+    )
+
+
+@given(x=arrays((2, 4, 3, 2)), dy=arrays((2, 4, 3, 2)), w=arrays((4,), params), b=arrays((4,), params))
+def test_instance_norm_is_group_norm_with_one_channel_per_group_and_one_group_is_layer_norm(x, dy, w, b):
+    def grads(name, *args):
+        tape = staged_forward(name, *args)
+        return tape.output, staged_backward(tape, dy)
+
+    y_in, d_in = grads("instance_norm", x, None, None, w, b)
+    y_gn, d_gn = grads("group_norm", x, 4, w, b)
+    assert_close(y_in, y_gn, "y")
+    for key in ("input", "weight", "bias"):
+        assert_close(d_in[key], d_gn[key], key)
+    y_one, d_one = grads("group_norm", x, 1)
+    y_ln, d_ln = grads("layer_norm", x, (4, 3, 2))
+    assert_close(y_one, y_ln, "y")
+    assert_close(d_one["input"], d_ln["input"], "dx")
+
+
+# --- the closed form, term by term ---
+
+
+@pytest.mark.parametrize("which", [t for t in EXAMPLE_TAPES if t != "batch_norm eval"] + ["unbiased"])
+def test_each_term_matches_its_paths_and_the_terms_sum_to_dx(which):
+    if which == "unbiased":
+        tape = staged_normalize(np.random.default_rng(2).normal(size=(6, 3)), 0, correction=1)
+    else:
+        tape = example_tape(which)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    st_ = tape.standardized
+    assert st_ is not None
+    terms = closed_form(tape, grads[st_.out])
+    assert len(terms) == (3 if st_.center else 2)
+    rows = check_terms(tape, terms, grad_output=dy)
+    assert all(r.ok for r in rows), [str(r) for r in rows]
+    np.testing.assert_allclose(sum(terms.values()), grads[st_.src], atol=1e-13)
+    for name in terms:  # each wrong term is named, and only it
+        bad = dict(terms)
+        bad[name] = terms[name] * 1.01 + 1e-3
+        assert [r.name for r in check_terms(tape, bad, grad_output=dy) if not r.ok] == [name]
+
+
+def test_the_biased_closed_form_is_wrong_for_the_n_minus_1_graph():
+    tape = staged_normalize(np.random.default_rng(2).normal(size=(6, 3)), 0, correction=1)
+    biased = staged_normalize(tape["input"], 0)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    mixed = closed_form(biased, grads["xhat"])  # the / n formula ...
+    mixed["direct"] = tape["rstd"] * grads["xhat"]  # ... with this graph's rstd and xhat
+    mixed["mean"] = closed_form(tape, grads["xhat"])["mean"]
+    mixed["var"] = -tape["rstd"] * tape["xhat"] * np.mean(grads["xhat"] * tape["xhat"], axis=0, keepdims=True)
+    assert [r.name for r in check_terms(tape, mixed, grad_output=dy) if not r.ok] == ["var"]
+
+
+# --- arguments and errors: exactly those of npnorm.functional ---
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_staged_forward_takes_the_arguments_of_the_functional_forward(name):
+    ours = inspect.signature(LAYERS[name]).parameters
+    theirs = inspect.signature(getattr(F, f"{name}_forward")).parameters
+    assert [(p.name, p.default, p.kind) for p in ours.values()] == [
+        (p.name, p.default, p.kind) for p in theirs.values()
+    ]
+
+
+BAD_CALLS = [
+    ("layer_norm", ((2, 3), (4,)), {}),  # input does not end in the normalized shape
+    ("layer_norm", ((2, 3), 3, np.ones(4)), {}),  # weight of the wrong shape
+    ("layer_norm", ((2, 3), 3), {"eps": -1.0}),
+    ("rms_norm", ((2, 3), 3, np.ones((1, 3))), {}),
+    ("batch_norm", ((1, 3), None, None), {"training": True}),  # one value per channel
+    ("batch_norm", ((4, 3), None, None), {"training": False}),  # eval without buffers
+    ("batch_norm", ((4, 3), np.zeros(3), None), {"training": True}),  # buffers not paired
+    ("batch_norm", ((4, 3), np.zeros(2), np.ones(2)), {"training": True}),
+    ("group_norm", ((2, 6, 4), 4), {}),  # 6 channels in 4 groups
+    ("instance_norm", ((2, 3), None, None), {}),  # no spatial axis
+    ("instance_norm", ((2, 3, 1), None, None), {}),  # one spatial element
+]
+
+
+@pytest.mark.parametrize("name,args,kwargs", BAD_CALLS)
+def test_bad_arguments_raise_what_the_functional_forward_raises(name, args, kwargs):
+    x = np.random.default_rng(0).normal(size=args[0])
+    call = (x, *args[1:])
+    with pytest.raises(Exception) as theirs:
+        getattr(F, f"{name}_forward")(*call, **kwargs)
+    with pytest.raises(type(theirs.value)):
+        staged_forward(name, *call, **kwargs)
+
+
+def test_only_numpy_float_arrays_and_known_layers():
+    import array_api_strict as xps
+
+    with pytest.raises(TypeError, match="NumPy"):
+        staged_forward("layer_norm", xps.ones((2, 3), dtype=xps.float64), 3)
+    with pytest.raises(TypeError):
+        staged_forward("layer_norm", np.ones((2, 3), dtype=np.int64), 3)
+    with pytest.raises(ValueError, match="unknown layer"):
+        staged_forward("dropout", np.ones((2, 3)), 3)
+    with pytest.raises(TypeError, match="Tape"):
+        staged_backward(np.ones(3), np.ones(3))
+
+
+def test_the_tape_copies_its_inputs_and_rms_eps_follows_the_library():
+    x = np.random.default_rng(0).normal(size=(2, 4))
+    tape = staged_forward("layer_norm", x, 4)
+    x[...] = 0.0
+    assert np.any(tape["input"] != 0.0)
+    assert staged_forward("rms_norm", x.astype(np.float32), 4).standardized.eps == np.finfo(np.float32).eps
+    assert staged_forward("rms_norm", x, 4).standardized.eps == np.finfo(np.float64).eps
+
+
+# --- the benchmark's textbook baseline is this module's staged graph ---
+
+
+@pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm", "BatchNorm2d", "InstanceNorm2d", "GroupNorm"])
+def test_the_benchmark_baseline_is_the_staged_graph_and_matches_the_library(layer):
+    from npnorm._bench import Spec, _textbook_pair
+
+    assert _textbook_pair.__globals__["textbook"] is _baseline
+    shape = (2, 32, 3, 3) if layer != "LayerNorm" and layer != "RMSNorm" else (2, 3, 8)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    fwd, bwd = _textbook_pair(Spec(layer, shape))
+    out = fwd(x)
+    dx = bwd(dy, out)[0]
+    assert out[0].dtype == np.float32 and dx.dtype == np.float32
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    c = shape[1]
+    if layer == "LayerNorm":
+        y, m, r = F.layer_norm_forward(x64, 8, np.ones(8), np.zeros(8))
+        ref = F.layer_norm_backward(dy64, x64, 8, m, r, np.ones(8), np.zeros(8))[0]
+    elif layer == "RMSNorm":
+        y, r = F.rms_norm_forward(x64, 8, np.ones(8), eps=1e-5)
+        ref = F.rms_norm_backward(dy64, x64, 8, r, np.ones(8))[0]
+    elif layer == "BatchNorm2d":
+        y, m, r, _, _ = F.batch_norm_forward(x64, None, None, np.ones(c), np.zeros(c), training=True)
+        ref = F.batch_norm_backward(dy64, x64, m, r, np.ones(c), np.zeros(c), training=True)[0]
+    elif layer == "InstanceNorm2d":
+        y, m, r, _, _ = F.instance_norm_forward(x64)
+        ref = F.instance_norm_backward(dy64, x64, m, r)[0]
+    else:
+        y, m, r = F.group_norm_forward(x64, 32, np.ones(c), np.zeros(c))
+        ref = F.group_norm_backward(dy64, x64, 32, m, r, np.ones(c), np.zeros(c))[0]
+    np.testing.assert_allclose(out[0], y, atol=1e-5)
+    np.testing.assert_allclose(dx, ref, atol=1e-4)
+
+
+# --- python -m npnorm learn ---
+
+
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["batch_norm"], "all 9 gradients match finite differences"),
+        (["batch_norm", "--eval"], "all 9 gradients match finite differences"),
+        (["rms_norm"], "all 6 gradients match finite differences"),
+        (["group_norm"], "all 11 gradients match finite differences"),
+        (["group_norm", "--groups", "6"], "all 11 gradients match finite differences"),
+        (["instance_norm"], "all 9 gradients match finite differences"),
+        (["instance_norm", "--eval"], "all 9 gradients match finite differences"),
+        (["layer_norm", "--staged-vs-closed"], "equal to 1e-10"),
+        (["batch_norm", "--eval", "--staged-vs-closed"], "equal to 1e-10"),
+        (["group_norm", "--staged-vs-closed"], "equal to 1e-10"),
+        (["rms_norm", "--matrix"], "J is symmetric"),
+        (["bessel"], "term 3 with / n (the biased closed form on the n-1 graph): WRONG"),
+        ([], "exercises: batch_norm_staged"),
+    ],
+)
+def test_the_learn_command(capsys, argv, expect):
+    assert _cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert expect in out, out
+    assert "WRONG" not in out.replace("): WRONG", "")  # the bessel line shows a wrong formula on purpose
+
+
+def test_python_m_npnorm_learn_layer_norm_prints_a_passing_step_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "learn", "layer_norm"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    for step, formula in [
+        ("mean", "mean = Σ x / n"),
+        ("var", "var = Σ xc² / n"),
+        ("xhat", "xhat = xc · rstd"),
+    ]:
+        assert any(line.split()[1:2] == [step] and formula in line for line in out.stdout.splitlines())
+    assert "all 9 gradients match finite differences" in out.stdout
+
+
+def test_the_learn_command_refuses_bad_arguments(capsys):
+    bad = (["dropout"], ["layer_norm", "--eval"], ["check"], ["layer_norm", "extra"], ["check", "no_such"])
+    for argv in (*bad, ["check", "/no/such/dir/rms_norm.py"]):
+        with pytest.raises(SystemExit) as exit_:
+            _cli.main(argv)
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown exercise 'no_such'" in err and "no file /no/such/dir/rms_norm.py" in err
+
+
+# --- the exercises ---
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_each_solution_passes_the_grader_in_ci(name):
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "learn", "check", name, "--solution"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout
+
+
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_each_stub_fails_the_grader_naming_the_wrong_step(name, capsys):
+    path = ROOT / "exercises" / f"{name}.py"
+    assert "TODO" in path.read_text()
+    assert _cli.main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if line.startswith("FAIL"))
+    assert "Wrong step: `" in first or "Wrong term: `" in first, first
+    assert "not filled in" in first
+
+
+@pytest.mark.parametrize("name", [n for n, e in EXERCISES.items() if e.function != "closed_form"])
+def test_a_solution_with_one_wrong_step_is_named(name):
+    exercise = EXERCISES[name]
+    solution = load(ROOT / "exercises" / "solutions" / f"{name}.py", exercise.function)
+    result = grade(exercise, solution)
+    assert result.ok, result.message()
+    for step in [r.name for r in result.rows]:
+
+        def wrong(*args, step=step):
+            d = dict(solution(*args))
+            d[step] = d[step] * 1.01
+            return d
+
+        bad = grade(exercise, wrong)
+        assert bad.first_wrong is not None and bad.first_wrong.name == step
+        assert f"Wrong step: `{step}`" in bad.message()
+
+
+def test_an_exercise_that_raises_is_reported_not_crashed():
+    exercise = EXERCISES["rms_norm"]
+
+    def broken(t, dy):
+        return {"y": dy, "weight": t["no_such_step"]}
+
+    result = grade(exercise, broken)
+    assert not result.ok and "no step 'no_such_step' on this tape" in result.message()
+
+
+def test_the_package_docstring_example_runs():
+    import doctest
+
+    import npnorm.learn
+
+    result = doctest.testmod(npnorm.learn)
+    assert result.attempted >= 5 and result.failed == 0
+    assert npnorm.learn is __import__("npnorm").learn  # public from `import npnorm`
+
+
+def test_an_exercise_that_writes_into_the_tape_cannot_fool_the_grader():
+    exercise = EXERCISES["rms_norm"]
+    solution = load(ROOT / "exercises" / "solutions" / "rms_norm.py", "backward")
+
+    def vandal(t, dy):
+        d = solution(t, dy)
+        t["input"][...] = 0.0  # would make the finite differences agree with anything
+        t["xhat"][...] = 0.0
+        d["weight"] = d["weight"] * 0.0
+        return d
+
+    result = grade(exercise, vandal)
+    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "weight"
