@@ -6,6 +6,7 @@ differences and ``torch.autograd``.
 """
 
 from . import functional
+from ._grad_mode import enable_grad, is_grad_enabled, no_grad
 from ._threads import get_num_threads, set_num_threads
 from .gradient_check import GradcheckError, gradcheck
 from .modules import (
@@ -38,8 +39,11 @@ __all__ = [
     "Module",
     "RMSNorm",
     "__version__",
+    "enable_grad",
     "functional",
     "get_num_threads",
     "gradcheck",
+    "is_grad_enabled",
+    "no_grad",
     "set_num_threads",
 ]
