@@ -51,10 +51,10 @@ class LayerNorm(Module):
     bias : bool, default True
         Learn ``bias`` as well as ``weight`` (with ``elementwise_affine``).
     dtype : str or dtype, keyword-only, default "float32"
-        Floating dtype of the parameters: "float16",
-        "float32" or "float64" (or a NumPy or backend dtype). Input of another
-        float dtype is computed at the wider of the two precisions (float16 input
-        in float32) and returned in its own dtype.
+        Floating dtype of the parameters: "float16", "float32" or "float64" (or
+        a NumPy or backend dtype). Input of another float dtype is computed at
+        the wider of the two precisions (float16 input in float32) and returned
+        in its own dtype.
     xp : str or namespace module, keyword-only, default "numpy"
         Array backend of the parameters and buffers: "numpy", "cupy", "torch",
         "array_api_strict" or an Array API namespace module. The input must be
