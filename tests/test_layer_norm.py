@@ -28,11 +28,12 @@ shapes = st.tuples(
 )
 def test_parity_with_torch(torch, backend, dtype, shape, eps, affine, bias, seed):
     batch, norm = shape
-    # A row of one value has var 0 and rstd = 1/sqrt(eps) (316 for 1e-5): torch's float32
-    # kernel computes x * rstd - mean * rstd, whose rounding (~|x| * rstd * 6e-8) that
-    # factor amplifies past the float32 tolerance, while the exact output is the bias.
-    # Float32 parity therefore uses rows of at least 2 values; float64 keeps 1.
-    assume(dtype == "float64" or int(np.prod(norm)) > 1)
+    # Rows of 1 or 2 values are ill-conditioned in float32, for torch and npnorm alike (as
+    # the groups in test_group_norm): one value has var 0 and rstd = 1/sqrt(eps), which
+    # amplifies torch's rounding of x * rstd - mean * rstd; with two, dx is proportional to
+    # eps / (var + eps), pure cancellation. Float32 parity therefore uses rows of at least
+    # 3 values; float64 keeps them all.
+    assume(dtype == "float64" or int(np.prod(norm)) >= 3)
     rng = np.random.default_rng(seed)
     ours = npnorm.LayerNorm(norm, eps, affine, bias, dtype=dtype, xp=backend.xp)
     ref = torch.nn.LayerNorm(norm, eps, affine, bias, dtype=getattr(torch, dtype))
