@@ -6,7 +6,9 @@ differences and ``torch.autograd``.
 """
 
 from . import functional, learn
+from ._grad_mode import enable_grad, is_grad_enabled, no_grad
 from ._threads import get_num_threads, set_num_threads
+from .convert import from_torch, to_torch
 from .gradient_check import GradcheckError, gradcheck
 from .modules import (
     BatchNorm1d,
@@ -40,9 +42,14 @@ __all__ = [
     "RMSNorm",
     "SyncBatchNorm",
     "__version__",
+    "enable_grad",
+    "from_torch",
     "functional",
     "get_num_threads",
     "gradcheck",
+    "is_grad_enabled",
     "learn",
+    "no_grad",
     "set_num_threads",
+    "to_torch",
 ]

@@ -40,10 +40,27 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
         return array_api_compat.array_namespace(*present)
     except TypeError as err:
         kinds = sorted({type(a).__module__.split(".")[0] + "." + type(a).__name__ for a in present})
+        first = _backend_of(present[0])
         raise TypeError(
             f"{what} live on different array backends ({', '.join(kinds)}); "
-            "move them to one backend first, e.g. with module.to(...)"
+            f"move them to one backend first: for {type(present[0]).__name__} input, "
+            f"module.to({first!r}) moves a module's arrays (or create the module with xp={first!r}); "
+            "npnorm runs on NumPy, CuPy, torch tensors and any Array API namespace"
         ) from err
+
+
+def backend_name(xp: Namespace) -> str:
+    """The name ``resolve_namespace`` turns back into ``xp``: ``"numpy"``, ``"cupy"``,
+    ``"torch"``, ``"array_api_strict"`` (array_api_compat's wrappers without their prefix)."""
+    name: str = xp.__name__
+    return name.removeprefix("array_api_compat.")
+
+
+def _backend_of(a: Any) -> str:
+    try:
+        return backend_name(array_api_compat.array_namespace(a))
+    except TypeError:
+        return type(a).__module__.split(".")[0]
 
 
 def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
@@ -131,12 +148,27 @@ def to_host(value: Any) -> np.ndarray:
 def _to_host(value: Any) -> Any:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
         value = value.detach().cpu()
+        if value.is_floating_point() and str(value.dtype).removeprefix("torch.") not in FLOAT_NAMES:
+            # bfloat16, float8_*: NumPy has no such dtype; float32 holds their values exactly
+            value = value.float()
     if array_api_compat.is_cupy_array(value):
-        return value.get()
-    if array_api_compat.is_array_api_obj(value) and not isinstance(value, np.ndarray):
+        return _standard_host(value.get())
+    if array_api_compat.is_array_api_obj(value) and not isinstance(value, (np.ndarray, np.generic)):
         # e.g. array_api_strict: go through DLPack where the array supports it
         try:
             return np.from_dlpack(value)
         except (TypeError, RuntimeError, BufferError, AttributeError):
             return np.asarray(value)
-    return np.asarray(value)
+    return _standard_host(np.asarray(value))
+
+
+def _standard_host(a: np.ndarray) -> np.ndarray:
+    """``a``, or its float32 copy when its dtype is one NumPy itself lacks (ml_dtypes'
+    bfloat16, float8_*, float4_*, int4, ...: user-defined NumPy dtypes, each of which
+    converts to float32 exactly). Other backends know only the standard dtypes."""
+    if a.dtype.isbuiltin == 2:  # a user-defined dtype
+        try:
+            return a.astype(np.float32)
+        except (TypeError, ValueError):
+            return a
+    return a

@@ -54,7 +54,23 @@ def default_num_threads() -> int:
 
 
 def get_num_threads() -> int:
-    """How many threads the fast kernels use (the caller's included)."""
+    """How many threads the fast NumPy kernels split their work over (the caller's included).
+
+    The default is the environment variable ``NPNORM_NUM_THREADS`` if set, else the
+    number of CPUs this process may run on; ``set_num_threads`` changes it. Results
+    are bitwise reproducible for a fixed count.
+
+    Returns
+    -------
+    int
+        At least 1 (1: everything runs in the calling thread).
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> npnorm.get_num_threads() >= 1
+    True
+    """
     global _num_threads
     with _lock:
         if _num_threads is None:
@@ -63,7 +79,29 @@ def get_num_threads() -> int:
 
 
 def set_num_threads(n: int) -> None:
-    """Use ``n`` threads (``n >= 1``; 1 runs everything in the calling thread)."""
+    """Make the fast NumPy kernels split their work over ``n`` threads, for the whole process.
+
+    Parameters
+    ----------
+    n : int
+        At least 1; 1 runs everything in the calling thread (no pool).
+
+    Raises
+    ------
+    TypeError
+        If ``n`` is not an integer.
+    ValueError
+        If ``n`` is less than 1.
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> before = npnorm.get_num_threads()
+    >>> npnorm.set_num_threads(1)
+    >>> npnorm.get_num_threads()
+    1
+    >>> npnorm.set_num_threads(before)
+    """
     global _num_threads
     count = _check_count(n, "the number of threads")
     with _lock:

@@ -1,55 +1,102 @@
-"""``gradcheck``: compare a module's analytical backward with finite differences.
+"""``gradcheck``: compare an analytical backward with finite differences.
 
-The check differentiates the scalar ``L = sum(module(x) * u)`` for a fixed random
+The check differentiates the scalar ``L = sum(forward(x) * u)`` for a fixed random
 ``u`` (a random projection of the output, so every output element's gradient path
-is exercised). Its analytic gradient is ``module.backward(u)`` (input) and
-``module.grads`` (parameters); its numeric gradient is the central difference
+is exercised). Its analytic gradient is what the backward returns for ``dy = u``;
+its numeric gradient is the central difference
 
     dL/dt ~ (L(t + eps) - L(t - eps)) / (2 eps)
 
 for every element ``t`` of the input and of each parameter, all in float64.
 It costs two forwards per element: use small inputs (a few hundred elements).
+
+Two things can be checked: an npnorm ``Module`` (its ``backward`` and ``grads``),
+or a plain pair of functions ``(forward, backward)``.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._backend import Array, namespace_of, to_host, to_namespace
+from ._backend import Array, Namespace, namespace_of, to_host, to_namespace
+from ._grad_mode import enable_grad
 from .modules._module import Module
+
+_ACCEPTS = (
+    "gradcheck checks either an npnorm Module, as gradcheck(module, x), or a pair of "
+    "functions, as gradcheck((forward, backward), x, *params), where forward(x, *params) "
+    "returns y or (y, *saved) and backward(dy, x, *params, *saved) returns dx or "
+    "(dx, *dparams), one gradient per parameter"
+)
 
 
 class GradcheckError(AssertionError):
-    """Raised by :func:`gradcheck` when analytic and numeric gradients disagree."""
+    """Raised by :func:`gradcheck` when analytic and numeric gradients disagree.
+
+    An ``AssertionError``, so that a failed check inside a test reads as a failed
+    assertion. Its message lists, per checked array, how many elements differ,
+    the largest discrepancy and the analytic and numeric values side by side.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> forward = lambda x: x**2
+    >>> wrong_backward = lambda dy, x: dy * x  # should be dy * 2 * x
+    >>> try:
+    ...     npnorm.gradcheck((forward, wrong_backward), np.ones(3))
+    ... except npnorm.GradcheckError as err:
+    ...     print(str(err).splitlines()[1].split(";")[0])
+      input: 3 of 3 elements differ
+    """
 
 
 def gradcheck(
-    module: Module,
+    target: Module | tuple[Callable[..., Any], Callable[..., Any]],
     x: Array,
-    *,
+    *params: Array | None,
     eps: float = 1e-6,
     atol: float = 1e-5,
     rtol: float = 1e-3,
     seed: int = 0,
 ) -> bool:
-    """Check ``module.backward`` against central finite differences of its forward.
+    """Check an analytical backward against central finite differences of its forward.
 
     Parameters
     ----------
-    module : npnorm module
-        Checked in its current train/eval mode. Its parameters, buffers, grads,
-        mode and saved context are restored afterwards, whatever happens.
+    target : Module, or tuple (forward, backward)
+        An npnorm module (a layer, or your own ``Module`` subclass): its
+        ``backward`` and the parameter gradients it adds to ``grads`` are checked,
+        in its current train/eval mode. Its parameters, buffers, grads, dtype,
+        backend, mode and saved context are restored afterwards, whatever happens.
+
+        Or a pair of functions, checked for the input and every parameter in
+        ``params`` that is not None:
+
+        - ``forward(x, *params)`` returns the output ``y``, or a tuple
+          ``(y, *saved)`` whose extra items are passed on to backward;
+        - ``backward(dy, x, *params, *saved)`` returns ``dx``, or a tuple
+          ``(dx, *dparams)`` with one gradient per parameter (``None`` allowed
+          where the parameter is None).
+
+        ``npnorm.functional``'s pairs fit through a lambda, e.g. for LayerNorm
+        over the last axis of size 4:
+        ``(lambda x, w, b: F.layer_norm_forward(x, 4, w, b),
+        lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 4, mean, rstd, w, b))``.
     x : array
-        The input (any float dtype; the check runs in float64).
-    eps : float
+        The input (any float dtype and backend; the check runs on a float64 copy).
+    *params : array or None
+        Only with a function pair: the parameters passed to ``forward`` after
+        ``x`` (float64 copies; ``None`` passes through unchecked).
+    eps : float, default 1e-6
         Finite-difference step.
-    atol, rtol : float
+    atol, rtol : float, default 1e-5 and 1e-3
         An element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``.
         The defaults fail a 1% error in any gradient of ordinary magnitude.
-    seed : int
+    seed : int, default 0
         Seed of the random projection ``u``.
 
     Returns
@@ -59,9 +106,42 @@ def gradcheck(
     Raises
     ------
     GradcheckError
-        (an ``AssertionError``) listing, per tensor, the largest discrepancy and the
-        analytic and numeric values side by side.
+        (an ``AssertionError``) listing, per checked array, the largest discrepancy
+        and the analytic and numeric values side by side; also when the backward
+        returns no gradient for a parameter.
+    TypeError
+        When ``target`` is neither a Module nor a (forward, backward) pair, or
+        params are given with a Module.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> import npnorm.functional as F
+    >>> x = np.random.default_rng(0).normal(size=(3, 4))
+    >>> npnorm.gradcheck(npnorm.LayerNorm(4), x)
+    True
+    >>> forward = lambda x, w, b: F.layer_norm_forward(x, 4, w, b)
+    >>> backward = lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 4, mean, rstd, w, b)
+    >>> npnorm.gradcheck((forward, backward), x, np.full(4, 2.0), np.zeros(4))
+    True
     """
+    if isinstance(target, Module):
+        if params:
+            raise TypeError(
+                f"gradcheck(module, x) takes no params: a module's parameters are its own "
+                f"(got {len(params)} extra argument(s)); " + _ACCEPTS
+            )
+        with enable_grad():
+            return _check_module(target, x, eps, atol, rtol, seed)
+    if isinstance(target, tuple) and len(target) == 2 and all(callable(f) for f in target):
+        return _check_pair(target[0], target[1], x, params, eps, atol, rtol, seed)
+    what = type(target).__name__
+    if callable(target):
+        what += " (a single function has no backward to check against: pass (forward, backward))"
+    raise TypeError(f"{_ACCEPTS}; got {what}")
+
+
+def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
     xp = namespace_of(x, what="x")
     snapshot = _snapshot(module)
     try:
@@ -69,34 +149,87 @@ def gradcheck(
         x64 = to_namespace(x, xp, xp.float64)
         module.zero_grad()
         y = module(x64)
-        rng = np.random.default_rng(seed)
-        u = xp.asarray(rng.standard_normal(tuple(y.shape)), dtype=xp.float64)
+        u = _projection(xp, y, seed)
         analytic: dict[str, Array] = {"input": module.backward(u)}
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})
 
-        def loss(inp: Array) -> float:
-            return float(xp.sum(module(inp) * u))
+        def loss() -> float:
+            return float(xp.sum(module(x64) * u))
 
-        numeric: dict[str, np.ndarray] = {"input": _numeric(lambda: loss(x64), x64, eps)}
+        numeric: dict[str, np.ndarray] = {"input": _numeric(loss, x64, eps)}
         for name, p in module.parameters().items():
-            numeric[f"grad {name}"] = _numeric(lambda: loss(x64), p, eps)
-        missing = sorted(set(numeric) - set(analytic))
-        if missing:
-            raise GradcheckError(f"backward produced no gradient for: {', '.join(missing)}")
-        failures = [_report(name, analytic[name], numeric[name], atol, rtol) for name in numeric]
-        failures = [f for f in failures if f]
-        if failures:
-            raise GradcheckError(
-                f"gradcheck failed for {type(module).__name__} "
-                f"({'train' if module.training else 'eval'} mode, input shape {tuple(x.shape)}):\n"
-                + "\n".join(failures)
-            )
+            numeric[f"grad {name}"] = _numeric(loss, p, eps)
+        where = (
+            f"{type(module).__name__} ({'train' if module.training else 'eval'} mode, "
+            f"input shape {tuple(x.shape)})"
+        )
+        _compare(where, analytic, numeric, atol, rtol)
         return True
     finally:
         _restore(module, snapshot)
 
 
-def _numeric(f: Any, t: Array, eps: float) -> np.ndarray:
+def _check_pair(
+    forward: Callable[..., Any],
+    backward: Callable[..., Any],
+    x: Array,
+    params: tuple[Array | None, ...],
+    eps: float,
+    atol: float,
+    rtol: float,
+    seed: int,
+) -> bool:
+    xp = namespace_of(x, *params, what="x and params")
+    x64 = to_namespace(x, xp, xp.float64)
+    p64 = [None if p is None else to_namespace(p, xp, xp.float64) for p in params]
+    out = forward(x64, *p64)
+    y, saved = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
+    u = _projection(xp, y, seed)
+    back = backward(u, x64, *p64, *saved)
+    dx, dparams = (back[0], tuple(back[1:])) if isinstance(back, tuple) else (back, ())
+    extra = [i for i in range(len(params), len(dparams)) if dparams[i] is not None]
+    if extra:
+        raise GradcheckError(
+            f"backward returned {len(dparams)} parameter gradient(s) for {len(params)} parameter(s): "
+            + _ACCEPTS
+        )
+    analytic: dict[str, Array] = {"input": dx}
+    for i, g in enumerate(dparams[: len(params)]):
+        if g is not None:
+            analytic[f"params[{i}]"] = g
+
+    def loss() -> float:
+        result = forward(x64, *p64)
+        return float(xp.sum((result[0] if isinstance(result, tuple) else result) * u))
+
+    numeric: dict[str, np.ndarray] = {"input": _numeric(loss, x64, eps)}
+    for i, p in enumerate(p64):
+        if p is not None:
+            numeric[f"params[{i}]"] = _numeric(loss, p, eps)
+    names = [getattr(f, "__name__", type(f).__name__) for f in (forward, backward)]
+    _compare(f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}", analytic, numeric, atol, rtol)
+    return True
+
+
+def _projection(xp: Namespace, y: Array, seed: int) -> Array:
+    """The fixed random ``u`` of ``L = sum(y * u)``."""
+    rng = np.random.default_rng(seed)
+    return xp.asarray(rng.standard_normal(tuple(y.shape)), dtype=xp.float64)
+
+
+def _compare(
+    where: str, analytic: dict[str, Array], numeric: dict[str, np.ndarray], atol: float, rtol: float
+) -> None:
+    missing = sorted(set(numeric) - set(analytic))
+    if missing:
+        raise GradcheckError(f"backward produced no gradient for: {', '.join(missing)}")
+    failures = [_report(name, analytic[name], numeric[name], atol, rtol) for name in numeric]
+    failures = [f for f in failures if f]
+    if failures:
+        raise GradcheckError(f"gradcheck failed for {where}:\n" + "\n".join(failures))
+
+
+def _numeric(f: Callable[[], float], t: Array, eps: float) -> np.ndarray:
     """Central differences of ``f()`` w.r.t. each element of ``t`` (perturbed in place)."""
     out = np.empty(tuple(t.shape))
     for idx in itertools.product(*(range(int(n)) for n in t.shape)):
@@ -112,6 +245,8 @@ def _numeric(f: Any, t: Array, eps: float) -> np.ndarray:
 
 def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float) -> str:
     a = to_host(analytic).astype(np.float64)
+    if a.shape != n.shape:
+        return f"  {name}: the analytic gradient has shape {a.shape}, expected {n.shape}"
     err = np.abs(a - n)
     bad = err > atol + rtol * np.abs(n)
     if not bad.any():

@@ -2,12 +2,19 @@
 
 numpy always; ``array_api_strict`` as the CPU stand-in for a second backend (it
 rejects anything outside the Array API standard, so a NumPy-only call in the math
-fails there); cupy only where a GPU is present.
+fails there); cupy only where a GPU is present. Without a GPU, the cupy cases of a
+test module are reported as one skip line for the module.
+
+Hypothesis profiles: "ci" draws the same examples on every run (derandomized), "dev"
+draws new ones each run (failures are kept in .hypothesis/ and replayed first).
+"ci" is the default where the environment variable CI is set (CI services set it;
+.ci/run does), "dev" elsewhere; ``--hypothesis-profile=NAME`` picks one explicitly.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -16,8 +23,9 @@ from hypothesis import settings
 import npnorm
 from npnorm._backend import resolve_namespace, to_host
 
-settings.register_profile("default", deadline=None, max_examples=25, derandomize=True)
-settings.load_profile("default")
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True, print_blob=True)
+settings.register_profile("dev", deadline=None, max_examples=25, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 def _cupy_unusable() -> str:
@@ -47,12 +55,21 @@ BACKENDS = [
             reason="array_api_strict is not installed (the 'test' extra installs it)",
         ),
     ),
-    pytest.param(
-        "cupy",
-        id="cupy",
-        marks=pytest.mark.skipif(bool(_CUPY_UNUSABLE), reason=_CUPY_UNUSABLE or "cupy runs here"),
-    ),
+    pytest.param("cupy", id="cupy"),  # skipped where unusable, see pytest_runtest_setup
 ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip the cupy cases without a GPU, before the backend fixture imports cupy.
+
+    The skip is raised here, not by a mark, so pytest reports it at this line: the
+    cases of one test module fold into one "SKIPPED [n]" line instead of one per test.
+    """
+    callspec = getattr(item, "callspec", None)
+    if _CUPY_UNUSABLE and callspec is not None and callspec.params.get("backend") == "cupy":
+        module = item.module.__name__ if item.module is not None else item.nodeid
+        pytest.skip(f"{_CUPY_UNUSABLE}: the cupy cases of {module}")
 
 
 class Backend:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
 from helpers import randomize
 
 import npnorm
+import npnorm.functional as F
 
 
 class WrongLayerNorm(npnorm.LayerNorm):
@@ -67,3 +70,97 @@ def test_restores_state_even_when_failing(rng):
         npnorm.gradcheck(m, rng.normal(size=(2, 3)))
     assert_state_equal(m, state, grads)
     assert m.weight.dtype == np.float32
+
+
+# --- a plain (forward, backward) pair of functions ------------------------------
+
+PAIRS = {
+    "layer_norm": (
+        lambda x, w, b: F.layer_norm_forward(x, 4, w, b),
+        lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 4, mean, rstd, w, b),
+        (3, 4),
+    ),
+    "rms_norm": (  # no bias: backward returns (dx, dw, None), the None for a bias not passed
+        lambda x, w: F.rms_norm_forward(x, 4, w),
+        lambda dy, x, w, rstd: F.rms_norm_backward(dy, x, 4, rstd, w),
+        (3, 4),
+    ),
+    "batch_norm": (
+        lambda x, w, b: F.batch_norm_forward(x, None, None, w, b, training=True),
+        lambda dy, x, w, b, mean, rstd, _rm, _rv: F.batch_norm_backward(
+            dy, x, mean, rstd, w, b, training=True
+        ),
+        (3, 4, 2),
+    ),
+    "group_norm": (
+        lambda x, w, b: F.group_norm_forward(x, 2, w, b),
+        lambda dy, x, w, b, mean, rstd: F.group_norm_backward(dy, x, 2, mean, rstd, w, b),
+        (2, 4, 3),
+    ),
+    "instance_norm": (
+        lambda x, w, b: F.instance_norm_forward(x, None, None, w, b),
+        lambda dy, x, w, b, mean, rstd, _rm, _rv: F.instance_norm_backward(dy, x, mean, rstd, w, b),
+        (2, 4, 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_functional_pairs_pass(backend, rng, name):
+    forward, backward, shape = PAIRS[name]
+    w, b = backend.asarray(rng.uniform(0.5, 1.5, size=4)), backend.asarray(rng.normal(size=4))
+    x = backend.asarray(rng.normal(size=shape), "float32")  # checked on a float64 copy
+    params = (w, b) if name != "rms_norm" else (w,)
+    assert npnorm.gradcheck((forward, backward), x, *params)
+    assert npnorm.gradcheck((forward, backward), x, None, *params[1:])  # None: passed, not checked
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_pair_fails_on_a_one_percent_error(rng, which):
+    forward, backward, shape = PAIRS["layer_norm"]
+
+    def wrong(*args):
+        grads = list(backward(*args))
+        grads[which] = grads[which] * 1.01
+        return tuple(grads)
+
+    name = ["input", "params[0]", "params[1]"][which]
+    with pytest.raises(npnorm.GradcheckError, match=re.escape(name)) as info:
+        npnorm.gradcheck((forward, wrong), rng.normal(size=shape), rng.normal(size=4), rng.normal(size=4))
+    assert "analytic" in str(info.value) and "numeric" in str(info.value)
+
+
+def test_pair_with_a_missing_or_extra_gradient(rng):
+    forward, backward, shape = PAIRS["layer_norm"]
+    x, w, b = rng.normal(size=shape), rng.normal(size=4), rng.normal(size=4)
+    with pytest.raises(npnorm.GradcheckError, match=r"no gradient for: params\[0\]"):
+        npnorm.gradcheck((forward, lambda *a: (backward(*a)[0], None, backward(*a)[2])), x, w, b)
+    with pytest.raises(npnorm.GradcheckError, match=r"2 parameter gradient\(s\) for 1 parameter"):
+        npnorm.gradcheck(
+            (lambda x, w: forward(x, w, None), lambda dy, x, w, *s: backward(dy, x, w, w, *s)), x, w
+        )
+
+
+def test_pair_of_simple_functions(rng):
+    x = rng.normal(size=(2, 3))
+    assert npnorm.gradcheck((np.sin, lambda dy, x: dy * np.cos(x)), x)
+    with pytest.raises(npnorm.GradcheckError):
+        npnorm.gradcheck((np.sin, lambda dy, x: dy * np.sin(x)), x)
+
+
+@pytest.mark.parametrize("target", [np.sin, "LayerNorm", (np.sin,), (np.sin, np.cos, np.tan), 3])
+def test_anything_else_is_a_clear_type_error(rng, target):
+    with pytest.raises(
+        TypeError, match=r"gradcheck\(module, x\).*gradcheck\(\(forward, backward\), x, \*params\)"
+    ):
+        npnorm.gradcheck(target, rng.normal(size=3))
+
+
+def test_plain_function_error_says_what_is_missing(rng):
+    with pytest.raises(TypeError, match="a single function has no backward"):
+        npnorm.gradcheck(np.sin, rng.normal(size=3))
+
+
+def test_module_takes_no_params(rng):
+    with pytest.raises(TypeError, match="takes no params"):
+        npnorm.gradcheck(npnorm.LayerNorm(3), rng.normal(size=(2, 3)), np.ones(3))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import snapshot
+from conftest import assert_state_equal, snapshot
 from helpers import load_into_torch, randomize, step_and_compare
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import npnorm
@@ -28,6 +28,12 @@ shapes = st.tuples(
 )
 def test_parity_with_torch(torch, backend, dtype, shape, eps, affine, bias, seed):
     batch, norm = shape
+    # Rows of 1 or 2 values are ill-conditioned in float32, for torch and npnorm alike (as
+    # the groups in test_group_norm): one value has var 0 and rstd = 1/sqrt(eps), which
+    # amplifies torch's rounding of x * rstd - mean * rstd; with two, dx is proportional to
+    # eps / (var + eps), pure cancellation. Float32 parity therefore uses rows of at least
+    # 3 values; float64 keeps them all.
+    assume(dtype == "float64" or int(np.prod(norm)) >= 3)
     rng = np.random.default_rng(seed)
     ours = npnorm.LayerNorm(norm, eps, affine, bias, dtype=dtype, xp=backend.xp)
     ref = torch.nn.LayerNorm(norm, eps, affine, bias, dtype=getattr(torch, dtype))
@@ -144,14 +150,19 @@ def test_backend_mismatch_is_a_type_error(rng):
 
 def test_failed_forward_keeps_saved_context(rng):
     m = npnorm.LayerNorm(3, dtype="float64")
-    x = rng.normal(size=(2, 3))
+    randomize(m, rng)
+    x, dy = rng.normal(size=(2, 3)), rng.normal(size=(2, 3))
     m(x)
+    state, grads = snapshot(m)
     with pytest.raises(ValueError):
         m(np.zeros((2, 4)))
-    before = snapshot(m)
-    dx = m.backward(np.ones((2, 3)))  # still the first forward's context
-    assert dx.shape == (2, 3)
-    assert before[0].keys() == snapshot(m)[0].keys()
+    assert_state_equal(m, state, grads)
+    dx = m.backward(dy)  # still the first forward's context: the gradient of x, not of the zeros
+    expect = npnorm.LayerNorm(3, dtype="float64")
+    expect.load_state_dict(m.state_dict())
+    expect(x)
+    np.testing.assert_array_equal(dx, expect.backward(dy))
+    np.testing.assert_array_equal(m.grads["weight"], expect.grads["weight"])
 
 
 def test_bad_constructor_arguments():

@@ -30,21 +30,24 @@ def batch_norm_forward(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    r"""BatchNorm forward; returns the output, saved statistics and updated buffers.
+    """BatchNorm forward: the output, the statistics it used and the updated buffers.
 
-    Training (batch statistics over the batch and spatial axes, per channel):
+    Ioffe & Szegedy (2015), https://arxiv.org/abs/1502.03167. Per channel c, over
+    the batch and spatial axes (n values):
 
-    .. math::
-        \mu_c = \mathrm{E}[x_{:,c}],\quad \sigma_c^2 = \mathrm{E}[(x_{:,c} - \mu_c)^2],\quad
-        y = \frac{x - \mu_c}{\sqrt{\sigma_c^2 + \epsilon}}\, w_c + b_c
+        training:   mean_c = sum(x[:, c]) / n
+                    var_c  = sum((x[:, c] - mean_c)**2) / n      (biased; two passes)
+        inference:  mean_c = running_mean_c,  var_c = running_var_c
+        y = (x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c
 
-    and, when buffers are given, ``new = (1 - momentum) * old + momentum * batch``,
-    where the running variance takes the *unbiased* batch variance
-    :math:`\sigma_c^2 \cdot n/(n-1)` (``n`` values per channel), as PyTorch does.
-    Inference (``training=False``) normalizes with the running statistics.
+    When training with buffers, the running statistics move towards the batch's,
+    the variance *unbiased* (as PyTorch does):
+
+        new_running_mean = (1 - momentum) * running_mean + momentum * mean_c
+        new_running_var  = (1 - momentum) * running_var  + momentum * var_c * n/(n - 1)
 
     This function is pure: it never writes into ``running_mean``/``running_var``;
-    the updated buffers are returned (:func:`batch_norm` writes them in place).
+    the updated buffers are returned (``batch_norm`` writes them in place).
 
     Parameters
     ----------
@@ -52,24 +55,40 @@ def batch_norm_forward(
     running_mean, running_var : arrays of shape (C,), or None
         Required when ``training`` is False.
     weight, bias : arrays of shape (C,), optional
-    training : bool
-        Use batch statistics (and update the buffers, if any).
-    momentum : float
-    eps : float
+    training : bool, default False
+        Use batch statistics (and update the buffers, if given).
+    momentum : float, default 0.1
+        Weight of the batch statistics in the update (the modules turn
+        ``momentum=None`` into ``1 / num_batches_tracked``).
+    eps : float, default 1e-5
+        Added to the variance before the square root.
 
     Returns
     -------
     output : array, shape and dtype of ``input``
     mean, rstd : arrays of shape (C,)
-        The statistics the output was normalized with (batch or running), in the
-        computation dtype (float32 for float16 input).
+        The statistics the output was normalized with (batch or running; rstd =
+        1/sqrt(var + eps)), in the computation dtype (float32 for float16 input).
     new_running_mean, new_running_var : arrays of shape (C,) or None
         Updated buffers when training with buffers; else the buffers as given.
 
     Raises
     ------
     ValueError
-        On a wrong shape, or when training with one value per channel.
+        On a wrong shape, when training with one value per channel, or in
+        inference without buffers.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[1.0, 10.0], [3.0, 30.0]])  # N=2, C=2
+    >>> y, mean, rstd, rm, rv = F.batch_norm_forward(x, np.zeros(2), np.ones(2), training=True, eps=0.0)
+    >>> y, mean
+    (array([[-1., -1.],
+           [ 1.,  1.]]), array([ 2., 20.]))
+    >>> rm, rv  # 0.9 * old + 0.1 * batch, the variance unbiased: 2 and 200
+    (array([0.2, 2. ]), array([ 1.1, 20.9]))
     """
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
@@ -100,20 +119,47 @@ def batch_norm_backward(
     bias: Array | None = None,
     training: bool = True,
 ) -> tuple[Array, Array | None, Array | None]:
-    r"""BatchNorm backward from the upstream gradient and the saved statistics.
+    """BatchNorm backward, from the upstream gradient and the saved statistics.
 
-    With :math:`\hat{x} = (x - \mu_c)\,\mathrm{rstd}_c` and :math:`g = dy \cdot w_c`,
-    bars being means over the ``n`` values of a channel (batch and spatial axes):
+    With ``xhat = (x - mean_c) * rstd_c``, ``dxhat = dy * weight_c`` (``dy``
+    without weight) and means over the n values of a channel (batch and spatial
+    axes):
 
-    .. math::
-        dx = \mathrm{rstd}_c\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big)
-        \quad\text{(training: batch statistics depend on } x\text{)}
+        training (the batch statistics depend on x):
+            dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        inference (the running statistics are constants):
+            dx = rstd_c * dxhat
+        both:
+            dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
 
-        dx = \mathrm{rstd}_c\, g
-        \quad\text{(inference: running statistics are constants)}
+    Parameters
+    ----------
+    grad_output : array
+        dy; shape of ``input``.
+    input : array, shape (N, C, *spatial)
+        The forward's input.
+    mean, rstd : arrays of shape (C,)
+        As returned by ``batch_norm_forward``.
+    weight, bias : arrays of shape (C,), optional
+        As given to the forward.
+    training : bool, default True
+        The value the forward was called with.
 
-    and :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy` in both cases.
-    ``training`` must be the value the forward was called with.
+    Returns
+    -------
+    dx : array, shape and dtype of ``input``
+    dweight, dbias : arrays of shape (C,), or None where weight/bias is None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[1.0], [3.0]])
+    >>> y, mean, rstd, _, _ = F.batch_norm_forward(x, np.zeros(1), np.full(1, 4.0), eps=0.0)  # inference
+    >>> dx, dw, db = F.batch_norm_backward(np.ones_like(x), x, mean, rstd, np.full(1, 3.0), training=False)
+    >>> dx  # rstd * dy * weight = 0.5 * 1 * 3
+    array([[1.5],
+           [1.5]])
     """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
@@ -135,8 +181,39 @@ def batch_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> Array:
-    """BatchNorm with ``torch.nn.functional.batch_norm``'s signature and semantics:
-    when training, the given running buffers are updated in place."""
+    """BatchNorm with ``torch.nn.functional.batch_norm``'s signature and semantics.
+
+        y = (x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c
+
+    with batch statistics when ``training`` (and, when buffers are given, the
+    running statistics updated **in place**, the variance unbiased), else the
+    running statistics. See ``batch_norm_forward`` for the formulas; it is the pure
+    version.
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    running_mean, running_var : arrays of shape (C,), or None
+        Updated in place when training.
+    weight, bias : arrays of shape (C,), optional
+    training : bool, default False
+    momentum : float, default 0.1
+    eps : float, default 1e-5
+
+    Returns
+    -------
+    array
+        The output, of the shape and dtype of ``input``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> rm, rv = np.zeros(1), np.ones(1)
+    >>> y = F.batch_norm(np.array([[1.0], [3.0]]), rm, rv, training=True)
+    >>> rm, rv
+    (array([0.2]), array([1.1]))
+    """
     y, _, _, new_mean, new_var = batch_norm_forward(
         input, running_mean, running_var, weight, bias, training, momentum, eps
     )

@@ -26,22 +26,47 @@ def group_norm_forward(
     bias: Array | None = None,
     eps: float = 1e-5,
 ) -> tuple[Array, Array, Array]:
-    r"""GroupNorm forward, returning the per-(sample, group) statistics.
+    """GroupNorm forward: the output and the per-(sample, group) statistics.
 
-    The C channels are split into ``num_groups`` groups of ``C/G`` channels; each
-    (sample, group) is normalized over its channels and spatial axes, then each
-    channel gets its own affine map:
+    Wu & He (2018), https://arxiv.org/abs/1803.08494. The C channels are split into
+    ``num_groups`` groups of C/G consecutive channels; each (sample n, group g) is
+    normalized over its channels and spatial axes (m = C/G * prod(spatial) values),
+    then each channel c gets its own affine map:
 
-    .. math::
-        y_{n,c} = \frac{x_{n,c} - \mu_{n,g(c)}}{\sqrt{\sigma^2_{n,g(c)} + \epsilon}}\, w_c + b_c
+        mean_ng = sum(x[n, group g]) / m
+        var_ng  = sum((x[n, group g] - mean_ng)**2) / m        (biased; two passes)
+        y[n, c] = (x[n, c] - mean_ng) / sqrt(var_ng + eps) * weight_c + bias_c
 
-    One group is LayerNorm over (C, *spatial) with per-channel affine; C groups is
-    InstanceNorm.
+    One group is LayerNorm over (C, *spatial) with a per-channel affine map; C
+    groups is InstanceNorm.
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    num_groups : int
+        G; must divide C.
+    weight, bias : arrays of shape (C,), optional
+    eps : float, default 1e-5
+        Added to the variance before the square root.
 
     Returns
     -------
     output : array, shape and dtype of ``input``
     mean, rstd : arrays of shape (N, num_groups), in the computation dtype
+
+    Raises
+    ------
+    ValueError
+        If C is not divisible by ``num_groups``, or on a wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.arange(8.0).reshape(1, 4, 2)  # N=1, C=4, L=2
+    >>> y, mean, rstd = F.group_norm_forward(x, 2)
+    >>> mean
+    array([[1.5, 5.5]])
     """
     eps = check_eps(eps)
     xp = float_inputs(input, weight, bias, names=("input", "weight", "bias"))
@@ -60,9 +85,42 @@ def group_norm_backward(
     weight: Array | None = None,
     bias: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
-    r"""GroupNorm backward: with :math:`g = dy\cdot w_c` reshaped to (N, G, C/G·S),
-    :math:`dx = \mathrm{rstd}\,(g - \overline{g} - \hat{x}\,\overline{g\hat{x}})` per
-    (sample, group); :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy`."""
+    """GroupNorm backward, from the upstream gradient and the saved statistics.
+
+    With ``xhat = (x - mean_ng) * rstd_ng``, ``dxhat = dy * weight_c`` (``dy``
+    without weight) and means over the m values of a (sample, group):
+
+        dx        = rstd_ng * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
+
+    Parameters
+    ----------
+    grad_output : array
+        dy; shape of ``input``.
+    input : array, shape (N, C, *spatial)
+        The forward's input.
+    num_groups : int
+        As given to the forward.
+    mean, rstd : arrays of shape (N, num_groups)
+        As returned by ``group_norm_forward``.
+    weight, bias : arrays of shape (C,), optional
+        As given to the forward.
+
+    Returns
+    -------
+    dx : array, shape and dtype of ``input``
+    dweight, dbias : arrays of shape (C,), or None where weight/bias is None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.arange(8.0).reshape(1, 4, 2)
+    >>> y, mean, rstd = F.group_norm_forward(x, 2)
+    >>> dx, dw, db = F.group_norm_backward(np.ones_like(x), x, 2, mean, rstd, np.ones(4), np.zeros(4))
+    >>> np.abs(dx).max() < 1e-12, db
+    (np.True_, array([2., 2., 2., 2.]))
+    """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
@@ -86,7 +144,33 @@ def group_norm(
     bias: Array | None = None,
     eps: float = 1e-5,
 ) -> Array:
-    """GroupNorm with ``torch.nn.functional.group_norm``'s signature; returns the output."""
+    """GroupNorm with ``torch.nn.functional.group_norm``'s signature; returns the output.
+
+        y[n, c] = (x[n, c] - mean_ng) / sqrt(var_ng + eps) * weight_c + bias_c
+
+    with mean and biased variance per (sample, group of C/G channels) over the
+    group's channels and spatial axes (see ``group_norm_forward``).
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    num_groups : int
+        G; must divide C.
+    weight, bias : arrays of shape (C,), optional
+    eps : float, default 1e-5
+
+    Returns
+    -------
+    array
+        The output, of the shape and dtype of ``input``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> F.group_norm(np.array([[[0.0], [2.0], [5.0], [5.0]]]), 2)[0, :, 0].round(3)
+    array([-1.,  1.,  0.,  0.])
+    """
     return group_norm_forward(input, num_groups, weight, bias, eps)[0]
 
 

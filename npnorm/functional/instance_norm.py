@@ -30,32 +30,58 @@ def instance_norm_forward(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    r"""InstanceNorm forward; returns the output, saved statistics and updated buffers.
+    """InstanceNorm forward: the output, the statistics it used and the updated buffers.
 
-    With input statistics (the usual case), each (sample, channel) pair is normalized
-    over its spatial axes:
+    Ulyanov, Vedaldi & Lempitsky (2016), https://arxiv.org/abs/1607.08022. With
+    input statistics (the usual case), each (sample n, channel c) pair is
+    normalized over its spatial axes (S values):
 
-    .. math::
-        y_{n,c} = \frac{x_{n,c} - \mathrm{E}[x_{n,c}]}{\sqrt{\mathrm{Var}[x_{n,c}] + \epsilon}}\, w_c + b_c
+        mean_nc = sum(x[n, c]) / S
+        var_nc  = sum((x[n, c] - mean_nc)**2) / S             (biased; two passes)
+        y       = (x - mean_nc) / sqrt(var_nc + eps) * weight_c + bias_c
 
     With buffers, they move towards the *batch average* of the per-instance
-    statistics (the variance unbiased with ``S/(S-1)``, S spatial elements), exactly
-    as PyTorch computes it. ``use_input_stats=False`` normalizes with the buffers.
-    Pure: buffers are returned, never written (:func:`instance_norm` writes them).
+    statistics, the variance unbiased, exactly as PyTorch computes it:
+
+        new_running_mean = (1 - momentum) * running_mean + momentum * mean_n(mean_nc)
+        new_running_var  = (1 - momentum) * running_var  + momentum * mean_n(var_nc) * S/(S - 1)
+
+    ``use_input_stats=False`` normalizes with the buffers instead. Pure: the
+    buffers are returned, never written (``instance_norm`` writes them).
 
     Parameters
     ----------
     input : array, shape (N, C, *spatial)
     running_mean, running_var : arrays of shape (C,), or None
+        Required when ``use_input_stats`` is False.
     weight, bias : arrays of shape (C,), optional
-    use_input_stats : bool
-    momentum, eps : float
+    use_input_stats : bool, default True
+        Normalize with each instance's statistics (and update the buffers, if given).
+    momentum : float, default 0.1
+        Weight of the batch-averaged statistics in the update.
+    eps : float, default 1e-5
+        Added to the variance before the square root.
 
     Returns
     -------
     output : array, shape and dtype of ``input``
     mean, rstd : arrays of shape (N, C) with input statistics, (C,) with running ones
     new_running_mean, new_running_var : arrays of shape (C,) or None
+
+    Raises
+    ------
+    ValueError
+        On a wrong shape, or input statistics over one spatial element.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[[1.0, 3.0], [0.0, 4.0]]])  # N=1, C=2, L=2
+    >>> y, mean, rstd, _, _ = F.instance_norm_forward(x, eps=0.0)
+    >>> y, mean
+    (array([[[-1.,  1.],
+            [-1.,  1.]]]), array([[2., 2.]]))
     """
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
@@ -86,9 +112,46 @@ def instance_norm_backward(
     bias: Array | None = None,
     use_input_stats: bool = True,
 ) -> tuple[Array, Array | None, Array | None]:
-    r"""InstanceNorm backward: the LayerNorm formula per (sample, channel) over the
-    spatial axes when ``use_input_stats``, else the affine map's backward
-    :math:`dx = \mathrm{rstd}_c\, dy\, w_c`. Returns ``(dx, dweight, dbias)``."""
+    """InstanceNorm backward, from the upstream gradient and the saved statistics.
+
+    With ``xhat = (x - mean_nc) * rstd_nc``, ``dxhat = dy * weight_c`` (``dy``
+    without weight) and means over the S spatial values of a (sample, channel):
+
+        input statistics:
+            dx = rstd_nc * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        running statistics (constants):
+            dx = rstd_c * dxhat
+        both:
+            dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
+
+    Parameters
+    ----------
+    grad_output : array
+        dy; shape of ``input``.
+    input : array, shape (N, C, *spatial)
+        The forward's input.
+    mean, rstd : arrays of shape (N, C), or (C,) with running statistics
+        As returned by ``instance_norm_forward``.
+    weight, bias : arrays of shape (C,), optional
+        As given to the forward.
+    use_input_stats : bool, default True
+        The value the forward was called with.
+
+    Returns
+    -------
+    dx : array, shape and dtype of ``input``
+    dweight, dbias : arrays of shape (C,), or None where weight/bias is None
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[[1.0, 3.0], [0.0, 4.0]]])
+    >>> y, mean, rstd, _, _ = F.instance_norm_forward(x)
+    >>> dx, dw, db = F.instance_norm_backward(np.ones_like(x), x, mean, rstd)
+    >>> np.abs(dx).max() < 1e-12, dw
+    (np.True_, None)
+    """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
@@ -115,8 +178,37 @@ def instance_norm(
     momentum: float = 0.1,
     eps: float = 1e-5,
 ) -> Array:
-    """InstanceNorm with ``torch.nn.functional.instance_norm``'s signature: with input
-    statistics, the given running buffers are updated in place."""
+    """InstanceNorm with ``torch.nn.functional.instance_norm``'s signature and semantics.
+
+        y = (x - mean_nc) / sqrt(var_nc + eps) * weight_c + bias_c
+
+    with each (sample, channel)'s statistics over its spatial axes when
+    ``use_input_stats`` (and, when buffers are given, the running statistics
+    updated **in place** towards their batch average), else the running
+    statistics. See ``instance_norm_forward``, the pure version.
+
+    Parameters
+    ----------
+    input : array, shape (N, C, *spatial)
+    running_mean, running_var : arrays of shape (C,), or None
+        Updated in place with input statistics.
+    weight, bias : arrays of shape (C,), optional
+    use_input_stats : bool, default True
+    momentum : float, default 0.1
+    eps : float, default 1e-5
+
+    Returns
+    -------
+    array
+        The output, of the shape and dtype of ``input``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> F.instance_norm(np.array([[[1.0, 3.0]]]), eps=0.0)
+    array([[[-1.,  1.]]])
+    """
     y, _, _, new_mean, new_var = instance_norm_forward(
         input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
     )

@@ -32,28 +32,51 @@ def layer_norm_forward(
     bias: Array | None = None,
     eps: float = 1e-5,
 ) -> tuple[Array, Array, Array]:
-    r"""LayerNorm forward, returning the statistics backward needs.
+    """LayerNorm forward: the output and the per-row statistics backward needs.
 
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot w + b
+    Ba, Kiros & Hinton (2016), https://arxiv.org/abs/1607.06450. Each row (the
+    trailing ``normalized_shape`` axes, D values) is normalized on its own:
 
-    with mean and (biased) variance over the trailing ``normalized_shape`` axes.
+        mean = sum(x) / D
+        var  = sum((x - mean)**2) / D              (biased; two passes)
+        rstd = 1 / sqrt(var + eps)
+        y    = (x - mean) * rstd * weight + bias
 
     Parameters
     ----------
     input : array, shape (*, *normalized_shape)
+        Any real floating dtype; float16 is computed in float32.
     normalized_shape : int or tuple of int
         The trailing axes to normalize over.
-    weight, bias : array of shape ``normalized_shape``, optional
-    eps : float
+    weight, bias : array of shape normalized_shape, optional
+        The affine map; ``None`` leaves it out.
+    eps : float, default 1e-5
         Added to the variance before the square root.
 
     Returns
     -------
     output : array, shape and dtype of ``input``
     mean, rstd : arrays of shape ``input.shape[:-len(normalized_shape)]``
-        Per-row mean and ``1/sqrt(var + eps)``, in the computation dtype
-        (float32 for float16 input). Nothing the size of the input is saved.
+        Per-row mean and ``1/sqrt(var + eps)``, in the computation dtype (float32
+        for float16 input). Nothing the size of the input is saved.
+
+    Raises
+    ------
+    ValueError
+        If ``input`` does not end in ``normalized_shape``, or weight/bias have
+        another shape.
+    TypeError
+        On non-floating input, or arrays of different backends.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[1.0, 2.0, 3.0], [2.0, 2.0, 5.0]])
+    >>> y, mean, rstd = F.layer_norm_forward(x, 3, eps=0.0)
+    >>> y.round(4), mean
+    (array([[-1.2247,  0.    ,  1.2247],
+           [-0.7071, -0.7071,  1.4142]]), array([2., 3.]))
     """
     shape = as_shape(normalized_shape)
     eps = check_eps(eps)
@@ -73,21 +96,54 @@ def layer_norm_backward(
     weight: Array | None = None,
     bias: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
-    r"""LayerNorm backward from the upstream gradient and the saved statistics.
+    """LayerNorm backward, from the upstream gradient and what the forward saved.
 
-    With :math:`\hat{x} = (x - \mu)\,\mathrm{rstd}` and :math:`g = dy \cdot w`:
+    With ``xhat = (x - mean) * rstd``, ``dxhat = dy * weight`` (``dy`` without
+    weight) and means over the row's D values:
 
-    .. math::
-        dx = \mathrm{rstd}\,\big(g - \overline{g} - \hat{x}\,\overline{g\hat{x}}\big),\quad
-        dw = \textstyle\sum_{rows} dy\,\hat{x},\quad db = \textstyle\sum_{rows} dy
+        dx      = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+                          term 1   term 2         term 3
+                         (direct) (through mean) (through var)
+        dweight = sum over rows of dy * xhat
+        dbias   = sum over rows of dy
 
-    where the bars are means over the normalized axes.
+    xhat is recomputed from ``input``, ``mean`` and ``rstd``.
+
+    Parameters
+    ----------
+    grad_output : array
+        dy, the gradient of the loss with respect to the output; shape of ``input``.
+    input : array, shape (*, *normalized_shape)
+        The forward's input.
+    normalized_shape : int or tuple of int
+        As given to the forward.
+    mean, rstd : arrays
+        As returned by ``layer_norm_forward`` (one value per row).
+    weight, bias : array of shape normalized_shape, optional
+        As given to the forward; a gradient is returned for each one given.
 
     Returns
     -------
-    (dx, dweight, dbias)
-        ``dweight``/``dbias`` are ``None`` when ``weight``/``bias`` is ``None``;
-        each gradient has the dtype of the array it belongs to.
+    dx : array, shape and dtype of ``input``
+    dweight, dbias : arrays of shape normalized_shape, or None
+        ``None`` where ``weight``/``bias`` is ``None``; each in the dtype of the
+        array it belongs to.
+
+    Raises
+    ------
+    ValueError
+        On a shape that does not match the forward's (grad_output, statistics,
+        parameters).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x, w = np.array([[1.0, 2.0, 4.0]]), np.ones(3)
+    >>> y, mean, rstd = F.layer_norm_forward(x, 3, w)
+    >>> dx, dw, db = F.layer_norm_backward(np.ones_like(x), x, 3, mean, rstd, w)
+    >>> np.abs(dx).max() < 1e-12, db is None  # a constant dy shifts y: no gradient
+    (np.True_, True)
     """
     shape = as_shape(normalized_shape)
     xp = float_inputs(
@@ -114,7 +170,34 @@ def layer_norm(
     bias: Array | None = None,
     eps: float = 1e-5,
 ) -> Array:
-    """LayerNorm with ``torch.nn.functional.layer_norm``'s signature; returns the output."""
+    """LayerNorm with ``torch.nn.functional.layer_norm``'s signature; returns the output.
+
+        y = (x - mean) / sqrt(var + eps) * weight + bias
+
+    with mean and biased variance over the trailing ``normalized_shape`` axes
+    (see ``layer_norm_forward``, which also returns the statistics).
+
+    Parameters
+    ----------
+    input : array, shape (*, *normalized_shape)
+    normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
+    weight, bias : array of shape normalized_shape, optional
+    eps : float, default 1e-5
+        Added to the variance before the square root.
+
+    Returns
+    -------
+    array
+        The output, of the shape and dtype of ``input``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> F.layer_norm(np.array([[0.0, 2.0]]), 2, eps=0.0)
+    array([[-1.,  1.]])
+    """
     return layer_norm_forward(input, normalized_shape, weight, bias, eps)[0]
 
 

@@ -32,28 +32,46 @@ def rms_norm_forward(
     weight: Array | None = None,
     eps: float | None = None,
 ) -> tuple[Array, Array]:
-    r"""RMSNorm forward, returning the statistic backward needs.
+    """RMSNorm forward: the output and the per-row statistic backward needs.
 
-    .. math::
-        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot w
+    Zhang & Sennrich (2019), https://arxiv.org/abs/1910.07467. Each row (the
+    trailing ``normalized_shape`` axes, D values) is scaled by its root mean
+    square; no mean is subtracted and there is no bias:
 
-    with the mean square over the trailing ``normalized_shape`` axes. No mean is
-    subtracted and there is no bias.
+        rstd = 1 / sqrt(sum(x**2) / D + eps)
+        y    = x * rstd * weight
 
     Parameters
     ----------
     input : array, shape (*, *normalized_shape)
+        Any real floating dtype; float16 is computed in float32.
     normalized_shape : int or tuple of int
-    weight : array of shape ``normalized_shape``, optional
-    eps : float, optional
-        ``None`` (the default, as in PyTorch) means the machine epsilon of the
-        computation dtype (float32 for float16 and float32 input).
+        The trailing axes to normalize over.
+    weight : array of shape normalized_shape, optional
+    eps : float or None, default None
+        Added to the mean square; ``None`` (as in PyTorch) means the machine
+        epsilon of the computation dtype (float32 for float16 and float32 input).
 
     Returns
     -------
     output : array, shape and dtype of ``input``
     rstd : array of shape ``input.shape[:-len(normalized_shape)]``
-        Per-row ``1/sqrt(E[x^2] + eps)`` in the computation dtype.
+        Per-row ``1/sqrt(mean(x**2) + eps)``, in the computation dtype.
+
+    Raises
+    ------
+    ValueError
+        If ``input`` does not end in ``normalized_shape``, or weight has another shape.
+    TypeError
+        On non-floating input, or arrays of different backends.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> y, rstd = F.rms_norm_forward(np.array([[3.0, 4.0]]), 2, eps=0.0)
+    >>> y.round(4), rstd.round(4)
+    (array([[0.8485, 1.1314]]), array([0.2828]))
     """
     shape = as_shape(normalized_shape)
     xp = float_inputs(input, weight, names=("input", "weight"))
@@ -70,16 +88,44 @@ def rms_norm_backward(
     rstd: Array,
     weight: Array | None = None,
 ) -> tuple[Array, Array | None, None]:
-    r"""RMSNorm backward from the upstream gradient and the saved ``rstd``.
+    """RMSNorm backward, from the upstream gradient and the saved ``rstd``.
 
-    With :math:`\hat{x} = x\,\mathrm{rstd}` and :math:`g = dy \cdot w`:
+    With ``xhat = x * rstd``, ``dxhat = dy * weight`` (``dy`` without weight) and
+    means over the row's D values, LayerNorm's formula without the term through
+    the mean:
 
-    .. math::
-        dx = \mathrm{rstd}\,\big(g - \hat{x}\,\overline{g\hat{x}}\big),\quad
-        dw = \textstyle\sum_{rows} dy\,\hat{x}
+        dx      = rstd * (dxhat - xhat * mean(dxhat * xhat))
+        dweight = sum over rows of dy * xhat
 
-    (LayerNorm's formula without the mean term). Returns ``(dx, dweight, None)``;
-    the last slot is the absent bias, so every layer's backward returns a triple.
+    Parameters
+    ----------
+    grad_output : array
+        dy, the gradient of the loss with respect to the output; shape of ``input``.
+    input : array, shape (*, *normalized_shape)
+        The forward's input.
+    normalized_shape : int or tuple of int
+        As given to the forward.
+    rstd : array
+        As returned by ``rms_norm_forward`` (one value per row).
+    weight : array of shape normalized_shape, optional
+        As given to the forward.
+
+    Returns
+    -------
+    dx : array, shape and dtype of ``input``
+    dweight : array of shape normalized_shape, or None without ``weight``
+    None
+        The absent bias's slot, so that every layer's backward returns a triple.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.array([[3.0, 4.0]])
+    >>> y, rstd = F.rms_norm_forward(x, 2, eps=0.0)
+    >>> dx, dw, db = F.rms_norm_backward(x, x, 2, rstd)  # dy parallel to x
+    >>> np.abs(dx).max() < 1e-12, db
+    (np.True_, None)
     """
     shape = as_shape(normalized_shape)
     xp = float_inputs(grad_output, input, rstd, weight, names=("grad_output", "input", "rstd", "weight"))
@@ -97,7 +143,34 @@ def rms_norm(
     weight: Array | None = None,
     eps: float | None = None,
 ) -> Array:
-    """RMSNorm with ``torch.nn.functional.rms_norm``'s signature; returns the output."""
+    """RMSNorm with ``torch.nn.functional.rms_norm``'s signature; returns the output.
+
+        y = x / sqrt(mean(x**2) + eps) * weight
+
+    with the mean square over the trailing ``normalized_shape`` axes (see
+    ``rms_norm_forward``, which also returns ``rstd``).
+
+    Parameters
+    ----------
+    input : array, shape (*, *normalized_shape)
+    normalized_shape : int or tuple of int
+        The trailing axes to normalize over.
+    weight : array of shape normalized_shape, optional
+    eps : float or None, default None
+        ``None`` means the machine epsilon of the computation dtype.
+
+    Returns
+    -------
+    array
+        The output, of the shape and dtype of ``input``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> F.rms_norm(np.array([[3.0, 4.0]]), 2, eps=0.0).round(4)
+    array([[0.8485, 1.1314]])
+    """
     return rms_norm_forward(input, normalized_shape, weight, eps)[0]
 
 

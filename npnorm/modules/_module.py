@@ -7,25 +7,61 @@ saved for backward. All math lives in :mod:`npnorm.functional`.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any, NamedTuple
+
+import array_api_compat
+import numpy as np
 
 from .._backend import (
     FLOAT_NAMES,
     Array,
     Namespace,
+    backend_name,
     namespace_of,
     resolve_dtype,
     resolve_namespace,
+    to_host,
     to_namespace,
 )
+from .._grad_mode import is_grad_enabled
 
 Saved = tuple[Any, ...]
 Updates = dict[str, Array]
 
+# The two keyword-only constructor arguments every layer takes, as its docstring lists them.
+DTYPE_XP_DOC = """dtype : str or dtype, keyword-only, default "float32"
+        Floating dtype of the parameters and running statistics: "float16",
+        "float32" or "float64" (or a NumPy or backend dtype). Input of another
+        float dtype is computed at the wider of the two precisions (float16 input
+        in float32) and returned in its own dtype.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
+        "array_api_strict" or an Array API namespace module. The input must be
+        of the same backend (``TypeError`` otherwise; ``to()`` moves a module)."""
+
 
 class IncompatibleKeys(NamedTuple):
-    """What ``load_state_dict(strict=False)`` skipped, as in PyTorch."""
+    """What ``load_state_dict`` did not match, as PyTorch's ``_IncompatibleKeys``.
+
+    Returned by :meth:`Module.load_state_dict`; with ``strict=True`` (the default)
+    both lists are empty, since anything unmatched raises instead.
+
+    Parameters
+    ----------
+    missing_keys : list of str
+        Keys of this module that the state_dict did not have (left unchanged).
+    unexpected_keys : list of str
+        Keys of the state_dict that this module does not have (ignored).
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> npnorm.LayerNorm(3).load_state_dict({"weight": np.ones(3), "scale": 1.0}, strict=False)
+    IncompatibleKeys(missing_keys=['bias'], unexpected_keys=['scale'])
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]
@@ -39,11 +75,58 @@ def dtype_name(xp: Namespace, dtype: Any) -> str:
 
 
 class Module:
-    """Base class: parameters, buffers, grads, train/eval, state_dict, backend moves.
+    """Base class of every npnorm layer: parameters, buffers, grads, train/eval,
+    ``state_dict``, backend moves, pickling.
 
-    Subclasses list their parameter and buffer names, create them in ``__init__``
-    and implement ``_forward`` (validate and compute, changing nothing; return the
-    output, what backward needs and the buffer updates) and ``_backward``.
+    A module only holds state: its parameters (``weight``, ``bias``), its buffers
+    (running statistics), the gradients accumulated by ``backward`` in
+    ``self.grads``, the train/eval flag and what the last forward saved for
+    backward. The math lives in :mod:`npnorm.functional`.
+
+    Writing a layer of your own: list the names of its parameters and buffers in
+    the class attributes ``_parameter_names`` and ``_buffer_names``, create them in
+    ``__init__`` (after ``super().__init__(dtype=dtype, xp=xp)``, with ``self.xp``
+    and ``self.dtype``; an absent one is ``None``), and implement two methods:
+
+    ``_forward(input) -> (output, saved, updates)``
+        Validate and compute, changing nothing on ``self``. ``saved`` is a tuple of
+        whatever ``_backward`` needs; ``updates`` maps buffer names to their new
+        arrays. ``forward`` assigns the updates and keeps ``saved`` only after
+        ``_forward`` returned, so that a forward that raises changes nothing.
+    ``_backward(grad_output, saved) -> (grad_input, {name: grad or None})``
+        The input gradient, and each parameter's gradient (``None`` for an absent
+        parameter); ``backward`` adds them into ``self.grads``.
+
+    ``npnorm.gradcheck(module, x)`` then checks the backward against finite
+    differences.
+
+    Parameters
+    ----------
+    dtype : float dtype or its name, keyword-only, default float32
+        Floating dtype of the parameters and running statistics: "float16",
+        "float32" or "float64", a NumPy dtype, or a dtype of the backend.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
+        "array_api_strict", or an Array API namespace module. Inputs must come
+        from the same backend.
+
+    Examples
+    --------
+    A layer that multiplies its input by a learned scalar:
+
+    >>> import numpy as np, npnorm
+    >>> class Scale(npnorm.Module):
+    ...     _parameter_names = ("weight",)
+    ...     def __init__(self, *, dtype=None, xp=None):
+    ...         super().__init__(dtype=dtype, xp=xp)
+    ...         self.weight = self.xp.ones((), dtype=self.dtype)
+    ...     def _forward(self, input):
+    ...         return input * self.weight, (input,), {}
+    ...     def _backward(self, grad_output, saved):
+    ...         (input,) = saved
+    ...         return grad_output * self.weight, {"weight": self.xp.sum(grad_output * input)}
+    >>> npnorm.gradcheck(Scale(), np.arange(6.0).reshape(2, 3))
+    True
     """
 
     _parameter_names: tuple[str, ...] = ()
@@ -62,23 +145,56 @@ class Module:
         return self.forward(input)
 
     def forward(self, input: Array) -> Array:
-        """Normalize ``input`` and save what ``backward`` needs.
+        """Normalize ``input``, update the running statistics (BatchNorm and
+        InstanceNorm in training mode) and save what ``backward`` needs.
 
-        Raises before changing anything: on bad input the parameters, buffers,
-        counters and the previously saved context are exactly as they were.
+        Inside ``npnorm.no_grad()`` nothing is saved, and what an earlier forward
+        saved is dropped. A forward that raises changes nothing: parameters,
+        buffers, counters and the previously saved context stay exactly as they were.
+
+        Parameters
+        ----------
+        input : array
+            Of the module's backend; shape as the layer expects.
+
+        Returns
+        -------
+        array
+            The output, of the shape and dtype of ``input``.
         """
         output, saved, updates = self._forward(input)
         for name, value in updates.items():
+            if isinstance(value, np.generic):  # a NumPy scalar from 0-d arithmetic
+                value = self.xp.asarray(value)
             setattr(self, name, value)
-        self._saved = saved
+        self._saved = saved if is_grad_enabled() else None
         return output
 
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward; parameter gradients are
-        added into ``self.grads`` (as ``.grad`` accumulates in PyTorch)."""
+        added into ``self.grads`` (as ``.grad`` accumulates in PyTorch).
+
+        Parameters
+        ----------
+        grad_output : array
+            The gradient of the loss with respect to the last forward's output
+            (same shape).
+
+        Returns
+        -------
+        array
+            The gradient with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            When no forward was saved: none ran yet, the last one ran inside
+            ``npnorm.no_grad()``, or ``to()`` / a copy dropped it.
+        """
         if self._saved is None:
             raise RuntimeError(
-                f"{type(self).__name__}.backward() called with no saved forward: call forward first"
+                f"{type(self).__name__}.backward() called with no saved forward: call forward first "
+                "(a forward inside npnorm.no_grad() saves nothing, and to() or a copy drops what was saved)"
             )
         grad_input, param_grads = self._backward(grad_output, self._saved)
         for name, g in param_grads.items():
@@ -96,60 +212,134 @@ class Module:
     # --- parameters, grads, modes ------------------------------------------
 
     def parameters(self) -> dict[str, Array]:
-        """Name-to-array dict of the parameters that exist (absent ones are left out)."""
+        """Name-to-array dict of the parameters that exist (absent ones are left out).
+
+        The values are the module's own arrays, not copies.
+        """
         return {n: getattr(self, n) for n in self._parameter_names if getattr(self, n) is not None}
 
     def buffers(self) -> dict[str, Array]:
+        """Name-to-array dict of the buffers that exist (running statistics and
+        ``num_batches_tracked``); the module's own arrays, not copies."""
         return {n: getattr(self, n) for n in self._buffer_names if getattr(self, n) is not None}
 
     def zero_grad(self) -> None:
-        """Forget the accumulated gradients."""
+        """Forget the accumulated gradients (``self.grads`` becomes empty)."""
         self.grads.clear()
 
     def train(self, mode: bool = True) -> Module:
+        """Set training mode (``mode=True``) or evaluation mode; returns the module.
+
+        The mode matters to BatchNorm (batch or running statistics) and to
+        InstanceNorm with ``track_running_stats=True``.
+        """
         self.training = bool(mode)
         return self
 
     def eval(self) -> Module:
+        """Set evaluation mode (``train(False)``); returns the module."""
         return self.train(False)
 
     # --- state_dict ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Array]:
-        """Parameters then buffers, under PyTorch's key names for the same layer."""
+        """Parameters then buffers, under PyTorch's key names for the same layer.
+
+        As in PyTorch, the values are the module's own arrays, not copies: an
+        in-place change to them changes the module. Copy them (``np.array(v)``) to
+        keep a snapshot. ``num_batches_tracked`` is a 0-d int64 array.
+        """
         return {**self.parameters(), **self.buffers()}
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True) -> IncompatibleKeys:
-        """Copy values from ``state_dict`` (NumPy arrays, lists, CPU torch tensors,
-        arrays of any backend) into this module's parameters and buffers.
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, *, prefix: str = ""
+    ) -> IncompatibleKeys:
+        """Copy values from ``state_dict`` into this module's parameters and buffers.
 
-        Every key and shape is checked, and every value converted, before anything
-        is assigned: on error (``RuntimeError``, as PyTorch raises) the module is
-        left exactly as it was. With ``strict=False`` missing and unexpected keys
-        are returned instead of raised; shape mismatches still raise.
+        Values may be NumPy arrays, lists, scalars, torch tensors (CPU or GPU, any
+        floating dtype: bfloat16 and float8 ones are widened exactly), ml_dtypes
+        arrays, or arrays of any backend. Each is copied into a fresh array of the
+        module's backend and dtype: the module never shares memory with the
+        checkpoint. Every key and shape is checked, and every value converted,
+        before anything is assigned: on error the module is left exactly as it was.
+
+        A BatchNorm/InstanceNorm checkpoint without ``num_batches_tracked`` (saved
+        by PyTorch before 0.4.1) loads as PyTorch loads it: the counter keeps its
+        current value (0 for a new module).
+
+        Parameters
+        ----------
+        state_dict : mapping of str to array-like
+        strict : bool, default True
+            Missing and unexpected keys raise. With ``strict=False`` they are
+            returned instead (missing parameters keep their values); a shape
+            mismatch still raises.
+        prefix : str, keyword-only, default ""
+            Load this layer out of a whole model's state_dict: only the keys that
+            start with ``prefix`` are considered, with the prefix removed (a
+            missing trailing "." is added: "encoder.norm" matches
+            "encoder.norm.weight" but not "encoder.norm2.weight"). Keys outside the
+            prefix are not unexpected; keys in messages keep the prefix.
+
+        Returns
+        -------
+        IncompatibleKeys
+            ``(missing_keys, unexpected_keys)``; both empty when ``strict``.
+
+        Raises
+        ------
+        RuntimeError
+            Listing every missing or unexpected key (when ``strict``), every shape
+            mismatch and every value that does not convert, as PyTorch does.
+        TypeError
+            If ``state_dict`` is not a mapping.
+
+        Examples
+        --------
+        >>> import numpy as np, npnorm
+        >>> model_state = {"0.weight": np.ones((2, 4)), "1.weight": np.full(4, 2.0), "1.bias": np.zeros(4)}
+        >>> ln = npnorm.LayerNorm(4)
+        >>> ln.load_state_dict(model_state, prefix="1.")
+        IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        >>> ln.weight
+        array([2., 2., 2., 2.], dtype=float32)
         """
         if not hasattr(state_dict, "keys"):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if prefix and not prefix.endswith("."):
+            prefix += "."
+        if prefix:
+            source = {
+                k[len(prefix) :]: state_dict[k]
+                for k in state_dict.keys()
+                if isinstance(k, str) and k.startswith(prefix)
+            }
+        else:
+            source = {k: state_dict[k] for k in state_dict.keys()}
         own = self.state_dict()
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
+        for key, default in self._missing_key_defaults().items():
+            if key in own and key not in source:
+                source[key] = default
+        missing = [k for k in own if k not in source]
+        unexpected = [k for k in source if k not in own]
         errors = []
         if strict and unexpected:
-            errors.append("unexpected key(s): " + ", ".join(map(repr, unexpected)))
+            errors.append("unexpected key(s): " + ", ".join(repr(prefix + k) for k in unexpected))
         if strict and missing:
-            errors.append("missing key(s): " + ", ".join(map(repr, missing)))
+            note = f" (no key of the state_dict starts with {prefix!r})" if prefix and not source else ""
+            errors.append("missing key(s): " + ", ".join(repr(prefix + k) for k in missing) + note)
         staged: dict[str, Array] = {}
         for key, current in own.items():
-            if key not in state_dict:
+            if key not in source:
                 continue
             try:
-                value = to_namespace(state_dict[key], self.xp, current.dtype)
+                value = to_namespace(source[key], self.xp, current.dtype)
             except (TypeError, ValueError) as err:
-                errors.append(f"{key!r}: cannot convert to an array ({err})")
+                errors.append(f"{prefix + key!r}: cannot convert to an array ({err})")
                 continue
             if tuple(value.shape) != tuple(current.shape):
                 errors.append(
-                    f"size mismatch for {key!r}: the checkpoint has shape {tuple(value.shape)}, "
+                    f"size mismatch for {prefix + key!r}: the checkpoint has shape {tuple(value.shape)}, "
                     f"this module has {tuple(current.shape)}"
                 )
                 continue
@@ -161,15 +351,36 @@ class Module:
             )
         for key, value in staged.items():
             setattr(self, key, value)
-        return IncompatibleKeys(missing, unexpected)
+        return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
+
+    def _missing_key_defaults(self) -> dict[str, Array]:
+        """Values ``load_state_dict`` uses for keys a checkpoint may lack (PyTorch's
+        version compatibility); none by default."""
+        return {}
 
     # --- backends ------------------------------------------------------------
 
     def to(self, xp: str | ModuleType | None = None, *, dtype: Any = None) -> Module:
-        """Move parameters, buffers and grads to another backend (``"numpy"``,
-        ``"cupy"``, ``"array_api_strict"`` or a namespace module) and/or cast the
-        floating ones to ``dtype``. Returns the module. The saved forward context
-        is dropped: run forward again before backward."""
+        """Move parameters, buffers and grads to another backend and/or cast the
+        floating ones to ``dtype``; returns the module.
+
+        The saved forward context is dropped: run forward again before backward.
+
+        Parameters
+        ----------
+        xp : str or namespace module, optional
+            "numpy", "cupy", "torch", "array_api_strict" or a namespace module;
+            ``None`` keeps the current backend.
+        dtype : float dtype or its name, keyword-only, optional
+            ``None`` keeps the current dtype. ``num_batches_tracked`` stays int64.
+
+        Examples
+        --------
+        >>> import npnorm
+        >>> ln = npnorm.LayerNorm(4).to(dtype="float64")
+        >>> ln.weight.dtype
+        dtype('float64')
+        """
         new_xp = self.xp if xp is None else resolve_namespace(xp)
         new_dtype = resolve_dtype(new_xp, dtype_name(self.xp, self.dtype) if dtype is None else dtype)
         moved: dict[str, Array] = {}
@@ -196,8 +407,89 @@ class Module:
         held = [*self.parameters().values(), *self.buffers().values()]
         return namespace_of(input, *held, what="input and the module's parameters/buffers")
 
+    # --- copies and pickling ---------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle state: the backend and dtype by name, every array as a NumPy copy
+        (restored into the same backend by ``__setstate__``), no saved forward."""
+        state: dict[str, Any] = {}
+        for key, value in self.__dict__.items():
+            if key == "xp":
+                state[key] = backend_name(value)
+            elif key == "dtype":
+                state[key] = dtype_name(self.xp, value)
+            elif key == "_saved":
+                state[key] = None
+            else:
+                state[key] = _map_arrays(value, lambda a: _HostArray(to_host(a)), lambda v: v)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        xp = resolve_namespace(state["xp"])
+        restored = dict(state)
+        restored["xp"] = xp
+        restored["dtype"] = resolve_dtype(xp, state["dtype"])
+        for key, value in state.items():
+            if key not in ("xp", "dtype"):
+                restored[key] = _map_host(value, lambda h: to_namespace(h.array, xp))
+        self.__dict__.update(restored)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Module:
+        """A copy that shares no memory with this module (every array copied on its
+        backend); what the last forward saved is not copied."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in ("xp", "dtype"):
+                new.__dict__[key] = value
+            elif key == "_saved":
+                new.__dict__[key] = None
+            else:
+                new.__dict__[key] = _map_arrays(
+                    value,
+                    lambda a: array_api_compat.array_namespace(a).asarray(a, copy=True),
+                    lambda v: copy.deepcopy(v, memo),
+                )
+        return new
+
     def extra_repr(self) -> str:
+        """The constructor arguments shown by ``repr``."""
         return ""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+class _HostArray(NamedTuple):
+    """A module array in a pickle: a NumPy copy, restored into the module's backend."""
+
+    array: np.ndarray
+
+
+def _is_array(value: Any) -> bool:
+    """An array of some backend (NumPy scalars and Python numbers are not)."""
+    return array_api_compat.is_array_api_obj(value) and not isinstance(
+        value, (bool, int, float, complex, np.generic)
+    )
+
+
+def _map_arrays(value: Any, on_array: Callable[[Any], Any], other: Callable[[Any], Any]) -> Any:
+    """``value`` with ``on_array`` applied to each array in it (through dicts, lists
+    and tuples) and ``other`` to everything else."""
+    if _is_array(value):
+        return on_array(value)
+    if type(value) is dict:
+        return {k: _map_arrays(v, on_array, other) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_map_arrays(v, on_array, other) for v in value)
+    return other(value)
+
+
+def _map_host(value: Any, restore: Callable[[_HostArray], Any]) -> Any:
+    if isinstance(value, _HostArray):
+        return restore(value)
+    if type(value) is dict:
+        return {k: _map_host(v, restore) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_map_host(v, restore) for v in value)
+    return value

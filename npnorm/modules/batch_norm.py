@@ -9,7 +9,7 @@ from .._backend import Array
 from .._checks import check_eps
 from ..functional._channels import check_channels
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
-from ._module import Module, Saved, Updates
+from ._module import DTYPE_XP_DOC, Module, Saved, Updates
 
 
 class _NormBase(Module):
@@ -26,6 +26,7 @@ class _NormBase(Module):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
@@ -41,7 +42,7 @@ class _NormBase(Module):
         self.track_running_stats = bool(track_running_stats)
         xp_, c = self.xp, num_features
         self.weight: Array | None = xp_.ones((c,), dtype=self.dtype) if affine else None
-        self.bias: Array | None = xp_.zeros((c,), dtype=self.dtype) if affine else None
+        self.bias: Array | None = xp_.zeros((c,), dtype=self.dtype) if affine and bias else None
         self.running_mean: Array | None = None
         self.running_var: Array | None = None
         self.num_batches_tracked: Array | None = None
@@ -51,32 +52,31 @@ class _NormBase(Module):
             self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64)
 
     def reset_running_stats(self) -> None:
+        """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
+        to 0, as in a new module (nothing to do without ``track_running_stats``)."""
         if self.track_running_stats:
             self.running_mean = self.xp.zeros((self.num_features,), dtype=self.dtype)
             self.running_var = self.xp.ones((self.num_features,), dtype=self.dtype)
             self.num_batches_tracked = self.xp.asarray(0, dtype=self.xp.int64)
 
+    def _missing_key_defaults(self) -> dict[str, Array]:
+        # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
+        # (torch < 0.4.1) keeps the module's counter.
+        if self.num_batches_tracked is None:
+            return {}
+        return {"num_batches_tracked": self.num_batches_tracked}
+
     def extra_repr(self) -> str:
         return (
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-            f"track_running_stats={self.track_running_stats}"
+            + ("bias=False, " if self.affine and self.bias is None else "")
+            + f"track_running_stats={self.track_running_stats}"
         )
 
 
 class _BatchNorm(_NormBase):
-    r"""Batch normalization (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167).
-
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot w + b
-
-    per channel, over the batch and spatial axes. In training the batch statistics
-    (biased variance) normalize and the running statistics are updated with
-    ``new = (1 - momentum) * old + momentum * batch`` using the *unbiased* batch
-    variance; ``momentum=None`` makes it a cumulative average over
-    ``num_batches_tracked``. In eval the running statistics normalize (and backward
-    is then only the affine map's). ``track_running_stats=False``: no buffers, batch
-    statistics in train and eval. All as ``torch.nn.BatchNorm*d``.
-    """
+    """BatchNorm1d/2d/3d: the per-channel computation with batch or running
+    statistics (the public classes' docstrings describe it)."""
 
     _expected_ndims: tuple[int, ...] = ()
 
@@ -92,7 +92,8 @@ class _BatchNorm(_NormBase):
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            updates["num_batches_tracked"] = self.num_batches_tracked + 1
+            # a 0-d array: NumPy arithmetic on a 0-d array returns a NumPy scalar
+            updates["num_batches_tracked"] = self.xp.asarray(self.num_batches_tracked + 1)
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(updates["num_batches_tracked"])
         # batch statistics when training, or when there are no running statistics
@@ -115,30 +116,109 @@ class _BatchNorm(_NormBase):
         return dx, {"weight": dweight, "bias": dbias}
 
 
-class BatchNorm1d(_BatchNorm):
-    """BatchNorm over (N, C) or (N, C, L) input; see :class:`_BatchNorm` for the math.
+_BATCH_NORM_DOC = """Batch normalization over {input} input
+    (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167).
+
+    Each channel c is normalized over the batch and spatial axes, n = {n}
+    values per channel:
+
+        mean_c = sum(x[:, c]) / n
+        var_c  = sum((x[:, c] - mean_c)**2) / n        (biased; two passes)
+        y      = (x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c
+
+    Training and evaluation (PyTorch's rules, each pinned by a test):
+
+    - Training mode (``train()``, the default): the batch statistics above
+      normalize, and the running statistics move towards them:
+
+          running_mean = (1 - momentum) * running_mean + momentum * mean_c
+          running_var  = (1 - momentum) * running_var  + momentum * var_c * n/(n - 1)
+
+      The running variance takes the *unbiased* batch variance (``n/(n-1)``,
+      Bessel's correction); the output uses the biased one. ``momentum=None``
+      makes the update a cumulative average, with factor
+      ``1 / num_batches_tracked``. ``num_batches_tracked`` (a 0-d int64 array)
+      counts the training forwards.
+    - Eval mode (``eval()``): the running statistics normalize,
+      ``y = (x - running_mean) / sqrt(running_var + eps) * weight + bias``, and
+      nothing is updated; an example's output no longer depends on its batch.
+    - ``track_running_stats=False``: no running statistics; batch statistics in
+      both modes.
+    - Training on one value per channel raises ``ValueError`` (PyTorch raises
+      too, after incrementing the counter; npnorm changes nothing).
+
+    Backward, with ``rstd_c = 1 / sqrt(var_c + eps)``, ``xhat = (x - mean_c) * rstd_c``,
+    ``dxhat = dy * weight_c`` and means over the n values of a channel:
+
+        training (the batch statistics depend on x):
+            dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        eval (the running statistics are constants):
+            dx = rstd_c * dxhat
+        both:
+            dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
+
+    Same arguments, defaults and ``state_dict`` keys (weight, bias, running_mean,
+    running_var, num_batches_tracked) as ``torch.nn.{name}``.
 
     Parameters
     ----------
     num_features : int
-        C.
+        C, the number of channels (dim 1 of the input).
     eps : float, default 1e-5
+        Added to the variance before the square root.
     momentum : float or None, default 0.1
+        Weight of the batch statistics in the running-statistics update; ``None``
+        for a cumulative average.
     affine : bool, default True
+        Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
     track_running_stats : bool, default True
-    dtype, xp : keyword-only; float32 and numpy by default
+        Keep ``running_mean`` (zeros), ``running_var`` (ones) and
+        ``num_batches_tracked`` (0) as buffers.
+    bias : bool, keyword-only, default True
+        With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
+        keyword of the same name).
+    {dtype_xp}
+
+    Attributes
+    ----------
+    weight, bias : array of shape (C,), or None without ``affine``
+    running_mean, running_var : array of shape (C,), or None without ``track_running_stats``
+    num_batches_tracked : 0-d int64 array, or None without ``track_running_stats``
+    grads : dict of str to array
+        Gradients of ``weight`` and ``bias`` accumulated by ``backward``.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> bn = npnorm.{name}(3)
+    >>> x = np.random.default_rng(0).normal(size={shape}).astype(np.float32)
+    >>> y = bn(x)                          # training: batch statistics
+    >>> dx = bn.backward(np.ones_like(y))  # input gradient; bn.grads: weight, bias
+    >>> int(bn.num_batches_tracked), bn.running_mean.shape
+    (1, (3,))
+    >>> y_eval = bn.eval()(x[:1])          # eval: running statistics, any batch size
     """
+
+
+class BatchNorm1d(_BatchNorm):
+    __doc__ = _BATCH_NORM_DOC.format(
+        name="BatchNorm1d", input="(N, C) or (N, C, L)", n="N or N*L", shape=(4, 3, 5), dtype_xp=DTYPE_XP_DOC
+    )
 
     _expected_ndims = (2, 3)
 
 
 class BatchNorm2d(_BatchNorm):
-    """BatchNorm over (N, C, H, W) input; arguments as :class:`BatchNorm1d`."""
+    __doc__ = _BATCH_NORM_DOC.format(
+        name="BatchNorm2d", input="(N, C, H, W)", n="N*H*W", shape=(4, 3, 2, 2), dtype_xp=DTYPE_XP_DOC
+    )
 
     _expected_ndims = (4,)
 
 
 class BatchNorm3d(_BatchNorm):
-    """BatchNorm over (N, C, D, H, W) input; arguments as :class:`BatchNorm1d`."""
+    __doc__ = _BATCH_NORM_DOC.format(
+        name="BatchNorm3d", input="(N, C, D, H, W)", n="N*D*H*W", shape=(2, 3, 2, 2, 2), dtype_xp=DTYPE_XP_DOC
+    )
 
     _expected_ndims = (5,)

@@ -13,23 +13,67 @@ from ._module import Module, Saved, Updates
 
 
 class GroupNorm(Module):
-    r"""Group normalization (Wu & He 2018, https://arxiv.org/abs/1803.08494).
+    """Group normalization (Wu & He 2018, https://arxiv.org/abs/1803.08494).
 
-    .. math::
-        y_{n,c} = \frac{x_{n,c} - \mu_{n,g(c)}}{\sqrt{\sigma^2_{n,g(c)} + \epsilon}} \cdot w_c + b_c
+    The C channels of an (N, C, *) input are split into ``num_groups`` groups of
+    C/G consecutive channels; each (sample n, group g) is normalized over its
+    channels and spatial axes (m = C/G * prod(spatial) values), then each
+    channel c gets its own affine map:
 
-    Channels are split into ``num_groups`` groups; each (sample, group) is normalized
-    over its channels and spatial axes; ``w``, ``b`` are per channel. Input (N, C, *).
-    Same arguments and ``state_dict`` keys as ``torch.nn.GroupNorm``.
+        mean_ng = sum(x[n, group g]) / m
+        var_ng  = sum((x[n, group g] - mean_ng)**2) / m    (biased; two passes)
+        y[n, c] = (x[n, c] - mean_ng) / sqrt(var_ng + eps) * weight_c + bias_c
+
+    One group is LayerNorm over (C, *spatial) with a per-channel affine map; C
+    groups is InstanceNorm. No running statistics: training and eval mode compute
+    the same thing. Same arguments, defaults and ``state_dict`` keys as
+    ``torch.nn.GroupNorm``.
+
+    Backward, with ``rstd_ng = 1 / sqrt(var_ng + eps)``, ``xhat = (x - mean_ng) * rstd_ng``,
+    ``dxhat = dy * weight_c`` and means over the m values of a (sample, group):
+
+        dx        = rstd_ng * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
 
     Parameters
     ----------
     num_groups : int
+        G, the number of groups the channels are split into.
     num_channels : int
-        Must be divisible by ``num_groups`` (``ValueError`` otherwise).
+        C, the number of channels (dim 1 of the input); divisible by
+        ``num_groups`` (``ValueError`` otherwise).
     eps : float, default 1e-5
+        Added to the variance before the square root.
     affine : bool, default True
-    dtype, xp : keyword-only; float32 and numpy by default
+        Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
+    bias : bool, keyword-only, default True
+        With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
+        keyword of the same name).
+    dtype : str or dtype, keyword-only, default "float32"
+        Floating dtype of the parameters: "float16", "float32" or "float64" (or
+        a NumPy or backend dtype). Input of another float dtype is computed at
+        the wider of the two precisions (float16 input in float32) and returned
+        in its own dtype.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
+        "array_api_strict" or an Array API namespace module. The input must be
+        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+
+    Attributes
+    ----------
+    weight, bias : array of shape (C,), or None without ``affine``
+    grads : dict of str to array
+        Gradients of ``weight`` and ``bias`` accumulated by ``backward``.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> gn = npnorm.GroupNorm(2, 4)
+    >>> x = np.random.default_rng(0).normal(size=(3, 4, 5)).astype(np.float32)
+    >>> y = gn(x)
+    >>> dx = gn.backward(np.ones_like(y))
+    >>> y.shape, sorted(gn.grads)
+    ((3, 4, 5), ['bias', 'weight'])
     """
 
     _parameter_names = ("weight", "bias")
@@ -41,6 +85,7 @@ class GroupNorm(Module):
         eps: float = 1e-5,
         affine: bool = True,
         *,
+        bias: bool = True,
         dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
@@ -52,7 +97,9 @@ class GroupNorm(Module):
         self.eps = check_eps(eps)
         self.affine = bool(affine)
         self.weight: Array | None = self.xp.ones((num_channels,), dtype=self.dtype) if affine else None
-        self.bias: Array | None = self.xp.zeros((num_channels,), dtype=self.dtype) if affine else None
+        self.bias: Array | None = (
+            self.xp.zeros((num_channels,), dtype=self.dtype) if affine and bias else None
+        )
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -68,4 +115,5 @@ class GroupNorm(Module):
         return dx, {"weight": dweight, "bias": dbias}
 
     def extra_repr(self) -> str:
-        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+        bias = ", bias=False" if self.affine and self.bias is None else ""
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}{bias}"

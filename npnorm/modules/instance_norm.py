@@ -7,25 +7,13 @@ from typing import Any
 
 from .._backend import Array
 from ..functional.instance_norm import instance_norm_backward, instance_norm_forward
-from ._module import Saved, Updates
+from ._module import DTYPE_XP_DOC, Saved, Updates
 from .batch_norm import _NormBase
 
 
 class _InstanceNorm(_NormBase):
-    r"""Instance normalization (Ulyanov et al. 2016, https://arxiv.org/abs/1607.08022).
-
-    .. math::
-        y_{n,c} = \frac{x_{n,c} - \mathrm{E}[x_{n,c}]}{\sqrt{\mathrm{Var}[x_{n,c}] + \epsilon}} w_c + b_c
-
-    each (sample, channel) over its spatial axes. Defaults as ``torch.nn.InstanceNorm*d``:
-    ``affine=False``, ``track_running_stats=False``. With running statistics, training
-    moves them towards the batch average of the per-instance statistics (unbiased
-    variance) and eval normalizes with them; as in PyTorch, ``num_batches_tracked``
-    is kept in the state_dict but never incremented, and ``momentum=None`` leaves the
-    running statistics unchanged. Unbatched input (no N axis) is accepted. Where
-    PyTorch only warns (a channel count that differs from ``num_features`` without
-    affine), this raises ``ValueError``.
-    """
+    """InstanceNorm1d/2d/3d: the per-(sample, channel) computation, batched or not
+    (the public classes' docstrings describe it)."""
 
     _no_batch_ndim = 0
 
@@ -37,10 +25,13 @@ class _InstanceNorm(_NormBase):
         affine: bool = False,
         track_running_stats: bool = False,
         *,
+        bias: bool = True,
         dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype, xp=xp)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, bias=bias, dtype=dtype, xp=xp
+        )
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         xp = self._check_backend(input)
@@ -93,29 +84,108 @@ class _InstanceNorm(_NormBase):
         return (dx[0, ...] if unbatched else dx), {"weight": dweight, "bias": dbias}
 
 
-class InstanceNorm1d(_InstanceNorm):
-    """InstanceNorm over (N, C, L) or unbatched (C, L) input.
+_INSTANCE_NORM_DOC = """Instance normalization over {input} input, or unbatched
+    {unbatched} input (Ulyanov, Vedaldi & Lempitsky 2016, https://arxiv.org/abs/1607.08022).
+
+    Each (sample n, channel c) pair is normalized over its spatial axes, S = {s}
+    values:
+
+        mean_nc = sum(x[n, c]) / S
+        var_nc  = sum((x[n, c] - mean_nc)**2) / S       (biased; two passes)
+        y       = (x - mean_nc) / sqrt(var_nc + eps) * weight_c + bias_c
+
+    Defaults as ``torch.nn.{name}``: ``affine=False`` and
+    ``track_running_stats=False``, i.e. no parameters and no buffers, and the
+    input's own statistics in training and eval alike.
+
+    Running statistics (``track_running_stats=True``; PyTorch's rules):
+
+    - Training mode: the input statistics normalize, and the running statistics
+      move towards their average over the batch:
+
+          running_mean = (1 - momentum) * running_mean + momentum * mean_n(mean_nc)
+          running_var  = (1 - momentum) * running_var  + momentum * mean_n(var_nc) * S/(S - 1)
+
+      (the *unbiased* variance). As in PyTorch, ``momentum=None`` leaves them
+      unchanged, and ``num_batches_tracked`` is kept in the state_dict but never
+      incremented.
+    - Eval mode: the running statistics normalize,
+      ``y = (x - running_mean) / sqrt(running_var + eps) * weight + bias``.
+    - Input statistics over one spatial element raise ``ValueError``. Where
+      PyTorch only warns (a channel count other than ``num_features``), this
+      raises ``ValueError``.
+
+    Backward, with ``rstd_nc = 1 / sqrt(var_nc + eps)``, ``xhat = (x - mean_nc) * rstd_nc``,
+    ``dxhat = dy * weight_c`` and means over the S values of a (sample, channel):
+
+        input statistics:
+            dx = rstd_nc * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        running statistics (eval with track_running_stats):
+            dx = dxhat / sqrt(running_var_c + eps)
+        both:
+            dweight_c = sum(dy * xhat)        dbias_c = sum(dy)
 
     Parameters
     ----------
     num_features : int
+        C, the number of channels (dim 1 of batched input, dim 0 of unbatched).
     eps : float, default 1e-5
+        Added to the variance before the square root.
     momentum : float or None, default 0.1
+        Weight of the batch-averaged instance statistics in the running-statistics
+        update; ``None`` leaves the running statistics unchanged (as PyTorch).
     affine : bool, default False
+        Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
     track_running_stats : bool, default False
-    dtype, xp : keyword-only; float32 and numpy by default
+        Keep ``running_mean`` (zeros), ``running_var`` (ones) and
+        ``num_batches_tracked`` as buffers, and normalize with them in eval mode.
+    bias : bool, keyword-only, default True
+        With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
+        keyword of the same name).
+    {dtype_xp}
+
+    Attributes
+    ----------
+    weight, bias : array of shape (C,), or None without ``affine``
+    running_mean, running_var : array of shape (C,), or None without ``track_running_stats``
+    num_batches_tracked : 0-d int64 array, or None without ``track_running_stats``
+    grads : dict of str to array
+        Gradients of ``weight`` and ``bias`` accumulated by ``backward``.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> inorm = npnorm.{name}(3, affine=True)
+    >>> x = np.random.default_rng(0).normal(size={shape}).astype(np.float32)
+    >>> y = inorm(x)
+    >>> dx = inorm.backward(np.ones_like(y))
+    >>> sorted(inorm.grads), inorm(x[0]).shape  # unbatched input too
+    (['bias', 'weight'], {unbatched_shape})
     """
+
+
+class InstanceNorm1d(_InstanceNorm):
+    __doc__ = _INSTANCE_NORM_DOC.format(
+        name="InstanceNorm1d", input="(N, C, L)", unbatched="(C, L)", s="L", shape=(2, 3, 5),
+        unbatched_shape=(3, 5), dtype_xp=DTYPE_XP_DOC,
+    )  # fmt: skip
 
     _no_batch_ndim = 2
 
 
 class InstanceNorm2d(_InstanceNorm):
-    """InstanceNorm over (N, C, H, W) or unbatched (C, H, W) input; arguments as InstanceNorm1d."""
+    __doc__ = _INSTANCE_NORM_DOC.format(
+        name="InstanceNorm2d", input="(N, C, H, W)", unbatched="(C, H, W)", s="H*W", shape=(2, 3, 4, 4),
+        unbatched_shape=(3, 4, 4), dtype_xp=DTYPE_XP_DOC,
+    )  # fmt: skip
 
     _no_batch_ndim = 3
 
 
 class InstanceNorm3d(_InstanceNorm):
-    """InstanceNorm over (N, C, D, H, W) or unbatched (C, D, H, W) input; arguments as InstanceNorm1d."""
+    __doc__ = _INSTANCE_NORM_DOC.format(
+        name="InstanceNorm3d", input="(N, C, D, H, W)", unbatched="(C, D, H, W)", s="D*H*W",
+        shape=(2, 3, 2, 2, 2), unbatched_shape=(3, 2, 2, 2), dtype_xp=DTYPE_XP_DOC,
+    )  # fmt: skip
 
     _no_batch_ndim = 4

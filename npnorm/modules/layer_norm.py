@@ -13,30 +13,67 @@ from ._module import Module, Saved, Updates
 
 
 class LayerNorm(Module):
-    r"""Layer normalization (Ba et al. 2016, https://arxiv.org/abs/1607.06450).
+    """Layer normalization (Ba, Kiros & Hinton 2016, https://arxiv.org/abs/1607.06450).
 
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot w + b
+    Each row (the trailing ``normalized_shape`` axes of the input, D values) is
+    normalized on its own:
 
-    Mean and biased variance are taken over the trailing ``normalized_shape`` axes of
-    each input; ``w`` (ones) and ``b`` (zeros) have shape ``normalized_shape``.
-    Same arguments, defaults and ``state_dict`` keys as ``torch.nn.LayerNorm``.
+        mean = sum(x) / D
+        var  = sum((x - mean)**2) / D                  (biased; two passes)
+        y    = (x - mean) / sqrt(var + eps) * weight + bias
+
+    ``weight`` (ones) and ``bias`` (zeros) have shape ``normalized_shape``. No
+    running statistics: training and eval mode compute the same thing. Same
+    arguments, defaults and ``state_dict`` keys as ``torch.nn.LayerNorm``.
+
+    Backward, with ``rstd = 1 / sqrt(var + eps)``, ``xhat = (x - mean) * rstd``,
+    ``dxhat = dy * weight`` and means over the row:
+
+        dx      = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+                          term 1   term 2         term 3
+                         (direct) (through mean) (through var)
+        dweight = sum over rows of dy * xhat
+        dbias   = sum over rows of dy
+
+    The forward saves the input and one mean and rstd per row; backward
+    recomputes xhat from them.
 
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        The shape of the trailing input axes to normalize over: input of shape
+        (*, *normalized_shape).
     eps : float, default 1e-5
+        Added to the variance before the square root.
     elementwise_affine : bool, default True
-        Learn ``weight`` (and ``bias``, unless ``bias=False``).
+        Learn ``weight`` (and ``bias``, unless ``bias=False``); without it the
+        output is xhat.
     bias : bool, default True
-    dtype : float dtype or name, keyword-only, default float32
-    xp : backend name or namespace, keyword-only, default numpy
+        Learn ``bias`` as well as ``weight`` (with ``elementwise_affine``).
+    dtype : str or dtype, keyword-only, default "float32"
+        Floating dtype of the parameters: "float16", "float32" or "float64" (or
+        a NumPy or backend dtype). Input of another float dtype is computed at
+        the wider of the two precisions (float16 input in float32) and returned
+        in its own dtype.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
+        "array_api_strict" or an Array API namespace module. The input must be
+        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+
+    Attributes
+    ----------
+    weight, bias : array of shape normalized_shape, or None
+    grads : dict of str to array
+        Gradients of ``weight`` and ``bias`` accumulated by ``backward``.
 
     Examples
     --------
     >>> import numpy as np, npnorm
     >>> ln = npnorm.LayerNorm(4)
     >>> y = ln(np.arange(8.0, dtype=np.float32).reshape(2, 4))
+    >>> y.round(3)
+    array([[-1.342, -0.447,  0.447,  1.342],
+           [-1.342, -0.447,  0.447,  1.342]], dtype=float32)
     >>> dx = ln.backward(np.ones_like(y))
     >>> sorted(ln.grads)
     ['bias', 'weight']

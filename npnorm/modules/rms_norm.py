@@ -13,23 +13,62 @@ from ._module import Module, Saved, Updates
 
 
 class RMSNorm(Module):
-    r"""Root-mean-square normalization (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
+    """Root-mean-square normalization (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
 
-    .. math::
-        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot w
+    Each row (the trailing ``normalized_shape`` axes of the input, D values) is
+    scaled by its root mean square; no mean is subtracted and there is no bias:
 
-    The mean square is over the trailing ``normalized_shape`` axes; ``w`` (ones) has
-    shape ``normalized_shape``; there is no bias. Same arguments, defaults and
-    ``state_dict`` keys as ``torch.nn.RMSNorm``.
+        ms = sum(x**2) / D
+        y  = x / sqrt(ms + eps) * weight
+
+    ``weight`` (ones) has shape ``normalized_shape``. ``eps=None`` (the default,
+    as in PyTorch) is the machine epsilon of the computation dtype (float32 for
+    float16 and float32 input). Same arguments, defaults and ``state_dict`` keys
+    as ``torch.nn.RMSNorm``.
+
+    Backward, with ``rstd = 1 / sqrt(ms + eps)``, ``xhat = x * rstd``,
+    ``dxhat = dy * weight`` and means over the row (LayerNorm's formula without
+    the term through the mean):
+
+        dx      = rstd * (dxhat - xhat * mean(dxhat * xhat))
+        dweight = sum over rows of dy * xhat
 
     Parameters
     ----------
     normalized_shape : int or tuple of int
+        The shape of the trailing input axes to normalize over: input of shape
+        (*, *normalized_shape).
     eps : float or None, default None
-        ``None`` means the machine epsilon of the computation dtype, as in PyTorch.
+        Added to the mean square before the square root; ``None`` means the
+        machine epsilon of the computation dtype.
     elementwise_affine : bool, default True
-    dtype : float dtype or name, keyword-only, default float32
-    xp : backend name or namespace, keyword-only, default numpy
+        Learn ``weight``; without it the output is xhat.
+    dtype : str or dtype, keyword-only, default "float32"
+        Floating dtype of the parameters: "float16", "float32" or "float64" (or
+        a NumPy or backend dtype). Input of another float dtype is computed at
+        the wider of the two precisions (float16 input in float32) and returned
+        in its own dtype.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
+        "array_api_strict" or an Array API namespace module. The input must be
+        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+
+    Attributes
+    ----------
+    weight : array of shape normalized_shape, or None
+    grads : dict of str to array
+        The gradient of ``weight`` accumulated by ``backward``.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> rms = npnorm.RMSNorm(2, eps=0.0)
+    >>> y = rms(np.array([[3.0, 4.0]], dtype=np.float32))
+    >>> y.round(4)
+    array([[0.8485, 1.1314]], dtype=float32)
+    >>> dx = rms.backward(np.ones_like(y))
+    >>> sorted(rms.grads)
+    ['weight']
     """
 
     _parameter_names = ("weight",)

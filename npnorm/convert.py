@@ -1,0 +1,214 @@
+"""``from_torch`` / ``to_torch``: a torch.nn norm layer to the same npnorm layer and back.
+
+One row of ``PAIRS`` per layer: the ``torch.nn`` class name, the npnorm class, and
+the function that reads the constructor arguments off a module of either library
+(both use PyTorch's attribute names). Adding a layer is adding a row. Everything
+else, the dtype, the state (copied) and the train/eval flag, is handled the same
+way for every row. torch is imported only when a conversion runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ._backend import FLOAT_NAMES, to_host
+from .modules import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Module,
+    RMSNorm,
+)
+from .modules._module import dtype_name
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A torch.nn layer and the npnorm layer that computes the same thing."""
+
+    torch_name: str  # the class's name in torch.nn
+    npnorm_class: type[Module]
+    arguments: Callable[[Any], dict[str, Any]]  # constructor arguments of a module of either library
+
+
+def _layer_norm_args(m: Any) -> dict[str, Any]:
+    return {
+        "normalized_shape": tuple(m.normalized_shape),
+        "eps": m.eps,
+        "elementwise_affine": m.elementwise_affine,
+        "bias": m.bias is not None if m.elementwise_affine else True,
+    }
+
+
+def _rms_norm_args(m: Any) -> dict[str, Any]:
+    return {
+        "normalized_shape": tuple(m.normalized_shape),
+        "eps": m.eps,
+        "elementwise_affine": m.elementwise_affine,
+    }
+
+
+def _group_norm_args(m: Any) -> dict[str, Any]:
+    return {
+        "num_groups": m.num_groups,
+        "num_channels": m.num_channels,
+        "eps": m.eps,
+        "affine": m.affine,
+        "bias": m.bias is not None if m.affine else True,
+    }
+
+
+def _norm_base_args(m: Any) -> dict[str, Any]:
+    """BatchNorm*d, InstanceNorm*d (and SyncBatchNorm): PyTorch's ``_NormBase`` arguments."""
+    return {
+        "num_features": m.num_features,
+        "eps": m.eps,
+        "momentum": m.momentum,
+        "affine": m.affine,
+        "track_running_stats": m.track_running_stats,
+        "bias": m.bias is not None if m.affine else True,
+    }
+
+
+PAIRS: tuple[Pair, ...] = (
+    Pair("LayerNorm", LayerNorm, _layer_norm_args),
+    Pair("RMSNorm", RMSNorm, _rms_norm_args),
+    Pair("BatchNorm1d", BatchNorm1d, _norm_base_args),
+    Pair("BatchNorm2d", BatchNorm2d, _norm_base_args),
+    Pair("BatchNorm3d", BatchNorm3d, _norm_base_args),
+    Pair("GroupNorm", GroupNorm, _group_norm_args),
+    Pair("InstanceNorm1d", InstanceNorm1d, _norm_base_args),
+    Pair("InstanceNorm2d", InstanceNorm2d, _norm_base_args),
+    Pair("InstanceNorm3d", InstanceNorm3d, _norm_base_args),
+)
+
+
+def _import_torch(what: str) -> ModuleType:
+    try:
+        return importlib.import_module("torch")
+    except ImportError as err:
+        raise ImportError(
+            f"npnorm.{what} needs PyTorch, which is not installed: pip install torch "
+            "(npnorm's 'parity' extra pins the version its tests use)"
+        ) from err
+
+
+def _names(pairs: tuple[Pair, ...], torch_side: bool) -> str:
+    return ", ".join(("torch.nn." + p.torch_name) if torch_side else p.npnorm_class.__name__ for p in pairs)
+
+
+def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
+    """The npnorm layer equivalent to a ``torch.nn`` normalization layer.
+
+    The result has the same class, constructor arguments (eps, momentum, affine
+    flags, shapes, ...), dtype, state and train/eval flag as ``module``. The state
+    is copied: the two modules share no memory. ``to_torch`` is the inverse, and
+    ``to_torch(from_torch(m))`` reproduces ``m`` exactly (bfloat16 aside).
+
+    Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm
+    and InstanceNorm1d/2d/3d (``npnorm.convert.PAIRS``). The class must be one of
+    these exactly: a subclass may compute something else and is refused.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The layer, on any device. Its dtype is kept: float16, float32 and float64
+        as they are; bfloat16 (which npnorm does not have) becomes float32, exactly.
+    xp : str or namespace module, keyword-only, default "numpy"
+        Backend of the new module's arrays ("numpy", "cupy", "torch", ...).
+
+    Returns
+    -------
+    npnorm.Module
+
+    Raises
+    ------
+    TypeError
+        When ``module`` is not one of the converted torch.nn classes.
+
+    Examples
+    --------
+    >>> import torch, npnorm
+    >>> ref = torch.nn.LayerNorm(384, eps=1e-12, dtype=torch.float64)
+    >>> ln = npnorm.from_torch(ref)
+    >>> ln
+    LayerNorm((384,), eps=1e-12, elementwise_affine=True)
+    >>> ln.weight.dtype
+    dtype('float64')
+    """
+    torch = _import_torch("from_torch")
+    pair = next((p for p in PAIRS if type(module) is getattr(torch.nn, p.torch_name, None)), None)
+    if pair is None:
+        hint = " (an npnorm module: npnorm.to_torch converts that way)" if isinstance(module, Module) else ""
+        raise TypeError(
+            f"npnorm.from_torch converts {_names(PAIRS, True)} (exactly these classes, not subclasses); "
+            f"got {type(module).__module__}.{type(module).__qualname__}{hint}"
+        )
+    tensors = [*module.parameters(), *module.buffers()]
+    floating = [t.dtype for t in tensors if t.is_floating_point()]
+    tdtype = floating[0] if floating else torch.get_default_dtype()
+    name = str(tdtype).removeprefix("torch.")
+    ours = pair.npnorm_class(
+        **pair.arguments(module), dtype=name if name in FLOAT_NAMES else "float32", xp=xp
+    )
+    ours.load_state_dict(module.state_dict())
+    ours.train(module.training)
+    return ours
+
+
+def to_torch(module: Module) -> Any:
+    """The ``torch.nn`` layer equivalent to an npnorm layer (CPU; ``.to(device)`` moves it).
+
+    Same class, constructor arguments, dtype, state (copied) and train/eval flag;
+    the inverse of ``from_torch``. The module can be on any npnorm backend.
+
+    Loading only the state into an existing torch layer is a one-liner, since
+    torch's ``load_state_dict`` wants torch tensors (for a NumPy-backed module)::
+
+        torch_layer.load_state_dict({k: torch.as_tensor(v) for k, v in layer.state_dict().items()})
+
+    Parameters
+    ----------
+    module : npnorm.Module
+        One of LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d.
+
+    Returns
+    -------
+    torch.nn.Module
+
+    Raises
+    ------
+    ImportError
+        When torch is not installed.
+    TypeError
+        When ``module`` is not one of the converted npnorm classes.
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> bn = npnorm.BatchNorm2d(8, momentum=None).eval()
+    >>> ref = npnorm.to_torch(bn)
+    >>> ref, ref.training
+    (BatchNorm2d(8, eps=1e-05, momentum=None, affine=True, bias=True, track_running_stats=True), False)
+    """
+    torch = _import_torch("to_torch")
+    pair = next((p for p in PAIRS if type(module) is p.npnorm_class), None)
+    if pair is None:
+        raise TypeError(
+            f"npnorm.to_torch converts npnorm's {_names(PAIRS, False)} (exactly these classes); "
+            f"got {type(module).__module__}.{type(module).__qualname__}"
+        )
+    tdtype = getattr(torch, dtype_name(module.xp, module.dtype))
+    ref = getattr(torch.nn, pair.torch_name)(**pair.arguments(module), dtype=tdtype)
+    ref.load_state_dict({k: torch.from_numpy(to_host(v)) for k, v in module.state_dict().items()})
+    ref.train(module.training)
+    return ref

@@ -1,0 +1,219 @@
+"""Checkpoints: what load_state_dict accepts and copies, the batch counter, loading one
+layer out of a whole model's state_dict, and npnorm state going into torch modules."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from conftest import assert_state_equal, snapshot
+from helpers import randomize
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import npnorm
+
+finite32 = st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False, width=32)
+
+
+# --- copies, not aliases ------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["numpy", "list", "same backend"])
+def test_loaded_arrays_are_fresh_and_owned(backend, rng, source):
+    m = npnorm.BatchNorm1d(3, xp=backend.xp)
+    state = {k: rng.normal(size=tuple(v.shape)) for k, v in m.state_dict().items()}
+    state["num_batches_tracked"] = np.asarray(4)
+    given_state = {
+        "numpy": {k: np.asarray(v, dtype=np.float32 if v.ndim else np.int64) for k, v in state.items()},
+        "list": {k: np.asarray(v).tolist() for k, v in state.items()},
+        "same backend": {
+            k: backend.xp.asarray(np.asarray(v), dtype=getattr(m.state_dict()[k], "dtype", None))
+            for k, v in state.items()
+        },
+    }[source]
+    m.load_state_dict(given_state)
+    for k, v in given_state.items():
+        if hasattr(v, "shape"):
+            before = backend.numpy(v).copy()
+            v[...] = 7  # the caller changes its array in place ...
+            np.testing.assert_array_equal(backend.numpy(getattr(m, k)), before, err_msg=k)  # ... not ours
+    assert m.state_dict()["weight"] is m.weight  # state_dict: the module's own arrays, as in torch
+
+
+def test_state_dict_values_are_the_modules_arrays():
+    m = npnorm.BatchNorm1d(2)
+    sd = m.state_dict()
+    assert all(sd[k] is getattr(m, k) for k in sd)
+    sd["running_mean"] += 1.0  # documented: an in-place change reaches the module
+    np.testing.assert_array_equal(m.running_mean, 1.0)
+
+
+# --- floating dtypes the backend lacks -----------------------------------------
+
+
+@given(values=hnp.arrays(np.float32, st.integers(1, 6), elements=finite32))
+def test_bfloat16_torch_checkpoint_loads(torch, backend, values):
+    n = values.shape[0]
+    ref = torch.nn.LayerNorm(n, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(values))
+        ref.bias.copy_(torch.from_numpy(-values))
+    for dtype in ("float32", "float64"):
+        m = npnorm.LayerNorm(n, dtype=dtype, xp=backend.xp)
+        m.load_state_dict(ref.state_dict())
+        assert m.weight.dtype == getattr(backend.xp, dtype)
+        exact = ref.weight.detach().float().numpy()  # bfloat16 values are exact in float32
+        np.testing.assert_array_equal(backend.numpy(m.weight), exact)
+        np.testing.assert_array_equal(backend.numpy(m.bias), -exact)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"])
+@given(values=hnp.arrays(np.float32, st.integers(1, 6), elements=st.floats(-400, 400, width=32)))
+def test_ml_dtypes_arrays_load(backend, name, values):
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="the 'test' extra installs ml_dtypes")
+    low = values.astype(getattr(ml_dtypes, name))
+    m = npnorm.RMSNorm(values.shape[0], dtype="float64", xp=backend.xp)
+    m.load_state_dict({"weight": low})
+    assert m.weight.dtype == backend.xp.float64
+    np.testing.assert_array_equal(backend.numpy(m.weight), low.astype(np.float64))
+
+
+# --- num_batches_tracked -------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", ["BatchNorm1d", "InstanceNorm1d"])
+def test_checkpoint_without_num_batches_tracked_loads_as_in_torch(torch, cls):
+    kw = {} if cls == "BatchNorm1d" else {"affine": True, "track_running_stats": True}
+    ref = getattr(torch.nn, cls)(3, **kw)
+    ours = getattr(npnorm, cls)(3, **kw)
+    old = {k: v.clone() for k, v in ref.state_dict().items() if k != "num_batches_tracked"}
+    old["running_mean"] += 1.0
+    assert not ref.load_state_dict(old).missing_keys  # torch accepts it
+    result = ours.load_state_dict(old)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    np.testing.assert_array_equal(ours.running_mean, ref.running_mean.numpy())
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 0
+    assert ours.num_batches_tracked.dtype == np.int64 and ours.num_batches_tracked.shape == ()
+
+
+def test_missing_counter_keeps_the_current_count_as_torch(torch, rng):
+    """torch fills a missing counter with the module's own (0 for a new module)."""
+    ref, ours = torch.nn.BatchNorm1d(2), npnorm.BatchNorm1d(2)
+    for _ in range(3):
+        x = rng.normal(size=(4, 2)).astype(np.float32)
+        ref(torch.from_numpy(x))
+        ours(x)
+    old = {k: v.clone() for k, v in ref.state_dict().items() if k != "num_batches_tracked"}
+    ref.load_state_dict(old)
+    ours.load_state_dict(old)
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 3
+
+
+def test_counter_stays_a_0d_int64_array(backend, rng):
+    m = npnorm.BatchNorm2d(2, xp=backend.xp)
+    x = backend.asarray(rng.normal(size=(3, 2, 2, 2)), "float32")
+    for step in range(1, 3):
+        m(x)
+        c = m.num_batches_tracked
+        assert not isinstance(c, np.generic) and tuple(c.shape) == () and c.dtype == backend.xp.int64
+        assert int(c) == step
+    m.load_state_dict({**m.state_dict(), "num_batches_tracked": 9})
+    assert tuple(m.num_batches_tracked.shape) == () and int(m.num_batches_tracked) == 9
+
+
+def test_counter_goes_into_torch_from_numpy(torch, rng):
+    """torch.from_numpy refuses NumPy scalars: the counter must be an array."""
+    m = npnorm.BatchNorm1d(2)
+    m(rng.normal(size=(4, 2)).astype(np.float32))
+    assert torch.from_numpy(m.num_batches_tracked).item() == 1
+
+
+# --- npnorm state into torch ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda t: t.nn.BatchNorm2d(3),
+        lambda t: t.nn.InstanceNorm1d(3, affine=True, track_running_stats=True),
+        lambda t: t.nn.LayerNorm((2, 3)),
+        lambda t: t.nn.RMSNorm(3),
+        lambda t: t.nn.GroupNorm(1, 3),
+    ],
+)
+def test_torch_module_loads_npnorm_state_with_the_documented_one_liner(torch, rng, make):
+    ref = make(torch)
+    ours = npnorm.from_torch(ref)
+    randomize(ours, rng)
+    with pytest.raises(RuntimeError, match="Tensor"):
+        ref.load_state_dict(ours.state_dict())  # torch wants tensors, not NumPy arrays
+    ref.load_state_dict({k: torch.as_tensor(v) for k, v in ours.state_dict().items()})  # README
+    for k, v in ours.state_dict().items():
+        np.testing.assert_array_equal(ref.state_dict()[k].numpy(), v, err_msg=k)
+        assert not np.shares_memory(ref.state_dict()[k].numpy(), v), k  # torch copied
+    back = npnorm.to_torch(ours)
+    for k, v in ours.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[k].numpy(), v, err_msg=k)
+
+
+# --- one layer out of a whole model -------------------------------------------
+
+
+def test_load_one_layer_by_prefix_from_a_torch_model(torch, rng):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.LayerNorm(4)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    model.train()
+    model(torch.randn(8, 4))
+    full = model.state_dict()
+    bn, ln = npnorm.BatchNorm1d(4), npnorm.LayerNorm(4)
+    assert bn.load_state_dict(full, prefix="1.") == ([], [])
+    assert ln.load_state_dict(full, prefix="3") == ([], [])  # the trailing "." is added
+    for ours, ref in ((bn, model[1]), (ln, model[3])):
+        for k, v in ref.state_dict().items():
+            np.testing.assert_array_equal(getattr(ours, k), v.numpy(), err_msg=k)
+    model.eval()
+    x = rng.normal(size=(5, 4)).astype(np.float32)
+    h = model[0](torch.from_numpy(x))
+    np.testing.assert_allclose(
+        bn.eval()(h.detach().numpy()), model[1](h).detach().numpy(), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_prefix_does_not_match_a_longer_name():
+    full = {
+        "layer.1.weight": np.full(3, 1.0),
+        "layer.1.bias": np.zeros(3),
+        "layer.10.weight": np.full(3, 10.0),
+    }
+    m = npnorm.LayerNorm(3)
+    assert m.load_state_dict(full, prefix="layer.1") == ([], [])
+    np.testing.assert_array_equal(m.weight, 1.0)
+    m2 = npnorm.LayerNorm(3)
+    with pytest.raises(RuntimeError, match=r"missing key\(s\): 'layer.10.bias'") as info:
+        m2.load_state_dict(full, prefix="layer.10.")
+    assert "unexpected" not in str(info.value)  # keys outside the prefix are not unexpected
+    np.testing.assert_array_equal(m2.weight, 1.0)  # nothing changed
+    result = m2.load_state_dict(full, strict=False, prefix="layer.10.")
+    assert result.missing_keys == ["layer.10.bias"] and result.unexpected_keys == []
+    np.testing.assert_array_equal(m2.weight, 10.0)
+
+
+def test_prefix_errors_name_full_keys(rng):
+    m = npnorm.LayerNorm(3)
+    randomize(m, rng)
+    state, grads = snapshot(m)
+    full = {"enc.norm.weight": np.ones(3), "enc.norm.bias": np.ones(4), "enc.norm.extra": 1.0}
+    with pytest.raises(RuntimeError) as info:
+        m.load_state_dict(full, prefix="enc.norm.")
+    msg = str(info.value)
+    assert "'enc.norm.extra'" in msg and "size mismatch for 'enc.norm.bias'" in msg
+    assert_state_equal(m, state, grads)
+    with pytest.raises(RuntimeError, match=re.escape("no key of the state_dict starts with 'dec.'")):
+        m.load_state_dict(full, prefix="dec")

@@ -1,0 +1,192 @@
+"""npnorm.from_torch / npnorm.to_torch: same class, arguments, dtype, state, mode; exact
+round trips; torch imported lazily."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+from npnorm.convert import PAIRS
+
+# torch module factories, each drawing its constructor arguments
+eps = st.sampled_from([1e-5, 1e-12, 0.25])
+momentum = st.sampled_from([0.1, 0.7, None])
+flag = st.booleans()
+CONFIGS = {
+    "LayerNorm": st.fixed_dictionaries(
+        {"normalized_shape": st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple),
+         "eps": eps, "elementwise_affine": flag, "bias": flag}
+    ),
+    "RMSNorm": st.fixed_dictionaries(
+        {"normalized_shape": st.lists(st.integers(1, 3), min_size=1, max_size=2).map(tuple),
+         "eps": st.sampled_from([None, 1e-6, 1e-12]), "elementwise_affine": flag}
+    ),
+    "GroupNorm": st.integers(1, 3).flatmap(
+        lambda g: st.fixed_dictionaries(
+            {"num_groups": st.just(g), "num_channels": st.integers(1, 2).map(lambda k: g * k),
+             "eps": eps, "affine": flag, "bias": flag}
+        )
+    ),
+    **{
+        name: st.fixed_dictionaries(
+            {"num_features": st.integers(1, 4), "eps": eps, "momentum": momentum, "affine": flag,
+             "track_running_stats": flag, "bias": flag}
+        )
+        for name in ("BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+                     "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d")
+    },
+}  # fmt: skip
+ATTRS = ("normalized_shape", "eps", "elementwise_affine", "num_groups", "num_channels",
+         "num_features", "momentum", "affine", "track_running_stats")  # fmt: skip
+
+
+def _config(m) -> dict:
+    out = {a: getattr(m, a) for a in ATTRS if hasattr(m, a)}
+    if "normalized_shape" in out:
+        out["normalized_shape"] = tuple(out["normalized_shape"])
+    out["has_bias"] = getattr(m, "bias", None) is not None
+    return out
+
+
+def _randomize_torch(torch, ref, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*ref.named_parameters(), *ref.named_buffers()]:
+            if name == "num_batches_tracked":
+                t.fill_(int(torch.randint(0, 100, (), generator=gen)))
+            elif name == "running_var":
+                t.copy_(torch.rand(t.shape, generator=gen, dtype=t.dtype) + 0.5)
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype))
+
+
+def test_every_public_layer_has_a_row():
+    """A layer added to npnorm needs its row in npnorm.convert.PAIRS."""
+    layers = {
+        n for n in npnorm.__all__
+        if isinstance(getattr(npnorm, n), type) and issubclass(getattr(npnorm, n), npnorm.Module)
+        and getattr(npnorm, n) is not npnorm.Module
+    }  # fmt: skip
+    assert {p.npnorm_class.__name__ for p in PAIRS} == layers
+    assert set(CONFIGS) | {"SyncBatchNorm"} >= layers  # and a config to test it with
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@given(
+    config=st.data(),
+    dtype=st.sampled_from(["float32", "float64", "float16"]),
+    training=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trips_are_exact(torch, name, config, dtype, training, seed):
+    kwargs = config.draw(CONFIGS[name])
+    ref = getattr(torch.nn, name)(**kwargs, dtype=getattr(torch, dtype))
+    _randomize_torch(torch, ref, seed)
+    ref.train(training)
+    ours = npnorm.from_torch(ref)
+    assert type(ours) is getattr(npnorm, name) and _config(ours) == _config(ref)
+    assert ours.training == training
+    if ref.state_dict():  # (a module without tensors has no dtype to keep)
+        assert np.dtype(ours.dtype) == np.dtype(dtype)
+    tstate = ref.state_dict()
+    assert list(ours.state_dict()) == list(tstate)
+    for k, v in ours.state_dict().items():
+        assert v.dtype == tstate[k].numpy().dtype, k
+        np.testing.assert_array_equal(v, tstate[k].numpy(), err_msg=k)
+        assert not np.shares_memory(v, tstate[k].numpy()), k
+    back = npnorm.to_torch(ours)
+    assert type(back) is type(ref) and repr(back) == repr(ref) and back.training == training
+    assert _config(back) == _config(ref)
+    for k, v in back.state_dict().items():
+        assert v.dtype == tstate[k].dtype and torch.equal(v, tstate[k]), k
+    again = npnorm.from_torch(back)
+    assert repr(again) == repr(ours)
+    for k, v in again.state_dict().items():
+        np.testing.assert_array_equal(v, ours.state_dict()[k], err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm1d", "RMSNorm"])
+def test_converted_module_computes_what_torch_computes(torch, rng, name):
+    make = {
+        "LayerNorm": (lambda: torch.nn.LayerNorm(6, eps=1e-12, dtype=torch.float64), (3, 6)),
+        "RMSNorm": (lambda: torch.nn.RMSNorm(6, dtype=torch.float64), (3, 6)),
+        "BatchNorm2d": (lambda: torch.nn.BatchNorm2d(3, momentum=None, dtype=torch.float64), (4, 3, 2, 2)),
+        "GroupNorm": (lambda: torch.nn.GroupNorm(2, 4, dtype=torch.float64), (2, 4, 3)),
+        "InstanceNorm1d": (
+            lambda: torch.nn.InstanceNorm1d(3, affine=True, track_running_stats=True, dtype=torch.float64),
+            (2, 3, 5),
+        ),
+    }
+    factory, shape = make[name]
+    ref = factory()
+    _randomize_torch(torch, ref, 0)
+    ours = npnorm.from_torch(ref)
+    for _ in range(2):  # train steps, then eval: buffers move the same way
+        x = rng.normal(size=shape)
+        np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    ours.eval()
+    ref.eval()
+    x = rng.normal(size=shape)
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_allclose(ours.state_dict()[k], v.numpy(), rtol=1e-12, err_msg=k)
+
+
+def test_minilm_eps_and_float64_kept(torch):
+    ours = npnorm.from_torch(torch.nn.LayerNorm(384, eps=1e-12, dtype=torch.float64))
+    assert ours.eps == 1e-12 and ours.weight.dtype == np.float64
+    assert npnorm.to_torch(ours).eps == 1e-12
+
+
+def test_bfloat16_becomes_float32_exactly(torch):
+    ref = torch.nn.LayerNorm(5, dtype=torch.bfloat16)
+    _randomize_torch(torch, ref, 1)
+    ours = npnorm.from_torch(ref)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours.weight, ref.weight.detach().float().numpy())
+
+
+def test_other_backends(torch, backend):
+    ref = torch.nn.BatchNorm1d(3)
+    _randomize_torch(torch, ref, 2)
+    ours = npnorm.from_torch(ref, xp=backend.xp)
+    assert ours.xp is backend.xp
+    back = npnorm.to_torch(ours)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+
+
+def test_clear_errors(torch):
+    with pytest.raises(TypeError, match=r"converts torch.nn.LayerNorm.*got torch.nn.modules.linear.Linear"):
+        npnorm.from_torch(torch.nn.Linear(2, 2))
+
+    class MyNorm(torch.nn.LayerNorm):
+        pass
+
+    with pytest.raises(TypeError, match="not subclasses"):
+        npnorm.from_torch(MyNorm(3))
+    with pytest.raises(TypeError, match=re.escape("npnorm.to_torch converts that way")):
+        npnorm.from_torch(npnorm.LayerNorm(3))
+    with pytest.raises(TypeError, match=re.escape("npnorm.to_torch converts npnorm's LayerNorm")):
+        npnorm.to_torch(torch.nn.LayerNorm(3))
+
+
+def test_torch_is_imported_lazily_and_its_absence_is_a_clear_error():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if torch were not installed\n"
+        "import npnorm\n"
+        "try:\n"
+        "    npnorm.to_torch(npnorm.LayerNorm(3))\n"
+        "except ImportError as err:\n"
+        "    print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "npnorm.to_torch needs PyTorch" in out.stdout and "pip install torch" in out.stdout

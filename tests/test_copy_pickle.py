@@ -1,0 +1,108 @@
+"""pickle and copy.deepcopy: every layer, every backend; copies share no memory."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+from helpers import randomize
+
+import npnorm
+
+LAYERS = {
+    "LayerNorm": (lambda **kw: npnorm.LayerNorm((2, 3), **kw), (4, 2, 3)),
+    "RMSNorm": (lambda **kw: npnorm.RMSNorm(3, eps=1e-6, **kw), (4, 3)),
+    "BatchNorm2d": (lambda **kw: npnorm.BatchNorm2d(2, momentum=None, **kw), (3, 2, 2, 2)),
+    "GroupNorm": (lambda **kw: npnorm.GroupNorm(2, 4, **kw), (2, 4, 3)),
+    "InstanceNorm1d": (
+        lambda **kw: npnorm.InstanceNorm1d(2, affine=True, track_running_stats=True, **kw),
+        (2, 2, 5),
+    ),
+}
+
+
+def _trained(backend, rng, name, dtype="float32"):
+    make, shape = LAYERS[name]
+    m = make(dtype=dtype, xp=backend.xp)
+    randomize(m, rng)
+    x = backend.asarray(rng.normal(size=shape), dtype)
+    m(x)
+    m.backward(backend.asarray(rng.normal(size=shape), dtype))
+    m.eval()
+    return m, x
+
+
+def _arrays(m):
+    return {**{k: v for k, v in m.state_dict().items()}, **{f"grad {k}": v for k, v in m.grads.items()}}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copy_is_equal_and_independent(backend, rng, name, how):
+    m, x = _trained(backend, rng, name, dtype="float64")
+    c = pickle.loads(pickle.dumps(m)) if how == "pickle" else copy.deepcopy(m)
+    assert type(c) is type(m) and repr(c) == repr(m) and c.training == m.training
+    assert c.xp is m.xp and c.dtype == m.dtype
+    ours, theirs = _arrays(m), _arrays(c)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        a, b = backend.numpy(ours[k]), backend.numpy(theirs[k])
+        np.testing.assert_array_equal(a, b, err_msg=k)
+        assert theirs[k].dtype == ours[k].dtype and tuple(theirs[k].shape) == tuple(ours[k].shape), k
+        if backend.name == "numpy":
+            assert not np.shares_memory(ours[k], theirs[k]), k
+    np.testing.assert_array_equal(backend.numpy(c(x)), backend.numpy(m(x)))
+    # an in-place change to the copy does not reach the original
+    before = backend.numpy(m.state_dict()["weight"] if "weight" in ours else m.running_mean).copy()
+    for v in c.state_dict().values():
+        v[...] = 0
+    after = backend.numpy(m.state_dict()["weight"] if "weight" in ours else m.running_mean)
+    np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copy_has_no_saved_forward(rng, how):
+    m = npnorm.LayerNorm(3)
+    y = m(rng.normal(size=(2, 3)).astype(np.float32))
+    c = pickle.loads(pickle.dumps(m)) if how == "pickle" else copy.deepcopy(m)
+    with pytest.raises(RuntimeError, match="no saved forward"):
+        c.backward(np.ones_like(y))
+    assert m.backward(np.ones_like(y)).shape == (2, 3)  # the original keeps its own
+
+
+def test_pickle_keeps_the_counter_a_0d_array(rng):
+    m = npnorm.BatchNorm1d(2)
+    m(rng.normal(size=(4, 2)).astype(np.float32))
+    c = pickle.loads(pickle.dumps(m))
+    assert isinstance(c.num_batches_tracked, np.ndarray) and c.num_batches_tracked.shape == ()
+    assert c.num_batches_tracked.dtype == np.int64 and int(c.num_batches_tracked) == 1
+
+
+def test_torch_backend_pickles(torch, rng):
+    m = npnorm.GroupNorm(1, 2, xp="torch", dtype="float64")
+    randomize(m, rng)
+    c = pickle.loads(pickle.dumps(m))
+    assert isinstance(c.weight, torch.Tensor) and c.weight.dtype == torch.float64
+    assert torch.equal(c.weight, m.weight) and c.weight.data_ptr() != m.weight.data_ptr()
+    d = copy.deepcopy(m)
+    assert torch.equal(d.bias, m.bias) and d.bias.data_ptr() != m.bias.data_ptr()
+
+
+def test_pickle_names_the_backend_not_the_module():
+    blob = pickle.dumps(npnorm.LayerNorm(2, xp="array_api_strict"))
+    assert b"array_api_strict" in blob
+    c = pickle.loads(blob)
+    assert type(c.weight).__module__.startswith("array_api_strict")
+
+
+def test_subclass_attributes_survive(rng):
+    class Tagged(npnorm.LayerNorm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.tag = {"name": "ln", "extra": np.arange(3.0)}
+
+    m = Tagged(3)
+    c = copy.deepcopy(m)
+    assert c.tag["name"] == "ln" and not np.shares_memory(c.tag["extra"], m.tag["extra"])

@@ -1,0 +1,105 @@
+"""npnorm.no_grad(): forwards save nothing for backward; thread-local like torch's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import npnorm
+
+
+def _message(err: pytest.ExceptionInfo) -> str:
+    return str(err.value).replace("LayerNorm", "<layer>")
+
+
+def test_forward_saves_nothing_and_backward_raises_the_same_error(rng):
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    with pytest.raises(RuntimeError) as before_any:
+        npnorm.LayerNorm(4).backward(np.ones_like(x))
+    m = npnorm.LayerNorm(4)
+    m(x)  # saves x ...
+    with npnorm.no_grad():
+        y = m(x)  # ... and this drops it
+    assert m._saved is None
+    np.testing.assert_array_equal(y, npnorm.LayerNorm(4)(x))  # same output
+    with pytest.raises(RuntimeError) as after_no_grad:
+        m.backward(np.ones_like(y))
+    assert _message(after_no_grad) == _message(before_any)
+    assert "no_grad" in _message(after_no_grad)
+    assert m.grads == {}
+
+
+def test_memory_is_released(rng):
+    import weakref
+
+    class Tracked(np.ndarray):
+        pass
+
+    x = rng.normal(size=(3, 4)).view(Tracked)
+    ref = weakref.ref(x)
+    m = npnorm.LayerNorm(4, dtype="float64")
+    with npnorm.no_grad():
+        m(x)
+    del x
+    assert ref() is None  # the module holds no reference to its input
+
+
+def test_running_statistics_still_update(rng):
+    """As in torch: no_grad changes what is saved, not what the forward computes."""
+    m, ref = npnorm.BatchNorm1d(2), npnorm.BatchNorm1d(2)
+    x = rng.normal(size=(5, 2)).astype(np.float32)
+    with npnorm.no_grad():
+        m(x)
+    ref(x)
+    np.testing.assert_array_equal(m.running_mean, ref.running_mean)
+    assert int(m.num_batches_tracked) == 1
+
+
+def test_grad_mode_is_restored_and_nests():
+    assert npnorm.is_grad_enabled()
+    with npnorm.no_grad():
+        assert not npnorm.is_grad_enabled()
+        with npnorm.enable_grad():
+            assert npnorm.is_grad_enabled()
+        assert not npnorm.is_grad_enabled()
+    assert npnorm.is_grad_enabled()
+    with pytest.raises(ValueError), npnorm.no_grad():
+        raise ValueError
+    assert npnorm.is_grad_enabled()
+
+
+def test_decorator(rng):
+    @npnorm.no_grad()
+    def infer(m, x):
+        assert not npnorm.is_grad_enabled()
+        return m(x)
+
+    m = npnorm.RMSNorm(3)
+    infer(m, rng.normal(size=(2, 3)).astype(np.float32))
+    assert m._saved is None and npnorm.is_grad_enabled()
+
+
+def test_thread_local(rng):
+    """Another thread's forwards still save while this thread is in no_grad."""
+    m = npnorm.LayerNorm(4)
+    x = rng.normal(size=(2, 4)).astype(np.float32)
+    seen = {}
+
+    def other() -> None:
+        seen["enabled"] = npnorm.is_grad_enabled()
+        m(x)
+        seen["saved"] = m._saved is not None
+
+    with npnorm.no_grad():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    assert seen == {"enabled": True, "saved": True}
+
+
+def test_gradcheck_works_inside_no_grad(rng):
+    with npnorm.no_grad():
+        assert npnorm.gradcheck(npnorm.LayerNorm(3), rng.normal(size=(2, 3)))
+        assert not npnorm.is_grad_enabled()
