@@ -27,6 +27,7 @@ from .modules import (
     LayerNorm,
     Module,
     RMSNorm,
+    SyncBatchNorm,
 )
 from .modules._module import dtype_name
 
@@ -89,6 +90,7 @@ PAIRS: tuple[Pair, ...] = (
     Pair("InstanceNorm1d", InstanceNorm1d, _norm_base_args),
     Pair("InstanceNorm2d", InstanceNorm2d, _norm_base_args),
     Pair("InstanceNorm3d", InstanceNorm3d, _norm_base_args),
+    Pair("SyncBatchNorm", SyncBatchNorm, _norm_base_args),
 )
 
 

@@ -21,7 +21,8 @@ import npnorm.functional as F
 
 ROOT = pathlib.Path(__file__).parent.parent
 PUBLIC = [
-    *(f"npnorm.{n}" for n in npnorm.__all__ if n not in ("__version__", "functional")),
+    *(f"npnorm.{n}" for n in npnorm.__all__ if n not in ("__version__", "functional", "learn")),
+    *(f"npnorm.learn.{n}" for n in npnorm.learn.__all__ if callable(getattr(npnorm.learn, n))),
     *(f"npnorm.functional.{n}" for n in F.__all__),
 ]
 LAYERS = [
@@ -126,10 +127,10 @@ DOCTEST_MODULES = [
     "npnorm.convert",
     "npnorm.gradient_check",
     "npnorm.modules._module",
-    *(f"npnorm.modules.{m}" for m in ("batch_norm", "group_norm", "instance_norm", "layer_norm", "rms_norm")),
     *(
-        f"npnorm.functional.{m}"
-        for m in ("batch_norm", "group_norm", "instance_norm", "layer_norm", "rms_norm")
+        f"npnorm.{package}.{m}"
+        for package in ("modules", "functional")
+        for m in ("batch_norm", "group_norm", "instance_norm", "layer_norm", "rms_norm", "sync_batch_norm")
     ),
 ]
 

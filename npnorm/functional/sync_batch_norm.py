@@ -55,22 +55,25 @@ def sync_batch_norm_forward(
     *,
     comm: Comm | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    r"""SyncBatchNorm forward: :func:`batch_norm_forward` with the statistics of the
+    """SyncBatchNorm forward: ``batch_norm_forward`` with the statistics of the
     global batch, the union of every rank's ``input``.
 
-    Training, with rank ``r`` holding ``n_r`` values of channel ``c`` (``N*prod(spatial)``)
-    of mean :math:`\mu_r` and :math:`M2_r = \sum (x - \mu_r)^2`, merged in rank order
-    (Chan et al.), empty ranks skipped:
+    Training. Rank r holds n_r values of channel c (N * prod(spatial)) with mean
+    mean_r and M2_r = sum((x - mean_r)**2) (two passes). The ranks' triples are
+    merged in rank order (Chan et al.), empty ranks skipped; merging a into b:
 
-    .. math::
-        n = n_a + n_b,\quad \delta = \mu_b - \mu_a,\quad
-        \mu = \mu_a + \delta\,\frac{n_b}{n},\quad
-        M2 = M2_a + M2_b + \delta^2\,\frac{n_a n_b}{n}
+        n     = n_a + n_b
+        delta = mean_b - mean_a
+        mean  = mean_a + delta * n_b / n
+        M2    = M2_a + M2_b + delta**2 * n_a * n_b / n
 
-    then :math:`y = (x - \mu)/\sqrt{M2/n + \epsilon}\cdot w + b` on the local slice, and
-    the running variance takes the global unbiased variance :math:`M2/(n - 1)`.
-    Inference (``training=False``) and a communicator of one rank make no collective
-    call: this is then :func:`batch_norm_forward` exactly.
+    then, on the local slice, with the global biased variance M2 / n:
+
+        y = (x - mean_c) / sqrt(M2_c / n + eps) * weight_c + bias_c
+
+    and the running variance takes the global unbiased variance M2 / (n - 1).
+    Inference (``training=False``) and a communicator of one rank make no
+    collective call: this is then ``batch_norm_forward`` exactly.
 
     Every rank must call this collectively (empty ranks included: they return empty
     outputs). Errors are collective: a bad input on any rank, channel counts or dtypes
@@ -80,20 +83,38 @@ def sync_batch_norm_forward(
 
     Parameters
     ----------
-    input : array, shape (N, C, *spatial); N may differ across ranks, and be 0
+    input : array, shape (N, C, *spatial)
+        This rank's slice of the batch; N may differ across ranks, and be 0.
     running_mean, running_var : arrays of shape (C,), or None
+        The running statistics (identical on every rank); required when
+        ``training`` is False.
     weight, bias : arrays of shape (C,), optional
     training : bool
+        Use the global batch statistics (and update the buffers, if any).
     momentum : float
+        Weight of the batch statistics in the running-statistics update.
     eps : float
+        Added to the variance before the square root.
     comm : mpi4py intracommunicator, keyword-only
         Default ``MPI.COMM_WORLD`` (mpi4py is imported only when training needs it).
 
     Returns
     -------
     output, mean, rstd, new_running_mean, new_running_var
-        As :func:`batch_norm_forward`; ``mean`` and ``rstd`` (the global statistics,
-        identical on every rank) are what :func:`sync_batch_norm_backward` needs.
+        As ``batch_norm_forward``; ``mean`` and ``rstd`` (the global statistics,
+        identical on every rank) are what ``sync_batch_norm_backward`` needs.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.random.default_rng(0).normal(size=(4, 3, 5))
+    >>> y, mean, rstd, rm, rv = F.sync_batch_norm_forward(x, None, None, training=False)
+    Traceback (most recent call last):
+    ValueError: batch_norm in inference mode (training=False) needs running_mean and running_var
+    >>> y, mean, rstd, rm, rv = F.sync_batch_norm_forward(x, np.zeros(3), np.ones(3), training=False)
+    >>> y.shape, mean.shape
+    ((4, 3, 5), (3,))
     """
     if not training:
         return batch_norm_forward(input, running_mean, running_var, weight, bias, False, momentum, eps)
@@ -114,25 +135,54 @@ def sync_batch_norm_backward(
     *,
     comm: Comm | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
-    r"""SyncBatchNorm backward from the upstream gradient and the saved global statistics.
+    """SyncBatchNorm backward from the upstream gradient and the saved global statistics.
 
-    With :math:`\hat{x} = (x - \mu_c)\,\mathrm{rstd}_c`, ``dxhat`` :math:`= dy\cdot w_c`
-    and :math:`\sum_G` a sum over the ``n`` values of channel ``c`` on *every* rank
-    (one all-reduce of :math:`[\sum dy, \sum dy\,(x - \mu_c)]` per channel):
+    With xhat = (x - mean_c) * rstd_c and dxhat = dy * weight_c, and sums over the
+    n values of channel c on *every* rank (one all-reduce of [sum(dy),
+    sum(dy * (x - mean_c))] per channel, means taken with the global count n):
 
-    .. math::
-        dx = \mathrm{rstd}_c\Big(\mathrm{dxhat}
-             - \frac{w_c}{n}\sum_G dy
-             - \hat{x}\,\frac{w_c\,\mathrm{rstd}_c}{n}\sum_G dy\,(x - \mu_c)\Big)
+        dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 
-    and :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy` over this rank's values
-    only: their sum over ranks is single-process BatchNorm's (a data-parallel optimizer
+    The weight and bias gradients are this rank's own sums,
+
+        dweight_c = sum(dy * xhat)        dbias_c = sum(dy)      (local values only)
+
+    and their sum over ranks is single-process BatchNorm's (a data-parallel optimizer
     sums or averages them). ``training=False`` (or one rank) is
-    :func:`batch_norm_backward` exactly, with no collective call.
+    ``batch_norm_backward`` exactly, with no collective call.
 
-    Called collectively, with ``mean``/``rstd`` as :func:`sync_batch_norm_forward`
+    Called collectively, with ``mean``/``rstd`` as ``sync_batch_norm_forward``
     returned them on the same communicator (so the same C on every rank); a bad
     ``grad_output`` (or other argument) on any rank raises the same error on every rank.
+
+    Parameters
+    ----------
+    grad_output : array, shape of ``input``
+        The upstream gradient dy.
+    input : array, shape (N, C, *spatial)
+        The forward's input on this rank.
+    mean, rstd : arrays of shape (C,)
+        What ``sync_batch_norm_forward`` returned.
+    weight, bias : arrays of shape (C,), optional
+    training : bool
+        The value the forward was called with.
+    comm : mpi4py intracommunicator, keyword-only
+        The forward's communicator (default ``MPI.COMM_WORLD``).
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        ``dweight``/``dbias`` are None when ``weight``/``bias`` is None.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import npnorm.functional as F
+    >>> x = np.random.default_rng(0).normal(size=(4, 3, 5))
+    >>> y, mean, rstd, _, _ = F.sync_batch_norm_forward(x, np.zeros(3), np.ones(3))
+    >>> dx, dw, db = F.sync_batch_norm_backward(np.ones_like(y), x, mean, rstd, training=False)
+    >>> dx.shape, dw, db
+    ((4, 3, 5), None, None)
     """
     if not training:
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from types import ModuleType
 from typing import Any
 
@@ -10,31 +9,51 @@ from .._backend import Array
 from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels
 from ..functional.sync_batch_norm import synced_backward, synced_forward
-from ._module import Module, Saved, Updates
+from ._module import DTYPE_XP_DOC, Module, Saved, Updates
 from .batch_norm import _BatchNorm
 
+_SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI job
+    (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167), as
+    ``torch.nn.SyncBatchNorm``, on CPU and GPU.
 
-class SyncBatchNorm(_BatchNorm):
-    r"""BatchNorm whose training statistics are those of the whole batch, split over the
-    ranks of an MPI communicator (as ``torch.nn.SyncBatchNorm``, on CPU and GPU).
+    Each rank of the communicator holds a slice of the global batch. Each channel c
+    is normalized over the batch and spatial axes of every rank's input together,
+    n = (sum over ranks of N_r) * prod(spatial) values per channel:
 
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot w + b
+        mean_c = sum(x[:, c]) / n                     (over all ranks)
+        var_c  = sum((x[:, c] - mean_c)**2) / n       (biased; two passes per rank)
+        y      = (x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c
 
-    per channel, with ``E`` and ``Var`` (biased) over the batch and spatial axes of every
-    rank's input together. In training the ranks exchange per-channel (count, mean, M2)
-    and merge them with Chan et al.'s formula, weighted by counts; the result equals
-    single-process BatchNorm on the concatenated batch, including uneven and empty
-    ranks. The running variance takes the global unbiased variance ``M2/(n - 1)``;
-    ``momentum=None`` is the cumulative average; ``num_batches_tracked`` counts
-    successful steps. Eval with running statistics, and any call on a communicator of
-    one rank, make no collective call (one rank may run eval alone); eval without
-    running statistics normalizes with the local batch's statistics (as torch).
+    In training the ranks exchange per-channel (count, mean, M2) and merge them in
+    rank order with Chan et al.'s formula, weighted by counts; the result equals
+    single-process BatchNorm on the concatenated batch, with uneven and empty ranks,
+    and is bitwise the same on every rank.
 
-    Backward: ``dx`` uses the global sums of ``dy`` and ``dy*(x - mean)`` (one
-    all-reduce); ``grads["weight"]``/``grads["bias"]`` are this rank's own sums, whose
-    sum over ranks equals single-process BatchNorm's: the data-parallel optimizer sums
-    (or averages) them, as it does every other parameter gradient.
+    Training and evaluation (PyTorch's rules):
+
+    - Training mode: the global batch statistics normalize, and the running
+      statistics (identical on every rank) move towards them:
+
+          running_mean = (1 - momentum) * running_mean + momentum * mean_c
+          running_var  = (1 - momentum) * running_var  + momentum * var_c * n/(n - 1)
+
+      with the *unbiased* global variance (Bessel's correction with the global
+      count n). ``momentum=None`` is the cumulative average, factor
+      ``1 / num_batches_tracked``; ``num_batches_tracked`` counts successful steps.
+    - Eval mode with running statistics, and any call on a communicator of one
+      rank, make no collective call (one rank may run eval alone); eval without
+      running statistics normalizes with the local batch's statistics (as torch).
+
+    Backward, with ``rstd_c = 1 / sqrt(var_c + eps)``, ``xhat = (x - mean_c) * rstd_c``,
+    ``dxhat = dy * weight_c`` and means over the n values of a channel on every rank
+    (one all-reduce of two sums per channel):
+
+        dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+        dweight_c = sum(dy * xhat)        dbias_c = sum(dy)      (this rank's values)
+
+    ``grads["weight"]``/``grads["bias"]`` are this rank's own sums, whose sum over
+    ranks equals single-process BatchNorm's: the data-parallel optimizer sums (or
+    averages) them, as it does every other parameter gradient.
 
     Training forward and backward are collective: every rank of ``comm`` must call
     them, in the same order, empty ranks (N = 0) included. Errors are collective too:
@@ -47,17 +66,42 @@ class SyncBatchNorm(_BatchNorm):
     ----------
     num_features : int
         C, for input of shape (N, C, *) with any number of trailing axes.
-    eps, momentum, affine, track_running_stats
-        As :class:`BatchNorm1d`; same ``state_dict`` keys.
+    eps : float, default 1e-5
+        Added to the variance before the square root.
+    momentum : float or None, default 0.1
+        Weight of the batch statistics in the running-statistics update; ``None``
+        for a cumulative average.
+    affine : bool, default True
+        Learn a per-channel ``weight`` (ones) and ``bias`` (zeros).
+    track_running_stats : bool, default True
+        Keep ``running_mean``, ``running_var`` and ``num_batches_tracked`` (same
+        ``state_dict`` keys as BatchNorm).
+    bias : bool, keyword-only, default True
+        With ``affine``, learn ``bias`` as well as ``weight``.
     comm : mpi4py intracommunicator, keyword-only, default None
         None means ``MPI.COMM_WORLD``, resolved at each training step (mpi4py is
         imported then, never by ``import npnorm`` nor in eval). Kept in ``self.comm``.
-        ``copy.copy``/``copy.deepcopy`` keep the communicator (it is a handle on this
+        ``copy.copy``/``copy.deepcopy`` keep the communicator (a handle on this
         process's MPI state, shared, never copied); a pickled module comes back with
         ``comm=None`` (communicators cannot be pickled): set ``m.comm`` again if it
         used another one.
-    dtype, xp : keyword-only; float32 and numpy by default
+    {dtype_xp}
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> bn = npnorm.SyncBatchNorm(3).eval()   # eval: no communication at all
+    >>> x = np.random.default_rng(0).normal(size=(4, 3, 2, 2)).astype(np.float32)
+    >>> bn(x).shape
+    (4, 3, 2, 2)
+
+    Run under ``mpiexec -n 3 python -m mpi4py script.py`` for the training steps to
+    span the ranks; see ``examples/sync_batchnorm_data_parallel.py``.
     """
+
+
+class SyncBatchNorm(_BatchNorm):
+    __doc__ = _SYNC_BATCH_NORM_DOC.format(dtype_xp=DTYPE_XP_DOC)
 
     def __init__(
         self,
@@ -67,11 +111,14 @@ class SyncBatchNorm(_BatchNorm):
         affine: bool = True,
         track_running_stats: bool = True,
         *,
+        bias: bool = True,
         comm: Comm | None = None,
         dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, dtype=dtype, xp=xp)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, bias=bias, dtype=dtype, xp=xp
+        )
         self.comm: Comm | None = check_comm(comm)
 
     def _check_input_dim(self, input: Array) -> None:
@@ -144,6 +191,7 @@ class SyncBatchNorm(_BatchNorm):
             module.momentum,
             module.affine,
             module.track_running_stats,
+            bias=module.bias is not None or not module.affine,
             comm=comm,
             dtype=module.dtype,
             xp=module.xp,
@@ -157,19 +205,10 @@ class SyncBatchNorm(_BatchNorm):
     # --- copies and pickles: the communicator is shared, or dropped -----------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """The state to pickle: everything but the communicator (``comm`` is None)."""
-        getstate = getattr(super(), "__getstate__", None)  # object's from Python 3.11 on
-        state = dict((getstate() if getstate is not None else None) or self.__dict__)
+        """The state to pickle: ``Module``'s, with the communicator left out (None)."""
+        state = super().__getstate__()
         state["comm"] = None
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        setstate = getattr(super(), "__setstate__", None)
-        if setstate is not None:
-            setstate(state)
-        else:
-            self.__dict__.update(state)
-        self.comm = state.get("comm")
 
     def __copy__(self) -> SyncBatchNorm:
         new = type(self).__new__(type(self))
@@ -177,9 +216,7 @@ class SyncBatchNorm(_BatchNorm):
         new.comm = self.comm
         return new
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        new.comm = self.comm  # the same communicator: a handle, not data
-        return new
+    def __deepcopy__(self, memo: dict[int, Any]) -> Module:
+        if self.comm is not None:  # the same communicator: a handle, not data
+            memo.setdefault(id(self.comm), self.comm)
+        return super().__deepcopy__(memo)
