@@ -5,6 +5,9 @@
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
 ``npnorm._profile``).
+
+``python -m npnorm demo [--quick] [--out DIR] [--norms ...] [--seed N]``: train on digits with
+every norm, print a table and write figures (see ``npnorm.demo``; needs the ``demo`` extra).
 """
 
 from __future__ import annotations
@@ -29,7 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
     prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
+    demo = sub.add_parser("demo", help="train on digits with every norm: a table and figures (demo extra)")
+    demo.add_argument("--quick", action="store_true", help="short runs (well under a minute)")
+    demo.add_argument("--out", metavar="DIR", help="folder for the figures (default ./npnorm-demo)")
+    demo.add_argument(
+        "--norms",
+        nargs="+",
+        choices=("none", "batch", "layer", "rms", "group", "instance"),
+        help="norms to train (default all; the sweeps always include none)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="all random state comes from it (default 0)")
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo.cli import run as run_demo
+
+        return run_demo(quick=args.quick, out=args.out, norms=args.norms, seed=args.seed)
     if args.command == "profile":
         from ._profile import run as run_profile
 
