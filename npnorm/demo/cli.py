@@ -34,12 +34,12 @@ def missing_requirements() -> list[str]:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     """One line per trained network: norm, final training loss, held-out accuracy, time."""
-    head = f"{'network':18s} {'norm':15s} {'final train loss':>16s} {'held-out accuracy':>17s} {'time':>7s}"
+    head = f"{'network':18s} {'norm':15s} {'final train loss':>17s} {'held-out accuracy':>18s} {'time':>7s}"
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(
-            f"{ex.ARCH_NAMES[r['arch']]:18s} {r['layer']:15s} {r['train_loss'][-1]:16.4f} "
-            f"{r['test_accuracy'][-1]:17.3f} {r['seconds']:6.2f}s"
+            f"{ex.ARCH_NAMES[r['arch']]:18s} {r['layer']:15s} {r['train_loss'][-1]:17.4f} "
+            f"{r['test_accuracy'][-1]:18.3f} {r['seconds']:6.2f}s"
         )
     return "\n".join(lines)
 

@@ -215,7 +215,19 @@ def layer_statistics(result: dict[str, Any], path: pathlib.Path, *, seed: int) -
                         color=LAYER_COLORS[layer],
                         label=f"hidden layer {layer + 1}, lr {lr:g}",
                     )
-            grads = _smooth(np.asarray(rows["grad_norm"]), 5)
+            raw = np.asarray(rows["grad_norm"])
+            grads = _smooth(raw, 5)
+            dead = np.flatnonzero(np.all(raw == 0, axis=1))
+            if dead.size:  # zero has no place on a log axis: say where the lines drop off
+                axes[2, col].axvline(steps[dead[0]], color="0.4", ls=":", lw=1)
+                axes[2, col].text(
+                    steps[dead[0]],
+                    0.97,
+                    f" lr {lr:g}: every weight gradient\n is 0 from step {steps[dead[0]]} on",
+                    transform=axes[2, col].get_xaxis_transform(),
+                    fontsize="small",
+                    va="top",
+                )
             for layer in range(grads.shape[1]):
                 axes[2, col].plot(
                     steps,
