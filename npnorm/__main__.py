@@ -11,6 +11,9 @@ benchmark, with a report written into OUT_DIR (see ``npnorm._gpu_check``).
 
 ``python -m npnorm learn [LAYER | bessel | check EXERCISE] [...]``: every backward derived
 node by node and checked step by step (see ``npnorm.learn``; ``learn --help`` for the options).
+
+``python -m npnorm demo [--quick] [--out DIR] [--norms ...] [--seed N]``: train on digits with
+every norm, print a table and write figures (see ``npnorm.demo``; needs the ``demo`` extra).
 """
 
 from __future__ import annotations
@@ -53,6 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         "--stand-in", action="store_true", help="run on the CPU (a test of the script; no GPU figures)"
     )
     sub.add_parser("learn", help="every backward derived node by node, each step checked (learn --help)")
+    demo = sub.add_parser("demo", help="train on digits with every norm: a table and figures (demo extra)")
+    demo.add_argument("--quick", action="store_true", help="short runs (well under a minute)")
+    demo.add_argument("--out", metavar="DIR", help="folder for the figures (default ./npnorm-demo)")
+    demo.add_argument(
+        "--norms",
+        nargs="+",
+        choices=("none", "batch", "layer", "rms", "group", "instance"),
+        help="norms to train (default all; the sweeps always include none)",
+    )
+    demo.add_argument("--seed", type=int, default=0, help="all random state comes from it (default 0)")
     args = parser.parse_args(argv)
     if args.command == "gpu-check":
         from ._gpu_check import STAGES
@@ -71,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             rounds=args.rounds,
             stand_in=args.stand_in,
         )
+    if args.command == "demo":
+        from .demo.cli import run as run_demo
+
+        return run_demo(quick=args.quick, out=args.out, norms=args.norms, seed=args.seed)
     if args.command == "profile":
         from ._profile import run as run_profile
 

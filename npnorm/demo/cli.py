@@ -1,0 +1,106 @@
+"""``python -m npnorm demo``: train on digits with every norm, print a table, write figures.
+
+Needs the ``demo`` extra (matplotlib, scikit-learn, tqdm); says so, and which is missing,
+when one is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from . import experiments as ex
+from .train_digits import DEMO_EXTRA_HINT, NORMS, load_data
+
+DEFAULT_OUT = "npnorm-demo"
+REQUIREMENTS = {"matplotlib": "matplotlib", "sklearn": "scikit-learn", "tqdm": "tqdm"}  # module: package
+
+
+def missing_requirements() -> list[str]:
+    """The packages of the demo extra that cannot be imported."""
+    missing = []
+    for module, package in REQUIREMENTS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    """One line per trained network: norm, final training loss, held-out accuracy, time."""
+    head = f"{'network':18s} {'norm':15s} {'final train loss':>17s} {'held-out accuracy':>18s} {'time':>7s}"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(
+            f"{ex.ARCH_NAMES[r['arch']]:18s} {r['layer']:15s} {r['train_loss'][-1]:17.4f} "
+            f"{r['test_accuracy'][-1]:18.3f} {r['seconds']:6.2f}s"
+        )
+    return "\n".join(lines)
+
+
+def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int) -> int:
+    missing = missing_requirements()
+    if missing:
+        print(
+            f"python -m npnorm demo needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: {DEMO_EXTRA_HINT}",
+            file=sys.stderr,
+        )
+        return 1
+    from tqdm import tqdm
+
+    from . import figures
+
+    start = time.perf_counter()
+    norms = list(NORMS) if not norms else list(dict.fromkeys(norms))
+    settings = ex.QUICK if quick else ex.FULL
+    out_dir = pathlib.Path(out or DEFAULT_OUT).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = load_data(seed)
+    print(
+        f"npnorm demo ({'quick' if quick else 'full'}): digits, {len(data.y_train)} training and "
+        f"{len(data.y_test)} held-out 8x8 images; norms {', '.join(norms)}; seed {seed}"
+    )
+    print(f"figures go to {out_dir}")
+
+    def bar(desc: str, total: int) -> Any:
+        return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, mininterval=0.2)
+
+    results: dict[str, Any] = {
+        "seed": seed,
+        "quick": quick,
+        "norms": norms,
+        "settings": vars(settings).copy(),
+    }
+    with bar("one network per norm", ex.steps_compare(data, norms, settings)) as progress:
+        results["compare"] = ex.compare_norms(data, norms, settings, seed, progress)
+    table = format_table(results["compare"])
+    print(table)
+    written = [figures.curves(results["compare"], out_dir / "curves.png", seed=seed)]
+    if "batch" in norms:
+        with bar("BatchNorm batch-size sweep", ex.steps_batch_sweep(data, settings)) as progress:
+            results["batch_size_sweep"] = ex.batch_size_sweep(data, settings, seed, progress)
+        written.append(
+            figures.batch_size_sweep(results["batch_size_sweep"], out_dir / "batch_size_sweep.png", seed=seed)
+        )
+    with bar("learning-rate sweep", ex.steps_lr_sweep(data, norms, settings)) as progress:
+        results["lr_sweep"] = ex.lr_sweep(data, norms, settings, seed, progress)
+    written.append(figures.lr_sweep(results["lr_sweep"], out_dir / "lr_sweep.png", seed=seed))
+    with bar("per-layer statistics", ex.steps_layer_stats(data, norms, settings)) as progress:
+        results["layer_statistics"] = ex.layer_statistics(data, norms, settings, seed, progress)
+    written.append(
+        figures.layer_statistics(results["layer_statistics"], out_dir / "layer_statistics.png", seed=seed)
+    )
+
+    (out_dir / "table.txt").write_text(table + "\n")
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    written += [out_dir / "table.txt", out_dir / "results.json"]
+    print("wrote " + ", ".join(p.name for p in written) + f" in {out_dir}")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0

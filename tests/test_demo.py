@@ -1,0 +1,374 @@
+"""``python -m npnorm demo`` and the training code behind it (``npnorm.demo``).
+
+The quick run in a subprocess is the end-to-end test (table, figures, accuracy, falling
+losses, the same numbers as in this process); the hand-written layers and whole trained
+networks are checked against finite differences and torch; the sweeps are checked for
+determinism on tiny settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import npnorm
+from npnorm.demo import experiments as ex
+from npnorm.demo import train_digits as td
+
+REPO = pathlib.Path(__file__).parent.parent
+FIGURES = ("curves.png", "batch_size_sweep.png", "lr_sweep.png", "layer_statistics.png")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HINT = 'pip install "npnorm[demo]"'
+TINY = dataclasses.replace(
+    ex.QUICK,
+    epochs=1,
+    conv_epochs=1,
+    batch_sizes=(8, 128),
+    batch_sweep_min_steps=8,
+    lrs=(0.01, 3.0),
+    lr_sweep_epochs=1,
+    stats_every=10,
+)
+
+
+def _demo(args: list[str], cwd: pathlib.Path, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "npnorm", "demo", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        **kwargs,
+    )
+
+
+def _without_times(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def data() -> td.Digits:
+    return td.load_data(0)
+
+
+# --- the quick run, end to end -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+    """``python -m npnorm demo --quick --out figs``, run from a folder outside the checkout."""
+    cwd = tmp_path_factory.mktemp("quick")
+    return _demo(["--quick", "--out", "figs"], cwd), cwd / "figs"
+
+
+@pytest.mark.slow
+def test_quick_run_prints_the_table(quick_run):
+    out, figs = quick_run
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = (figs / "table.txt").read_text()
+    assert table.strip() in out.stdout
+    rows = table.strip().splitlines()
+    assert rows[0].split() == ["network", "norm", "final", "train", "loss", "held-out", "accuracy", "time"]
+    names = [" ".join(r.split()[:-3]) for r in rows[2:]]
+    assert names == [
+        "MLP 64-128-128-10 none",
+        "MLP 64-128-128-10 BatchNorm1d",
+        "MLP 64-128-128-10 LayerNorm",
+        "MLP 64-128-128-10 RMSNorm",
+        "conv net none",
+        "conv net BatchNorm2d",
+        "conv net GroupNorm(4)",
+        "conv net InstanceNorm2d",
+    ]
+    assert str(figs) in out.stdout  # it says where the figures went
+    assert "step" in out.stderr  # the progress bars (tqdm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FIGURES)
+def test_quick_run_writes_valid_pngs(quick_run, name):
+    import matplotlib.image
+
+    out, figs = quick_run
+    assert out.returncode == 0, out.stdout + out.stderr
+    path = figs / name
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(path)  # decodes the whole file
+    height, width, channels = pixels.shape
+    assert height >= 400 and width >= 900 and channels in (3, 4)
+    assert pixels[..., :3].std() > 0.05  # not a blank canvas
+
+
+@pytest.mark.slow
+def test_quick_run_normalized_nets_learn(quick_run):
+    out, figs = quick_run
+    assert out.returncode == 0, out.stdout + out.stderr
+    results = json.loads((figs / "results.json").read_text())
+    records = results["compare"]
+    assert len(records) == 8
+    for r in records:
+        assert r["train_loss"][-1] < 0.5 * r["train_loss"][0], r  # the training loss falls
+        assert r["test_accuracy"][-1] > r["test_accuracy"][0]
+        if r["norm"] != "none":
+            assert r["test_accuracy"][-1] >= 0.9, r
+    assert set(results) >= {"batch_size_sweep", "lr_sweep", "layer_statistics"}
+    sweep = results["batch_size_sweep"]
+    assert sweep["batch_sizes"] == [2, 4, 8, 16, 32, 64, 128, 256]
+    assert sweep["gap"][0] > sweep["gap"][-1]  # small batches: train and eval mode disagree more
+
+
+@pytest.mark.slow
+def test_quick_run_numbers_are_reproduced_in_process(quick_run, data):
+    """The same seed gives the same numbers in another process, and a run does not depend on
+    which other norms were selected (each run draws from its own generator)."""
+    out, figs = quick_run
+    assert out.returncode == 0, out.stdout + out.stderr
+    from_cli = json.loads((figs / "results.json").read_text())["compare"]
+    here = ex.compare_norms(data, ["batch", "group"], ex.QUICK, seed=0)
+    wanted = [r for r in from_cli if r["norm"] in ("batch", "group")]
+    assert _without_times(here) == _without_times(wanted)
+
+
+# --- determinism and options, in process ---------------------------------------------------
+
+
+def test_same_seed_same_numbers_other_seed_others(data):
+    def everything(seed: int) -> dict:
+        d = td.load_data(seed)
+        return {
+            "split": d.y_test.tolist(),
+            "compare": _without_times(ex.compare_norms(d, td.NORMS, TINY, seed)),
+            "batch": ex.batch_size_sweep(d, TINY, seed),
+            "lr": ex.lr_sweep(d, ["batch"], TINY, seed),
+            "stats": ex.layer_statistics(d, ["layer"], TINY, seed),
+        }
+
+    first, again, other = everything(5), everything(5), everything(6)
+    assert json.dumps(first) == json.dumps(again)
+    for key in first:
+        assert first[key] != other[key], key
+
+
+def test_norm_selection_and_step_counts(data):
+    assert ex.runs_for(["group", "batch"]) == [("mlp", "batch"), ("conv", "batch"), ("conv", "group")]
+    assert ex.mlp_norms(["instance", "rms"]) == ["none", "rms"]
+    with pytest.raises(ValueError, match="no 'group' normalization for the MLP"):
+        td.build("mlp", "group", 0)
+    # the progress totals are the steps the runs take
+    counted = []
+
+    class Counter:
+        def update(self, n: int = 1) -> None:
+            counted.append(n)
+
+    ex.batch_size_sweep(data, TINY, 0, Counter())
+    assert sum(counted) == ex.steps_batch_sweep(data, TINY)
+    assert ex.batch_sweep_epochs(data, TINY, 128) == 1 and ex.batch_sweep_epochs(data, TINY, 256) == 2
+
+
+def test_data_split_is_stratified_and_seeded():
+    a, b = td.load_data(0), td.load_data(1)
+    assert len(a.y_test) == 450 and len(a.y_train) == 1347
+    assert a.x_train.dtype == np.float32 and 0 <= a.x_train.min() and a.x_train.max() <= 1
+    assert np.all(np.abs(np.bincount(a.y_test) - 45) <= 1)
+    assert not np.array_equal(a.x_test, b.x_test)
+
+
+def test_train_eval_gap_leaves_the_network_alone(data):
+    net = td.build("mlp", "batch", 0)
+    td.train(net, data, epochs=1, batch_size=64, lr=0.05, seed=0)
+    before = {i: {k: v.copy() for k, v in layer.state_dict().items()} for i, layer in enumerate(net.layers)}
+    acc, gap = ex.train_eval_gap(net, data.x_test, data.y_test, 8)
+    assert 0 < acc <= 1 and gap > 0
+    for i, layer in enumerate(net.layers):
+        for k, v in layer.state_dict().items():
+            np.testing.assert_array_equal(v, before[i][k])
+    assert net.layers[1].training
+
+
+# --- gradients: each layer, then whole trained networks ----------------------------------
+
+
+def test_every_layer_passes_gradcheck():
+    results = td.check_layers(seed=3)
+    assert len(results) == 10 and all(results.values())
+
+
+@pytest.fixture(scope="module")
+def trained(data) -> dict[tuple[str, str], td.Network]:
+    """Every network after one epoch of training."""
+    nets = {}
+    with td.single_threaded():
+        for arch, norm in ex.runs_for(td.NORMS):
+            net = td.build(arch, norm, 0)
+            td.train(net, data, epochs=1, batch_size=32, lr=0.05, seed=0)
+            nets[arch, norm] = net
+    return nets
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize(
+    "arch, norm", ex.runs_for(td.NORMS), ids=[f"{a}-{n}" for a, n in ex.runs_for(td.NORMS)]
+)
+@settings(max_examples=4, deadline=None)
+@given(batch=hnp.arrays(np.int64, st.integers(2, 24), elements=st.integers(0, 1346), unique=True))
+def test_trained_network_gradients_match_finite_differences(trained, data, arch, norm, mode, batch):
+    """Backprop through the trained network (hand-written layers and npnorm's norms) and the
+    loss equals central differences on a minibatch, in train and eval mode."""
+    net = trained[arch, norm]
+    net.train(mode == "train")
+    try:
+        td.check_network(net, data.x_train[batch], data.y_train[batch], seed=len(batch))  # raises if not
+    finally:
+        net.train()
+
+
+def test_network_check_catches_wrong_backward_passes(trained, data, monkeypatch):
+    x, y = data.x_train[:16], data.y_train[:16]
+    td.check_network(trained["mlp", "batch"], x, y)
+    with monkeypatch.context() as m:  # ReLU passing every gradient through
+        m.setattr(td.ReLU, "_backward", lambda self, dy, saved: (dy, {}))
+        with pytest.raises(AssertionError, match="backprop gives"):
+            td.check_network(trained["mlp", "none"], x, y)
+    bn_backward = npnorm.BatchNorm1d._backward
+    with monkeypatch.context() as m:  # BatchNorm's eval-mode backward used in training
+        m.setattr(npnorm.BatchNorm1d, "_backward", lambda self, dy, s: bn_backward(self, dy, (*s[:3], False)))
+        with pytest.raises(AssertionError, match="backprop gives"):
+            td.check_network(trained["mlp", "batch"], x, y)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=hnp.array_shapes(min_dims=4, max_dims=4, min_side=1, max_side=6),
+    c_out=st.integers(1, 4),
+    k=st.integers(1, 3),
+    stride=st.integers(1, 3),
+    padding=st.integers(0, 2),
+    data=st.data(),
+)
+def test_conv2d_matches_torch(torch, shape, c_out, k, stride, padding, data):
+    _, c, h, w = shape
+    assume(min(h, w) + 2 * padding >= k)  # else no output position (torch raises)
+    elements = st.floats(-2, 2, allow_nan=False, width=64)
+    x = data.draw(hnp.arrays(np.float64, shape, elements=elements))
+    conv = td.Conv2d(c, c_out, k, stride=stride, padding=padding, rng=np.random.default_rng(0)).to(
+        dtype="float64"
+    )
+    conv.bias = data.draw(hnp.arrays(np.float64, (c_out,), elements=elements))
+    y = conv(x)
+    dy = data.draw(hnp.arrays(np.float64, y.shape, elements=elements))
+    dx = conv.backward(dy)
+    xt = torch.tensor(x, requires_grad=True)
+    wt = torch.tensor(conv.weight, requires_grad=True)
+    bt = torch.tensor(conv.bias, requires_grad=True)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride=stride, padding=padding)
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(conv.grads["weight"], wt.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(conv.grads["bias"], bt.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    logits=hnp.arrays(
+        np.float64,
+        st.tuples(st.integers(1, 8), st.integers(2, 10)),
+        elements=st.floats(-50, 50, allow_nan=False, width=64),
+    ),
+    data=st.data(),
+)
+def test_cross_entropy_matches_torch(torch, logits, data):
+    labels = data.draw(hnp.arrays(np.int64, logits.shape[:1], elements=st.integers(0, logits.shape[1] - 1)))
+    loss, dlogits = td.cross_entropy(logits, labels)
+    lt = torch.tensor(logits, requires_grad=True)
+    ref = torch.nn.functional.cross_entropy(lt, torch.tensor(labels))
+    ref.backward()
+    np.testing.assert_allclose(loss, ref.item(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dlogits, lt.grad.numpy(), rtol=1e-12, atol=1e-14)
+
+
+# --- missing dependencies and installs ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "module, package", [("matplotlib", "matplotlib"), ("sklearn", "scikit-learn"), ("tqdm", "tqdm")]
+)
+def test_missing_dependency_names_the_extra(tmp_path, module, package):
+    hide = f"import sys; sys.modules[{module!r}] = None"  # makes `import {module}` fail
+    code = f"{hide}; from npnorm.__main__ import main; sys.exit(main(['demo', '--quick', '--out', 'figs']))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 1
+    assert f"needs {package}, which is not installed" in out.stderr and HINT in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "figs").exists()
+
+
+def test_training_script_names_the_extra_without_scikit_learn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    with pytest.raises(ImportError, match=r"scikit-learn: install the demo extra"):
+        td.load_data(0)
+
+
+@pytest.mark.slow
+def test_demo_runs_from_a_wheel_outside_the_checkout(tmp_path):
+    """``pip install .`` takes the demo along: the wheel holds npnorm.demo, and the demo runs
+    from it in another folder (the wheel installed with --target, first on the path)."""
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    (wheel,) = wheels.glob("npnorm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    demo_files = {
+        f"npnorm/demo/{f}.py" for f in ("__init__", "train_digits", "experiments", "figures", "cli")
+    }
+    assert demo_files <= names
+    site = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run(
+        [sys.executable, "-c", "import npnorm.demo; print(npnorm.demo.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert pathlib.Path(where.stdout.strip()).is_relative_to(site)
+    out = _demo(["--quick", "--norms", "none", "--out", "figs"], elsewhere, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert {p.name for p in (elsewhere / "figs").glob("*.png")} == {
+        "curves.png",
+        "lr_sweep.png",
+        "layer_statistics.png",
+    }
