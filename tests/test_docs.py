@@ -126,6 +126,11 @@ DOCTEST_MODULES = [
     "npnorm._threads",
     "npnorm.convert",
     "npnorm.gradient_check",
+    "npnorm.learn",
+    "npnorm.learn._tape",
+    "npnorm.learn.check",
+    "npnorm.learn.closed_form",
+    "npnorm.learn.normalize",
     "npnorm.modules._module",
     *(
         f"npnorm.{package}.{m}"

@@ -50,10 +50,15 @@ LAYERS: dict[str, Callable[..., Tape]] = {
 def staged_forward(name: str, *args: Any, **kwargs: Any) -> Tape:
     """Run layer ``name``'s forward node by node and record every step on a tape.
 
+    The layer is written as its graph, one node per step (``docs/derivations/``):
+    for LayerNorm, ``mean = Σ x / n``, ``xc = x - mean``, ``var = Σ xc² / n``,
+    ``rstd = 1 / sqrt(var + eps)``, ``xhat = xc · rstd``, ``y = xhat · w + b``.
+
     Parameters
     ----------
     name : {"batch_norm", "layer_norm", "rms_norm", "group_norm", "instance_norm"}
-    *args, **kwargs
+        The layer.
+    *args, **kwargs : any
         Exactly the arguments of ``npnorm.functional.<name>_forward`` (same names,
         defaults and errors); NumPy arrays, computed in float64.
 
@@ -64,6 +69,26 @@ def staged_forward(name: str, *args: Any, **kwargs: Any) -> Tape:
         ``rstd``, ``xhat``, ``y`` for LayerNorm); ``.nodes[name].formula``: what each
         step computes; ``.output``: the layer's output; ``.updates``: new running
         buffers, if the forward updates any.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``name``, and where ``<name>_forward`` raises it.
+    TypeError
+        Where ``<name>_forward`` raises it, and for arrays that are not NumPy arrays.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward
+    >>> x = np.random.default_rng(0).standard_normal((4, 3, 2))
+    >>> tape = staged_forward("batch_norm", x, np.zeros(3), np.ones(3), training=True)
+    >>> tape.nodes["rstd"].formula
+    'rstd = 1 / sqrt(var + eps)'
+    >>> tape["rstd"].shape, tape.output.shape
+    ((1, 3, 1), (4, 3, 2))
+    >>> sorted(tape.updates)
+    ['running_mean', 'running_var']
     """
     try:
         layer = LAYERS[name]
@@ -77,10 +102,45 @@ def staged_backward(tape: Tape, grad_output: np.ndarray) -> dict[str, np.ndarray
 
     Computed node by node from the output back, one line per local derivative (the
     code is in ``npnorm/learn/_graph.py`` and, for GroupNorm's reshapes,
-    ``group_norm.py``). Returns a dict from step name, and ``"input"``, ``"weight"``,
-    ``"bias"`` (those the forward was given), to its gradient, in the order computed;
-    each gradient has its step's shape. ``grad_output`` must have the output's shape
-    exactly (it is never broadcast).
+    ``group_norm.py``): for ``y = xhat · w + b``, ``dxhat = dy · w``; then back through
+    ``xhat = xc · rstd``, ``rstd``, ``var``, ``xc`` and ``mean`` to ``dx``.
+
+    Parameters
+    ----------
+    tape : Tape
+        From ``staged_forward`` or ``staged_normalize``.
+    grad_output : ndarray
+        The upstream gradient ``dy``, of the output's shape exactly (it is never
+        broadcast).
+
+    Returns
+    -------
+    dict of str to ndarray
+        Step name, and ``"input"``, ``"weight"``, ``"bias"`` (those the forward was
+        given), to its gradient, in the order computed; each gradient has its step's
+        shape.
+
+    Raises
+    ------
+    TypeError
+        When ``tape`` is not a tape with a backward (from ``staged_forward``).
+    ValueError
+        When ``grad_output`` does not have the output's shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward
+    >>> x = np.random.default_rng(0).standard_normal((2, 4))
+    >>> w = np.array([1.0, 2.0, 3.0, 4.0])
+    >>> tape = staged_forward("layer_norm", x, 4, w)
+    >>> dy = np.random.default_rng(1).standard_normal((2, 4))
+    >>> grads = staged_backward(tape, dy)
+    >>> list(grads)
+    ['y', 'weight', 'xhat', 'rstd', 'var', 'xc', 'mean', 'input']
+    >>> dxhat = grads["xhat"]
+    >>> np.allclose(dxhat, dy * w)
+    True
     """
     if not isinstance(tape, Tape) or tape.backward is None:
         raise TypeError(f"expected a Tape from staged_forward, got {type(tape).__name__}")

@@ -20,7 +20,35 @@ Edge = tuple[str, str]  # (input name, node name)
 
 @dataclass(frozen=True)
 class Node:
-    """One node of the graph: ``name = fn(*inputs)``, which computes ``formula``."""
+    """One node of the graph: ``name = fn(*inputs)``, which computes ``formula``.
+
+    A :class:`Tape` makes one per step (``tape.node(...)``) and keeps them in
+    ``tape.nodes``, in forward order. ``Tape.rerun`` calls ``fn`` again on changed
+    input values: that is how the checks re-run the graph after a perturbed step.
+
+    Parameters
+    ----------
+    name : str
+        The step's name, e.g. ``"xhat"``: its key in ``tape.steps`` and in the
+        gradients ``staged_backward`` returns.
+    formula : str
+        What the step computes, in plain text, for printing: ``"xhat = xc · rstd"``.
+    inputs : tuple of str
+        The names of the steps or leaves ``fn`` reads, in the order it takes them.
+    fn : callable
+        ``fn(*values) -> ndarray``: the step's value from its inputs' values.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward
+    >>> tape = staged_forward("layer_norm", np.arange(8.0).reshape(2, 4), 4)
+    >>> node = tape.nodes["xhat"]
+    >>> node
+    Node(name='xhat', formula='xhat = xc · rstd', inputs=('xc', 'rstd'))
+    >>> np.array_equal(node.fn(*(tape[i] for i in node.inputs)), tape["xhat"])
+    True
+    """
 
     name: str
     formula: str
@@ -58,6 +86,41 @@ class Tape(Mapping[str, np.ndarray]):
     ``weight``, ``bias`` when given, and constants such as the running buffers);
     ``tape.output`` is the last step's value; ``tape.updates`` holds running buffers
     the forward updated (not part of the graph: nothing flows back through them).
+
+    ``staged_forward`` and ``staged_normalize`` build the tapes of the library's
+    layers; ``Tape(...)`` and :meth:`node` build one by hand, for any graph of NumPy
+    functions. The values on a tape are never changed: :meth:`rerun` returns new ones.
+
+    Parameters
+    ----------
+    layer : str
+        A name for the graph (``"layer_norm"``, ...); ``tape.description`` starts as it.
+    constants : collection of str, default ()
+        Leaves that get no gradient (BatchNorm's ``running_mean``, ``running_var``);
+        the other leaves are ``tape.differentiable``.
+    **leaves : ndarray or None
+        The arrays the graph starts from, by name (``input=x, weight=w``). A None is
+        left out; the arrays are kept as given, not copied.
+
+    Examples
+    --------
+    The graph of ``y = (x - 1)²`` by hand, two nodes:
+
+    >>> import numpy as np
+    >>> from npnorm.learn import Tape, numeric_gradient
+    >>> x = np.array([0.0, 1.0, 3.0])
+    >>> tape = Tape("square", input=x)
+    >>> tape.node("xc", "xc = x - 1", lambda a: a - 1.0, "input")
+    array([-1.,  0.,  2.])
+    >>> tape.node("y", "y = xc²", np.square, "xc")
+    array([1., 0., 4.])
+    >>> list(tape), tape.output_name
+    (['input', 'xc', 'y'], 'y')
+    >>> tape.rerun({"xc": np.ones(3)})["y"]  # only the nodes after xc
+    array([1., 1., 1.])
+    >>> dy = np.array([1.0, 2.0, 3.0])
+    >>> np.allclose(numeric_gradient(tape, "input", dy), 2 * (x - 1) * dy)
+    True
     """
 
     def __init__(self, layer: str, *, constants: Collection[str] = (), **leaves: np.ndarray | None) -> None:
@@ -98,10 +161,12 @@ class Tape(Mapping[str, np.ndarray]):
 
     @property
     def output_name(self) -> str:
+        """The name of the last step, the output (``"y"`` for every layer)."""
         return next(reversed(self.nodes))
 
     @property
     def output(self) -> np.ndarray:
+        """The last step's value: the layer's output."""
         return self.steps[self.output_name]
 
     @property

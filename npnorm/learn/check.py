@@ -40,10 +40,50 @@ TODO: Any = _Todo()
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One step's verdict.
+    """One step's verdict: a given gradient against finite differences.
 
-    ``max_abs`` is ``max |given - numeric|``, ``max_rel`` that over ``max |numeric|``;
-    both NaN when the given gradient could not be compared (``note`` says why).
+    A gradient passes when it has the step's shape exactly and
+    ``max |given - numeric| <= atol + rtol · max |numeric|``. ``str(row)`` is one line
+    of the report ``python -m npnorm learn`` prints.
+
+    Parameters
+    ----------
+    name : str
+        The step, leaf or named term checked.
+    ok : bool
+        Whether the given gradient passed.
+    shape_ok : bool
+        Whether it has the step's shape exactly (False when there was no array).
+    max_abs : float
+        ``max |given - numeric|``; NaN when the gradient could not be compared
+        (``note`` says why).
+    max_rel : float
+        ``max_abs / max |numeric|``; NaN as ``max_abs`` is.
+    shape : tuple of int
+        The step's shape, which the gradient must have.
+    got_shape : tuple of int or None
+        The given gradient's shape; None when no array was given.
+    note : str, default ""
+        Why the gradient could not be compared (missing, still TODO, wrong shape,
+        not floating point, nan or inf).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, check_steps
+    >>> tape = staged_forward("layer_norm", np.arange(8.0).reshape(2, 4), 4)
+    >>> dy = np.random.default_rng(0).standard_normal(tape.output.shape)
+    >>> grads = staged_backward(tape, dy)
+    >>> [row] = check_steps(tape, grads, names=["rstd"])
+    >>> row.ok, row.shape
+    (True, (2, 1))
+    >>> grads["rstd"] = grads["rstd"].reshape(2)  # the right values, the wrong shape
+    >>> [row] = check_steps(tape, grads, names=["rstd"])
+    >>> row.ok, row.got_shape
+    (False, (2,))
+    >>> print(row)
+    rstd: WRONG: shape (2,) where the step has shape (2, 1)
+    (it would broadcast, but a gradient has its step's shape exactly)
     """
 
     name: str
@@ -71,8 +111,52 @@ def numeric_gradient(
 ) -> np.ndarray:
     """Central differences of ``L = sum(y · grad_output)`` with respect to step ``name``.
 
-    Only the graph after ``name`` is re-run. Edges in ``frozen`` keep their recorded
-    values, so the result is the gradient along the other paths only.
+    For each element ``i`` of the step's value ``s``, with ``h_i = h · max(1, |s[i]|)``::
+
+        dL/ds[i] ~ (L(s + h_i e_i) - L(s - h_i e_i)) / (2 h_i)
+
+    Only the graph after ``name`` is re-run (``Tape.rerun``); two re-runs per element,
+    so keep the arrays small. Edges in ``frozen`` keep their recorded values, so the
+    result is the gradient along the other paths only.
+
+    Parameters
+    ----------
+    tape : Tape
+        A staged forward (``staged_forward``, ``staged_normalize``, or built by hand).
+    name : str
+        The step or leaf to differentiate with respect to: ``"input"``, ``"xhat"``, ...
+    grad_output : ndarray
+        The upstream gradient ``dy``, of the output's shape: ``L = sum(y · dy)``.
+    h : float, default 1e-6
+        The finite-difference step, relative to each element's magnitude (at least 1).
+    frozen : collection of (str, str), default ()
+        Edges ``(input name, node name)`` held at their recorded values; see
+        :func:`term_paths`.
+
+    Returns
+    -------
+    ndarray
+        The numeric gradient, float64, of the step's shape.
+
+    Raises
+    ------
+    KeyError
+        When ``name`` is neither a step nor a leaf of the tape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, numeric_gradient
+    >>> rng = np.random.default_rng(0)
+    >>> x, w = rng.standard_normal((2, 3)), np.array([1.0, 2.0, 3.0])
+    >>> tape = staged_forward("layer_norm", x, 3, w)
+    >>> dy = rng.standard_normal((2, 3))
+    >>> dxhat = numeric_gradient(tape, "xhat", dy)  # y = xhat · w, so dxhat = dy · w
+    >>> np.allclose(dxhat, dy * w)
+    True
+    >>> dx = numeric_gradient(tape, "input", dy)
+    >>> np.allclose(dx, staged_backward(tape, dy)["input"])
+    True
     """
     v0 = np.asarray(tape[name], dtype=np.float64)
     out = tape.output_name
@@ -176,6 +260,36 @@ def check_steps(
     -------
     list of CheckRow
         One per name, in the order checked.
+
+    Raises
+    ------
+    TypeError
+        When the tape is not float64.
+    ValueError
+        When ``grad_output`` is not given and ``grads`` has no gradient of the output
+        step, when it does not have the output's shape, or when a name is not a step
+        or differentiable leaf of the tape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, check_steps
+    >>> x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    >>> tape = staged_forward("layer_norm", x, 4)
+    >>> dy = np.random.default_rng(1).standard_normal(tape.output.shape)
+    >>> grads = staged_backward(tape, dy)
+    >>> [(row.name, row.ok) for row in check_steps(tape, grads)]
+    [('input', True), ('mean', True), ('xc', True), ('var', True), ('rstd', True),
+     ('xhat', True), ('y', True)]
+
+    A wrong ``dx``: the closed form without its ``- mean(dxhat)`` term.
+
+    >>> dxhat = grads["xhat"]
+    >>> rstd, xhat = tape["rstd"], tape["xhat"]
+    >>> grads["input"] = rstd * (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True))
+    >>> [row] = check_steps(tape, grads, names=["input"])
+    >>> row.ok
+    False
     """
     dy = _upstream(tape, grads, grad_output)
     if names is None:
@@ -203,7 +317,44 @@ def term_paths(tape: Tape) -> dict[str, frozenset[Edge]]:
 
     Term 1 (direct) keeps the statistics fixed; term 2 follows x into the mean (and on
     from there); term 3 follows x into the variance with the mean fixed. Together they
-    cover every path once, so they sum to ``dx``.
+    cover every path once, so they sum to ``dx``::
+
+        dx = rstd · dxhat - rstd · mean(dxhat) - rstd · xhat · mean(dxhat · xhat)
+             (direct)       (mean)               (var)
+
+    RMSNorm has ``"direct"`` and ``"ms"`` (no mean); with running statistics (eval)
+    only ``"direct"`` is left, holding nothing.
+
+    Parameters
+    ----------
+    tape : Tape
+        From ``staged_forward`` or ``staged_normalize``.
+
+    Returns
+    -------
+    dict of str to frozenset of (str, str)
+        Term name -> the edges ``(input name, node name)`` it holds at their recorded
+        values; pass them as ``frozen`` to :func:`numeric_gradient`.
+
+    Raises
+    ------
+    ValueError
+        When the tape has no standardize block (one built by hand).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, numeric_gradient, term_paths
+    >>> x = np.random.default_rng(0).standard_normal((2, 4))
+    >>> tape = staged_forward("layer_norm", x, 4)
+    >>> paths = term_paths(tape)
+    >>> sorted(paths["mean"])  # term 2: x reaches xhat only through the mean
+    [('input', 'xc')]
+    >>> dy = np.random.default_rng(1).standard_normal((2, 4))
+    >>> dxhat = staged_backward(tape, dy)["xhat"]
+    >>> direct = numeric_gradient(tape, "input", dy, frozen=paths["direct"])
+    >>> np.allclose(direct, tape["rstd"] * dxhat)  # term 1 = rstd · dxhat
+    True
     """
     st = tape.standardized
     if st is None:
@@ -232,9 +383,46 @@ def check_terms(
     """Check each named term of the closed form against finite differences along its paths.
 
     ``terms`` maps ``"direct"``, ``"mean"``, ``"var"`` (``"ms"`` for RMSNorm) to arrays
-    of the normalized value's shape (:func:`closed_form` computes them). Each is
+    of the normalized value's shape (``closed_form`` computes them). Each is
     compared with the gradient of the loss with respect to the normalized value along
-    the paths of that term only (the other edges held at their recorded values).
+    the paths of that term only (the other edges held at their recorded values, as
+    :func:`term_paths` lists them).
+
+    Parameters
+    ----------
+    tape : Tape
+        From ``staged_forward`` or ``staged_normalize`` (float64).
+    terms : mapping
+        Term name -> its array, of the shape of the value normalized (``input``, or
+        GroupNorm's grouped view ``xg``). A term missing here fails ("missing").
+    grad_output : ndarray
+        The upstream gradient ``dy`` the terms were computed from, of the output's shape.
+    atol, rtol, h : float
+        Tolerances and the finite-difference step (see the module docstring).
+
+    Returns
+    -------
+    list of CheckRow
+        One per term of the tape, in the order of :func:`term_paths`.
+
+    Raises
+    ------
+    TypeError
+        When the tape is not float64.
+    ValueError
+        When ``grad_output`` does not have the output's shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, closed_form, check_terms
+    >>> x = np.random.default_rng(0).standard_normal((4, 2, 3))
+    >>> tape = staged_forward("batch_norm", x, None, None, training=True)
+    >>> dy = np.random.default_rng(1).standard_normal(x.shape)
+    >>> dxhat = staged_backward(tape, dy)["xhat"]
+    >>> terms = closed_form(tape, dxhat)
+    >>> [(row.name, row.ok) for row in check_terms(tape, terms, grad_output=dy)]
+    [('direct', True), ('mean', True), ('var', True)]
     """
     dy = _upstream(tape, {}, grad_output)
     st = tape.standardized

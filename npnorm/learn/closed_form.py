@@ -24,6 +24,35 @@ def closed_form(tape: Tape, dxhat: np.ndarray) -> dict[str, np.ndarray]:
         term 3  through var      -rstd · xhat · Σ(dxhat · xhat) / n     (n - 1 with correction=1)
 
     With running statistics (eval) only term 1 is there. Each term has the shape of x.
+
+    Parameters
+    ----------
+    tape : Tape
+        From ``staged_forward`` or ``staged_normalize``: its xhat, rstd, reduced axes
+        and ``n`` are used.
+    dxhat : ndarray
+        The gradient of the loss with respect to xhat (``dxhat = dy · w``; GroupNorm's
+        ``xhatg``, the grouped view), e.g. ``staged_backward(tape, dy)["xhat"]``.
+
+    Returns
+    -------
+    dict of str to ndarray
+        ``"direct"``, then ``"mean"`` (not for RMSNorm), then ``"var"`` (``"ms"`` for
+        RMSNorm) with batch statistics; only ``"direct"`` with running statistics.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, closed_form
+    >>> x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    >>> tape = staged_forward("layer_norm", x, 4)
+    >>> grads = staged_backward(tape, np.random.default_rng(1).standard_normal(x.shape))
+    >>> dxhat = grads["xhat"]
+    >>> terms = closed_form(tape, dxhat)
+    >>> list(terms)
+    ['direct', 'mean', 'var']
+    >>> np.allclose(terms["direct"] + terms["mean"] + terms["var"], grads["input"])
+    True
     """
     st = tape.standardized
     assert st is not None
@@ -42,13 +71,44 @@ def closed_form(tape: Tape, dxhat: np.ndarray) -> dict[str, np.ndarray]:
 def jacobian(tape: Tape, *, h: float = 1e-6) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """The matrix view of the first group (row, channel, ...): ``dx = J · dxhat``.
 
-    Returns ``(J, J_numeric, xhat, rstd)``: ``J = ∂xhat/∂x`` from the formula
+    ``J = ∂xhat/∂x`` of the first group's ``n`` values, from the formula::
 
         J = rstd · (I - 11ᵀ/n - xhat xhatᵀ/n)
 
     (without the ``11ᵀ/n`` term for RMSNorm, ``n - 1`` with correction=1, ``rstd · I``
-    with running statistics), the same matrix by finite differences of the tape, and
-    the group's xhat and rstd. J is symmetric, so the gradient ``Jᵀ dxhat`` is ``J dxhat``.
+    with running statistics). J is symmetric, so the gradient ``Jᵀ dxhat`` is ``J dxhat``.
+
+    Parameters
+    ----------
+    tape : Tape
+        From ``staged_forward`` or ``staged_normalize``.
+    h : float, default 1e-6
+        The finite-difference step of the numeric matrix.
+
+    Returns
+    -------
+    J : ndarray, shape (n, n)
+        From the formula.
+    J_numeric : ndarray, shape (n, n)
+        The same matrix by central differences of the tape; column j is ``∂xhat/∂x_j``.
+    xhat : ndarray, shape (n,)
+        The group's normalized values.
+    rstd : float
+        The group's ``1 / sqrt(var + eps)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_forward, staged_backward, jacobian
+    >>> x = np.random.default_rng(0).standard_normal((2, 4))
+    >>> tape = staged_forward("layer_norm", x, 4)
+    >>> J, J_numeric, xhat, rstd = jacobian(tape)
+    >>> J.shape, np.allclose(J, J_numeric), np.allclose(J, J.T)
+    ((4, 4), True, True)
+    >>> grads = staged_backward(tape, np.random.default_rng(1).standard_normal(x.shape))
+    >>> dxhat = grads["xhat"][0]  # the first row
+    >>> np.allclose(J @ dxhat, grads["input"][0])
+    True
     """
     st = tape.standardized
     assert st is not None

@@ -31,24 +31,63 @@ def staged_normalize(
 ) -> Tape:
     """Normalize ``input`` over ``axes``, then ``y = xhat · weight + bias``, as a tape.
 
+    The graph is the layers' nodes 1-6 over ``axes`` (``n`` values per statistic)::
+
+        mean = Σ x / n,   xc = x - mean,   var = Σ xc² / (n - correction)
+        rstd = 1 / sqrt(var + eps),   xhat = xc · rstd,   y = xhat · weight + bias
+
+    (``center=False``: ``ms = Σ x² / (n - correction)``, ``xhat = x · rstd``.)
+
     Parameters
     ----------
     input : ndarray
+        The values to normalize, floating point.
     axes : int or sequence of int
-        The axes each statistic is taken over.
+        The axes each statistic is taken over (negative ones count from the end).
     weight, bias : ndarray, optional
         Shaped to broadcast against ``input`` (e.g. (1, C, 1, 1) for per-channel);
         their gradients come back in these shapes.
-    eps : float
-    center : bool
+    eps : float, default 1e-5
+        Added to the variance under the square root.
+    center : bool, default True
         False leaves out the mean (RMSNorm).
-    correction : int
+    correction : {0, 1}
         The variance divides by ``n - correction``: 0 is the biased variance PyTorch
         normalizes with, 1 the n-1 (unbiased) variance some write-ups normalize with.
-    float64 : bool
+    float64 : bool, default True
         Compute in float64 (copies of the arrays; what the step checker needs). False
         computes in the arrays' own dtype without copying them, as textbook NumPy code
         does (npnorm's benchmark times it that way).
+
+    Returns
+    -------
+    Tape
+        Steps ``mean``, ``xc``, ``var``, ``rstd``, ``xhat``, ``y`` (``ms``, ``rstd``,
+        ``xhat``, ``y`` with ``center=False``), ready for ``staged_backward``.
+
+    Raises
+    ------
+    ValueError
+        When ``eps`` is negative, ``correction`` is not 0 or 1, the axes hold no more
+        than ``correction`` values, or weight or bias does not broadcast against input.
+    TypeError
+        With ``float64=True``, when an array is not a floating-point NumPy array.
+
+    Examples
+    --------
+    Normalizing columns with the n-1 variance:
+
+    >>> import numpy as np
+    >>> from npnorm.learn import staged_normalize, staged_backward, check_steps
+    >>> x = np.random.default_rng(0).standard_normal((5, 3))
+    >>> tape = staged_normalize(x, 0, eps=0.0, correction=1)
+    >>> tape.nodes["var"].formula
+    'var = Σ xc² / (n - 1)'
+    >>> np.allclose(tape["xhat"].var(axis=0, ddof=1), 1.0)
+    True
+    >>> grads = staged_backward(tape, np.random.default_rng(1).standard_normal(x.shape))
+    >>> all(row.ok for row in check_steps(tape, grads))
+    True
     """
     eps = check_eps(eps)
     if float64:
