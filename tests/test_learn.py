@@ -278,9 +278,13 @@ def test_training_dx_sums_to_zero_and_is_orthogonal_to_xhat_up_to_eps(case, data
 def test_with_eps_0_dx_is_exactly_orthogonal_to_xhat(x, dy):
     assume(float(np.min(np.var(x, axis=(0, 2)))) > 1e-3)
     tape = staged_forward("batch_norm", x, None, None, training=True, eps=0.0)
-    dx = staged_backward(tape, dy)["input"]
-    scale = float(np.max(np.abs(dx))) * x.size
-    np.testing.assert_allclose(np.sum(tape["xhat"] * dx, axis=(0, 2)), 0.0, atol=1e-12 * max(1.0, scale))
+    grads = staged_backward(tape, dy)
+    dx = grads["input"]
+    # rounding in dx is relative to its terms (dx itself may cancel to almost 0): bound it
+    # by the direct term rstd * dxhat, summed against |xhat| over each channel
+    term = np.max(np.abs(tape["rstd"] * grads["xhat"]), axis=(0, 2))  # C
+    scale = np.sum(np.abs(tape["xhat"]), axis=(0, 2)) * term  # C
+    np.testing.assert_array_less(np.abs(np.sum(tape["xhat"] * dx, axis=(0, 2))), 1e-13 * scale + 1e-300)
 
 
 @pytest.mark.parametrize("case", ["batch_norm:eval", "instance_norm:running stats"])

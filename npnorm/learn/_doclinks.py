@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")  # [text](target)
+LINK = re.compile(r"\[(`[^`]+`|[^\]]*)\]\(([^)\s]+)\)")  # [text](target); text may be a code span holding "]"
 CODE = re.compile(r"^`([^`]+)`$")  # link text that is one code span
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$", re.MULTILINE)
 
