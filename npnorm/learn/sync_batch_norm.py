@@ -254,8 +254,9 @@ def variance_from_invstd(parts: list[np.ndarray], eps: float, dtype: Any) -> np.
 def one_pass_variance(parts: list[np.ndarray], dtype: Any) -> np.ndarray:
     """The global biased variance from all-reduced ``Σ x`` and ``Σ x²`` (in ``dtype``):
     Keras's SyncBatchNormalization, Flax's default ``use_fast_variance``, ChainerMN."""
+    parts = [np.asarray(p, dtype=dtype) for p in parts]
     n = sum(_count(p) for p in parts)
-    s1 = sum(np.sum(p, axis=_axes(p), dtype=dtype) for p in parts)  # C: Σ x over every rank
-    s2 = sum(np.sum(p * p, axis=_axes(p), dtype=dtype) for p in parts)  # C: Σ x² over every rank
+    s1 = sum(np.sum(p, axis=_axes(p)) for p in parts)  # C: Σ x over every rank
+    s2 = sum(np.sum(p * p, axis=_axes(p)) for p in parts)  # C: Σ x² over every rank
     mean = s1 / np.asarray(n, dtype)  # C
     return s2 / np.asarray(n, dtype) - mean * mean  # C: E[x²] - E[x]², cancels when |mean| >> std
