@@ -9,7 +9,7 @@
 ``python -m npnorm gpu-check OUT_DIR``: on a GPU machine, the cupy tests, the main job and a GPU
 benchmark, with a report written into OUT_DIR (see ``npnorm._gpu_check``).
 
-``python -m npnorm learn [LAYER | bessel | check EXERCISE] [...]``: every backward derived
+``python -m npnorm learn [LAYER | bessel | sync_batch_norm | check EXERCISE] [...]``: every backward derived
 node by node and checked step by step (see ``npnorm.learn``; ``learn --help`` for the options).
 
 ``python -m npnorm demo [--quick] [--out DIR] [--norms ...] [--seed N]``: train on digits with

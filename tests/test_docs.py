@@ -131,6 +131,7 @@ DOCTEST_MODULES = [
     "npnorm.learn.check",
     "npnorm.learn.closed_form",
     "npnorm.learn.normalize",
+    "npnorm.learn.sync_batch_norm",
     "npnorm.modules._module",
     *(
         f"npnorm.{package}.{m}"

@@ -1,12 +1,16 @@
 """docs/derivations/: every link resolves, every line anchor lands on the line whose code it
-quotes, every command a page quotes runs, every step name matches the code, one vocabulary."""
+quotes, every command a page quotes runs, every step name matches the code, one vocabulary;
+the SyncBatchNorm page quotes what its command prints."""
 
 from __future__ import annotations
 
+import io
 import re
 import shlex
+from contextlib import redirect_stdout
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from npnorm.learn import _cli, _doclinks, staged_forward
@@ -23,10 +27,13 @@ LAYER_PAGES = {
     "rms_norm.md": [("rms_norm", {})],
     "group_norm_instance_norm.md": [("group_norm", {})],
 }
+SYNC_PAGE = (
+    DOCS / "sync_batch_norm.md"
+)  # no staged tape: the ranks are simulated (npnorm.learn.sync_batch_norm)
 
 
 def test_the_pages_are_there():
-    assert {p.name for p in PAGES} == {"README.md", *LAYER_PAGES}
+    assert {p.name for p in PAGES} == {"README.md", *LAYER_PAGES, SYNC_PAGE.name}
 
 
 @pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
@@ -76,7 +83,9 @@ def test_every_command_a_page_quotes_runs(page, capsys, monkeypatch):
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("page", [DOCS / "README.md", ROOT / "README.md"], ids=["index", "README"])
+@pytest.mark.parametrize(
+    "page", [DOCS / "README.md", ROOT / "README.md", SYNC_PAGE], ids=["index", "README", "sync_batch_norm"]
+)
 def test_python_blocks_run(page):
     for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
         if "npnorm.learn" in block:
@@ -107,11 +116,53 @@ def test_each_page_runs_derives_and_shows_the_matrix_view(name):
         assert re.search(r"mean\(dxhat\w* · xhat\w*\)", text)
 
 
-def test_the_index_gives_an_order_and_announces_sync_batch_norm():
+def test_the_index_gives_an_order_and_lists_sync_batch_norm_last():
     text = (DOCS / "README.md").read_text()
-    order = [text.index(f"]({p})") for p in LAYER_PAGES]
+    order = [text.index(f"]({p})") for p in [*LAYER_PAGES, SYNC_PAGE.name]]
     assert order == sorted(order)
-    assert "SyncBatchNorm" in text and not list(DOCS.glob("*sync*"))
+    assert "coming" not in text
+
+
+def _numbers_agree(quoted: str, printed: str) -> bool:
+    """The same line up to rounding noise: equal text, numbers with fixed decimals equal as
+    printed, and numbers in e-notation within 5% of each other (or both below 1e-4 in
+    magnitude: rounding errors of a result that is right, which vary with the platform)."""
+    number = r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan)"
+    if re.sub(number, "#", quoted) != re.sub(number, "#", printed):
+        return False
+    pairs = zip(re.findall(number, quoted), re.findall(number, printed), strict=True)
+    for a, b in pairs:
+        if a == b:
+            continue
+        if "e" not in a + b:
+            return False
+        x, y = abs(float(a)), abs(float(b))
+        if max(x, y) >= 1e-4 and (np.sign(float(a)) != np.sign(float(b)) or abs(x - y) > 0.05 * max(x, y)):
+            return False
+    return True
+
+
+def test_the_sync_page_quotes_what_its_command_prints():
+    text = SYNC_PAGE.read_text()
+    assert text.startswith("# SyncBatchNorm") and "```sh\npython -m npnorm learn sync_batch_norm " in text
+    assert "it simplifies to" not in text.lower() and "J = rstd" in text
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert _cli.main(["sync_batch_norm"]) == 0
+    printed = out.getvalue().splitlines()
+    blocks = re.findall(r"```text\n(.*?)```", text, re.S)
+    assert len(blocks) >= 5
+    for block in blocks:
+        for line in block.splitlines():
+            assert any(_numbers_agree(line, p) for p in printed), f"not printed: {line!r}"
+
+
+def test_the_number_check_of_the_sync_page_can_fail():
+    assert _numbers_agree("mean [1.0268 0.985 ]", "mean [1.0268 0.985 ]")
+    assert not _numbers_agree("mean [1.0268 0.985 ]", "mean [1.0269 0.985 ]")
+    assert not _numbers_agree("error 3.65e-01", "error 3.65e-02") and _numbers_agree("d 3.6e-15", "d 1.8e-16")
+    assert _numbers_agree("error 1.8e-01", "error 1.85e-01") and not _numbers_agree("e 2.1e-03", "e -2.1e-03")
+    assert not _numbers_agree("mean [1.0268]", "var [1.0268]")
 
 
 def test_one_name_for_the_gradient_of_xhat():

@@ -6,7 +6,7 @@ Three layers of tests:
   timeout so that a hang fails instead of blocking): ``tests/mpi/sync_checks.py`` runs
   every comparison and every error case, and the data-parallel example trains to the
   parameters of its one-process run. Skipped, with the reason, without mpi4py/mpiexec.
-* in-process, with ``tests/threadcomm.py`` (ranks as threads, MPI's semantics): hypothesis
+* in-process, with ``npnorm._threadcomm`` (ranks as threads, MPI's semantics): hypothesis
   draws the number of ranks, the split of the batch (empty ranks too), shapes, dtypes and
   flags, and every error case is raised on every rank;
 * the rest: no collective call in eval or on one rank, ``import npnorm`` without mpi4py,
@@ -32,11 +32,11 @@ from helpers import randomize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
-from threadcomm import ThreadComm, run_ranks
 
 import npnorm
 import npnorm.functional as F
 from npnorm._backend import to_host
+from npnorm._threadcomm import ThreadComm, run_ranks
 from npnorm.functional._dispatch import generic_kernel, kernel
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -527,11 +527,16 @@ def test_thread_comm_is_a_faithful_stand_in():
         comm.Allgather(np.array([r, 10.0 * r]), out)
         total = np.empty(2)
         comm.Allreduce(np.array([1.0, r]), total)
-        return out, total, comm.allgather(r)
+        return out, total, comm.allgather(r), comm
 
-    for out, total, objs in run_ranks(3, rank_fn):
+    results = run_ranks(3, rank_fn)
+    for out, total, objs, _ in results:
         assert np.array_equal(out, [[0, 0], [1, 10], [2, 20]])
         assert np.array_equal(total, [3, 3]) and objs == [0, 1, 2]
+    # the record of what each rank sent, in rank order, once per collective call
+    log = results[0][3].log
+    assert [e.kind for e in log] == ["Allgather", "Allreduce", "allgather"] and results[0][3].collectives == 3
+    assert [list(a) for a in log[1].sent] == [[1, 0], [1, 1], [1, 2]] and log[2].sent == [0, 1, 2]
 
 
 # --- the fast NumPy kernels against the generic ones ------------------------------------------

@@ -17,6 +17,10 @@ differences, and the staged result compared with the closed form.
 >>> all(row.ok for row in check_steps(tape, grads))
 True
 
+SyncBatchNorm, whose statistics span the ranks of an MPI job, runs without MPI in
+:func:`simulate_sync_batch_norm` (ranks as threads of this process):
+``python -m npnorm learn sync_batch_norm``.
+
 NumPy only, float64. The derivations: docs/derivations/; the exercises: exercises/;
 the command: ``python -m npnorm learn layer_norm``.
 """
@@ -37,6 +41,7 @@ from .instance_norm import instance_norm
 from .layer_norm import layer_norm
 from .normalize import staged_normalize
 from .rms_norm import rms_norm
+from .sync_batch_norm import simulate_sync_batch_norm
 
 LAYERS: dict[str, Callable[..., Tape]] = {
     "batch_norm": batch_norm,
@@ -161,6 +166,7 @@ __all__ = [
     "closed_form",
     "jacobian",
     "numeric_gradient",
+    "simulate_sync_batch_norm",
     "staged_backward",
     "staged_forward",
     "staged_normalize",

@@ -6,6 +6,7 @@
     python -m npnorm learn batch_norm --eval              eval mode (instance_norm: running stats)
     python -m npnorm learn group_norm --groups 6          GroupNorm with 6 groups (of 6 channels)
     python -m npnorm learn bessel                         the n-1 variance, and PyTorch's convention
+    python -m npnorm learn sync_batch_norm --split 5,1,0  SyncBatchNorm over 3 simulated ranks
     python -m npnorm learn check batch_norm_staged        grade exercises/batch_norm_staged.py
     python -m npnorm learn check batch_norm_staged --solution
 
@@ -25,7 +26,7 @@ from . import LAYERS, check_steps, check_terms, closed_form, jacobian, staged_ba
 from ._library import closed
 from ._tape import Tape
 from .check import ATOL, RTOL, TERM_NAMES, CheckRow
-from .examples import example, upstream
+from .examples import SPLIT, example, upstream
 from .exercises import EXERCISES, Exercise, find, grade, load
 from .normalize import staged_normalize
 
@@ -275,9 +276,22 @@ def check_exercise(exercise: Exercise, path: Path) -> bool:
 
 def overview() -> None:
     print(__doc__)
-    print("layers:", ", ".join(LAYERS))
+    print("layers:", ", ".join(LAYERS), "(and sync_batch_norm, over simulated ranks)")
     print("exercises:", ", ".join(EXERCISES))
     print("the derivations: docs/derivations/README.md")
+
+
+def _split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]:
+    """``--split 5,1,0``: samples per rank; two ranks at least, one sample at least."""
+    if text is None:
+        return SPLIT
+    try:
+        split = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        parser.error(f"--split: expected samples per rank such as 5,1,0, got {text!r}")
+    if len(split) < 2 or min(split) < 0 or sum(split) < 1:
+        parser.error(f"--split: two ranks at least, counts >= 0, one sample at least; got {text!r}")
+    return split
 
 
 def main(argv: list[str]) -> int:
@@ -287,7 +301,7 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("topic", nargs="?", help=f"{', '.join(LAYERS)}, bessel, or check")
+    parser.add_argument("topic", nargs="?", help=f"{', '.join(LAYERS)}, bessel, sync_batch_norm, or check")
     parser.add_argument("exercise", nargs="?", help="after check: an exercise name or file")
     parser.add_argument(
         "--staged-vs-closed", action="store_true", help="compare with the library's closed form"
@@ -298,6 +312,12 @@ def main(argv: list[str]) -> int:
         "--groups", type=int, default=3, help="group_norm: number of groups of the 6 channels"
     )
     parser.add_argument("--solution", action="store_true", help="check: grade exercises/solutions/NAME.py")
+    parser.add_argument(
+        "--split",
+        help="sync_batch_norm: samples per simulated rank, e.g. 5,1,0 (default "
+        + ",".join(map(str, SPLIT))
+        + ")",
+    )
     args = parser.parse_args(argv)
     kw: dict[str, Any] = {"eval": args.eval, "groups": args.groups}
     if args.topic is None:
@@ -313,10 +333,20 @@ def main(argv: list[str]) -> int:
         return 0 if check_exercise(exercise, path) else 1
     if args.exercise is not None:
         parser.error(f"unexpected argument {args.exercise!r}")
+    if args.split is not None and args.topic != "sync_batch_norm":
+        parser.error("--split applies to sync_batch_norm")
     if args.topic == "bessel":
         return 0 if bessel() else 1
+    if args.topic == "sync_batch_norm":
+        if args.eval or args.staged_vs_closed or args.matrix:
+            parser.error("sync_batch_norm takes --split only")
+        from ._sync_tables import show_sync_batch_norm
+
+        return 0 if show_sync_batch_norm(_split(parser, args.split)) else 1
     if args.topic not in LAYERS:
-        parser.error(f"unknown topic {args.topic!r}: one of {', '.join(LAYERS)}, bessel, check")
+        parser.error(
+            f"unknown topic {args.topic!r}: one of {', '.join(LAYERS)}, bessel, sync_batch_norm, check"
+        )
     if args.eval and args.topic not in ("batch_norm", "instance_norm"):
         parser.error("--eval applies to batch_norm and instance_norm")
     if args.staged_vs_closed:

@@ -2,9 +2,11 @@
 
 It has the methods SyncBatchNorm calls (``Get_size``, ``Get_rank``, ``Is_inter``,
 ``Allgather``, ``Allreduce``, ``allgather``) with MPI's semantics: collective, results in
-rank order, every rank gets the same bytes. It lets hypothesis draw many splits of a batch
-over ranks in-process, in milliseconds, with or without mpi4py; the real thing is tested
-under ``mpiexec`` (``tests/mpi/``). A collective that not every rank enters times out
+rank order, every rank gets the same bytes. It lets the tests draw many splits of a batch
+over ranks in-process, in milliseconds, with or without mpi4py (the real thing is tested
+under ``mpiexec``, ``tests/mpi/``), and ``python -m npnorm learn sync_batch_norm`` show
+SyncBatchNorm's exchanges without MPI. Every collective is recorded (``log``): what each
+rank sent, in rank order. A collective that not every rank enters times out
 (``threading.BrokenBarrierError``) instead of hanging, and ``run_ranks`` reports it.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,12 +22,21 @@ import numpy as np
 TIMEOUT = 20.0  # seconds a rank waits for the others in one collective
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One collective call: its name (``Allgather``, ``Allreduce``, ``allgather``) and
+    what each rank sent, in rank order."""
+
+    kind: str
+    sent: list[Any]
+
+
 class _Group:
     def __init__(self, size: int) -> None:
         self.size = size
         self.barrier = threading.Barrier(size, timeout=TIMEOUT)
         self.slots: list[Any] = [None] * size
-        self.collectives = 0  # collective calls made (counted once per call, by rank 0)
+        self.log: list[Exchange] = []  # every collective call, recorded once (by rank 0)
 
 
 class ThreadComm:
@@ -44,33 +56,40 @@ class ThreadComm:
 
     @property
     def collectives(self) -> int:
-        return self._group.collectives
+        """Collective calls made so far by the group."""
+        return len(self._group.log)
 
-    def _exchange(self, value: Any) -> list[Any]:
+    @property
+    def log(self) -> list[Exchange]:
+        """The group's collective calls so far, each with what every rank sent."""
+        return self._group.log
+
+    def _exchange(self, kind: str, value: Any) -> list[Any]:
         g = self._group
         g.barrier.wait()  # every rank has read the previous exchange's slots
         g.slots[self._rank] = value
-        if self._rank == 0:
-            g.collectives += 1
         g.barrier.wait()  # every rank has written its slot
-        return list(g.slots)
+        sent = list(g.slots)
+        if self._rank == 0:
+            g.log.append(Exchange(kind, sent))
+        return sent
 
     def Allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
-        recv[...] = np.stack(self._exchange(np.array(send, copy=True)))
+        recv[...] = np.stack(self._exchange("Allgather", np.array(send, copy=True)))
 
     def Allreduce(self, send: np.ndarray, recv: np.ndarray) -> None:
         total = np.zeros_like(send)
-        for part in self._exchange(np.array(send, copy=True)):  # rank order
+        for part in self._exchange("Allreduce", np.array(send, copy=True)):  # rank order
             total += part
         recv[...] = total
 
     def allgather(self, obj: Any) -> list[Any]:
-        return self._exchange(obj)
+        return self._exchange("allgather", obj)
 
 
 def run_ranks(size: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
     """``fn(comm)`` on ``size`` threads, one per rank; each rank's result, or the
-    exception it raised. Raises AssertionError if a rank is still running after the
+    exception it raised. Raises RuntimeError if a rank is still running after the
     others have finished and the timeout has passed (a hang)."""
     group = _Group(size)
     results: list[Any] = [None] * size
@@ -88,5 +107,6 @@ def run_ranks(size: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
     for t in threads:
         t.join(TIMEOUT + 5)
     hung = [r for r, t in enumerate(threads) if t.is_alive()]
-    assert not hung, f"rank(s) {hung} never returned"
+    if hung:
+        raise RuntimeError(f"rank(s) {hung} never returned")
     return results
