@@ -7,6 +7,7 @@ differences and ``torch.autograd``.
 
 from . import functional
 from ._threads import get_num_threads, set_num_threads
+from .functional._dispatch import get_kernels, kernels_available, set_kernels, use_kernels
 from .gradient_check import GradcheckError, gradcheck
 from .modules import (
     BatchNorm1d,
@@ -39,7 +40,11 @@ __all__ = [
     "RMSNorm",
     "__version__",
     "functional",
+    "get_kernels",
     "get_num_threads",
     "gradcheck",
+    "kernels_available",
+    "set_kernels",
     "set_num_threads",
+    "use_kernels",
 ]

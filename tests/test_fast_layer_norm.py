@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import npnorm.functional as F
 from npnorm import _threads
-from npnorm.functional._dispatch import generic_kernel, kernel, set_specialized
+from npnorm.functional._dispatch import generic_kernel, kernel, use_kernels
 from npnorm.kernels import _blocks
 from npnorm.kernels import numpy_fast as fast
 
@@ -28,6 +28,13 @@ FLOATS = ("float16", "float32", "float64")
 # the block size and thread count fixtures hold for every drawn example
 FIXTURES_OK = [HealthCheck.function_scoped_fixture]
 REL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-5}  # of the computation dtype
+
+
+@pytest.fixture(autouse=True)
+def numpy_kernels():
+    """These tests are about the "numpy" kernel family: the public functions use it."""
+    with use_kernels("numpy"):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -232,13 +239,10 @@ def test_public_functions_use_the_fast_kernels_for_numpy(rng):
     for op in OPS:
         assert kernel(op, xp) is getattr(fast, op)
     x = rng.normal(size=(4, 6))
-    try:
-        set_specialized(xp.__name__, False)
+    with use_kernels("reference"):
         for op in OPS:
             assert kernel(op, xp) is generic_kernel(op)
         slow = F.layer_norm(x, 6)
-    finally:
-        set_specialized(xp.__name__, True)
     np.testing.assert_allclose(F.layer_norm(x, 6), slow, rtol=1e-12, atol=1e-12)
 
 

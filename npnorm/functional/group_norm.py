@@ -5,8 +5,8 @@ Wu & He (2018), "Group Normalization", https://arxiv.org/abs/1803.08494.
 
 from __future__ import annotations
 
-from .._backend import Array, Namespace
-from .._checks import cast, check_eps, check_grad_output, float_inputs, work_dtype
+from .._backend import Array, Namespace, no_fp_warnings
+from .._checks import cast, check_eps, check_grad_output, check_out, float_inputs, work_dtype, write_out
 from .._stats import standardize, standardize_backward, xhat_from
 from ._channels import as_ncs, channel_affine, channel_affine_backward, check_channels, check_per_channel
 from ._dispatch import generic, kernel
@@ -25,6 +25,8 @@ def group_norm_forward(
     weight: Array | None = None,
     bias: Array | None = None,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     r"""GroupNorm forward, returning the per-(sample, group) statistics.
 
@@ -38,9 +40,12 @@ def group_norm_forward(
     One group is LayerNorm over (C, *spatial) with per-channel affine; C groups is
     InstanceNorm.
 
+    ``out`` (keyword-only, optional): where to write the output, an array of the
+    input's backend, shape and dtype.
+
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape (N, num_groups), in the computation dtype
     """
     eps = check_eps(eps)
@@ -48,7 +53,8 @@ def group_norm_forward(
     c = check_channels(input, None, "group_norm")
     check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
-    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps)
+    check_out(xp, out, input)
+    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps, out)
 
 
 def group_norm_backward(
@@ -59,10 +65,13 @@ def group_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     r"""GroupNorm backward: with :math:`g = dy\cdot w_c` reshaped to (N, G, C/G·S),
     :math:`dx = \mathrm{rstd}\,(g - \overline{g} - \hat{x}\,\overline{g\hat{x}})` per
-    (sample, group); :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy`."""
+    (sample, group); :math:`dw_c = \sum dy\,\hat{x}`, :math:`db_c = \sum dy`. ``dx`` is
+    written into ``out`` (keyword-only; the input's backend, shape and dtype) when given."""
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
@@ -76,7 +85,10 @@ def group_norm_backward(
             raise ValueError(
                 f"{name} must have shape {(int(input.shape[0]), num_groups)}, got {tuple(a.shape)}"
             )
-    return kernel("group_norm_backward", xp)(xp, grad_output, input, num_groups, mean, rstd, weight, bias)
+    check_out(xp, out, input)
+    return kernel("group_norm_backward", xp)(
+        xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+    )
 
 
 def group_norm(
@@ -94,8 +106,15 @@ def group_norm(
 
 
 @generic("group_norm_forward")
+@no_fp_warnings
 def group_norm_forward_generic(
-    xp: Namespace, input: Array, num_groups: int, weight: Array | None, bias: Array | None, eps: float
+    xp: Namespace,
+    input: Array,
+    num_groups: int,
+    weight: Array | None,
+    bias: Array | None,
+    eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     x = as_ncs(xp, input, ct)  # N,C,S
@@ -105,10 +124,11 @@ def group_norm_forward_generic(
     assert mean is not None
     y = channel_affine(xp, xp.reshape(xhat, (n, c, s)), weight, bias, ct)  # N,C,S
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
-    return y, xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
+    return write_out(xp, out, y), xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
 
 
 @generic("group_norm_backward")
+@no_fp_warnings
 def group_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -118,6 +138,7 @@ def group_norm_backward_generic(
     rstd: Array,
     weight: Array | None,
     bias: Array | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     ct = work_dtype(xp, input, weight, bias, mean)
     x = as_ncs(xp, input, ct)  # N,C,S
@@ -131,4 +152,4 @@ def group_norm_backward_generic(
         xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
     )  # N,C,S  C  C
     dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2,))  # N,G,C/G*S
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias
+    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

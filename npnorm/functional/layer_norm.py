@@ -7,19 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._backend import Array, Namespace
+from .._backend import Array, Namespace, no_fp_warnings
 from .._checks import (
     Shape,
     as_shape,
     cast,
     check_eps,
     check_grad_output,
+    check_out,
     check_param,
     check_row_stats,
     check_trailing,
     float_inputs,
     prod,
     work_dtype,
+    write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
 from ._dispatch import generic, kernel
@@ -31,6 +33,8 @@ def layer_norm_forward(
     weight: Array | None = None,
     bias: Array | None = None,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     r"""LayerNorm forward, returning the statistics backward needs.
 
@@ -47,10 +51,13 @@ def layer_norm_forward(
     weight, bias : array of shape ``normalized_shape``, optional
     eps : float
         Added to the variance before the square root.
+    out : array, optional, keyword-only
+        Where to write the output: an array of the input's backend, shape and dtype
+        (``TypeError``/``ValueError`` otherwise); it is returned as ``output``.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape ``input.shape[:-len(normalized_shape)]``
         Per-row mean and ``1/sqrt(var + eps)``, in the computation dtype
         (float32 for float16 input). Nothing the size of the input is saved.
@@ -61,7 +68,8 @@ def layer_norm_forward(
     check_trailing(input, shape)
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
-    return kernel("layer_norm_forward", xp)(xp, input, shape, weight, bias, eps)
+    check_out(xp, out, input)
+    return kernel("layer_norm_forward", xp)(xp, input, shape, weight, bias, eps, out)
 
 
 def layer_norm_backward(
@@ -72,6 +80,8 @@ def layer_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     r"""LayerNorm backward from the upstream gradient and the saved statistics.
 
@@ -82,6 +92,9 @@ def layer_norm_backward(
         dw = \textstyle\sum_{rows} dy\,\hat{x},\quad db = \textstyle\sum_{rows} dy
 
     where the bars are means over the normalized axes.
+
+    ``out`` (keyword-only, optional): where to write ``dx``, an array of the input's
+    backend, shape and dtype; it is returned as ``dx``.
 
     Returns
     -------
@@ -104,7 +117,8 @@ def layer_norm_backward(
     check_row_stats(input, shape, mean=mean, rstd=rstd)
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
-    return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias)
+    check_out(xp, out, input)
+    return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias, out)
 
 
 def layer_norm(
@@ -122,8 +136,15 @@ def layer_norm(
 
 
 @generic("layer_norm_forward")
+@no_fp_warnings
 def layer_norm_forward_generic(
-    xp: Namespace, input: Array, shape: Shape, weight: Array | None, bias: Array | None, eps: float
+    xp: Namespace,
+    input: Array,
+    shape: Shape,
+    weight: Array | None,
+    bias: Array | None,
+    eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     batch = tuple(input.shape[: input.ndim - len(shape)])
@@ -137,10 +158,11 @@ def layer_norm_forward_generic(
         y = y + xp.reshape(cast(xp, bias, ct), (D,))  # R,D
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
     assert mean is not None
-    return y, xp.reshape(mean, batch), xp.reshape(rstd, batch)  # out, (*), (*)
+    return write_out(xp, out, y), xp.reshape(mean, batch), xp.reshape(rstd, batch)  # out, (*), (*)
 
 
 @generic("layer_norm_backward")
+@no_fp_warnings
 def layer_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -150,6 +172,7 @@ def layer_norm_backward_generic(
     rstd: Array,
     weight: Array | None,
     bias: Array | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     ct = work_dtype(xp, input, weight, bias, mean, rstd)
     D = prod(shape)
@@ -168,4 +191,4 @@ def layer_norm_backward_generic(
         dxhat = dy  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,))  # R,D
     dx = cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)  # *,*shape
-    return dx, dweight, dbias
+    return write_out(xp, out, dx), dweight, dbias
