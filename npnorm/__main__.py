@@ -5,6 +5,9 @@
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
 ``npnorm._profile``).
+
+``python -m npnorm warmup [--json FILE]``: compile every numba kernel once (see
+``npnorm._warmup``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
     prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
+    warm = sub.add_parser("warmup", help="compile every numba kernel (float32, float64) into numba's cache")
+    warm.add_argument("--json", metavar="FILE", help="save the times as JSON")
     args = parser.parse_args(argv)
+    if args.command == "warmup":
+        from ._warmup import run as run_warmup
+
+        run_warmup(verbose=not args.quiet, json_path=args.json)
+        return 0
     if args.command == "profile":
         from ._profile import run as run_profile
 

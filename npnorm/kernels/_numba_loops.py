@@ -337,8 +337,10 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
             s[2] = rstd[r] * w[c0 + i]
             sc = s[2]
             bc = b[c0 + i]
-            for j in range(i * S, (i + 1) * S):
-                yr[j] = ((xr[j] - m_hi) - m_lo) * sc + bc
+            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
+            yi = yr[i * S : (i + 1) * S]
+            for j in range(S):
+                yi[j] = ((xi[j] - m_hi) - m_lo) * sc + bc
 
 
 @_loop
@@ -375,5 +377,8 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
-            for j in range(i * S, (i + 1) * S):
-                dxr[j] = a * dyr[j] + k1 * (xr[j] - m) + k0
+            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
+            dyi = dyr[i * S : (i + 1) * S]
+            dxi = dxr[i * S : (i + 1) * S]
+            for j in range(S):
+                dxi[j] = a * dyi[j] + k1 * (xi[j] - m) + k0

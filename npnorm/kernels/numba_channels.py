@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, no_fp_warnings
 from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
@@ -56,12 +56,11 @@ def _running(
     momentum: float,
 ) -> Buffers:
     """The buffers moved towards the batch's (C,) mean and unbiased variance (float64);
-    a variance beyond the buffer dtype's range becomes inf, silently (as in PyTorch)."""
+    a variance beyond the buffer dtype's range becomes inf (as in PyTorch)."""
     if running_mean is None or running_var is None:
         return running_mean, running_var
-    with np.errstate(all="ignore"):
-        new_mean = running_update(xp, running_mean, mean, momentum)  # C
-        return new_mean, running_update(xp, running_var, var, momentum)
+    new_mean = running_update(xp, running_mean, mean, momentum)  # C
+    return new_mean, running_update(xp, running_var, var, momentum)
 
 
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
@@ -215,6 +214,7 @@ def _group_backward(
 
 
 @specialized("batch_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
 def batch_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -248,6 +248,7 @@ def batch_norm_forward(
 
 
 @specialized("batch_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
 def batch_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -271,6 +272,7 @@ def batch_norm_backward(
 
 
 @specialized("instance_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
 def instance_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -305,6 +307,7 @@ def instance_norm_forward(
 
 
 @specialized("instance_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
 def instance_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -332,6 +335,7 @@ def instance_norm_backward(
 
 
 @specialized("group_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
 def group_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -351,6 +355,7 @@ def group_norm_forward(
 
 
 @specialized("group_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
 def group_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
@@ -37,6 +37,12 @@ def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
 
 def _fallback(op: str, *args: Any) -> Any:
     return family_kernel(op, "numpy")(*args)
+
+
+def _plain_out(out: np.ndarray | None, input: np.ndarray) -> bool:
+    """No ``out``, or a C-ordered one the loops may write directly (checked against the
+    input's shape and dtype by the caller) that shares no memory with the input."""
+    return out is None or (out.flags.c_contiguous and not np.may_share_memory(out, input))
 
 
 # --- LayerNorm ---------------------------------------------------------------------------
@@ -63,11 +69,29 @@ def layer_norm_forward(
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
     batch = _batch(input, shape)
-    if out is None and input.dtype == ct and input.flags.c_contiguous and R * D < MIN_PARALLEL:
-        # the small common call: no staging, no threads
-        y = np.empty(input.shape, dtype=ct)
+    if R * D < MIN_PARALLEL and input.dtype == ct and input.flags.c_contiguous and _plain_out(out, input):
+        # the small common call: no staging, no threads (and no NumPy arithmetic to silence)
+        y = np.empty(input.shape, dtype=ct) if out is None else out
         loops.layer_norm_forward(input.reshape(R, D), w, b, eps, y.reshape(R, D), mean, rstd, 0, R)
         return y, mean.reshape(batch), rstd.reshape(batch)
+    return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
+
+
+@no_fp_warnings
+def _layer_norm_forward(
+    input: np.ndarray,
+    shape: Shape,
+    R: int,
+    w: np.ndarray,
+    b: np.ndarray,
+    eps: float,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``layer_norm_forward`` staged and split over the threads."""
+    D = w.shape[0]
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)  # *,*shape
     src = Source(input, *row_layout(input, len(shape)), ct)
     dst = Target(y, R, D, ct)
@@ -81,10 +105,12 @@ def layer_norm_forward(
             dst.done(a, e, yb)
 
     run(task, ranges(R, D))
+    batch = _batch(input, shape)
     return finish(y, out), mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
 
 
 @specialized("layer_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
 def layer_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -136,6 +162,7 @@ def layer_norm_backward(
 
 
 @specialized("rms_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
 def rms_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -170,6 +197,7 @@ def rms_norm_forward(
 
 
 @specialized("rms_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
 def rms_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
