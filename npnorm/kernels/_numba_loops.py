@@ -41,8 +41,10 @@ from numba import njit
 _loop: Any = njit(cache=True, nogil=True, error_model="numpy")
 _sum_loop: Any = njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
 
-# dweight/dbias of LayerNorm and RMSNorm are summed over rows in the data's dtype for
-# this many rows at a time, then added into float64 partial sums.
+# dweight/dbias of LayerNorm and RMSNorm are summed over rows in the data's dtype, and
+# added into float64 partial sums after every row whose index in the input is a multiple
+# of FLUSH_ROWS minus one (so that how a thread's rows are cut into calls does not change
+# the sums).
 FLUSH_ROWS = 16
 
 
@@ -149,15 +151,16 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
 
 
 @_loop
-def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, with_sums, r0, r1):  # type: ignore[no-untyped-def]
-    """Rows ``[r0, r1)``: ``dx = rstd*(g - mean(g) - xhat*mean(g*xhat))``, ``g = dy*w``,
-    as ``dx = a*g + c1*(x - mean) + c0`` with per-row ``a = rstd``,
-    ``c1 = -rstd^3*sum(g*(x - mean))/D``, ``c0 = -rstd*sum(g)/D``. With ``with_sums``,
-    ``dw += sum_rows(dy*xhat)`` and ``db += sum_rows(dy)`` into the float64 (D,) arrays."""
+def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` (rows ``base + r`` of the input): ``dx = rstd*(g - mean(g) -
+    xhat*mean(g*xhat))``, ``g = dy*w``, as ``dx = a*g + c1*xhat + c0`` with per-row
+    ``a = rstd``, ``c1 = -rstd*mean(g*xhat)``, ``c0 = -rstd*mean(g)`` (each representable
+    where rstd is: no rstd^3, which underflows float32 for huge rows). With
+    ``with_sums``, ``sum_rows(dy*xhat)`` and ``sum_rows(dy)`` go into the partial sums
+    ``pw``, ``pb`` (the data's dtype, (D,)), flushed into the float64 ``dw``, ``db``
+    (see FLUSH_ROWS; the caller flushes what is left)."""
     D = x.shape[1]
     s = np.empty(3, dtype=dx.dtype)
-    pw = np.zeros(D, dtype=dx.dtype)  # FLUSH_ROWS rows of dy*xhat, then into dw
-    pb = np.zeros(D, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
     for r in range(r0, r1):
@@ -168,25 +171,22 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, with_sums, r0, r1):  #
         rs = np.float64(rstd[r])
         sg, sgx = _sums_dy(dyr, xr, m, zero, w)
         s[0] = rs
-        s[1] = -rs * rs * rs * sgx / D
+        s[1] = -rs * (sgx * rs / D)
         s[2] = -rs * sg / D
         a, c1, c0 = s[0], s[1], s[2]
         if with_sums:
             for j in range(D):
-                xc = xr[j] - m
+                xh = (xr[j] - m) * a
                 d = dyr[j]
-                dxr[j] = a * (d * w[j]) + c1 * xc + c0
-                pw[j] += d * (xc * a)
+                dxr[j] = a * (d * w[j]) + c1 * xh + c0
+                pw[j] += d * xh
                 pb[j] += d
-            if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1:
+            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
                 _flush(pw, dw)
                 _flush(pb, db)
         else:
             for j in range(D):
-                dxr[j] = a * (dyr[j] * w[j]) + c1 * (xr[j] - m) + c0
-    if with_sums:
-        _flush(pw, dw)
-        _flush(pb, db)
+                dxr[j] = a * (dyr[j] * w[j]) + c1 * ((xr[j] - m) * a) + c0
 
 
 @_loop
@@ -203,12 +203,12 @@ def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def
 
 
 @_loop
-def rms_norm_backward(dy, x, rstd, w, dx, dw, with_sums, r0, r1):  # type: ignore[no-untyped-def]
-    """Rows ``[r0, r1)``: ``dx = a*g + c1*x`` with ``a = rstd``,
-    ``c1 = -rstd^3*sum(g*x)/D``, ``g = dy*w``; ``dw += sum_rows(dy*x*rstd)``."""
+def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` (rows ``base + r``): ``dx = a*g + c1*xhat`` with ``a = rstd``,
+    ``xhat = x*rstd``, ``c1 = -rstd*mean(g*xhat)``, ``g = dy*w``; ``sum_rows(dy*xhat)``
+    into ``pw`` and ``dw`` as in ``layer_norm_backward``."""
     D = x.shape[1]
     s = np.empty(2, dtype=dx.dtype)
-    pw = np.zeros(D, dtype=dx.dtype)
     for r in range(r0, r1):
         xr = x[r]
         dyr = dy[r]
@@ -216,20 +216,19 @@ def rms_norm_backward(dy, x, rstd, w, dx, dw, with_sums, r0, r1):  # type: ignor
         rs = np.float64(rstd[r])
         sgx = _sum_g_x(dyr, xr, w)
         s[0] = rs
-        s[1] = -rs * rs * rs * sgx / D
+        s[1] = -rs * (sgx * rs / D)
         a, c1 = s[0], s[1]
         if with_sums:
             for j in range(D):
                 d = dyr[j]
-                dxr[j] = a * (d * w[j]) + c1 * xr[j]
-                pw[j] += d * (xr[j] * a)
-            if (r - r0) % FLUSH_ROWS == FLUSH_ROWS - 1:
+                xh = xr[j] * a
+                dxr[j] = a * (d * w[j]) + c1 * xh
+                pw[j] += d * xh
+            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
                 _flush(pw, dw)
         else:
             for j in range(D):
-                dxr[j] = a * (dyr[j] * w[j]) + c1 * xr[j]
-    if with_sums:
-        _flush(pw, dw)
+                dxr[j] = a * (dyr[j] * w[j]) + c1 * (xr[j] * a)
 
 
 # --- BatchNorm (and running statistics): channels of N rows of S values ---------------------
@@ -273,12 +272,13 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + c1*(x - mean) + c0`` with
-    ``a = rstd*w``, and with ``training`` (batch statistics) ``c1 = -rstd^3*w*sum(dy*(x -
-    mean))/M``, ``c0 = -rstd*w*sum(dy)/M`` (M = N*S values), else ``c1 = c0 = 0``."""
+    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + c1*xhat + c0`` with
+    ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
+    ``c1 = -rstd*w*mean(dy*xhat)``, ``c0 = -rstd*w*mean(dy)`` (over the M = N*S values),
+    else ``c1 = c0 = 0``."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
-    s = np.empty(3, dtype=dx.dtype)
+    s = np.empty(4, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
     for c in range(c0, c1):
@@ -295,18 +295,19 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         dw[c] = sdx * rs
         s[0] = rs * wc
         if training:
-            s[1] = -rs * rs * rs * wc * sdx / M
+            s[1] = -rs * wc * (sdx * rs / M)
             s[2] = -rs * wc * sd / M
         else:
             s[1] = 0.0
             s[2] = 0.0
-        a, k1, k0 = s[0], s[1], s[2]
+        s[3] = rs
+        a, k1, k0, rc = s[0], s[1], s[2], s[3]
         for n in range(N):
             xr = x[n, c]
             dyr = dy[n, c]
             dxr = dx[n, c]
             for j in range(S):
-                dxr[j] = a * dyr[j] + k1 * (xr[j] - m) + k0
+                dxr[j] = a * dyr[j] + k1 * ((xr[j] - m) * rc) + k0
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
@@ -348,7 +349,8 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     """Rows ``[r0, r1)`` (see ``group_forward``): per channel row ``sum(dy)`` and
     ``sum(dy*(x - mean))`` (float64, into ``sdy``, ``sdyx`` (R*k,)), combined with the
     weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
-    ``dx = rstd*w_c*dy + c1*(x - mean) + c0``, ``c1 = -rstd^3*sgx/L``, ``c0 = -rstd*sg/L``."""
+    ``dx = rstd*w_c*dy + c1*xhat + c0``, ``xhat = (x - mean)*rstd``,
+    ``c1 = -rstd*(sgx*rstd)/L``, ``c0 = -rstd*sg/L``."""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
@@ -371,9 +373,9 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             wc = np.float64(w[c0 + i])
             sg += wc * u
             sgx += wc * v
-        s[1] = -rs * rs * rs * sgx / L
+        s[1] = -rs * (sgx * rs / L)
         s[2] = -rs * sg / L
-        k1, k0 = s[1], s[2]
+        k1, k0, rc = s[1], s[2], rstd[r]
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
@@ -381,4 +383,4 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             dyi = dyr[i * S : (i + 1) * S]
             dxi = dxr[i * S : (i + 1) * S]
             for j in range(S):
-                dxi[j] = a * dyi[j] + k1 * (xi[j] - m) + k0
+                dxi[j] = a * dyi[j] + k1 * ((xi[j] - m) * rc) + k0

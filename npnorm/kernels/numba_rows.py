@@ -142,12 +142,15 @@ def layer_norm_backward(
     def task(start: int, stop: int) -> Partials:
         xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
         dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
+        pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
         for a, e in spans(start, stop, B):
             xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
             ob = dst.block(a, e, obuf)  # n,D
-            loops.layer_norm_backward(dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, sums, 0, e - a)
+            loops.layer_norm_backward(
+                dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, pw, pb, sums, a, 0, e - a
+            )
             dst.done(a, e, ob)
-        return dw, db
+        return dw + pw, db + pb
 
     partials = run(task, ranges(R, D))
     dweight = dbias = None
@@ -226,12 +229,13 @@ def rms_norm_backward(
     def task(start: int, stop: int) -> np.ndarray:
         xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
         dw = np.zeros(D)  # D float64 partial sum
+        pw = np.zeros(D, dtype=ct)  # D the last rows' sums
         for a, e in spans(start, stop, B):
             xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
             ob = dst.block(a, e, obuf)  # n,D
-            loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, sums, 0, e - a)
+            loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, pw, sums, a, 0, e - a)
             dst.done(a, e, ob)
-        return dw
+        return dw + pw
 
     partials = run(task, ranges(R, D))
     dweight = None

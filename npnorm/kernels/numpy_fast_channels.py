@@ -124,6 +124,14 @@ def _ring(v: np.ndarray | None, B: int) -> _Ring | None:
     return None if v is None else _Ring(v, B)
 
 
+def _huge(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """Whether some statistic has so small an rstd (a spread beyond ~1e15 in float32) that
+    the backward sweeps' coefficient ``rstd^3 * sum(...)``, about ``rstd^2``, underflows
+    ``ct``; the generic kernels, which form ``xhat = (x - mean) * rstd`` first, then run
+    instead (finite input, finite and accurate gradients)."""
+    return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
+
+
 def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
     """Whether ``x*s + (t - mean*s)`` is as accurate (to a few ulps) as
     ``(x - mean)*s + t``, saving the subtraction pass: true when every mean is within
@@ -237,8 +245,10 @@ def _merge_rows(
     rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
     mean_c = np.mean(rm + rd, axis=0)  # C
     dev = (rm - mean_c) + rd  # N,C  row mean - channel mean
-    within = np.sum(np.reshape(m2, (N, C)) - S * (rd * rd), axis=0)  # C
+    m2r = np.reshape(m2, (N, C))  # N,C
+    within = np.sum(m2r - S * (rd * rd), axis=0)  # C
     m2_c = within + S * np.sum(dev * dev, axis=0)  # C
+    m2_c[np.isinf(m2r).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
     return mean_c.astype(mean.dtype), m2_c / (N * S)
 
 
@@ -380,7 +390,7 @@ def _channel_backward(
         assert sum_dyxc is not None
         wv = 1.0 if w is None else w.astype(np.float64)
         r64 = r.astype(np.float64)  # C
-        b64 = -(r64 * r64 * r64) * (wv * sum_dyxc) / (N * S)  # C
+        b64 = -r64 * (r64 * (wv * sum_dyxc) / (N * S)) * r64  # C  (r*sum is O(1): no r^3 underflow)
         c64 = -r64 * (wv * sum_dy) / (N * S)  # C
         if fold:
             c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
@@ -492,7 +502,7 @@ def _group_backward(
     r_all = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
     fold = _foldable(m_all, r_all)
     r64 = r_all.astype(np.float64)  # R
-    nb_all = (r64 * r64 * r64) / -L  # R: b = nb * sgx (float64: rstd^3 underflows float32)
+    nb_all = (r64 * r64) / -L  # R: b = nb * (rstd * sgx) (float64; rstd * sgx is O(1))
     nc_all = r_all / -L  # R: c = nc * sg
     B = block_rows(R, L, ct.itemsize)
     w = param(weight, C, ct)  # C
@@ -534,7 +544,8 @@ def _group_backward(
                 np.add.reduce(sdx.reshape(n, k), axis=1, out=sgx)
             if fold:  # sum(g * (x - mean)) = sum(g * x) - mean * sum(g)
                 np.subtract(sgx, np.multiply(m, sg, out=b_), out=sgx)
-            np.multiply(nb_all[a:e], sgx, out=b_)  # b
+            np.multiply(r_all[a:e], sgx, out=b_)
+            np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
             if fold:  # b*(x - mean) + c = b*x + (c - b*mean)
                 np.subtract(c_, np.multiply(b_, m, out=sg), out=c_)
@@ -626,6 +637,10 @@ def batch_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if training and _huge(rstd, ct):
+        return generic_kernel("batch_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, training, out
+        )
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training, out)
 
 
@@ -695,6 +710,10 @@ def instance_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if use_input_stats and _huge(rstd, ct):
+        return generic_kernel("instance_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
+        )
     if use_input_stats:
         C = int(input.shape[1])
         return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
@@ -743,4 +762,8 @@ def group_norm_backward(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if _huge(rstd, ct):
+        return generic_kernel("group_norm_backward")(
+            xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+        )
     return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)
