@@ -25,8 +25,9 @@ from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
+from . import _staging
 from ._blocks import finish, grad_as, output, per_row, row_layout
-from ._staging import MIN_PARALLEL, Source, Target, block_size, compiled, param_or, ranges, run, spans
+from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, spans
 
 Partials = tuple[np.ndarray, np.ndarray]
 
@@ -39,10 +40,13 @@ def _fallback(op: str, *args: Any) -> Any:
     return family_kernel(op, "numpy")(*args)
 
 
-def _plain_out(out: np.ndarray | None, input: np.ndarray) -> bool:
-    """No ``out``, or a C-ordered one the loops may write directly (checked against the
-    input's shape and dtype by the caller) that shares no memory with the input."""
-    return out is None or (out.flags.c_contiguous and not np.may_share_memory(out, input))
+def _small(size: int, ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
+    """Whether a call can skip staging and threads: fewer than ``MIN_PARALLEL`` elements, the
+    inputs C-ordered in the computation dtype, and no ``out`` or a C-ordered one (its
+    shape and dtype checked by the caller) that shares no memory with them."""
+    if size >= _staging.MIN_PARALLEL or any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
+        return False
+    return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
 
 
 # --- LayerNorm ---------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def layer_norm_forward(
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
     batch = _batch(input, shape)
-    if R * D < MIN_PARALLEL and input.dtype == ct and input.flags.c_contiguous and _plain_out(out, input):
+    if _small(R * D, ct, out, input):
         # the small common call: no staging, no threads (and no NumPy arithmetic to silence)
         y = np.empty(input.shape, dtype=ct) if out is None else out
         loops.layer_norm_forward(input.reshape(R, D), w, b, eps, y.reshape(R, D), mean, rstd, 0, R)
@@ -133,6 +137,12 @@ def layer_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     w = param_or(weight, D, ct, 1.0)  # D
     sums = weight is not None or bias is not None
+    if _small(R * D, ct, out, input, grad_output):  # no staging, no threads
+        dx = np.empty(input.shape, dtype=ct) if out is None else out
+        dw, db, pw, pb = np.zeros(D), np.zeros(D), np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)
+        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
+        loops.layer_norm_backward(dy2, x2, mean_c, rstd_c, w, dx2, dw, db, pw, pb, sums, 0, 0, R)
+        return dx, grad_as(dw + pw, weight), grad_as(db + pb, bias)
     dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
     layout = row_layout(input, len(shape))
     src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)

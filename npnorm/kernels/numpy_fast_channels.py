@@ -2,7 +2,7 @@
 
 Same signatures and results (to rounding) as the generic kernels in
 ``npnorm.functional.batch_norm`` / ``instance_norm`` / ``group_norm``; registered for
-NumPy arrays with ``specialized(op, "array_api_compat.numpy")``.
+NumPy arrays as the ``"numpy"`` kernel family.
 
 Layout. An input of shape (N, C, *spatial) is viewed as rows, S = prod(spatial):
 
@@ -54,8 +54,10 @@ float16 (and any input narrower than the computation dtype) is converted block b
 block into scratch of the computation dtype, and the result converted on the way
 out. Inputs that cannot be viewed as rows (Fortran order, some slicings) are copied
 block by block, one sample at a time (small ones whole). Empty inputs go to the
-generic kernels. A single row longer than a block (GroupNorm with few, large groups)
-is one block: memory then grows to a few such rows per thread.
+generic kernels, and so does a backward whose rstd is so small (a spread beyond ~1e15
+in float32) that the sweeps' coefficients would underflow (``_huge``). A single row
+longer than a block (GroupNorm with few, large groups) is one block: memory then grows
+to a few such rows per thread.
 """
 
 from __future__ import annotations
