@@ -14,6 +14,9 @@ node by node and checked step by step (see ``npnorm.learn``; ``learn --help`` fo
 
 ``python -m npnorm demo [--quick] [--out DIR] [--norms ...] [--seed N]``: train on digits with
 every norm, print a table and write figures (see ``npnorm.demo``; needs the ``demo`` extra).
+
+``python -m npnorm warmup [--json FILE]``: compile every numba kernel once (see
+``npnorm._warmup``).
 """
 
 from __future__ import annotations
@@ -66,7 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         help="norms to train (default all; the sweeps always include none)",
     )
     demo.add_argument("--seed", type=int, default=0, help="all random state comes from it (default 0)")
+    warm = sub.add_parser("warmup", help="compile every numba kernel (float32, float64) into numba's cache")
+    warm.add_argument("--json", metavar="FILE", help="save the times as JSON")
     args = parser.parse_args(argv)
+    if args.command == "warmup":
+        from ._warmup import run as run_warmup
+
+        run_warmup(verbose=not args.quiet, json_path=args.json)
+        return 0
     if args.command == "gpu-check":
         from ._gpu_check import STAGES
         from ._gpu_check import run as run_gpu_check

@@ -8,9 +8,11 @@ here imports CuPy or torch: a backend is imported only when the user names it.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import array_api_compat
 import numpy as np
@@ -19,6 +21,49 @@ Array = Any  # an array of any Array API namespace (numpy, cupy, array_api_stric
 Namespace = Any  # an Array API namespace module
 
 FLOAT_NAMES = ("float16", "float32", "float64")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def no_fp_warnings(fn: F) -> F:
+    """Run ``fn`` with NumPy's floating-point warnings off, as PyTorch's kernels never
+    warn: a result that does not fit its dtype (an output beyond float32's range, 1/0
+    from ``eps=0`` on a constant row) shows as inf or nan in the output instead of a
+    ``RuntimeWarning`` from inside npnorm. Intermediate sums are kept finite where the
+    result is (statistics in float64), so this only silences genuinely non-finite
+    results. Backends that never warn (CuPy) are unaffected."""
+
+    @functools.wraps(fn)
+    def quiet(*args: Any, **kwargs: Any) -> Any:
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+
+    return quiet  # type: ignore[return-value]
+
+
+# Namespaces by array type, for the types whose namespace the type alone decides (NumPy,
+# CuPy and torch arrays; not array_api_strict, whose arrays carry an API version): the
+# common call then costs a dict lookup instead of array_namespace's inspection.
+_NAMESPACE_BY_TYPE: dict[type, Namespace] = {}
+
+
+def _cached_namespace(arrays: tuple[Any, ...]) -> Namespace | None:
+    """The cached namespace when every array present has one cached type, else None."""
+    kind = None
+    for a in arrays:
+        if a is None:
+            continue
+        t = type(a)
+        if kind is None:
+            kind = t
+        elif t is not kind:
+            return None
+    return None if kind is None else _NAMESPACE_BY_TYPE.get(kind)
+
+
+def _type_decides_namespace(a: Any) -> bool:
+    aac = array_api_compat
+    return bool(aac.is_numpy_array(a) or aac.is_cupy_array(a) or aac.is_torch_array(a))
 
 
 def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
@@ -29,6 +74,9 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
     TypeError
         If an entry is not an array, or the arrays come from different backends.
     """
+    cached = _cached_namespace(arrays)
+    if cached is not None:
+        return cached
     present = [a for a in arrays if a is not None]
     for a in present:
         if not array_api_compat.is_array_api_obj(a):
@@ -37,7 +85,7 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
                 f"namespace), got {type(a).__name__}"
             )
     try:
-        return array_api_compat.array_namespace(*present)
+        xp = array_api_compat.array_namespace(*present)
     except TypeError as err:
         kinds = sorted({type(a).__module__.split(".")[0] + "." + type(a).__name__ for a in present})
         first = _backend_of(present[0])
@@ -47,6 +95,10 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
             f"module.to({first!r}) moves a module's arrays (or create the module with xp={first!r}); "
             "npnorm runs on NumPy, CuPy, torch tensors and any Array API namespace"
         ) from err
+    types = {type(a) for a in present}
+    if len(types) == 1 and _type_decides_namespace(present[0]):
+        _NAMESPACE_BY_TYPE[types.pop()] = xp
+    return xp
 
 
 def backend_name(xp: Namespace) -> str:
@@ -108,8 +160,13 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     return resolved
 
 
+_FLOAT_CHARS = "efd"  # NumPy's float16, float32, float64: checked without isdtype
+
+
 def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
+    if type(x) is np.ndarray and x.dtype.char in _FLOAT_CHARS:
+        return
     if not xp.isdtype(x.dtype, "real floating"):
         raise TypeError(f"{what} must have a floating dtype (float16/32/64), got {x.dtype}")
 
@@ -120,8 +177,19 @@ def compute_dtype(xp: Namespace, *dtypes: Any) -> Any:
     float16 input is therefore computed in float32, and an input whose dtype differs
     from the parameters' is computed at the wider of the two precisions.
     """
-    present = [d for d in dtypes if d is not None]
-    return xp.result_type(xp.float32, *present)
+    present = tuple(d for d in dtypes if d is not None)
+    key = (xp.__name__, present)
+    try:
+        return _RESULT_TYPES[key]
+    except KeyError:
+        pass
+    except TypeError:  # a backend whose dtypes do not hash
+        return xp.result_type(xp.float32, *present)
+    ct = _RESULT_TYPES[key] = xp.result_type(xp.float32, *present)
+    return ct
+
+
+_RESULT_TYPES: dict[tuple[str, tuple[Any, ...]], Any] = {}
 
 
 def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:

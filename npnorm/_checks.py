@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ._backend import Array, Namespace, check_floating, compute_dtype, namespace_of
 
 Shape = tuple[int, ...]
@@ -18,6 +20,8 @@ Shape = tuple[int, ...]
 
 def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shape") -> Shape:
     """An int or a sequence of ints as a non-empty tuple of positive ints."""
+    if type(normalized_shape) is int and normalized_shape > 0:  # the common call, cheaply
+        return (normalized_shape,)
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape: Shape = (int(normalized_shape),)
     else:
@@ -36,12 +40,24 @@ def prod(shape: Sequence[int]) -> int:
 
 def float_inputs(*arrays: Array | None, names: Sequence[str]) -> Namespace:
     """Namespace of the arrays, each checked to be a floating array of that backend."""
+    xp = _float_numpy_namespace(arrays)
+    if xp is not None:
+        return xp
     present = [n for n, a in zip(names, arrays, strict=True) if a is not None]
     xp = namespace_of(*arrays, what=" and ".join(present))
     for name, a in zip(names, arrays, strict=True):
         if a is not None:
             check_floating(xp, a, name)
     return xp
+
+
+def _float_numpy_namespace(arrays: tuple[Array | None, ...]) -> Namespace | None:
+    """NumPy's namespace when every array present is a float16/32/64 NumPy array (the
+    common call: a type and dtype test per array), else None (the full checks decide)."""
+    for a in arrays:
+        if a is not None and (type(a) is not np.ndarray or a.dtype.char not in "efd"):
+            return None
+    return namespace_of(*arrays)
 
 
 def check_trailing(x: Array, shape: Shape, what: str = "input") -> None:
@@ -80,6 +96,8 @@ def check_row_stats(x: Array, shape: Shape, **stats: Array) -> None:
 
 
 def check_eps(eps: Any) -> float:
+    if type(eps) is float and eps >= 0:  # the common call, cheaply (NaN falls through)
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not float(eps) >= 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     return float(eps)
@@ -93,3 +111,26 @@ def cast(xp: Namespace, x: Array, dtype: Any) -> Array:
 def work_dtype(xp: Namespace, *arrays: Array | None) -> Any:
     """The computation dtype of these arrays (see ``compute_dtype``)."""
     return compute_dtype(xp, *(a.dtype for a in arrays if a is not None))
+
+
+def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") -> None:
+    """``out`` (when given) must be a writable array of ``xp`` with ``like``'s shape and
+    dtype (as torch's ``out=``: no broadcasting, no casting)."""
+    if out is None:
+        return
+    if namespace_of(out, what=what) is not xp:
+        raise TypeError(f"{what} must be an array of the input's backend ({xp.__name__}), got {type(out)}")
+    if tuple(out.shape) != tuple(like.shape):
+        raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError(f"{what} is read-only")
+
+
+def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:
+    """``result`` itself, or copied into ``out`` (which is returned) when given."""
+    if out is None:
+        return result
+    out[...] = result
+    return out

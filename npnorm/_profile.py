@@ -1,6 +1,7 @@
-"""``python -m npnorm profile``: where the fast kernels spend their time, NumPy call by call.
+"""``python -m npnorm profile``: where the NumPy kernels spend their time, call by call.
 
-For each layer at a standard shape (float32, one thread) it runs forward+backward of the
+For each layer at a standard shape (float32, one thread, the ``"numpy"`` kernel family)
+it runs forward+backward of the
 module a few times with every NumPy function the fast kernels call wrapped in a timer,
 and prints the time charged to each call site: the kernel's source line, its calls per
 forward+backward, milliseconds, and nanoseconds per input element. What the kernels do
@@ -27,6 +28,7 @@ import numpy as np
 
 from ._bench import FULL, Spec, _ours
 from ._threads import get_num_threads, set_num_threads
+from .functional._dispatch import use_kernels
 from .kernels import _blocks, numpy_fast, numpy_fast_channels
 
 KERNEL_MODULES: tuple[ModuleType, ...] = (_blocks, numpy_fast, numpy_fast_channels)
@@ -112,14 +114,15 @@ def profile(spec: Spec, reps: int = 5, top: int = 14) -> dict[str, Any]:
     threads = get_num_threads()
     set_num_threads(1)
     try:
-        m(x)
-        m.backward(dy)  # warm-up, untimed
-        with timed_kernels(totals):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                m(x)
-                m.backward(dy)
-            total = (time.perf_counter() - t0) / reps
+        with use_kernels("numpy"):
+            m(x)
+            m.backward(dy)  # warm-up, untimed
+            with timed_kernels(totals):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    m(x)
+                    m.backward(dy)
+                total = (time.perf_counter() - t0) / reps
     finally:
         set_num_threads(threads)
     sites = [

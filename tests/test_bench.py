@@ -19,13 +19,25 @@ def test_bench_quick_writes_every_figure(tmp_path):
     layers = {r["layer"] for r in data["rows"]}
     assert layers == {"LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d"}
     impls = {r["impl"] for r in data["rows"]}
-    assert {"npnorm fast", "npnorm generic", "textbook"} <= impls
+    families = data["machine"]["kernels_available"]
+    default = data["machine"]["kernels"]
+    assert {f"npnorm {k}" for k in families} | {f"npnorm {default} out=", "textbook"} <= impls
+    assert sum(r["default"] for r in data["rows"]) == len(layers)
     for r in data["rows"]:
         for key in ("fwd_ms", "bwd_ms", "fb_ms", "copy_GBps", "roofline_fwd", "roofline_fb"):
             assert r[key] > 0, (r["impl"], key)
         if r["impl"] != "torch":
             assert r["extra_memory_x_input"] is not None
-    assert "targets for npnorm fast" in out.stdout
+    for part, shape in (("inference", [64, 128, 384]), ("tiny", [4, 8])):
+        rows = data[part]
+        assert {r["impl"] for r in rows} >= {f"npnorm {k}" for k in families} | {f"npnorm {default} out="}
+        assert all(r["shape"] == shape and r["us_per_call"] > 0 for r in rows)
+    if "numba" in families:
+        for label in ("cold", "warm"):
+            assert data["compile"][label]["compile_s"] > 0
+        assert "compile (python -m npnorm warmup" in out.stdout
+    assert f"targets for npnorm {default}" in out.stdout
+    assert "inference" in out.stdout and "tiny call" in out.stdout
     # the quick shapes are not the ones the targets are for: figures, no verdicts
     assert "apply to the standard shapes" in out.stdout and "MISSED" not in out.stdout
     assert "rounds" in out.stdout and all(r["rounds"] == 1 for r in data["rows"])

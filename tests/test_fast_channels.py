@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import npnorm.functional as F
 from npnorm import _threads
-from npnorm.functional._dispatch import generic_kernel, kernel
+from npnorm.functional._dispatch import generic_kernel, kernel, use_kernels
 from npnorm.kernels import _blocks
 from npnorm.kernels import numpy_fast_channels as fast
 
@@ -38,13 +38,20 @@ REL = {"float64": 1e-11, "float32": 2e-5}  # of the computation dtype
 DRAWN = 300  # examples per drawn test (each takes a few ms)
 
 
+@pytest.fixture(autouse=True)
+def numpy_kernels():
+    """These tests are about the "numpy" kernel family: the public functions use it."""
+    with use_kernels("numpy"):
+        yield
+
+
 @contextlib.contextmanager
 def config(threads: int = 2, block_bytes: int | None = None, small_copy: int | None = None) -> Iterator[None]:
     """Thread count, block size and whole-copy limit for the block; restored after."""
     saved = (
         _threads.get_num_threads(),
         _blocks.BLOCK_BYTES,
-        fast.SMALL_COPY_BYTES,
+        _blocks.SMALL_COPY_BYTES,
         _blocks.MIN_BLOCKS_PER_THREAD,
     )
     _threads.set_num_threads(threads)
@@ -52,12 +59,12 @@ def config(threads: int = 2, block_bytes: int | None = None, small_copy: int | N
         _blocks.BLOCK_BYTES = block_bytes
         _blocks.MIN_BLOCKS_PER_THREAD = 1
     if small_copy is not None:
-        fast.SMALL_COPY_BYTES = small_copy
+        _blocks.SMALL_COPY_BYTES = small_copy
     try:
         yield
     finally:
         _threads.set_num_threads(saved[0])
-        _blocks.BLOCK_BYTES, fast.SMALL_COPY_BYTES, _blocks.MIN_BLOCKS_PER_THREAD = saved[1:]
+        _blocks.BLOCK_BYTES, _blocks.SMALL_COPY_BYTES, _blocks.MIN_BLOCKS_PER_THREAD = saved[1:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:

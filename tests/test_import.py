@@ -2,10 +2,11 @@ import subprocess
 import sys
 
 
-def test_import_pulls_in_neither_cupy_nor_torch():
+def test_import_pulls_in_neither_cupy_nor_torch_nor_numba():
     code = (
         "import sys, npnorm, npnorm.functional, npnorm.modules\n"
-        "bad = sorted(m for m in ('cupy', 'torch') if m in sys.modules)\n"
+        "lazy = ('cupy', 'torch', 'numba', 'npnorm.kernels.numpy_fast')\n"
+        "bad = sorted(m for m in lazy if m in sys.modules)\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -15,7 +16,17 @@ def test_public_names():
     import npnorm
     import npnorm.functional as F
 
-    for name in ("LayerNorm", "RMSNorm", "gradcheck", "GradcheckError", "functional"):
+    for name in (
+        "LayerNorm",
+        "RMSNorm",
+        "gradcheck",
+        "GradcheckError",
+        "functional",
+        "kernels_available",
+        "get_kernels",
+        "set_kernels",
+        "use_kernels",
+    ):
         assert hasattr(npnorm, name)
     for name in (
         "layer_norm",

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._backend import Array, Namespace
-from .._checks import cast, prod, work_dtype
-from .._stats import moments, standardize_backward, xhat_from
+from .._checks import cast, prod, work_dtype, write_out
+from .._stats import moments, rstd_of, standardize_backward, xhat_from
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -99,6 +99,7 @@ def channel_norm_forward(
     momentum: float,
     eps: float,
     axes: tuple[int, ...],
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
     """The forward BatchNorm (``axes=(0, 2)``) and InstanceNorm (``axes=(2,)``) share.
 
@@ -107,7 +108,8 @@ def channel_norm_forward(
     over the remaining instances (one for BatchNorm, N for InstanceNorm) with the
     variance unbiased by ``count/(count-1)``, ``count`` the values per statistic.
     Without, the running statistics, shaped (1, C, 1). Returns the output in the input's
-    shape and dtype, mean and rstd as computed (keepdims), and the new buffers.
+    shape and dtype (written into ``out`` when given), mean and rstd as computed
+    (keepdims), and the new buffers.
     """
     ct = work_dtype(xp, input, weight, bias, running_mean, running_var)  # float32 at least
     x = as_ncs(xp, input, ct)  # N,C,S
@@ -126,10 +128,10 @@ def channel_norm_forward(
         # a copy, so that the saved statistics never alias the caller's buffers
         mean = xp.reshape(xp.asarray(running_mean, dtype=ct, copy=True), (1, -1, 1))  # 1,C,1
         var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
-    rstd = 1.0 / xp.sqrt(var + eps)  # same shape as mean
+    rstd = rstd_of(xp, var, eps, ct)  # same shape as mean
     y = channel_affine(xp, xhat_from(x, mean, rstd), weight, bias, ct)  # N,C,S
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
-    return y, mean, rstd, new_mean, new_var
+    return write_out(xp, out, y), mean, rstd, new_mean, new_var
 
 
 def channel_norm_backward(
@@ -142,6 +144,7 @@ def channel_norm_backward(
     bias: Array | None,
     use_input_stats: bool,
     axes: tuple[int, ...],
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """The backward BatchNorm and InstanceNorm share; ``mean``/``rstd`` as the forward
     computed them, in any shape that reshapes to 1,C,1 (running or BatchNorm) or N,C,1."""
@@ -159,4 +162,4 @@ def channel_norm_backward(
         dx = standardize_backward(xp, dxhat, xhat, rstd, axes)  # N,C,S
     else:
         dx = dxhat * rstd  # N,C,S: the statistics are constants
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias
+    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

@@ -1,16 +1,34 @@
-"""Which kernel computes an operation for a given array namespace.
+"""Which kernel computes an operation, and the public kernel selection.
 
-Every operation has a generic kernel written against the Array API (the readable
-reference, used for every backend). A backend may register a faster kernel for the
-same operation with the same signature; it is tested against the generic one. The
-math modules never branch on the backend themselves: they ask ``kernel(op, xp)``.
+Every operation has a generic kernel written against the Array API: the readable
+reference, used for every backend. NumPy input can also run one of two faster kernel
+families with the same signatures, each tested against the reference:
+
+* ``"numpy"``: blocked NumPy calls (``npnorm.kernels.numpy_fast``,
+  ``numpy_fast_channels``, ``numpy_fast_sync``), always available;
+* ``"numba"``: fused compiled loops (``npnorm.kernels.numba_rows``,
+  ``numba_channels``), available when numba imports (the ``fast`` extra); an op it
+  has no loop for (SyncBatchNorm's per-rank pieces) runs the ``"numpy"`` kernel.
+
+``get_kernels()`` names the family NumPy input runs now; the start value is the
+environment variable ``NPNORM_KERNELS`` if set, else ``"numba"`` when numba imports,
+else ``"numpy"``. ``set_kernels(name)`` changes it for the process,
+``use_kernels(name)`` within a ``with`` block (in the calling thread and context only).
+``"reference"`` runs the generic kernels for every backend.
+
+Another backend may register its own kernels (``specialized(op, namespace_name)``);
+they run unless ``"reference"`` is selected. The math modules never branch on the
+backend themselves: they ask ``kernel(op, xp)``. The kernel modules are imported the
+first time their family is used, so ``import npnorm`` imports neither numba nor them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import importlib.util
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -19,20 +37,37 @@ from .._backend import Namespace
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_GENERIC: dict[str, Callable[..., Any]] = {}
-_SPECIALIZED: dict[tuple[str, str], Callable[..., Any]] = {}
-_DISABLED: set[str] = set()
-# Modules holding the specialized kernels of a namespace, imported the first time an
-# array of that namespace is seen (so `import npnorm` stays light).
-_PROVIDERS: dict[str, tuple[str, ...]] = {
-    "array_api_compat.numpy": (
-        "npnorm.kernels.numpy_fast",
-        "npnorm.kernels.numpy_fast_channels",
-        "npnorm.kernels.numpy_fast_sync",
+NUMPY = "array_api_compat.numpy"  # the namespace name array_namespace gives NumPy arrays
+REFERENCE = "reference"
+ENV_VAR = "NPNORM_KERNELS"
+
+# The kernel families for NumPy input: the modules that register them, and the
+# third-party module each needs. The default is the first available of DEFAULT_ORDER.
+_FAMILIES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "numpy": (
+        ("npnorm.kernels.numpy_fast", "npnorm.kernels.numpy_fast_channels", "npnorm.kernels.numpy_fast_sync"),
+        None,
     ),
+    "numba": (("npnorm.kernels.numba_rows", "npnorm.kernels.numba_channels"), "numba"),
 }
-_LOADED: set[str] = set()
-_LOCK = threading.Lock()
+# An op a family has no kernel for runs the kernel of the family named here (else the
+# generic one): SyncBatchNorm's per-rank pieces have blocked NumPy kernels, no compiled ones.
+_FALLBACK: dict[str, str] = {"numba": "numpy"}
+NAMES = (REFERENCE, *_FAMILIES)
+DEFAULT_ORDER = ("numba", "numpy")
+
+_GENERIC: dict[str, Callable[..., Any]] = {}
+# (op, family) for NumPy families, (op, namespace name) for other backends' kernels
+_SPECIALIZED: dict[tuple[str, str], Callable[..., Any]] = {}
+# Modules holding the kernels of another backend, imported the first time one of its
+# arrays is seen (none today; NumPy's families are in _FAMILIES).
+_PROVIDERS: dict[str, tuple[str, ...]] = {}
+
+_LOCK = threading.RLock()
+_LOADED: set[str] = set()  # families and namespaces whose modules are imported
+_AVAILABLE: dict[str, bool] = {}  # family -> whether its third-party module imports
+_selected: str | None = None  # process-wide selection; None: not yet read from the environment
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("npnorm_kernels", default=None)
 
 
 def generic(op: str) -> Callable[[F], F]:
@@ -45,53 +80,161 @@ def generic(op: str) -> Callable[[F], F]:
     return deco
 
 
-def specialized(op: str, namespace_name: str) -> Callable[[F], F]:
-    """Register a kernel of ``op`` for arrays whose namespace is called ``namespace_name``."""
+def specialized(op: str, namespace_name: str, kernels: str | None = None) -> Callable[[F], F]:
+    """Register a kernel of ``op`` for arrays whose namespace is ``namespace_name``; for
+    NumPy (``NUMPY``), ``kernels`` names the family it belongs to."""
+    if namespace_name == NUMPY and kernels not in _FAMILIES:
+        raise ValueError(f"a NumPy kernel must name its family, one of {list(_FAMILIES)}; got {kernels!r}")
 
     def deco(fn: F) -> F:
-        _SPECIALIZED[(op, namespace_name)] = fn
+        _SPECIALIZED[(op, kernels if namespace_name == NUMPY else namespace_name)] = fn  # type: ignore[index]
         return fn
 
     return deco
 
 
-def set_specialized(namespace_name: str, enabled: bool) -> None:
-    """Turn the specialized kernels of one namespace off (or back on)."""
-    if enabled:
-        _DISABLED.discard(namespace_name)
-    else:
-        _DISABLED.add(namespace_name)
+# --- which families exist here ---------------------------------------------------------
+
+
+def _available(family: str) -> bool:
+    """Whether ``family``'s third-party module imports (cached). Only a missing or
+    unimportable dependency counts as unavailable; an error in npnorm's own kernel
+    modules is raised where they are imported."""
+    known = _AVAILABLE.get(family)
+    if known is not None:
+        return known
+    with _LOCK:
+        if family not in _AVAILABLE:
+            requires = _FAMILIES[family][1]
+            ok = True
+            if requires is not None:
+                try:
+                    ok = importlib.util.find_spec(requires) is not None
+                    if ok:
+                        importlib.import_module(requires)
+                except ImportError:
+                    ok = False
+            _AVAILABLE[family] = ok
+        return _AVAILABLE[family]
+
+
+def kernels_available() -> list[str]:
+    """The kernel families that can run NumPy input here, e.g.
+    ``["reference", "numpy", "numba"]`` (``"numba"`` only where numba imports)."""
+    return [REFERENCE, *(f for f in _FAMILIES if _available(f))]
+
+
+def _checked(name: object) -> str:
+    if isinstance(name, str) and (name == REFERENCE or (name in _FAMILIES and _available(name))):
+        return name
+    available = kernels_available()
+    hint = ""
+    if isinstance(name, str) and name in _FAMILIES:
+        hint = f" ({name!r} needs {_FAMILIES[name][1]}: pip install 'npnorm[fast]')"
+    raise ValueError(f"unknown or unavailable kernels {name!r}{hint}; available: {', '.join(available)}")
+
+
+def _default() -> str:
+    """The start value: ``NPNORM_KERNELS`` if set, else the first available family."""
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        try:
+            return _checked(env)
+        except ValueError as err:
+            raise ValueError(f"{ENV_VAR}: {err}") from None
+    return next(f for f in DEFAULT_ORDER if _available(f))
+
+
+# --- selection -------------------------------------------------------------------------
+
+
+def get_kernels() -> str:
+    """The kernel family NumPy input runs now: ``"reference"``, ``"numpy"`` or ``"numba"``."""
+    name = _override.get()
+    if name is not None:
+        return name
+    global _selected
+    if _selected is None:
+        with _LOCK:
+            if _selected is None:
+                _selected = _default()
+    return _selected
+
+
+def set_kernels(name: str) -> None:
+    """Run NumPy input with the kernel family ``name`` from now on, in every thread
+    (``use_kernels`` blocks still take precedence within them).
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of ``kernels_available()``; the message lists them.
+    """
+    global _selected
+    checked = _checked(name)
+    with _LOCK:
+        _selected = checked
 
 
 @contextlib.contextmanager
-def generic_only(namespace_name: str = "array_api_compat.numpy") -> Iterator[None]:
-    """Within the block, use the generic kernels for ``namespace_name`` (for
-    benchmarks and tests that compare the two paths)."""
-    was_disabled = namespace_name in _DISABLED
-    set_specialized(namespace_name, False)
+def use_kernels(name: str) -> Iterator[None]:
+    """Run NumPy input with the kernel family ``name`` inside the ``with`` block, in the
+    calling thread (and context); the previous selection comes back on exit, also when
+    the block raises. ``ValueError`` as ``set_kernels``."""
+    token = _override.set(_checked(name))
     try:
         yield
     finally:
-        set_specialized(namespace_name, not was_disabled)
+        _override.reset(token)
+
+
+@contextlib.contextmanager
+def generic_only(namespace_name: str = NUMPY) -> Iterator[None]:
+    """The generic kernels inside the block, for every backend (``namespace_name`` is
+    kept for the callers that named one); ``use_kernels("reference")``."""
+    with use_kernels(REFERENCE):
+        yield
+
+
+# --- lookup ----------------------------------------------------------------------------
+
+
+def _load(key: str, modules: tuple[str, ...]) -> None:
+    with _LOCK:
+        if key not in _LOADED:
+            for module in modules:
+                importlib.import_module(module)  # an import error propagates, every time
+            _LOADED.add(key)
+
+
+def family_kernel(op: str, family: str) -> Callable[..., Any]:
+    """The kernel of ``op`` in the NumPy family ``family`` (``"reference"``: the generic one)."""
+    if family == REFERENCE:
+        return _GENERIC[op]
+    if family not in _LOADED:
+        _checked(family)
+        _load(family, _FAMILIES[family][0])
+    fn = _SPECIALIZED.get((op, family))
+    if fn is not None:
+        return fn
+    fallback = _FALLBACK.get(family)
+    return family_kernel(op, fallback) if fallback is not None else _GENERIC[op]
 
 
 def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
-    """The kernel that computes ``op`` for arrays of ``xp``."""
+    """The kernel that computes ``op`` for arrays of ``xp`` under the current selection."""
+    selected = get_kernels()
+    if selected == REFERENCE:
+        return _GENERIC[op]
     name = xp.__name__
+    if name == NUMPY:
+        fn = _SPECIALIZED.get((op, selected))
+        return fn if fn is not None else family_kernel(op, selected)
     if name not in _LOADED:
-        with _LOCK:
-            if name not in _LOADED:
-                for provider in _PROVIDERS.get(name, ()):
-                    if importlib.util.find_spec(provider) is not None:
-                        importlib.import_module(provider)  # an import error propagates, every time
-                _LOADED.add(name)
-    if name not in _DISABLED:
-        fn = _SPECIALIZED.get((op, name))
-        if fn is not None:
-            return fn
-    return _GENERIC[op]
+        _load(name, tuple(p for p in _PROVIDERS.get(name, ()) if importlib.util.find_spec(p) is not None))
+    return _SPECIALIZED.get((op, name)) or _GENERIC[op]
 
 
 def generic_kernel(op: str) -> Callable[..., Any]:
-    """The generic kernel of ``op`` (what specialized kernels are tested against)."""
+    """The generic kernel of ``op`` (what the other kernels are tested against)."""
     return _GENERIC[op]

@@ -6,8 +6,8 @@ Reducing Internal Covariate Shift", https://arxiv.org/abs/1502.03167.
 
 from __future__ import annotations
 
-from .._backend import Array, Namespace
-from .._checks import check_eps, check_grad_output, float_inputs, prod
+from .._backend import Array, Namespace, no_fp_warnings
+from .._checks import check_eps, check_grad_output, check_out, float_inputs, prod
 from ._channels import (
     channel_norm_backward,
     channel_norm_forward,
@@ -29,6 +29,8 @@ def batch_norm_forward(
     training: bool = False,
     momentum: float = 0.1,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
     """BatchNorm forward: the output, the statistics it used and the updated buffers.
 
@@ -62,10 +64,13 @@ def batch_norm_forward(
         ``momentum=None`` into ``1 / num_batches_tracked``).
     eps : float, default 1e-5
         Added to the variance before the square root.
+    out : array, keyword-only, optional
+        Where to write the output: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape (C,)
         The statistics the output was normalized with (batch or running; rstd =
         1/sqrt(var + eps)), in the computation dtype (float32 for float16 input).
@@ -105,8 +110,9 @@ def batch_norm_forward(
         )
     if not training and running_mean is None:
         raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
+    check_out(xp, out, input)
     return kernel("batch_norm_forward", xp)(
-        xp, input, running_mean, running_var, weight, bias, bool(training), momentum, eps
+        xp, input, running_mean, running_var, weight, bias, bool(training), momentum, eps, out
     )
 
 
@@ -118,6 +124,8 @@ def batch_norm_backward(
     weight: Array | None = None,
     bias: Array | None = None,
     training: bool = True,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """BatchNorm backward, from the upstream gradient and the saved statistics.
 
@@ -144,6 +152,9 @@ def batch_norm_backward(
         As given to the forward.
     training : bool, default True
         The value the forward was called with.
+    out : array, keyword-only, optional
+        Where to write ``dx``: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
@@ -168,7 +179,10 @@ def batch_norm_backward(
     c = check_channels(input, None, "batch_norm")
     check_grad_output(grad_output, input)
     check_per_channel(c, mean=mean, rstd=rstd, weight=weight, bias=bias)
-    return kernel("batch_norm_backward", xp)(xp, grad_output, input, mean, rstd, weight, bias, bool(training))
+    check_out(xp, out, input)
+    return kernel("batch_norm_backward", xp)(
+        xp, grad_output, input, mean, rstd, weight, bias, bool(training), out
+    )
 
 
 def batch_norm(
@@ -226,6 +240,7 @@ def batch_norm(
 
 
 @generic("batch_norm_forward")
+@no_fp_warnings
 def batch_norm_forward_generic(
     xp: Namespace,
     input: Array,
@@ -236,15 +251,17 @@ def batch_norm_forward_generic(
     training: bool,
     momentum: float,
     eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
     # statistics over the batch and spatial axes of the N,C,S view: one per channel
     y, mean, rstd, new_mean, new_var = channel_norm_forward(
-        xp, input, running_mean, running_var, weight, bias, training, momentum, eps, axes=(0, 2)
+        xp, input, running_mean, running_var, weight, bias, training, momentum, eps, axes=(0, 2), out=out
     )
     return y, xp.reshape(mean, (-1,)), xp.reshape(rstd, (-1,)), new_mean, new_var  # out, C, C, C, C
 
 
 @generic("batch_norm_backward")
+@no_fp_warnings
 def batch_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -254,5 +271,8 @@ def batch_norm_backward_generic(
     weight: Array | None,
     bias: Array | None,
     training: bool,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
-    return channel_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, training, axes=(0, 2))
+    return channel_norm_backward(
+        xp, grad_output, input, mean, rstd, weight, bias, training, axes=(0, 2), out=out
+    )

@@ -5,8 +5,8 @@ Wu & He (2018), "Group Normalization", https://arxiv.org/abs/1803.08494.
 
 from __future__ import annotations
 
-from .._backend import Array, Namespace
-from .._checks import cast, check_eps, check_grad_output, float_inputs, work_dtype
+from .._backend import Array, Namespace, no_fp_warnings
+from .._checks import cast, check_eps, check_grad_output, check_out, float_inputs, work_dtype, write_out
 from .._stats import standardize, standardize_backward, xhat_from
 from ._channels import as_ncs, channel_affine, channel_affine_backward, check_channels, check_per_channel
 from ._dispatch import generic, kernel
@@ -25,6 +25,8 @@ def group_norm_forward(
     weight: Array | None = None,
     bias: Array | None = None,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """GroupNorm forward: the output and the per-(sample, group) statistics.
 
@@ -48,10 +50,13 @@ def group_norm_forward(
     weight, bias : arrays of shape (C,), optional
     eps : float, default 1e-5
         Added to the variance before the square root.
+    out : array, keyword-only, optional
+        Where to write the output: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape (N, num_groups), in the computation dtype
 
     Raises
@@ -73,7 +78,8 @@ def group_norm_forward(
     c = check_channels(input, None, "group_norm")
     check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
-    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps)
+    check_out(xp, out, input)
+    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps, out)
 
 
 def group_norm_backward(
@@ -84,6 +90,8 @@ def group_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """GroupNorm backward, from the upstream gradient and the saved statistics.
 
@@ -105,6 +113,9 @@ def group_norm_backward(
         As returned by ``group_norm_forward``.
     weight, bias : arrays of shape (C,), optional
         As given to the forward.
+    out : array, keyword-only, optional
+        Where to write ``dx``: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
@@ -134,7 +145,10 @@ def group_norm_backward(
             raise ValueError(
                 f"{name} must have shape {(int(input.shape[0]), num_groups)}, got {tuple(a.shape)}"
             )
-    return kernel("group_norm_backward", xp)(xp, grad_output, input, num_groups, mean, rstd, weight, bias)
+    check_out(xp, out, input)
+    return kernel("group_norm_backward", xp)(
+        xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+    )
 
 
 def group_norm(
@@ -178,8 +192,15 @@ def group_norm(
 
 
 @generic("group_norm_forward")
+@no_fp_warnings
 def group_norm_forward_generic(
-    xp: Namespace, input: Array, num_groups: int, weight: Array | None, bias: Array | None, eps: float
+    xp: Namespace,
+    input: Array,
+    num_groups: int,
+    weight: Array | None,
+    bias: Array | None,
+    eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     x = as_ncs(xp, input, ct)  # N,C,S
@@ -189,10 +210,11 @@ def group_norm_forward_generic(
     assert mean is not None
     y = channel_affine(xp, xp.reshape(xhat, (n, c, s)), weight, bias, ct)  # N,C,S
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
-    return y, xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
+    return write_out(xp, out, y), xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
 
 
 @generic("group_norm_backward")
+@no_fp_warnings
 def group_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -202,6 +224,7 @@ def group_norm_backward_generic(
     rstd: Array,
     weight: Array | None,
     bias: Array | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     ct = work_dtype(xp, input, weight, bias, mean)
     x = as_ncs(xp, input, ct)  # N,C,S
@@ -215,4 +238,4 @@ def group_norm_backward_generic(
         xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
     )  # N,C,S  C  C
     dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2,))  # N,G,C/G*S
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight, dbias
+    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

@@ -6,8 +6,8 @@ for Fast Stylization", https://arxiv.org/abs/1607.08022.
 
 from __future__ import annotations
 
-from .._backend import Array, Namespace
-from .._checks import check_eps, check_grad_output, float_inputs, prod
+from .._backend import Array, Namespace, no_fp_warnings
+from .._checks import check_eps, check_grad_output, check_out, float_inputs, prod
 from ._channels import (
     channel_norm_backward,
     channel_norm_forward,
@@ -29,6 +29,8 @@ def instance_norm_forward(
     use_input_stats: bool = True,
     momentum: float = 0.1,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
     """InstanceNorm forward: the output, the statistics it used and the updated buffers.
 
@@ -61,10 +63,13 @@ def instance_norm_forward(
         Weight of the batch-averaged statistics in the update.
     eps : float, default 1e-5
         Added to the variance before the square root.
+    out : array, keyword-only, optional
+        Where to write the output: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape (N, C) with input statistics, (C,) with running ones
     new_running_mean, new_running_var : arrays of shape (C,) or None
 
@@ -98,8 +103,9 @@ def instance_norm_forward(
         )
     if not use_input_stats and running_mean is None:
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
+    check_out(xp, out, input)
     return kernel("instance_norm_forward", xp)(
-        xp, input, running_mean, running_var, weight, bias, bool(use_input_stats), momentum, eps
+        xp, input, running_mean, running_var, weight, bias, bool(use_input_stats), momentum, eps, out
     )
 
 
@@ -111,6 +117,8 @@ def instance_norm_backward(
     weight: Array | None = None,
     bias: Array | None = None,
     use_input_stats: bool = True,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """InstanceNorm backward, from the upstream gradient and the saved statistics.
 
@@ -136,6 +144,9 @@ def instance_norm_backward(
         As given to the forward.
     use_input_stats : bool, default True
         The value the forward was called with.
+    out : array, keyword-only, optional
+        Where to write ``dx``: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
@@ -163,8 +174,9 @@ def instance_norm_backward(
     for name, a in (("mean", mean), ("rstd", rstd)):
         if tuple(a.shape) != stats_shape:
             raise ValueError(f"{name} must have shape {stats_shape}, got {tuple(a.shape)}")
+    check_out(xp, out, input)
     return kernel("instance_norm_backward", xp)(
-        xp, grad_output, input, mean, rstd, weight, bias, bool(use_input_stats)
+        xp, grad_output, input, mean, rstd, weight, bias, bool(use_input_stats), out
     )
 
 
@@ -221,6 +233,7 @@ def instance_norm(
 
 
 @generic("instance_norm_forward")
+@no_fp_warnings
 def instance_norm_forward_generic(
     xp: Namespace,
     input: Array,
@@ -231,10 +244,11 @@ def instance_norm_forward_generic(
     use_input_stats: bool,
     momentum: float,
     eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array, Array | None, Array | None]:
     # statistics over the spatial axis of the N,C,S view: one per (sample, channel)
     y, mean, rstd, new_mean, new_var = channel_norm_forward(
-        xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, axes=(2,)
+        xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, axes=(2,), out=out
     )
     n, c = int(input.shape[0]), int(input.shape[1])
     stats_shape = (n, c) if use_input_stats else (c,)
@@ -242,6 +256,7 @@ def instance_norm_forward_generic(
 
 
 @generic("instance_norm_backward")
+@no_fp_warnings
 def instance_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -251,6 +266,7 @@ def instance_norm_backward_generic(
     weight: Array | None,
     bias: Array | None,
     use_input_stats: bool,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     axes = (2,)
-    return channel_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, axes)
+    return channel_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, axes, out)

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._backend import Array, Namespace
+from .._backend import Array, Namespace, no_fp_warnings
 from .._checks import (
     Shape,
     as_shape,
     cast,
     check_eps,
     check_grad_output,
+    check_out,
     check_param,
     check_row_stats,
     check_trailing,
     float_inputs,
     prod,
     work_dtype,
+    write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
 from ._dispatch import generic, kernel
@@ -31,6 +33,8 @@ def layer_norm_forward(
     weight: Array | None = None,
     bias: Array | None = None,
     eps: float = 1e-5,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     """LayerNorm forward: the output and the per-row statistics backward needs.
 
@@ -52,10 +56,13 @@ def layer_norm_forward(
         The affine map; ``None`` leaves it out.
     eps : float, default 1e-5
         Added to the variance before the square root.
+    out : array, optional, keyword-only
+        Where to write the output: an array of the input's backend, shape and dtype
+        (``TypeError``/``ValueError`` otherwise); it is returned as ``output``.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     mean, rstd : arrays of shape ``input.shape[:-len(normalized_shape)]``
         Per-row mean and ``1/sqrt(var + eps)``, in the computation dtype (float32
         for float16 input). Nothing the size of the input is saved.
@@ -84,7 +91,8 @@ def layer_norm_forward(
     check_trailing(input, shape)
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
-    return kernel("layer_norm_forward", xp)(xp, input, shape, weight, bias, eps)
+    check_out(xp, out, input)
+    return kernel("layer_norm_forward", xp)(xp, input, shape, weight, bias, eps, out)
 
 
 def layer_norm_backward(
@@ -95,6 +103,8 @@ def layer_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     """LayerNorm backward, from the upstream gradient and what the forward saved.
 
@@ -121,6 +131,9 @@ def layer_norm_backward(
         As returned by ``layer_norm_forward`` (one value per row).
     weight, bias : array of shape normalized_shape, optional
         As given to the forward; a gradient is returned for each one given.
+    out : array, keyword-only, optional
+        Where to write ``dx``: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
@@ -160,7 +173,8 @@ def layer_norm_backward(
     check_row_stats(input, shape, mean=mean, rstd=rstd)
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
-    return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias)
+    check_out(xp, out, input)
+    return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias, out)
 
 
 def layer_norm(
@@ -205,8 +219,15 @@ def layer_norm(
 
 
 @generic("layer_norm_forward")
+@no_fp_warnings
 def layer_norm_forward_generic(
-    xp: Namespace, input: Array, shape: Shape, weight: Array | None, bias: Array | None, eps: float
+    xp: Namespace,
+    input: Array,
+    shape: Shape,
+    weight: Array | None,
+    bias: Array | None,
+    eps: float,
+    out: Array | None = None,
 ) -> tuple[Array, Array, Array]:
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     batch = tuple(input.shape[: input.ndim - len(shape)])
@@ -220,10 +241,11 @@ def layer_norm_forward_generic(
         y = y + xp.reshape(cast(xp, bias, ct), (D,))  # R,D
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
     assert mean is not None
-    return y, xp.reshape(mean, batch), xp.reshape(rstd, batch)  # out, (*), (*)
+    return write_out(xp, out, y), xp.reshape(mean, batch), xp.reshape(rstd, batch)  # out, (*), (*)
 
 
 @generic("layer_norm_backward")
+@no_fp_warnings
 def layer_norm_backward_generic(
     xp: Namespace,
     grad_output: Array,
@@ -233,6 +255,7 @@ def layer_norm_backward_generic(
     rstd: Array,
     weight: Array | None,
     bias: Array | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
     ct = work_dtype(xp, input, weight, bias, mean, rstd)
     D = prod(shape)
@@ -251,4 +274,4 @@ def layer_norm_backward_generic(
         dxhat = dy  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,))  # R,D
     dx = cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)  # *,*shape
-    return dx, dweight, dbias
+    return write_out(xp, out, dx), dweight, dbias

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._backend import Array, Namespace
+from .._backend import Array, Namespace, no_fp_warnings
 from .._checks import (
     Shape,
     as_shape,
     cast,
     check_eps,
     check_grad_output,
+    check_out,
     check_param,
     check_row_stats,
     check_trailing,
     float_inputs,
     prod,
     work_dtype,
+    write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
 from ._dispatch import generic, kernel
@@ -31,6 +33,8 @@ def rms_norm_forward(
     normalized_shape: int | Sequence[int],
     weight: Array | None = None,
     eps: float | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array]:
     """RMSNorm forward: the output and the per-row statistic backward needs.
 
@@ -51,10 +55,13 @@ def rms_norm_forward(
     eps : float or None, default None
         Added to the mean square; ``None`` (as in PyTorch) means the machine
         epsilon of the computation dtype (float32 for float16 and float32 input).
+    out : array, keyword-only, optional
+        Where to write the output: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
-    output : array, shape and dtype of ``input``
+    output : array, shape and dtype of ``input`` (``out`` when given)
     rstd : array of shape ``input.shape[:-len(normalized_shape)]``
         Per-row ``1/sqrt(mean(x**2) + eps)``, in the computation dtype.
 
@@ -78,7 +85,8 @@ def rms_norm_forward(
     check_trailing(input, shape)
     check_param(weight, shape, "weight")
     eps_value = None if eps is None else check_eps(eps)
-    return kernel("rms_norm_forward", xp)(xp, input, shape, weight, eps_value)
+    check_out(xp, out, input)
+    return kernel("rms_norm_forward", xp)(xp, input, shape, weight, eps_value, out)
 
 
 def rms_norm_backward(
@@ -87,6 +95,8 @@ def rms_norm_backward(
     normalized_shape: int | Sequence[int],
     rstd: Array,
     weight: Array | None = None,
+    *,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None, None]:
     """RMSNorm backward, from the upstream gradient and the saved ``rstd``.
 
@@ -109,6 +119,9 @@ def rms_norm_backward(
         As returned by ``rms_norm_forward`` (one value per row).
     weight : array of shape normalized_shape, optional
         As given to the forward.
+    out : array, keyword-only, optional
+        Where to write ``dx``: an array of the input's backend, shape and
+        dtype (any layout), written in place and returned in its place.
 
     Returns
     -------
@@ -133,7 +146,8 @@ def rms_norm_backward(
     check_grad_output(grad_output, input)
     check_row_stats(input, shape, rstd=rstd)
     check_param(weight, shape, "weight")
-    dx, dweight = kernel("rms_norm_backward", xp)(xp, grad_output, input, shape, rstd, weight)
+    check_out(xp, out, input)
+    dx, dweight = kernel("rms_norm_backward", xp)(xp, grad_output, input, shape, rstd, weight, out)
     return dx, dweight, None
 
 
@@ -178,8 +192,14 @@ def rms_norm(
 
 
 @generic("rms_norm_forward")
+@no_fp_warnings
 def rms_norm_forward_generic(
-    xp: Namespace, input: Array, shape: Shape, weight: Array | None, eps: float | None
+    xp: Namespace,
+    input: Array,
+    shape: Shape,
+    weight: Array | None,
+    eps: float | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array]:
     ct = work_dtype(xp, input, weight)  # float32 at least
     if eps is None:
@@ -190,12 +210,19 @@ def rms_norm_forward_generic(
     xhat, _, rstd = standardize(xp, x, (1,), eps, center=False)  # R,D  R,1
     y = xhat if weight is None else xhat * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
-    return y, xp.reshape(rstd, batch)  # out, (*)
+    return write_out(xp, out, y), xp.reshape(rstd, batch)  # out, (*)
 
 
 @generic("rms_norm_backward")
+@no_fp_warnings
 def rms_norm_backward_generic(
-    xp: Namespace, grad_output: Array, input: Array, shape: Shape, rstd: Array, weight: Array | None
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    shape: Shape,
+    rstd: Array,
+    weight: Array | None,
+    out: Array | None = None,
 ) -> tuple[Array, Array | None]:
     ct = work_dtype(xp, input, weight, rstd)
     D = prod(shape)
@@ -209,4 +236,4 @@ def rms_norm_backward_generic(
         dweight = cast(xp, xp.reshape(xp.sum(dy * xhat, axis=0), shape), weight.dtype)  # *shape
         dxhat = dy * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,), center=False)  # R,D
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype), dweight
+    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight

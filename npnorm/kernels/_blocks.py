@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._checks import prod
 from .._threads import get_num_threads, run_parallel
 
 T = TypeVar("T")
@@ -38,13 +39,111 @@ BLOCK_BYTES = 384 * 1024
 MIN_BLOCKS_PER_THREAD = 4  # below this a thread's share does not pay for the hand-off
 
 
-def rows_view(a: np.ndarray, D: int) -> np.ndarray:
-    """``a`` as ``(R, D)``: a view when its layout allows, else one C-ordered copy.
+# Arrays below this size that cannot be viewed as rows are copied whole (cheaper than
+# copying them block by block, sample by sample, when samples are small).
+SMALL_COPY_BYTES = 1 << 20
 
-    A view may have strided rows (a transposed or sliced input); ``stage`` copies
-    such blocks into contiguous scratch one at a time.
+
+def view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``a`` reshaped to ``shape`` if that is possible without a copy, else None."""
+    try:
+        return np.reshape(a, shape, copy=False)
+    except ValueError:
+        return None
+    except TypeError:  # NumPy < 2.1: no copy argument
+        r = np.reshape(a, shape)
+        return r if np.may_share_memory(r, a) else None
+
+
+class Rows:
+    """Read access to an array as ``R = N*P`` rows of ``L`` values, block by block, in
+    the computation dtype ``ct``: every kernel's way into its input.
+
+    The array is seen as ``(N, P, *tail)``: N samples (its first axis) of P rows of
+    ``L = prod(tail)`` values. LayerNorm's input ``(*batch, *shape)`` is
+    ``(batch[0], prod(batch[1:]), *shape)``; a channel layer's ``(N, C, *spatial)`` with
+    G groups is ``(N, G, C/G, *spatial)`` (splitting the channel axis is always a view).
+
+    ``read(start, stop, buf)`` returns rows ``[start, stop)`` as an (n, L) array with unit
+    stride along rows: a view of the input when its layout and dtype allow (``staged``
+    is False), else their copy in the scratch block ``buf``. An input that cannot be
+    viewed as rows is copied sample by sample (whole when small, or when even one sample
+    cannot be viewed as its P rows). ``contiguous``: the rows are one C-ordered (R, L)
+    array of ``ct`` (``whole`` is then that array).
     """
-    return np.reshape(a, (-1, D))  # R,D
+
+    def __init__(self, a: np.ndarray, N: int, P: int, tail: tuple[int, ...], ct: np.dtype[Any]) -> None:
+        self.N, self.P, self.tail = N, P, tail
+        self.R, self.L = N * P, prod(tail)
+        rows = view(a, (self.R, self.L))  # R,L
+        split = None if rows is not None else view(a, (N, P, *tail))  # N,P,*tail
+        if rows is None and (split is None or a.nbytes <= SMALL_COPY_BYTES):
+            rows = np.reshape(np.ascontiguousarray(a), (self.R, self.L))  # R,L (a copy)
+        self._rows = rows
+        self._split = split
+        self.staged = rows is None or needs_staging(rows, ct)
+        self.contiguous = rows is not None and rows.dtype == ct and rows.flags.c_contiguous
+        self.whole = rows
+
+    def read(self, start: int, stop: int, buf: np.ndarray | None) -> np.ndarray:
+        if self._rows is not None:
+            return stage(self._rows[start:stop], buf)  # n,L
+        assert buf is not None and self._split is not None
+        out = buf[: stop - start]  # n,L
+        r = start
+        while r < stop:  # whole samples at once, else one sample's rows
+            n, p = divmod(r, self.P)
+            whole = (stop - r) // self.P if p == 0 else 0
+            if whole:
+                e = r + whole * self.P
+                dst = np.reshape(out[r - start : e - start], (whole, self.P, *self.tail))
+                np.copyto(dst, self._split[n : n + whole], casting="unsafe")
+            else:
+                e = min(stop, (n + 1) * self.P)
+                dst = np.reshape(out[r - start : e - start], (e - r, *self.tail))
+                np.copyto(dst, self._split[n, p : p + e - r], casting="unsafe")
+            r = e
+        return out
+
+
+def row_layout(input: np.ndarray, k: int) -> tuple[int, int, tuple[int, ...]]:
+    """``(N, P, tail)`` of an input normalized over its last ``k`` axes (see ``Rows``)."""
+    batch = input.shape[: input.ndim - k]
+    return (int(batch[0]) if batch else 1), prod(batch[1:]), tuple(input.shape[input.ndim - k :])
+
+
+def output(
+    out: np.ndarray | None,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    rows: tuple[int, int],
+    inputs: tuple[np.ndarray | None, ...],
+    contiguous: bool = False,
+) -> np.ndarray:
+    """The array a kernel writes its output into: the caller's ``out`` when it can be
+    viewed as ``rows`` (C-ordered too, when ``contiguous``) and shares no memory with
+    the ``inputs``, else a fresh array (``finish`` then copies it into ``out``)."""
+    if out is not None and not any(a is not None and np.may_share_memory(out, a) for a in inputs):
+        r = view(out, rows)
+        if r is not None and (not contiguous or r.flags.c_contiguous):
+            return out
+    return np.empty(shape, dtype=dtype)
+
+
+def finish(result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``result``, copied into ``out`` when that was given and not written directly."""
+    if out is None or result is out:
+        return result
+    np.copyto(out, result)
+    return out
+
+
+def grad_as(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
+    """A parameter's gradient ``g`` in the shape and dtype of the parameter ``like``
+    (None when there is no parameter)."""
+    if g is None or like is None:
+        return None
+    return np.reshape(g, like.shape).astype(like.dtype, copy=False)
 
 
 def param(p: np.ndarray | None, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
@@ -62,8 +161,9 @@ def per_row(s: np.ndarray, R: int, dtype: np.dtype[Any], what: str) -> np.ndarra
 
 
 def block_rows(R: int, D: int, itemsize: int) -> int:
-    """Rows per block: about ``BLOCK_BYTES``, at least one row, at most ``R``."""
-    return max(1, min(R, BLOCK_BYTES // (D * itemsize)))
+    """Rows of ``D`` values per block: about ``BLOCK_BYTES``, at least one row, at most
+    ``R`` (at least one)."""
+    return max(1, min(R, BLOCK_BYTES // max(1, D * itemsize)))
 
 
 def scratch(needed: bool, B: int, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
@@ -105,12 +205,12 @@ def chunks(R: int, B: int) -> list[tuple[int, int]]:
 
 def run_chunks(work: Callable[[int, int], T], R: int, B: int, row: int = 0) -> list[T]:
     """``work(start, stop)`` over the chunks of ``R`` rows, in parallel, in
-    ``loop_mode(row)``; results in chunk order. NumPy's floating-point error settings
-    (``np.errstate``) are per thread, so the caller's are applied in the workers too."""
-    err = np.geterr()
+    ``loop_mode(row)``; results in chunk order. The kernels raise no floating-point
+    warnings (see ``npnorm._backend.no_fp_warnings``); NumPy's error settings are per
+    thread, so the workers silence them too."""
 
     def task(start: int, stop: int) -> T:
-        with np.errstate(**err), loop_mode(row):
+        with np.errstate(all="ignore"), loop_mode(row):
             return work(start, stop)
 
     return run_parallel([partial(task, a, b) for a, b in chunks(R, B)])
@@ -158,6 +258,37 @@ def vecmat(v: np.ndarray, a: np.ndarray, out: np.ndarray) -> np.ndarray:
 def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[j] = sum_i a[i, j]`` for an (n,D) block; ``ones`` has at least n ones."""
     return vecmat(ones[: a.shape[0]], a, out)  # D
+
+
+def rowsumsq(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = sum_j a[i, j]**2`` for an (n,L) block: a BLAS dot in the block's dtype,
+    summed again in ``out``'s dtype (float64) for the rows where that overflows (float32
+    values beyond ~1.8e19), so that a finite block has finite sums."""
+    tmp = out if out.dtype == a.dtype else np.empty(out.shape, dtype=a.dtype)  # n
+    rowdot(a, a, out=tmp)
+    big = np.isinf(tmp)  # n
+    if tmp is not out:
+        out[...] = tmp
+    if big.any():
+        b = a[big].astype(out.dtype)  # the few overflowing rows
+        out[big] = np.einsum("ij,ij->i", b, b)
+    return out
+
+
+def inv_rms(
+    a: np.ndarray, count: int, eps: float, out: np.ndarray, var: np.ndarray | None = None
+) -> np.ndarray:
+    """``out[i] = 1 / sqrt(sum_j a[i, j]**2 / count + eps)`` for an (n,L) block (``a``
+    centred: the rstd of LayerNorm and GroupNorm; ``a = x``: RMSNorm's), the mean square
+    in float64 (``rowsumsq``); ``var`` (optional) receives the mean square itself."""
+    ms = rowsumsq(a, np.empty(a.shape[0], dtype=np.float64))  # n
+    np.divide(ms, count, out=ms)  # mean square
+    if var is not None:
+        var[...] = ms
+    np.add(ms, eps, out=ms)
+    np.sqrt(ms, out=ms)
+    np.divide(1.0, ms, out=out)  # rstd
+    return out
 
 
 # --- loop mode ------------------------------------------------------------------------

@@ -1,10 +1,8 @@
 """Fast NumPy kernels for LayerNorm and RMSNorm (forward and backward).
 
 Same signatures and results (to rounding) as the generic kernels in
-``npnorm.functional.layer_norm`` / ``rms_norm``; registered for NumPy arrays with
-``specialized(op, "array_api_compat.numpy")``, so the public functions use them
-whenever their input is a NumPy array. ``set_specialized("array_api_compat.numpy",
-False)`` switches back to the generic kernels.
+``npnorm.functional.layer_norm`` / ``rms_norm``; registered as the ``"numpy"`` kernel
+family for NumPy arrays (``npnorm.use_kernels("numpy")`` selects them).
 
 How they are fast (see ``_blocks`` for the blocking):
 
@@ -26,7 +24,10 @@ The variance is two-pass, ``E[(x - E[x])^2]``, as in ``npnorm._stats``: a block'
 rows are in cache, so the second pass costs little.
 
 float16 (and any input narrower than the computation dtype) is converted block by
-block into a float32 scratch block and the result converted back on the way out.
+block into a float32 scratch block and the result converted back on the way out;
+inputs that cannot be viewed as rows are copied block by block (``_blocks.Rows``).
+A sum of squares that overflows float32 (values beyond ~1.8e19) is redone in float64
+for its rows (``_blocks.inv_rms``), so finite input gives finite statistics.
 Besides the outputs, memory use is a few blocks per thread plus one ``(D,)``
 partial sum per thread for each of dweight and dbias.
 """
@@ -35,25 +36,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, prod, work_dtype
 from ..functional._dispatch import specialized
 from ._blocks import (
+    Rows,
     block_rows,
     blocks,
     colsum,
-    needs_staging,
+    finish,
+    grad_as,
+    inv_rms,
+    output,
     param,
     per_row,
+    row_layout,
     rowdot,
-    rows_view,
     rowsum,
     run_chunks,
     scratch,
-    stage,
     sum_in_order,
     tiled,
     vecmat,
+    view,
 )
 
 NS = "array_api_compat.numpy"
@@ -65,17 +70,16 @@ def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
     return tuple(input.shape[: input.ndim - len(shape)])
 
 
-def _to_dtype(p: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
-    """A gradient ``p`` in the dtype and shape of its parameter ``like``."""
-    if p is None or like is None:
-        return None
-    return np.reshape(p, like.shape).astype(like.dtype, copy=False)
+def _rows(a: np.ndarray, shape: Shape, ct: np.dtype) -> Rows:
+    """``a`` (*, *shape) as rows of ``prod(shape)`` values."""
+    return Rows(a, *row_layout(a, len(shape)), ct)
 
 
 # --- LayerNorm ---------------------------------------------------------------------------
 
 
-@specialized("layer_norm_forward", NS)
+@specialized("layer_norm_forward", NS, kernels="numpy")
+@no_fp_warnings
 def layer_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -83,48 +87,45 @@ def layer_norm_forward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     eps: float,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """LayerNorm forward, block by block.
 
     For each block of rows, in the computation dtype ``ct``:
     ``mean = rowsum(x) / D``; ``xc = x - mean`` (into the output block, or a scratch
-    block when the output dtype differs); ``var = rowdot(xc, xc) / D`` (two-pass,
-    from cache); ``rstd = 1 / sqrt(var + eps)``; then ``xc *= rstd``, ``*= w``,
-    ``+= b`` in place. mean and rstd are written straight into the (R,) outputs.
+    block when the output dtype differs); ``rstd = 1 / sqrt(rowdot(xc, xc) / D + eps)``
+    (two-pass, from cache); then ``xc *= rstd``, ``*= w``, ``+= b`` in place. mean and
+    rstd are written straight into the (R,) outputs.
     """
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     D = prod(shape)
-    x = rows_view(input, D)  # R,D (a view when possible)
-    R = x.shape[0]
-    y = np.empty(input.shape, dtype=input.dtype)  # *,*shape
-    y2 = y.reshape(R, D)  # R,D view of y
+    x = _rows(input, shape, ct)  # R rows of D values
+    R = x.R
+    y = output(out, input.shape, input.dtype, (R, D), (input,))  # *,*shape
+    y2 = view(y, (R, D))  # R,D view of y
+    assert y2 is not None
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
     w = param(weight, D, ct)  # D
     b = param(bias, D, ct)  # D
     ones = np.ones(D, dtype=ct)  # D
     B = block_rows(R, D, ct.itemsize)
-    stage_x = needs_staging(x, ct)
     direct = y.dtype == ct  # compute in the output block itself
 
     def work(start: int, stop: int) -> None:
-        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        xbuf = scratch(x.staged, B, D, ct)  # B,D
         wbuf = scratch(not direct, B, D, ct)  # B,D
         wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
         for a, e in blocks(start, stop, B):
             n = e - a
-            xb = stage(x[a:e], xbuf)  # n,D
+            xb = x.read(a, e, xbuf)  # n,D
             out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
             m = mean[a:e]  # n
             r = rstd[a:e]  # n
             rowsum(xb, ones, out=m)
             np.divide(m, D, out=m)  # mean
             np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
-            rowdot(out, out, out=r)
-            np.divide(r, D, out=r)  # var
-            np.add(r, eps, out=r)
-            np.sqrt(r, out=r)
-            np.reciprocal(r, out=r)  # rstd
+            inv_rms(out, D, eps, out=r)  # rstd
             np.multiply(out, r[:, None], out=out)  # n,D  xhat
             if wt is not None:
                 np.multiply(out, wt[:n], out=out)  # n,D
@@ -135,10 +136,11 @@ def layer_norm_forward(
 
     run_chunks(work, R, B, D)
     batch = _batch(input, shape)
-    return y, mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
+    return finish(y, out), mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
 
 
-@specialized("layer_norm_backward", NS)
+@specialized("layer_norm_backward", NS, kernels="numpy")
+@no_fp_warnings
 def layer_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -148,6 +150,7 @@ def layer_norm_backward(
     rstd: np.ndarray,
     weight: np.ndarray | None,
     bias: np.ndarray | None,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """LayerNorm backward, block by block.
 
@@ -163,24 +166,24 @@ def layer_norm_backward(
     """
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     D = prod(shape)
-    x = rows_view(input, D)  # R,D
-    dy = rows_view(grad_output, D)  # R,D
-    R = x.shape[0]
+    x = _rows(input, shape, ct)  # R rows of D values
+    dy = _rows(grad_output, shape, ct)  # R rows of D values
+    R = x.R
     mean_c = per_row(mean, R, ct, "mean")  # R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    rr = rstd_c * rstd_c / D  # R  rstd^2 / D
+    r64 = rstd_c.astype(np.float64)  # R
+    rr = r64 * r64 / D  # R  rstd^2 / D, in float64: it underflows float32 for huge rows
     w = param(weight, D, ct)  # D
     ones = np.ones(D, dtype=ct)  # D
-    dx = np.empty(input.shape, dtype=input.dtype)  # *,*shape
-    dx2 = dx.reshape(R, D)  # R,D view of dx
+    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output))  # *,*shape
+    dx2 = view(dx, (R, D))  # R,D view of dx
+    assert dx2 is not None
     B = block_rows(R, D, ct.itemsize)
-    stage_x = needs_staging(x, ct)
-    stage_dy = needs_staging(dy, ct)
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> Partials:
-        xbuf = scratch(stage_x, B, D, ct)  # B,D
-        dybuf = scratch(stage_dy, B, D, ct)  # B,D
+        xbuf = scratch(x.staged, B, D, ct)  # B,D
+        dybuf = scratch(dy.staged, B, D, ct)  # B,D
         xcbuf = np.empty((B, D), dtype=ct)  # B,D
         ubuf = scratch(w is not None, B, D, ct)  # B,D
         dbuf = scratch(not direct, B, D, ct)  # B,D
@@ -193,8 +196,8 @@ def layer_norm_backward(
         ones_b = np.ones(B, dtype=ct)  # B
         for a, e in blocks(start, stop, B):
             n = e - a
-            xb = stage(x[a:e], xbuf)  # n,D
-            dyb = stage(dy[a:e], dybuf)  # n,D
+            xb = x.read(a, e, xbuf)  # n,D
+            dyb = dy.read(a, e, dybuf)  # n,D
             r = rstd_c[a:e, None]  # n,1
             k, mg = kbuf[:n], mgbuf[:n]  # n  n
             xc = xcbuf[:n]  # n,D
@@ -228,15 +231,21 @@ def layer_norm_backward(
     partials = run_chunks(work, R, B, D)
     dweight = sum_in_order([p[0] for p in partials])
     dbias = sum_in_order([p[1] for p in partials])
-    return dx, _to_dtype(dweight, weight), _to_dtype(dbias, bias)
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 # --- RMSNorm -----------------------------------------------------------------------------
 
 
-@specialized("rms_norm_forward", NS)
+@specialized("rms_norm_forward", NS, kernels="numpy")
+@no_fp_warnings
 def rms_norm_forward(
-    xp: Namespace, input: np.ndarray, shape: Shape, weight: np.ndarray | None, eps: float | None
+    xp: Namespace,
+    input: np.ndarray,
+    shape: Shape,
+    weight: np.ndarray | None,
+    eps: float | None,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """RMSNorm forward, block by block: ``rstd = 1 / sqrt(rowdot(x, x) / D + eps)``
     then ``y = x * rstd * w`` in the output block (or a scratch block converted on
@@ -244,30 +253,26 @@ def rms_norm_forward(
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
     eps_value = float(np.finfo(ct).eps) if eps is None else eps
     D = prod(shape)
-    x = rows_view(input, D)  # R,D
-    R = x.shape[0]
-    y = np.empty(input.shape, dtype=input.dtype)  # *,*shape
-    y2 = y.reshape(R, D)  # R,D view of y
+    x = _rows(input, shape, ct)  # R rows of D values
+    R = x.R
+    y = output(out, input.shape, input.dtype, (R, D), (input,))  # *,*shape
+    y2 = view(y, (R, D))  # R,D view of y
+    assert y2 is not None
     rstd = np.empty(R, dtype=ct)  # R
     w = param(weight, D, ct)  # D
     B = block_rows(R, D, ct.itemsize)
-    stage_x = needs_staging(x, ct)
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
-        xbuf = scratch(stage_x, B, D, ct)  # B,D
+        xbuf = scratch(x.staged, B, D, ct)  # B,D
         wbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
         for a, e in blocks(start, stop, B):
             n = e - a
-            xb = stage(x[a:e], xbuf)  # n,D
+            xb = x.read(a, e, xbuf)  # n,D
             out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
             r = rstd[a:e]  # n
-            rowdot(xb, xb, out=r)
-            np.divide(r, D, out=r)  # mean square
-            np.add(r, eps_value, out=r)
-            np.sqrt(r, out=r)
-            np.reciprocal(r, out=r)  # rstd
+            inv_rms(xb, D, eps_value, out=r)  # rstd
             np.multiply(xb, r[:, None], out=out)  # n,D  xhat
             if wt is not None:
                 np.multiply(out, wt[:n], out=out)  # n,D
@@ -275,10 +280,11 @@ def rms_norm_forward(
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,D
 
     run_chunks(work, R, B, D)
-    return y, rstd.reshape(_batch(input, shape))  # out, (*)
+    return finish(y, out), rstd.reshape(_batch(input, shape))  # out, (*)
 
 
-@specialized("rms_norm_backward", NS)
+@specialized("rms_norm_backward", NS, kernels="numpy")
+@no_fp_warnings
 def rms_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -286,6 +292,7 @@ def rms_norm_backward(
     shape: Shape,
     rstd: np.ndarray,
     weight: np.ndarray | None,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """RMSNorm backward, block by block.
 
@@ -297,22 +304,22 @@ def rms_norm_backward(
     """
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     D = prod(shape)
-    x = rows_view(input, D)  # R,D
-    dy = rows_view(grad_output, D)  # R,D
-    R = x.shape[0]
+    x = _rows(input, shape, ct)  # R rows of D values
+    dy = _rows(grad_output, shape, ct)  # R rows of D values
+    R = x.R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    rr = rstd_c * rstd_c / D  # R  rstd^2 / D
+    r64 = rstd_c.astype(np.float64)  # R
+    rr = r64 * r64 / D  # R  rstd^2 / D, in float64 (see layer_norm_backward)
     w = param(weight, D, ct)  # D
-    dx = np.empty(input.shape, dtype=input.dtype)  # *,*shape
-    dx2 = dx.reshape(R, D)  # R,D view of dx
+    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output))  # *,*shape
+    dx2 = view(dx, (R, D))  # R,D view of dx
+    assert dx2 is not None
     B = block_rows(R, D, ct.itemsize)
-    stage_x = needs_staging(x, ct)
-    stage_dy = needs_staging(dy, ct)
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> np.ndarray | None:
-        xbuf = scratch(stage_x, B, D, ct)  # B,D
-        dybuf = scratch(stage_dy, B, D, ct)  # B,D
+        xbuf = scratch(x.staged, B, D, ct)  # B,D
+        dybuf = scratch(dy.staged, B, D, ct)  # B,D
         ubuf = np.empty((B, D), dtype=ct)  # B,D
         dbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
@@ -321,8 +328,8 @@ def rms_norm_backward(
         kbuf = np.empty(B, dtype=ct)  # B
         for a, e in blocks(start, stop, B):
             n = e - a
-            xb = stage(x[a:e], xbuf)  # n,D
-            dyb = stage(dy[a:e], dybuf)  # n,D
+            xb = x.read(a, e, xbuf)  # n,D
+            dyb = dy.read(a, e, dybuf)  # n,D
             k = kbuf[:n]  # n
             u = ubuf[:n]  # n,D
             out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
@@ -344,4 +351,4 @@ def rms_norm_backward(
         return dw_part
 
     partials = run_chunks(work, R, B, D)
-    return dx, _to_dtype(sum_in_order(partials), weight)
+    return finish(dx, out), grad_as(sum_in_order(partials), weight)

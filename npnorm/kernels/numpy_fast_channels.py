@@ -2,7 +2,7 @@
 
 Same signatures and results (to rounding) as the generic kernels in
 ``npnorm.functional.batch_norm`` / ``instance_norm`` / ``group_norm``; registered for
-NumPy arrays with ``specialized(op, "array_api_compat.numpy")``.
+NumPy arrays as the ``"numpy"`` kernel family.
 
 Layout. An input of shape (N, C, *spatial) is viewed as rows, S = prod(spatial):
 
@@ -54,8 +54,10 @@ float16 (and any input narrower than the computation dtype) is converted block b
 block into scratch of the computation dtype, and the result converted on the way
 out. Inputs that cannot be viewed as rows (Fortran order, some slicings) are copied
 block by block, one sample at a time (small ones whole). Empty inputs go to the
-generic kernels. A single row longer than a block (GroupNorm with few, large groups)
-is one block: memory then grows to a few such rows per thread.
+generic kernels, and so does a backward whose rstd is so small (a spread beyond ~1e15
+in float32) that the sweeps' coefficients would underflow (``_huge``). A single row
+longer than a block (GroupNorm with few, large groups) is one block: memory then grows
+to a few such rows per thread.
 """
 
 from __future__ import annotations
@@ -64,76 +66,41 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, no_fp_warnings
 from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
-from . import _blocks
-from ._blocks import blocks, needs_staging, param, rowdot, rowsum, run_chunks, scratch, stage
+from ._blocks import (
+    Rows,
+    block_rows,
+    blocks,
+    finish,
+    grad_as,
+    inv_rms,
+    output,
+    param,
+    rowdot,
+    rowsum,
+    rowsumsq,
+    run_chunks,
+    scratch,
+    view,
+)
 
 NS = "array_api_compat.numpy"
 
 # A mean is folded into the constant term when within this many standard deviations of
 # 0 (see ``_foldable``): the rounding error then grows by at most ~2*FOLD_LIMIT ulps.
 FOLD_LIMIT = 4.0
-# Arrays below this size that cannot be viewed as rows are copied whole (cheaper than
-# copying them block by block, sample by sample, when samples are small).
-SMALL_COPY_BYTES = 1 << 20
 
 
-# --- geometry, row access and scratch ---------------------------------------------------
+# --- geometry and per-row values ----------------------------------------------------------
 
 
-def _view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
-    """``a`` reshaped to ``shape`` if that is possible without a copy, else None."""
-    try:
-        return np.reshape(a, shape, copy=False)
-    except ValueError:
-        return None
-    except TypeError:  # NumPy < 2.1: no copy argument
-        r = np.reshape(a, shape)
-        return r if np.may_share_memory(r, a) else None
-
-
-class _Rows:
-    """Read access to an (N, C, *spatial) array as ``R = N*G`` rows of ``L = (C/G)*S``
-    values, block by block, in the computation dtype ``ct``.
-
-    ``read(start, stop, buf)`` returns rows ``[start, stop)`` as an (n, L) array with
-    unit stride along rows: a view of the input when its layout and dtype allow
-    (``staged`` is False), else their copy in the scratch block ``buf``.
-    """
-
-    def __init__(self, a: np.ndarray, G: int, ct: np.dtype[Any]) -> None:
-        N, C = int(a.shape[0]), int(a.shape[1])
-        self.G, self.k, self.spatial = G, C // G, tuple(int(d) for d in a.shape[2:])
-        self.R, self.L = N * G, self.k * prod(self.spatial)
-        rows = _view(a, (self.R, self.L))  # R,L
-        if rows is None and a.nbytes <= SMALL_COPY_BYTES:
-            rows = np.reshape(np.ascontiguousarray(a), (self.R, self.L))  # R,L (a small copy)
-        self._rows = rows
-        # splitting the channel axis is always a view: N,G,k,*spatial
-        self._split = np.reshape(a, (N, G, self.k, *self.spatial))
-        self.staged = rows is None or needs_staging(rows, ct)
-
-    def read(self, start: int, stop: int, buf: np.ndarray | None) -> np.ndarray:
-        if self._rows is not None:
-            return stage(self._rows[start:stop], buf)  # n,L
-        assert buf is not None
-        out = buf[: stop - start]  # n,L
-        r = start
-        while r < stop:  # one sample's rows at a time
-            n, g = divmod(r, self.G)
-            e = min(stop, (n + 1) * self.G)
-            dst = np.reshape(out[r - start : e - start], (e - r, self.k, *self.spatial))
-            np.copyto(dst, self._split[n, g : g + e - r], casting="unsafe")
-            r = e
-        return out
-
-
-def _block_rows(L: int, ct: np.dtype[Any]) -> int:
-    """Rows of L values per block (about ``_blocks.BLOCK_BYTES``), at least one."""
-    return max(1, _blocks.BLOCK_BYTES // (L * ct.itemsize))
+def _rows(a: np.ndarray, G: int, ct: np.dtype[Any]) -> Rows:
+    """An (N, C, *spatial) array as ``R = N*G`` rows of ``L = (C/G)*S`` values."""
+    N, C = int(a.shape[0]), int(a.shape[1])
+    return Rows(a, N, G, (C // G, *(int(d) for d in a.shape[2:])), ct)
 
 
 class _Ring:
@@ -159,6 +126,14 @@ def _ring(v: np.ndarray | None, B: int) -> _Ring | None:
     return None if v is None else _Ring(v, B)
 
 
+def _huge(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """Whether some statistic has so small an rstd (a spread beyond ~1e15 in float32) that
+    the backward sweeps' coefficient ``rstd^3 * sum(...)``, about ``rstd^2``, underflows
+    ``ct``; the generic kernels, which form ``xhat = (x - mean) * rstd`` first, then run
+    instead (finite input, finite and accurate gradients)."""
+    return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
+
+
 def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
     """Whether ``x*s + (t - mean*s)`` is as accurate (to a few ulps) as
     ``(x - mean)*s + t``, saving the subtraction pass: true when every mean is within
@@ -168,20 +143,13 @@ def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
         return bool(np.all(np.abs(mean) * rstd <= FOLD_LIMIT))
 
 
-def _grad(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
-    """A gradient in the dtype of its parameter (None when there is no parameter)."""
-    if g is None or like is None:
-        return None
-    return g.astype(like.dtype, copy=False)
-
-
 # --- per-channel statistics (BatchNorm, and InstanceNorm/BatchNorm eval) -----------------
 # Rows are the N*C (sample, channel) rows of S values; per-channel values reach a block
 # of rows through a _Ring.
 
 
 def _affine_sweep(
-    rows: _Rows,
+    rows: Rows,
     y: np.ndarray,
     ct: np.dtype[Any],
     center: _Ring | None,
@@ -191,8 +159,9 @@ def _affine_sweep(
     """One sweep ``y = (x - center_c) * scale_c + shift_c`` (``x`` itself without
     ``center``; no shift without ``shift``) over the (N*C, S) rows of x."""
     R, S = rows.R, rows.L
-    y2 = np.reshape(y, (R, S))  # R,S
-    B = _block_rows(S, ct)
+    y2 = view(y, (R, S))  # R,S
+    assert y2 is not None
+    B = block_rows(R, S, ct.itemsize)
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
@@ -217,7 +186,7 @@ def _affine_sweep(
 
 def _channel_forward(
     y: np.ndarray,
-    rows: _Rows,
+    rows: Rows,
     ct: np.dtype[Any],
     mean: np.ndarray,
     rstd: np.ndarray,
@@ -227,8 +196,8 @@ def _channel_forward(
     """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
     sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
     ``_foldable``."""
-    B = _block_rows(rows.L, ct)
-    w, b = param(weight, rows.G, ct), param(bias, rows.G, ct)  # C, C
+    B = block_rows(rows.R, rows.L, ct.itemsize)
+    w, b = param(weight, rows.P, ct), param(bias, rows.P, ct)  # C, C
     scale = rstd if w is None else rstd * w  # C
     if _foldable(mean, rstd):
         shift = -mean * scale if b is None else b - mean * scale  # C
@@ -237,16 +206,17 @@ def _channel_forward(
         _affine_sweep(rows, y, ct, _Ring(mean, B), _Ring(scale, B), _ring(b, B))
 
 
-def _row_moments(rows: _Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row (N*C rows of S values), two-pass within the cached block: the mean
     ``m = sum(x)/S`` as rounded to ``ct``, its residual ``d = sum(x - m)/S`` (what the
     rounding lost: it matters when rows differ little relative to a large common
-    offset) and ``M2 = sum((x - m)^2)``. Three (R,) arrays of ``ct``."""
+    offset) and ``M2 = sum((x - m)^2)``. Three (R,) arrays, of ``ct`` but ``M2`` in
+    float64 (``rowsumsq``: finite for any finite row)."""
     R, S = rows.R, rows.L
     mean = np.empty(R, dtype=ct)  # R
     resid = np.empty(R, dtype=ct)  # R
-    m2 = np.empty(R, dtype=ct)  # R
-    B = _block_rows(S, ct)
+    m2 = np.empty(R, dtype=np.float64)  # R
+    B = block_rows(R, S, ct.itemsize)
 
     def work(start: int, stop: int) -> None:
         xbuf = scratch(rows.staged, B, S, ct)  # B,S
@@ -259,7 +229,7 @@ def _row_moments(rows: _Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray
             rowdot(xb, inv, out=m)  # row mean
             np.subtract(xb, m[:, None], out=xc)  # n,S
             rowdot(xc, inv, out=resid[a:e])  # n  residual of the mean
-            rowdot(xc, xc, out=m2[a:e])  # n  M2 about the rounded mean
+            rowsumsq(xc, out=m2[a:e])  # n  M2 about the rounded mean
 
     run_chunks(work, R, B, S)
     return mean, resid, m2
@@ -271,19 +241,22 @@ def _merge_rows(
     """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
     have S values), in float64: with row means ``m_r = mean_r + resid_r``,
     ``mean_c = mean(m_r)`` and ``M2_c = sum(M2_r - S*resid_r^2) + S*sum((m_r - mean_c)^2)``.
-    Returns ``(mean_c, var_c)`` in the dtype of ``mean``, the variance biased."""
+    Returns ``(mean_c, var_c)``, the mean in the dtype of ``mean``, the (biased) variance
+    in float64."""
     rm = np.reshape(mean, (N, C)).astype(np.float64)  # N,C
     rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
     mean_c = np.mean(rm + rd, axis=0)  # C
     dev = (rm - mean_c) + rd  # N,C  row mean - channel mean
-    within = np.sum(np.reshape(m2, (N, C)) - S * (rd * rd), axis=0)  # C
+    m2r = np.reshape(m2, (N, C))  # N,C
+    within = np.sum(m2r - S * (rd * rd), axis=0)  # C
     m2_c = within + S * np.sum(dev * dev, axis=0)  # C
-    return mean_c.astype(mean.dtype), (m2_c / (N * S)).astype(mean.dtype)
+    m2_c[np.isinf(m2r).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
+    return mean_c.astype(mean.dtype), m2_c / (N * S)
 
 
 def _grad_sums_sweep(
-    rows_dy: _Rows,
-    rows_x: _Rows,
+    rows_dy: Rows,
+    rows_x: Rows,
     ct: np.dtype[Any],
     center: _Ring | None,
     need_dot: bool,
@@ -299,8 +272,8 @@ def _grad_sums_sweep(
     R, S = rows_x.R, rows_x.L
     sdy = np.empty(R, dtype=ct)  # R
     sdx = np.empty(R, dtype=ct) if need_dot else None  # R
-    dx2 = None if dx is None else np.reshape(dx, (R, S))  # R,S
-    B = _block_rows(S, ct)
+    dx2 = None if dx is None else view(dx, (R, S))  # R,S
+    B = block_rows(R, S, ct.itemsize)
     direct = dx is None or dx.dtype == ct
 
     def work(start: int, stop: int) -> None:
@@ -329,8 +302,8 @@ def _grad_sums_sweep(
 
 
 def _dx_sweep(
-    rows_dy: _Rows,
-    rows_x: _Rows,
+    rows_dy: Rows,
+    rows_x: Rows,
     dx: np.ndarray,
     ct: np.dtype[Any],
     center: _Ring | None,
@@ -341,8 +314,9 @@ def _dx_sweep(
     """One sweep ``dx = a_c*dy + b_c*(x - center_c) + c_c`` (``x`` itself without
     ``center``) over the (N*C, S) rows."""
     R, S = rows_x.R, rows_x.L
-    dx2 = np.reshape(dx, (R, S))  # R,S
-    B = _block_rows(S, ct)
+    dx2 = view(dx, (R, S))  # R,S
+    assert dx2 is not None
+    B = block_rows(R, S, ct.itemsize)
     direct = dx.dtype == ct
 
     def work(start: int, stop: int) -> None:
@@ -379,6 +353,7 @@ def _channel_backward(
     bias: np.ndarray | None,
     ct: np.dtype[Any],
     batch_stats: bool,
+    out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Backward from (C,) per-channel statistics: BatchNorm's (``batch_stats``: the
     statistics were the batch's), or the affine map's with running statistics.
@@ -387,20 +362,21 @@ def _channel_backward(
     ``dx = rstd*(g - mean(g) - xhat*mean(g*xhat)) = a*dy + b*(x - mean) + c`` with
     ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/M``, ``c = -rstd*w*sum(dy)/M``:
     a sweep for the sums, then one for dx. With running statistics ``dx = a*dy``, in
-    the sweep that takes the sums for dweight/dbias.
+    the sweep that takes the sums for dweight/dbias. (``b``, ``c`` are formed in float64:
+    ``rstd^3`` underflows float32 for huge inputs.)
     """
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    rows_x = _Rows(input, C, ct)
-    rows_dy = _Rows(grad_output, C, ct)
-    B = _block_rows(S, ct)
+    rows_x = _rows(input, C, ct)
+    rows_dy = _rows(grad_output, C, ct)
+    B = block_rows(rows_x.R, S, ct.itemsize)
     m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
     r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
     w = param(weight, C, ct)  # C
     a_coef = r if w is None else r * w  # C
     fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
     center = None if fold else _Ring(m, B)
-    dx = np.empty(input.shape, dtype=input.dtype)
+    dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
     need_dot = batch_stats or weight is not None
     if batch_stats:
         sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
@@ -414,16 +390,18 @@ def _channel_backward(
             sum_dyxc = sum_dyxc - m * sum_dy
     if batch_stats:
         assert sum_dyxc is not None
-        wv = 1.0 if w is None else w
-        b_coef = -(r * r * r) * (wv * sum_dyxc) / (N * S)  # C
-        c_coef = -r * (wv * sum_dy) / (N * S)  # C
+        wv = 1.0 if w is None else w.astype(np.float64)
+        r64 = r.astype(np.float64)  # C
+        b64 = -r64 * (r64 * (wv * sum_dyxc) / (N * S)) * r64  # C  (r*sum is O(1): no r^3 underflow)
+        c64 = -r64 * (wv * sum_dy) / (N * S)  # C
         if fold:
-            c_coef = c_coef - b_coef * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+            c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+        b_coef, c_coef = b64.astype(ct), c64.astype(ct)  # C, C
         rings = (_Ring(a_coef, B), _Ring(b_coef, B), _Ring(c_coef, B))
         _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
     dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
     dbias = None if bias is None else sum_dy  # C
-    return dx, _grad(dweight, weight), _grad(dbias, bias)
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 # --- per-group statistics (GroupNorm, InstanceNorm with input statistics) ----------------
@@ -439,24 +417,26 @@ def _group_forward(
     eps: float,
     ct: np.dtype[Any],
     keep_var: bool = False,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Normalize each (sample, group) row over its L = k*S values, one sweep: per block
     ``mean = sum(x)/L``, ``xc = x - mean`` (in the output block), ``var = dot(xc, xc)/L``,
     then ``y = xc * (rstd*w_c) + b_c`` in place.
 
     Returns ``(y, mean, rstd, var)``, the statistics (N*G,) arrays of ``ct``; ``var``
-    (biased) only when ``keep_var``.
+    (biased, float64) only when ``keep_var``. ``y`` is ``out`` when that was given.
     """
     C = int(input.shape[1])
-    rows = _Rows(input, G, ct)
-    R, L, k = rows.R, rows.L, rows.k
+    rows = _rows(input, G, ct)
+    R, L, k = rows.R, rows.L, rows.tail[0]
     S = L // k
-    y = np.empty(input.shape, dtype=input.dtype)
-    y2 = np.reshape(y, (R, L))  # R,L
+    y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
+    y2 = view(y, (R, L))  # R,L
+    assert y2 is not None
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
-    var = np.empty(R, dtype=ct) if keep_var else None  # R
-    B = _block_rows(L, ct)
+    var = np.empty(R, dtype=np.float64) if keep_var else None  # R
+    B = block_rows(R, L, ct.itemsize)
     w = param(weight, C, ct)  # C
     b = param(bias, C, ct)  # C
     w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
@@ -476,13 +456,7 @@ def _group_forward(
             m, r = mean[a:e], rstd[a:e]  # n, n
             rowdot(xb, inv, out=m)  # mean
             np.subtract(xb, m[:, None], out=out)  # n,L  xc = x - mean
-            rowdot(out, out, out=r)
-            np.divide(r, L, out=r)  # var
-            if var is not None:
-                var[a:e] = r
-            np.add(r, eps, out=r)
-            np.sqrt(r, out=r)
-            np.divide(1.0, r, out=r)  # rstd
+            inv_rms(out, L, eps, out=r, var=None if var is None else var[a:e])  # rstd (and var)
             if w_ring is None:
                 np.multiply(out, r[:, None], out=out)  # n,L  xhat
             else:
@@ -494,7 +468,7 @@ def _group_forward(
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,L  to the output dtype
 
     run_chunks(work, R, B, S)
-    return y, mean, rstd, var
+    return finish(y, out), mean, rstd, var
 
 
 def _group_backward(
@@ -506,6 +480,7 @@ def _group_backward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     ct: np.dtype[Any],
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Backward of ``_group_forward`` (batch statistics), one sweep.
 
@@ -521,22 +496,24 @@ def _group_backward(
     ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
     """
     N, C = int(input.shape[0]), int(input.shape[1])
-    rows_x = _Rows(input, G, ct)
-    rows_dy = _Rows(grad_output, G, ct)
-    R, L, k = rows_x.R, rows_x.L, rows_x.k
+    rows_x = _rows(input, G, ct)
+    rows_dy = _rows(grad_output, G, ct)
+    R, L, k = rows_x.R, rows_x.L, rows_x.tail[0]
     S = L // k
     m_all = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
     r_all = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
     fold = _foldable(m_all, r_all)
-    nb_all = (r_all * r_all * r_all) / -L  # R: b = nb * sgx
+    r64 = r_all.astype(np.float64)  # R
+    nb_all = (r64 * r64) / -L  # R: b = nb * (rstd * sgx) (float64; rstd * sgx is O(1))
     nc_all = r_all / -L  # R: c = nc * sg
-    B = _block_rows(L, ct)
+    B = block_rows(R, L, ct.itemsize)
     w = param(weight, C, ct)  # C
     w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
     # d(dx)/d(dy) per channel row: rstd*w (R,k), or rstd per group row without weight
     a_all = None if w is None else np.reshape(r_all, (R, 1)) * np.tile(np.reshape(w, (G, k)), (N, 1))
-    dx = np.empty(input.shape, dtype=input.dtype)
-    dx2 = np.reshape(dx, (R, L))  # R,L
+    dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)
+    dx2 = view(dx, (R, L))  # R,L
+    assert dx2 is not None
     sdy_all = np.empty(R * k, dtype=ct)  # N*C  sum(dy) per channel row
     sdx_all = np.empty(R * k, dtype=ct)  # N*C  sum(dy * xs) per channel row
     direct = dx.dtype == ct
@@ -569,7 +546,8 @@ def _group_backward(
                 np.add.reduce(sdx.reshape(n, k), axis=1, out=sgx)
             if fold:  # sum(g * (x - mean)) = sum(g * x) - mean * sum(g)
                 np.subtract(sgx, np.multiply(m, sg, out=b_), out=sgx)
-            np.multiply(nb_all[a:e], sgx, out=b_)  # b
+            np.multiply(r_all[a:e], sgx, out=b_)
+            np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
             if fold:  # b*(x - mean) + c = b*x + (c - b*mean)
                 np.subtract(c_, np.multiply(b_, m, out=sg), out=c_)
@@ -595,13 +573,14 @@ def _group_backward(
         dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
     if bias is not None:
         dbias = np.sum(np.reshape(sdy_all, (N, C)), axis=0)  # C
-    return dx, _grad(dweight, weight), _grad(dbias, bias)
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 # --- BatchNorm ---------------------------------------------------------------------------
 
 
-@specialized("batch_norm_forward", NS)
+@specialized("batch_norm_forward", NS, kernels="numpy")
+@no_fp_warnings
 def batch_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -612,19 +591,20 @@ def batch_norm_forward(
     training: bool,
     momentum: float,
     eps: float,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm forward: the statistics sweep (training) then the normalize sweep."""
     if input.size == 0:  # nothing to sweep over: the generic kernel's results
         return generic_kernel("batch_norm_forward")(
-            xp, input, running_mean, running_var, weight, bias, training, momentum, eps
+            xp, input, running_mean, running_var, weight, bias, training, momentum, eps, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    rows = _Rows(input, C, ct)
+    rows = _rows(input, C, ct)
     new_mean, new_var = running_mean, running_var
     if training:
-        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased)
+        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased, float64)
         if running_mean is not None and running_var is not None:
             n = N * S  # values per channel
             new_mean = running_update(xp, running_mean, mean, momentum)  # C
@@ -633,13 +613,14 @@ def batch_norm_forward(
         assert running_mean is not None and running_var is not None
         mean = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
         var = cast(xp, running_var, ct)  # C
-    rstd = 1.0 / np.sqrt(var + eps)  # C
-    y = np.empty(input.shape, dtype=input.dtype)
+    rstd = (1.0 / np.sqrt(var + eps)).astype(ct)  # C
+    y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
     _channel_forward(y, rows, ct, mean, rstd, weight, bias)
-    return y, mean, rstd, new_mean, new_var
+    return finish(y, out), mean, rstd, new_mean, new_var
 
 
-@specialized("batch_norm_backward", NS)
+@specialized("batch_norm_backward", NS, kernels="numpy")
+@no_fp_warnings
 def batch_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -649,21 +630,27 @@ def batch_norm_backward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     training: bool,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm backward: the sums sweep then the dx sweep (training), or one sweep
     ``dx = rstd*w*dy`` (inference)."""
     if input.size == 0:
         return generic_kernel("batch_norm_backward")(
-            xp, grad_output, input, mean, rstd, weight, bias, training
+            xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training)
+    if training and _huge(rstd, ct):
+        return generic_kernel("batch_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, training, out
+        )
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training, out)
 
 
 # --- InstanceNorm ------------------------------------------------------------------------
 
 
-@specialized("instance_norm_forward", NS)
+@specialized("instance_norm_forward", NS, kernels="numpy")
+@no_fp_warnings
 def instance_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -674,12 +661,13 @@ def instance_norm_forward(
     use_input_stats: bool,
     momentum: float,
     eps: float,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
     """InstanceNorm forward: GroupNorm's sweep with one channel per group, or the
     running statistics' sweep."""
     if input.size == 0:
         return generic_kernel("instance_norm_forward")(
-            xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+            xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
     N, C = int(input.shape[0]), int(input.shape[1])
@@ -687,7 +675,7 @@ def instance_norm_forward(
     new_mean, new_var = running_mean, running_var
     if use_input_stats:
         with_buffers = running_mean is not None and running_var is not None
-        y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, keep_var=with_buffers)
+        y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, with_buffers, out)
         if running_mean is not None and running_var is not None:
             assert var is not None
             batch_mean = np.mean(np.reshape(mean, (N, C)), axis=0)  # C
@@ -698,12 +686,14 @@ def instance_norm_forward(
     assert running_mean is not None and running_var is not None
     m = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
     r = 1.0 / np.sqrt(cast(xp, running_var, ct) + eps)  # C
-    y = np.empty(input.shape, dtype=input.dtype)
-    _channel_forward(y, _Rows(input, C, ct), ct, m, r, weight, bias)
-    return y, m, r, new_mean, new_var
+    rows = _rows(input, C, ct)
+    y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
+    _channel_forward(y, rows, ct, m, r, weight, bias)
+    return finish(y, out), m, r, new_mean, new_var
 
 
-@specialized("instance_norm_backward", NS)
+@specialized("instance_norm_backward", NS, kernels="numpy")
+@no_fp_warnings
 def instance_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -713,24 +703,30 @@ def instance_norm_backward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     use_input_stats: bool,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """InstanceNorm backward: GroupNorm's with one channel per group, or the affine
     map's ``dx = rstd_c*w_c*dy`` with running statistics."""
     if input.size == 0:
         return generic_kernel("instance_norm_backward")(
-            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if use_input_stats and _huge(rstd, ct):
+        return generic_kernel("instance_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
+        )
     if use_input_stats:
         C = int(input.shape[1])
-        return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct)
-    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, False)
+        return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, False, out)
 
 
 # --- GroupNorm ---------------------------------------------------------------------------
 
 
-@specialized("group_norm_forward", NS)
+@specialized("group_norm_forward", NS, kernels="numpy")
+@no_fp_warnings
 def group_norm_forward(
     xp: Namespace,
     input: np.ndarray,
@@ -738,17 +734,19 @@ def group_norm_forward(
     weight: np.ndarray | None,
     bias: np.ndarray | None,
     eps: float,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GroupNorm forward, one sweep over the (sample, group) rows."""
     if input.size == 0:
-        return generic_kernel("group_norm_forward")(xp, input, num_groups, weight, bias, eps)
+        return generic_kernel("group_norm_forward")(xp, input, num_groups, weight, bias, eps, out)
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     N = int(input.shape[0])
-    y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct)
+    y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct, False, out)
     return y, np.reshape(mean, (N, num_groups)), np.reshape(rstd, (N, num_groups))
 
 
-@specialized("group_norm_backward", NS)
+@specialized("group_norm_backward", NS, kernels="numpy")
+@no_fp_warnings
 def group_norm_backward(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -758,11 +756,16 @@ def group_norm_backward(
     rstd: np.ndarray,
     weight: np.ndarray | None,
     bias: np.ndarray | None,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """GroupNorm backward, one sweep over the (sample, group) rows."""
     if input.size == 0:
         return generic_kernel("group_norm_backward")(
-            xp, grad_output, input, num_groups, mean, rstd, weight, bias
+            xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct)
+    if _huge(rstd, ct):
+        return generic_kernel("group_norm_backward")(
+            xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+        )
+    return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)

@@ -25,17 +25,17 @@ import numpy as np
 from .._backend import Namespace
 from .._checks import prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
-from ._blocks import param
+from ._blocks import block_rows, param
 from .numpy_fast_channels import (
     NS,
-    _block_rows,
     _dx_sweep,
     _foldable,
     _grad_sums_sweep,
+    _huge,
     _merge_rows,
     _Ring,
     _row_moments,
-    _Rows,
+    _rows,
 )
 
 
@@ -43,15 +43,15 @@ def _per_channel(v: np.ndarray, C: int, ct: np.dtype[Any]) -> np.ndarray:
     return np.ascontiguousarray(np.reshape(v, (C,)), dtype=ct)  # C
 
 
-@specialized("sync_batch_norm_moments", NS)
+@specialized("sync_batch_norm_moments", NS, kernels="numpy")
 def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Per channel mean and biased variance of a non-empty input, in ``ct``."""
+    """Per channel mean (in ``ct``) and biased variance (float64) of a non-empty input."""
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
-    return _merge_rows(*_row_moments(_Rows(input, C, ct), ct), N, C, prod(input.shape[2:]))  # C, C
+    return _merge_rows(*_row_moments(_rows(input, C, ct), ct), N, C, prod(input.shape[2:]))  # C, C
 
 
-@specialized("sync_batch_norm_grad_sums", NS)
+@specialized("sync_batch_norm_grad_sums", NS, kernels="numpy")
 def sync_batch_norm_grad_sums(
     xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -62,8 +62,9 @@ def sync_batch_norm_grad_sums(
     N, C = int(input.shape[0]), int(input.shape[1])
     m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
     fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
-    center = None if fold else _Ring(m, _block_rows(prod(input.shape[2:]), ct))
-    sdy, sdx = _grad_sums_sweep(_Rows(grad_output, C, ct), _Rows(input, C, ct), ct, center, True)  # R, R
+    rows_x = _rows(input, C, ct)
+    center = None if fold else _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))
+    sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True)  # R, R
     assert sdx is not None
     sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
     sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
@@ -72,7 +73,7 @@ def sync_batch_norm_grad_sums(
     return sum_dy, sum_dyxc
 
 
-@specialized("sync_batch_norm_dx", NS)
+@specialized("sync_batch_norm_dx", NS, kernels="numpy")
 def sync_batch_norm_dx(
     xp: Namespace,
     grad_output: np.ndarray,
@@ -85,24 +86,27 @@ def sync_batch_norm_dx(
 ) -> np.ndarray:
     """``dx = a*dy + b*(x - mean) + c`` with ``a = rstd*w``,
     ``b = -rstd^3*w*mean_G(dy*(x - mean))``, ``c = -rstd*w*mean_G(dy)``: one sweep."""
-    if input.size == 0:
+    ct = np.dtype(work_dtype(xp, input, weight, mean))
+    C = int(input.shape[1])
+    m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
+    if input.size == 0 or _huge(r, ct):  # nothing to sweep, or coefficients that underflow ct
         return generic_kernel("sync_batch_norm_dx")(
             xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
         )
-    ct = np.dtype(work_dtype(xp, input, weight, mean))
-    C = int(input.shape[1])
-    B = _block_rows(prod(input.shape[2:]), ct)
-    m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
+    rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
+    B = block_rows(rows_x.R, rows_x.L, ct.itemsize)
     w = param(weight, C, ct)  # C
-    wv = 1.0 if w is None else w
-    a_coef = r * wv  # C
-    b_coef = -(r * r * r) * (wv * _per_channel(mean_dyxc, C, ct))  # C
-    c_coef = -r * (wv * _per_channel(mean_dy, C, ct))  # C
+    a_coef = r if w is None else r * w  # C
+    # b and c in float64, as BatchNorm's backward forms them (r^3 underflows float32 for huge inputs)
+    wv = 1.0 if w is None else w.astype(np.float64)
+    r64 = r.astype(np.float64)  # C
+    b64 = -r64 * (r64 * (wv * _per_channel(mean_dyxc, C, np.dtype(np.float64)))) * r64  # C
+    c64 = -r64 * (wv * _per_channel(mean_dy, C, np.dtype(np.float64)))  # C
     fold = _foldable(m, r)
     if fold:
-        c_coef = c_coef - b_coef * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+        c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
     center = None if fold else _Ring(m, B)
     dx = np.empty(input.shape, dtype=input.dtype)
-    rings = (_Ring(a_coef, B), _Ring(b_coef, B), _Ring(c_coef, B))
-    _dx_sweep(_Rows(grad_output, C, ct), _Rows(input, C, ct), dx, ct, center, *rings)
+    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(c64.astype(ct), B))
+    _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
     return dx

@@ -404,6 +404,9 @@ class Module:
 
     def _check_backend(self, input: Array) -> Namespace:
         """Namespace of ``input``, which must match the module's arrays."""
+        xp = namespace_of(input, what="input")
+        if xp is self.xp:  # the module's arrays are of self.xp (the functional checks them too)
+            return xp
         held = [*self.parameters().values(), *self.buffers().values()]
         return namespace_of(input, *held, what="input and the module's parameters/buffers")
 

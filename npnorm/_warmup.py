@@ -1,0 +1,89 @@
+"""``python -m npnorm warmup``: compile every numba kernel once, for float32 and float64.
+
+The ``"numba"`` kernels compile on first use, per operation and computation dtype: a
+few seconds each on a cold start, about a second for all of them once numba's on-disk
+cache holds them (``cache=True``: next to the kernels' source, or in
+``NUMBA_CACHE_DIR``). Running this once after installing (in a Docker image build, a CI
+step) moves that cost out of the first real call. It prints the time per layer and
+dtype, and whether the kernels came from the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .functional._dispatch import kernels_available, use_kernels
+
+DTYPES = ("float32", "float64")
+
+
+def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
+    """A forward and backward of every layer and mode, on small inputs of ``dtype``."""
+    import npnorm.functional as F
+
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((3, 8)).astype(dtype)
+    img = rng.standard_normal((2, 4, 3, 3)).astype(dtype)
+    w8, w4 = np.ones(8, dtype), np.ones(4, dtype)
+    b8, b4 = np.zeros(8, dtype), np.zeros(4, dtype)
+    rm, rv = np.zeros(4, dtype), np.ones(4, dtype)
+
+    def layer_norm() -> None:
+        _, mean, rstd = F.layer_norm_forward(rows, 8, w8, b8)
+        F.layer_norm_backward(rows, rows, 8, mean, rstd, w8, b8)
+
+    def rms_norm() -> None:
+        _, rstd = F.rms_norm_forward(rows, 8, w8)
+        F.rms_norm_backward(rows, rows, 8, rstd, w8)
+
+    def batch_norm() -> None:
+        for training in (True, False):
+            _, mean, rstd, _, _ = F.batch_norm_forward(img, rm, rv, w4, b4, training=training)
+            F.batch_norm_backward(img, img, mean, rstd, w4, b4, training=training)
+
+    def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
+        _, mean, rstd = F.group_norm_forward(img, 2, w4, b4)
+        F.group_norm_backward(img, img, 2, mean, rstd, w4, b4)
+
+    return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
+
+
+def _compiled_loops() -> int:
+    """How many (loop, signature) pairs are compiled or loaded (the helpers they call
+    not counted)."""
+    from .kernels import _numba_loops as loops
+
+    return sum(len(f.signatures) for n, f in vars(loops).items() if hasattr(f, "signatures") and n[0] != "_")
+
+
+def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
+    """Compile (or load from the cache) every numba kernel for float32 and float64."""
+    t0 = time.perf_counter()
+    if "numba" not in kernels_available():  # imports numba where it is installed
+        if verbose:
+            print("numba is not installed: nothing to compile (pip install 'npnorm[fast]')")
+        return {"numba": False}
+
+    result: dict[str, Any] = {"numba": True, "import_s": time.perf_counter() - t0, "seconds": {}}
+    with use_kernels("numba"):
+        for dtype in DTYPES:
+            for name, call in _layers(dtype).items():
+                t = time.perf_counter()
+                call()
+                result["seconds"][f"{name} {dtype}"] = time.perf_counter() - t
+    result["total_s"] = time.perf_counter() - t0
+    result["compiled_loops"] = _compiled_loops()
+    if verbose:
+        print(f"numba imported in {result['import_s']:.2f} s")
+        for key, s in result["seconds"].items():
+            print(f"  {key:20} {s:6.2f} s")
+        print(f"{result['compiled_loops']} compiled loops (8 x 2 dtypes) ready in {result['total_s']:.2f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

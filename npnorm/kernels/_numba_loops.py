@@ -1,0 +1,386 @@
+"""The compiled loops of the ``"numba"`` kernel family (LayerNorm/RMSNorm rows, and the
+BatchNorm, InstanceNorm and GroupNorm channels), each fusing a layer's passes over a row
+or a channel into one read of the data from memory.
+
+Every loop works on a range of rows (or channels) ``[r0, r1)`` of C-ordered arrays of
+the computation dtype (float32 or float64; the Python side stages anything else), so
+that each compiles once per dtype. They release the GIL: the Python side splits the
+rows over npnorm's thread pool (``npnorm._threads``), one range per thread, so that
+npnorm.set_num_threads is the one thread control and the split is fixed by the thread
+count (numba's own threading layer is not used).
+
+Numerics, in every loop:
+
+* statistics are two-pass within the cached row (mean, then the sum of squared
+  deviations) and accumulated in float64, whatever the data's dtype: a float32 row with
+  a large common offset (mean 1e3 x spread) keeps float64's accuracy, and a finite row
+  has finite statistics (the squares of float32 values beyond ~1.8e19 overflow float32,
+  not float64);
+* the float64 mean is split into its value in the data's dtype and the remainder,
+  ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's accuracy;
+* the row sums are vectorized: the small ``_sum*`` helpers are compiled with
+  ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
+  their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
+  input gives bitwise the same sums);
+* ``error_model="numpy"``: a division by zero gives inf or NaN as in NumPy, never an
+  exception.
+
+Everything in this file is compiled code: keep it to one file, because numba's on-disk
+cache (``cache=True``) tracks the source file of each function, not the files its callees
+live in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+# the options of every loop, and of the row sums (vectorized by reassociation)
+_loop: Any = njit(cache=True, nogil=True, error_model="numpy")
+_sum_loop: Any = njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+
+# dweight/dbias of LayerNorm and RMSNorm are summed over rows in the data's dtype, and
+# added into float64 partial sums after every row whose index in the input is a multiple
+# of FLUSH_ROWS minus one (so that how a thread's rows are cut into calls does not change
+# the sums).
+FLUSH_ROWS = 16
+
+
+# --- vectorized row sums (float64 accumulators) -----------------------------------------
+
+
+@_sum_loop
+def _sum(a):  # type: ignore[no-untyped-def]
+    t = 0.0
+    for i in range(a.shape[0]):
+        t += a[i]
+    return t
+
+
+@_sum_loop
+def _sum_sq_dev(a, m):  # type: ignore[no-untyped-def]
+    """sum((a - m)^2), ``m`` a float64."""
+    t = 0.0
+    for i in range(a.shape[0]):
+        d = a[i] - m
+        t += d * d
+    return t
+
+
+@_sum_loop
+def _sum_sq(a):  # type: ignore[no-untyped-def]
+    t = 0.0
+    for i in range(a.shape[0]):
+        v = np.float64(a[i])
+        t += v * v
+    return t
+
+
+@_sum_loop
+def _sums_dy(dy, xc_of, m_hi, m_lo, w):  # type: ignore[no-untyped-def]
+    """``(sum(g), sum(g * (x - m)))`` with ``g = dy * w``, ``x - m = (x - m_hi) - m_lo``."""
+    sg = 0.0
+    sgx = 0.0
+    for i in range(dy.shape[0]):
+        g = dy[i] * w[i]
+        sg += g
+        sgx += g * ((xc_of[i] - m_hi) - m_lo)
+    return sg, sgx
+
+
+@_sum_loop
+def _sums_dy_scalar_w(dy, x, m_hi, m_lo):  # type: ignore[no-untyped-def]
+    """``(sum(dy), sum(dy * (x - m)))`` over one channel row."""
+    s = 0.0
+    sx = 0.0
+    for i in range(dy.shape[0]):
+        d = dy[i]
+        s += d
+        sx += d * ((x[i] - m_hi) - m_lo)
+    return s, sx
+
+
+@_sum_loop
+def _sum_g_x(dy, x, w):  # type: ignore[no-untyped-def]
+    """sum(dy * w * x) (RMSNorm's backward)."""
+    t = 0.0
+    for i in range(dy.shape[0]):
+        t += (dy[i] * w[i]) * x[i]
+    return t
+
+
+@_loop
+def _split(m, scratch):  # type: ignore[no-untyped-def]
+    """``m`` (float64) as ``(m_hi, m_lo)`` in ``scratch``'s dtype: ``m_hi`` rounded,
+    ``m_lo`` what the rounding lost."""
+    scratch[0] = m
+    scratch[1] = m - scratch[0]
+    return scratch[0], scratch[1]
+
+
+@_loop
+def _flush(part, total):  # type: ignore[no-untyped-def]
+    for j in range(part.shape[0]):
+        total[j] += part[j]
+        part[j] = 0
+
+
+# --- LayerNorm and RMSNorm: rows of D values ----------------------------------------------
+
+
+@_loop
+def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` of x (R,D): mean, rstd (R,) and ``y = (x - mean)*rstd*w + b``.
+    Without weight/bias the caller passes ones/zeros (exact)."""
+    D = x.shape[1]
+    s = np.empty(2, dtype=y.dtype)
+    for r in range(r0, r1):
+        xr = x[r]
+        m = _sum(xr) / D
+        var = _sum_sq_dev(xr, m) / D
+        rs = 1.0 / np.sqrt(var + eps)
+        m_hi, m_lo = _split(m, s)
+        mean[r] = m
+        rstd[r] = rs
+        k = rstd[r]
+        yr = y[r]
+        for j in range(D):
+            yr[j] = ((xr[j] - m_hi) - m_lo) * k * w[j] + b[j]
+
+
+@_loop
+def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` (rows ``base + r`` of the input): ``dx = rstd*(g - mean(g) -
+    xhat*mean(g*xhat))``, ``g = dy*w``, as ``dx = a*g + c1*xhat + c0`` with per-row
+    ``a = rstd``, ``c1 = -rstd*mean(g*xhat)``, ``c0 = -rstd*mean(g)`` (each representable
+    where rstd is: no rstd^3, which underflows float32 for huge rows). With
+    ``with_sums``, ``sum_rows(dy*xhat)`` and ``sum_rows(dy)`` go into the partial sums
+    ``pw``, ``pb`` (the data's dtype, (D,)), flushed into the float64 ``dw``, ``db``
+    (see FLUSH_ROWS; the caller flushes what is left)."""
+    D = x.shape[1]
+    s = np.empty(3, dtype=dx.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    for r in range(r0, r1):
+        xr = x[r]
+        dyr = dy[r]
+        dxr = dx[r]
+        m = mean[r]
+        rs = np.float64(rstd[r])
+        sg, sgx = _sums_dy(dyr, xr, m, zero, w)
+        s[0] = rs
+        s[1] = -rs * (sgx * rs / D)
+        s[2] = -rs * sg / D
+        a, c1, c0 = s[0], s[1], s[2]
+        if with_sums:
+            for j in range(D):
+                xh = (xr[j] - m) * a
+                d = dyr[j]
+                dxr[j] = a * (d * w[j]) + c1 * xh + c0
+                pw[j] += d * xh
+                pb[j] += d
+            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
+                _flush(pw, dw)
+                _flush(pb, db)
+        else:
+            for j in range(D):
+                dxr[j] = a * (dyr[j] * w[j]) + c1 * ((xr[j] - m) * a) + c0
+
+
+@_loop
+def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)``: ``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x*rstd*w``."""
+    D = x.shape[1]
+    for r in range(r0, r1):
+        xr = x[r]
+        rstd[r] = 1.0 / np.sqrt(_sum_sq(xr) / D + eps)
+        k = rstd[r]
+        yr = y[r]
+        for j in range(D):
+            yr[j] = xr[j] * k * w[j]
+
+
+@_loop
+def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` (rows ``base + r``): ``dx = a*g + c1*xhat`` with ``a = rstd``,
+    ``xhat = x*rstd``, ``c1 = -rstd*mean(g*xhat)``, ``g = dy*w``; ``sum_rows(dy*xhat)``
+    into ``pw`` and ``dw`` as in ``layer_norm_backward``."""
+    D = x.shape[1]
+    s = np.empty(2, dtype=dx.dtype)
+    for r in range(r0, r1):
+        xr = x[r]
+        dyr = dy[r]
+        dxr = dx[r]
+        rs = np.float64(rstd[r])
+        sgx = _sum_g_x(dyr, xr, w)
+        s[0] = rs
+        s[1] = -rs * (sgx * rs / D)
+        a, c1 = s[0], s[1]
+        if with_sums:
+            for j in range(D):
+                d = dyr[j]
+                xh = xr[j] * a
+                dxr[j] = a * (d * w[j]) + c1 * xh
+                pw[j] += d * xh
+            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
+                _flush(pw, dw)
+        else:
+            for j in range(D):
+                dxr[j] = a * (dyr[j] * w[j]) + c1 * (xr[j] * a)
+
+
+# --- BatchNorm (and running statistics): channels of N rows of S values ---------------------
+
+
+@_loop
+def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type: ignore[no-untyped-def]
+    """Channels ``[c0, c1)`` of x (N,C,S), one channel at a time, so that its N*S values
+    stay in cache between the passes. With ``training``, the channel's mean and biased
+    variance (two-pass, float64) are written into ``mean``, ``var`` (float64 (C,));
+    else they are read from there (running statistics). Then ``rstd`` (C,) and
+    ``y = (x - mean)*rstd*w + b``."""
+    N, S = x.shape[0], x.shape[2]
+    M = N * S
+    s = np.empty(3, dtype=y.dtype)
+    for c in range(c0, c1):
+        if training:
+            t = 0.0
+            for n in range(N):
+                t += _sum(x[n, c])
+            m = t / M
+            q = 0.0
+            for n in range(N):
+                q += _sum_sq_dev(x[n, c], m)
+            mean[c] = m
+            var[c] = q / M
+        m = mean[c]
+        rs = 1.0 / np.sqrt(var[c] + eps)
+        rstd[c] = rs
+        m_hi, m_lo = _split(m, s)
+        s[2] = rstd[c] * w[c]
+        k = s[2]
+        bc = b[c]
+        for n in range(N):
+            xr = x[n, c]
+            yr = y[n, c]
+            for j in range(S):
+                yr[j] = ((xr[j] - m_hi) - m_lo) * k + bc
+
+
+@_loop
+def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
+    """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
+    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + c1*xhat + c0`` with
+    ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
+    ``c1 = -rstd*w*mean(dy*xhat)``, ``c0 = -rstd*w*mean(dy)`` (over the M = N*S values),
+    else ``c1 = c0 = 0``."""
+    N, S = x.shape[0], x.shape[2]
+    M = N * S
+    s = np.empty(4, dtype=dx.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    for c in range(c0, c1):
+        m = mean[c]
+        rs = np.float64(rstd[c])
+        wc = np.float64(w[c])
+        sd = 0.0
+        sdx = 0.0
+        for n in range(N):
+            u, v = _sums_dy_scalar_w(dy[n, c], x[n, c], m, zero)
+            sd += u
+            sdx += v
+        db[c] = sd
+        dw[c] = sdx * rs
+        s[0] = rs * wc
+        if training:
+            s[1] = -rs * wc * (sdx * rs / M)
+            s[2] = -rs * wc * sd / M
+        else:
+            s[1] = 0.0
+            s[2] = 0.0
+        s[3] = rs
+        a, k1, k0, rc = s[0], s[1], s[2], s[3]
+        for n in range(N):
+            xr = x[n, c]
+            dyr = dy[n, c]
+            dxr = dx[n, c]
+            for j in range(S):
+                dxr[j] = a * dyr[j] + k1 * ((xr[j] - m) * rc) + k0
+
+
+# --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
+
+
+@_loop
+def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` of x (R,L), row r being the (sample, group) row ``base + r`` of the
+    input (group ``(base + r) % G``, G = C/k), L = k*S values: mean, rstd (R,), the
+    biased variance into ``var`` (float64 (R,)), then ``y = (x - mean)*rstd*w_c + b_c``
+    per channel c of the group."""
+    L = x.shape[1]
+    S = L // k
+    G = w.shape[0] // k
+    s = np.empty(3, dtype=y.dtype)
+    for r in range(r0, r1):
+        xr = x[r]
+        m = _sum(xr) / L
+        v = _sum_sq_dev(xr, m) / L
+        var[r] = v
+        rs = 1.0 / np.sqrt(v + eps)
+        m_hi, m_lo = _split(m, s)
+        mean[r] = m
+        rstd[r] = rs
+        c0 = ((base + r) % G) * k
+        yr = y[r]
+        for i in range(k):
+            s[2] = rstd[r] * w[c0 + i]
+            sc = s[2]
+            bc = b[c0 + i]
+            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
+            yi = yr[i * S : (i + 1) * S]
+            for j in range(S):
+                yi[j] = ((xi[j] - m_hi) - m_lo) * sc + bc
+
+
+@_loop
+def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # type: ignore[no-untyped-def]
+    """Rows ``[r0, r1)`` (see ``group_forward``): per channel row ``sum(dy)`` and
+    ``sum(dy*(x - mean))`` (float64, into ``sdy``, ``sdyx`` (R*k,)), combined with the
+    weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
+    ``dx = rstd*w_c*dy + c1*xhat + c0``, ``xhat = (x - mean)*rstd``,
+    ``c1 = -rstd*(sgx*rstd)/L``, ``c0 = -rstd*sg/L``."""
+    L = x.shape[1]
+    S = L // k
+    G = w.shape[0] // k
+    s = np.empty(3, dtype=dx.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    for r in range(r0, r1):
+        xr = x[r]
+        dyr = dy[r]
+        dxr = dx[r]
+        m = mean[r]
+        rs = np.float64(rstd[r])
+        c0 = ((base + r) % G) * k
+        sg = 0.0
+        sgx = 0.0
+        for i in range(k):
+            u, v = _sums_dy_scalar_w(dyr[i * S : (i + 1) * S], xr[i * S : (i + 1) * S], m, zero)
+            sdy[r * k + i] = u
+            sdyx[r * k + i] = v
+            wc = np.float64(w[c0 + i])
+            sg += wc * u
+            sgx += wc * v
+        s[1] = -rs * (sgx * rs / L)
+        s[2] = -rs * sg / L
+        k1, k0, rc = s[1], s[2], rstd[r]
+        for i in range(k):
+            s[0] = rs * w[c0 + i]
+            a = s[0]
+            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
+            dyi = dyr[i * S : (i + 1) * S]
+            dxi = dxr[i * S : (i + 1) * S]
+            for j in range(S):
+                dxi[j] = a * dyi[j] + k1 * ((xi[j] - m) * rc) + k0

@@ -1,0 +1,134 @@
+"""How the compiled (numba) kernels get their arrays and their threads.
+
+The compiled loops (``_numba_loops``) take C-ordered arrays of the computation dtype
+(float32 or float64) only, so that each compiles once per dtype and layout. An input
+that already is one (the common case) is passed as it is; anything else (float16,
+Fortran order, channels-last, strided views) is copied block by block into C-ordered
+scratch of the computation dtype (``Source``), and an output of another dtype or
+layout is written through a scratch block (``Target``). Memory beyond the outputs is
+then a few blocks per thread (BatchNorm, whose loop needs all of a channel's samples at
+once, stages such an input whole: ``Source.whole``).
+
+Threads: the rows (or channels) are split into one contiguous range per thread
+(``ranges``), fixed by the thread count (``npnorm.set_num_threads``) and the size, and
+run on npnorm's thread pool; the loops release the GIL. Small inputs run in the calling
+thread: below ``MIN_PARALLEL`` elements per thread a hand-off costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._threads import get_num_threads, run_parallel
+from ._blocks import Rows, view
+
+T = TypeVar("T")
+
+COMPILED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the loops compile for
+MIN_PARALLEL = 1 << 16  # elements per thread below which a call runs serially
+STAGE_BYTES = 1 << 20  # bytes of one staged block (per thread and staged array)
+
+
+def ranges(n: int, per_item: int) -> list[tuple[int, int]]:
+    """``n`` items (rows, channels) of ``per_item`` elements as contiguous ranges, one per
+    thread: as many as the thread count allows with at least ``MIN_PARALLEL`` elements
+    each, one (the calling thread) for small inputs."""
+    parts = max(1, min(get_num_threads(), n, (n * per_item) // MIN_PARALLEL))
+    return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
+
+
+def run(task: Callable[[int, int], T], parts: list[tuple[int, int]]) -> list[T]:
+    """``task(start, stop)`` for every range, in parallel; results in range order."""
+    if len(parts) == 1:
+        return [task(*parts[0])]
+    return run_parallel([partial(task, a, e) for a, e in parts])
+
+
+def spans(start: int, stop: int, step: int) -> Iterator[tuple[int, int]]:
+    for a in range(start, stop, step):
+        yield a, min(a + step, stop)
+
+
+_CONSTANTS: dict[tuple[int, np.dtype[Any], float], np.ndarray] = {}
+
+
+def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np.ndarray:
+    """A weight or bias as a C-ordered (n,) array of ``ct``; an absent one as ``fill``
+    (ones or zeros: multiplying by 1 and adding 0 are exact). The filled arrays are
+    cached and never written."""
+    if p is not None:
+        return np.ascontiguousarray(np.reshape(p, (n,)), dtype=ct)
+    key = (n, ct, fill)
+    c = _CONSTANTS.get(key)
+    if c is None:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        c = _CONSTANTS[key] = np.full(n, fill, dtype=ct)
+    return c
+
+
+def compiled(ct: np.dtype[Any]) -> bool:
+    return ct in COMPILED
+
+
+class Source:
+    """An input's rows ``(R, L)`` for the loops: the input itself when it is C-ordered in
+    the computation dtype (``direct``), else blocks staged through scratch."""
+
+    def __init__(self, a: np.ndarray, N: int, P: int, tail: tuple[int, ...], ct: np.dtype[Any]) -> None:
+        self.rows = Rows(a, N, P, tail, ct)
+        self.direct = self.rows.whole if self.rows.contiguous else None
+        self.ct, self.L = ct, self.rows.L
+
+    def buffer(self, B: int) -> np.ndarray | None:
+        return None if self.direct is not None else np.empty((B, self.L), dtype=self.ct)
+
+    def block(self, a: int, e: int, buf: np.ndarray | None) -> np.ndarray:
+        if self.direct is not None:
+            return self.direct[a:e]  # n,L
+        return self.rows.read(a, e, buf)  # n,L copied into buf
+
+    def whole(self) -> np.ndarray:
+        """All rows as one C-ordered (R, L) array of ``ct`` (a copy unless ``direct``)."""
+        if self.direct is not None:
+            return self.direct
+        return self.rows.read(0, self.rows.R, np.empty((self.rows.R, self.L), dtype=self.ct))
+
+
+class Target:
+    """An output's rows ``(R, L)`` for the loops: written in place when the output is
+    C-ordered in the computation dtype, else through a scratch block converted on the
+    way out (``done``)."""
+
+    def __init__(self, y: np.ndarray, R: int, L: int, ct: np.dtype[Any]) -> None:
+        rows = view(y, (R, L))  # R,L (y is C-ordered: see _blocks.output)
+        assert rows is not None
+        self.rows, self.ct, self.L = rows, ct, L
+        self.direct = rows.dtype == ct and rows.flags.c_contiguous
+
+    def buffer(self, B: int) -> np.ndarray | None:
+        return None if self.direct else np.empty((B, self.L), dtype=self.ct)
+
+    def block(self, a: int, e: int, buf: np.ndarray | None) -> np.ndarray:
+        if self.direct:
+            return self.rows[a:e]  # n,L
+        assert buf is not None
+        return buf[: e - a]
+
+    def done(self, a: int, e: int, block: np.ndarray) -> None:
+        if not self.direct:
+            np.copyto(self.rows[a:e], block, casting="same_kind")  # n,L to the output's dtype
+
+
+def block_size(
+    sources: tuple[Source, ...], targets: tuple[Target, ...], R: int, L: int, ct: np.dtype[Any]
+) -> int:
+    """Rows per call of a loop: all of a thread's range when nothing is staged, else
+    blocks of about ``STAGE_BYTES``."""
+    if all(s.direct is not None for s in sources) and all(t.direct for t in targets):
+        return max(1, R)
+    return max(1, min(R, STAGE_BYTES // max(1, L * ct.itemsize)))

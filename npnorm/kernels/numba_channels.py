@@ -1,0 +1,375 @@
+"""Compiled kernels for BatchNorm, InstanceNorm and GroupNorm: the ``"numba"`` family.
+
+Same signatures and results (to rounding) as the generic kernels in
+``npnorm.functional.batch_norm`` / ``instance_norm`` / ``group_norm``; registered as the
+``"numba"`` kernel family for NumPy arrays. An input of shape (N, C, *spatial) is seen
+as (N, C, S), S = prod(spatial):
+
+* BatchNorm (and the running-statistics mode of InstanceNorm) works one channel at a
+  time (``loops.channel_forward`` / ``channel_backward``): the channel's N*S values are
+  read from memory once and stay in cache for the statistics (float64, two-pass) and
+  the output, or for the backward's two sums and ``dx``. The channels are split over
+  the threads; a channel's results do not depend on the split. An input that is not
+  C-ordered in the computation dtype is first copied whole (one copy of the input).
+* GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
+  ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), like
+  LayerNorm; other dtypes and layouts are staged block by block (``_staging``).
+
+dweight and dbias are reduced in float64 from per-channel or per-(sample, channel)
+sums, in a fixed order: bitwise the same for any thread count. Empty inputs and
+computation dtypes the loops do not compile for go to the ``"numpy"`` family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._backend import Namespace, no_fp_warnings
+from .._checks import cast, prod, work_dtype
+from ..functional._channels import running_update
+from ..functional._dispatch import NUMPY, family_kernel, specialized
+from . import _numba_loops as loops
+from ._blocks import finish, grad_as, output
+from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, spans
+
+Buffers = tuple[np.ndarray | None, np.ndarray | None]
+
+
+def _fallback(op: str, *args: Any) -> Any:
+    return family_kernel(op, "numpy")(*args)
+
+
+def _source(a: np.ndarray, G: int, ct: np.dtype[Any]) -> Source:
+    """(N, C, *spatial) as N*G rows of (C/G)*S values."""
+    N, C = int(a.shape[0]), int(a.shape[1])
+    return Source(a, N, G, (C // G, *(int(d) for d in a.shape[2:])), ct)
+
+
+def _running(
+    xp: Namespace,
+    running_mean: np.ndarray | None,
+    running_var: np.ndarray | None,
+    mean: np.ndarray,
+    var: np.ndarray,
+    momentum: float,
+) -> Buffers:
+    """The buffers moved towards the batch's (C,) mean and unbiased variance (float64);
+    a variance beyond the buffer dtype's range becomes inf (as in PyTorch)."""
+    if running_mean is None or running_var is None:
+        return running_mean, running_var
+    new_mean = running_update(xp, running_mean, mean, momentum)  # C
+    return new_mean, running_update(xp, running_var, var, momentum)
+
+
+# --- per-channel statistics: BatchNorm, and running statistics --------------------------
+
+
+def _channel_forward(
+    input: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    training: bool,
+    mean: np.ndarray,
+    var: np.ndarray,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``loops.channel_forward`` over all channels: with ``training`` it fills ``mean``
+    and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``."""
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
+    y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
+    dst = Target(y, N * C, S, ct)
+    y3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
+    w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
+    rstd = np.empty(C, dtype=ct)  # C
+
+    def task(c0: int, c1: int) -> None:
+        loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y3, c0, c1)
+
+    run(task, ranges(C, N * S))
+    if not dst.direct:
+        dst.done(0, N * C, y3.reshape(N * C, S))
+    return finish(y, out), rstd
+
+
+def _channel_backward(
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    training: bool,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``loops.channel_backward`` over all channels, from (C,) statistics: BatchNorm's
+    with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``."""
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
+    dy = _source(grad_output, C, ct).whole().reshape(N, C, S)  # N,C,S
+    dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
+    dst = Target(dx, N * C, S, ct)
+    dx3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
+    m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
+    r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
+    w = param_or(weight, C, ct, 1.0)  # C
+    dw, db = np.empty(C), np.empty(C)  # C, C float64
+
+    def task(c0: int, c1: int) -> None:
+        loops.channel_backward(dy, x, m, r, w, training, dx3, dw, db, c0, c1)
+
+    run(task, ranges(C, N * S))
+    if not dst.direct:
+        dst.done(0, N * C, dx3.reshape(N * C, S))
+    return finish(dx, out), grad_as(dw, weight), grad_as(db, bias)
+
+
+# --- per-group statistics: GroupNorm, InstanceNorm --------------------------------------
+
+
+def _group_forward(
+    input: np.ndarray,
+    G: int,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``loops.group_forward`` over the N*G (sample, group) rows. Returns ``(y, mean,
+    rstd, var)``, the statistics (N*G,), ``var`` (biased) in float64."""
+    C = int(input.shape[1])
+    src = _source(input, G, ct)
+    R, L, k = src.rows.R, src.L, C // G
+    y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
+    dst = Target(y, R, L, ct)
+    w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
+    mean, rstd = np.empty(R, dtype=ct), np.empty(R, dtype=ct)  # R, R
+    var = np.empty(R)  # R float64
+    B = block_size((src,), (dst,), R, L, ct)
+
+    def task(start: int, stop: int) -> None:
+        xbuf, ybuf = src.buffer(B), dst.buffer(B)
+        for a, e in spans(start, stop, B):
+            yb = dst.block(a, e, ybuf)  # n,L
+            xb = src.block(a, e, xbuf)  # n,L
+            loops.group_forward(xb, w, b, k, eps, yb, mean[a:e], rstd[a:e], var[a:e], a, 0, e - a)
+            dst.done(a, e, yb)
+
+    run(task, ranges(R, L))
+    return finish(y, out), mean, rstd, var
+
+
+def _group_backward(
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    G: int,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``loops.group_backward`` over the N*G rows; dweight and dbias summed over samples
+    (float64, fixed order) from the per-(sample, channel) sums."""
+    N, C = int(input.shape[0]), int(input.shape[1])
+    src_x, src_dy = _source(input, G, ct), _source(grad_output, G, ct)
+    R, L, k = src_x.rows.R, src_x.L, C // G
+    m = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
+    r = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
+    w = param_or(weight, C, ct, 1.0)  # C
+    dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)
+    dst = Target(dx, R, L, ct)
+    sdy, sdyx = np.empty(N * C), np.empty(N * C)  # N*C float64: sum(dy), sum(dy*(x - mean))
+    B = block_size((src_x, src_dy), (dst,), R, L, ct)
+
+    def task(start: int, stop: int) -> None:
+        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+        for a, e in spans(start, stop, B):
+            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,L  n,L
+            ob = dst.block(a, e, obuf)  # n,L
+            s1, s2 = sdy[a * k : e * k], sdyx[a * k : e * k]  # n*k, n*k
+            loops.group_backward(dyb, xb, m[a:e], r[a:e], w, k, ob, s1, s2, a, 0, e - a)
+            dst.done(a, e, ob)
+
+    run(task, ranges(R, L))
+    dweight = dbias = None
+    if weight is not None:  # sum over samples of rstd * sum(dy*(x - mean))
+        r3 = np.reshape(r.astype(np.float64), (N, G, 1))  # N,G,1
+        dweight = np.sum(np.reshape(np.reshape(sdyx, (N, G, k)) * r3, (N, C)), axis=0)  # C
+    if bias is not None:
+        dbias = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
+
+
+# --- BatchNorm ---------------------------------------------------------------------------
+
+
+@specialized("batch_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
+def batch_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    running_mean: np.ndarray | None,
+    running_var: np.ndarray | None,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """BatchNorm forward: each channel read once for its statistics and output."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
+    if input.size == 0 or not compiled(ct):
+        args = (xp, input, running_mean, running_var, weight, bias, training, momentum, eps, out)
+        return _fallback("batch_norm_forward", *args)
+    C = int(input.shape[1])
+    new_mean, new_var = running_mean, running_var
+    if training:
+        mean, var = np.empty(C), np.empty(C)  # C, C float64, filled by the loop
+        y, rstd = _channel_forward(input, weight, bias, eps, True, mean, var, ct, out)
+        n = input.size // C  # values per channel
+        new_mean, new_var = _running(xp, running_mean, running_var, mean, var * (n / (n - 1)), momentum)
+        return y, mean.astype(ct), rstd, new_mean, new_var
+    assert running_mean is not None and running_var is not None
+    m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
+    v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
+    y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
+    return y, m.astype(ct), rstd, new_mean, new_var
+
+
+@specialized("batch_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
+def batch_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    training: bool,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """BatchNorm backward: each channel read once for its sums and ``dx``."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if input.size == 0 or not compiled(ct):
+        args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
+        return _fallback("batch_norm_backward", *args)
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, training, ct, out)
+
+
+# --- InstanceNorm ------------------------------------------------------------------------
+
+
+@specialized("instance_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
+def instance_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    running_mean: np.ndarray | None,
+    running_var: np.ndarray | None,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """InstanceNorm forward: GroupNorm's rows with one channel per group, or BatchNorm's
+    channels with the running statistics."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
+    if input.size == 0 or not compiled(ct):
+        args = (xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, out)
+        return _fallback("instance_norm_forward", *args)
+    N, C = int(input.shape[0]), int(input.shape[1])
+    S = prod(input.shape[2:])
+    if use_input_stats:
+        y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, out)
+        batch_mean = np.mean(np.reshape(mean, (N, C)).astype(np.float64), axis=0)  # C
+        batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
+        new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, momentum)
+        return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
+    assert running_mean is not None and running_var is not None
+    m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
+    v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
+    y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
+    return y, m.astype(ct), rstd, running_mean, running_var
+
+
+@specialized("instance_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
+def instance_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    use_input_stats: bool,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """InstanceNorm backward: GroupNorm's with one channel per group, or the affine map's
+    with running statistics."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if input.size == 0 or not compiled(ct):
+        args = (xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out)
+        return _fallback("instance_norm_backward", *args)
+    if use_input_stats:
+        C = int(input.shape[1])
+        return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
+    return _channel_backward(grad_output, input, mean, rstd, weight, bias, False, ct, out)
+
+
+# --- GroupNorm ---------------------------------------------------------------------------
+
+
+@specialized("group_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
+def group_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    num_groups: int,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GroupNorm forward: each (sample, group) row read once."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
+    if input.size == 0 or not compiled(ct):
+        return _fallback("group_norm_forward", xp, input, num_groups, weight, bias, eps, out)
+    N = int(input.shape[0])
+    y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct, out)
+    return y, np.reshape(mean, (N, num_groups)), np.reshape(rstd, (N, num_groups))
+
+
+@specialized("group_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
+def group_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    num_groups: int,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """GroupNorm backward: each (sample, group) row read once."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
+    if input.size == 0 or not compiled(ct):
+        args = (xp, grad_output, input, num_groups, mean, rstd, weight, bias, out)
+        return _fallback("group_norm_backward", *args)
+    return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)

@@ -1,0 +1,256 @@
+"""Compiled kernels for LayerNorm and RMSNorm: the ``"numba"`` family.
+
+Same signatures and results (to rounding) as the generic kernels in
+``npnorm.functional.layer_norm`` / ``rms_norm``; registered as the ``"numba"`` kernel
+family for NumPy arrays, the default when numba imports (``pip install "npnorm[fast]"``).
+
+Each row of ``D`` values is read from memory once per pass direction: the forward takes
+its float64 mean and two-pass variance while the row is in cache and writes ``y`` in the
+same visit; the backward takes the row's two sums and writes ``dx``, adding the row into
+this thread's dweight/dbias partial sums (float64, added in thread order at the end:
+bitwise reproducible for a fixed thread count). See ``_numba_loops`` for the loops and
+``_staging`` for how inputs of other dtypes and layouts reach them.
+
+Anything the loops do not compile for (a computation dtype other than float32/float64,
+say longdouble) and empty inputs go to the ``"numpy"`` family's kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._backend import Namespace, no_fp_warnings
+from .._checks import Shape, prod, work_dtype
+from ..functional._dispatch import NUMPY, family_kernel, specialized
+from . import _numba_loops as loops
+from . import _staging
+from ._blocks import finish, grad_as, output, per_row, row_layout
+from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, spans
+
+Partials = tuple[np.ndarray, np.ndarray]
+
+
+def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
+    return tuple(input.shape[: input.ndim - len(shape)])
+
+
+def _fallback(op: str, *args: Any) -> Any:
+    return family_kernel(op, "numpy")(*args)
+
+
+def _small(size: int, ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
+    """Whether a call can skip staging and threads: fewer than ``MIN_PARALLEL`` elements, the
+    inputs C-ordered in the computation dtype, and no ``out`` or a C-ordered one (its
+    shape and dtype checked by the caller) that shares no memory with them."""
+    if size >= _staging.MIN_PARALLEL or any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
+        return False
+    return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
+
+
+# --- LayerNorm ---------------------------------------------------------------------------
+
+
+@specialized("layer_norm_forward", NUMPY, kernels="numba")
+def layer_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    shape: Shape,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """LayerNorm forward: one visit per row (``loops.layer_norm_forward``)."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
+    if input.size == 0 or not compiled(ct):
+        return _fallback("layer_norm_forward", xp, input, shape, weight, bias, eps, out)
+    D = prod(shape)
+    R = input.size // D
+    w = param_or(weight, D, ct, 1.0)  # D
+    b = param_or(bias, D, ct, 0.0)  # D
+    mean = np.empty(R, dtype=ct)  # R
+    rstd = np.empty(R, dtype=ct)  # R
+    batch = _batch(input, shape)
+    if _small(R * D, ct, out, input):
+        # the small common call: no staging, no threads (and no NumPy arithmetic to silence)
+        y = np.empty(input.shape, dtype=ct) if out is None else out
+        loops.layer_norm_forward(input.reshape(R, D), w, b, eps, y.reshape(R, D), mean, rstd, 0, R)
+        return y, mean.reshape(batch), rstd.reshape(batch)
+    return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
+
+
+@no_fp_warnings
+def _layer_norm_forward(
+    input: np.ndarray,
+    shape: Shape,
+    R: int,
+    w: np.ndarray,
+    b: np.ndarray,
+    eps: float,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``layer_norm_forward`` staged and split over the threads."""
+    D = w.shape[0]
+    y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)  # *,*shape
+    src = Source(input, *row_layout(input, len(shape)), ct)
+    dst = Target(y, R, D, ct)
+    B = block_size((src,), (dst,), R, D, ct)
+
+    def task(start: int, stop: int) -> None:
+        xbuf, ybuf = src.buffer(B), dst.buffer(B)
+        for a, e in spans(start, stop, B):
+            yb = dst.block(a, e, ybuf)  # n,D
+            loops.layer_norm_forward(src.block(a, e, xbuf), w, b, eps, yb, mean[a:e], rstd[a:e], 0, e - a)
+            dst.done(a, e, yb)
+
+    run(task, ranges(R, D))
+    batch = _batch(input, shape)
+    return finish(y, out), mean.reshape(batch), rstd.reshape(batch)  # out, (*), (*)
+
+
+@specialized("layer_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
+def layer_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    shape: Shape,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """LayerNorm backward: one visit per row (``loops.layer_norm_backward``); dweight and
+    dbias from per-thread float64 partial sums added in thread order."""
+    ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
+    if input.size == 0 or not compiled(ct):
+        return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
+    D = prod(shape)
+    R = input.size // D
+    mean_c = per_row(mean, R, ct, "mean")  # R
+    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    w = param_or(weight, D, ct, 1.0)  # D
+    sums = weight is not None or bias is not None
+    if _small(R * D, ct, out, input, grad_output):  # no staging, no threads
+        dx = np.empty(input.shape, dtype=ct) if out is None else out
+        dw, db, pw, pb = np.zeros(D), np.zeros(D), np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)
+        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
+        loops.layer_norm_backward(dy2, x2, mean_c, rstd_c, w, dx2, dw, db, pw, pb, sums, 0, 0, R)
+        return dx, grad_as(dw + pw, weight), grad_as(db + pb, bias)
+    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
+    layout = row_layout(input, len(shape))
+    src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
+    dst = Target(dx, R, D, ct)
+    B = block_size((src_x, src_dy), (dst,), R, D, ct)
+
+    def task(start: int, stop: int) -> Partials:
+        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+        dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
+        pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
+        for a, e in spans(start, stop, B):
+            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
+            ob = dst.block(a, e, obuf)  # n,D
+            loops.layer_norm_backward(
+                dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, pw, pb, sums, a, 0, e - a
+            )
+            dst.done(a, e, ob)
+        return dw + pw, db + pb
+
+    partials = run(task, ranges(R, D))
+    dweight = dbias = None
+    if sums:
+        dweight, dbias = partials[0]
+        for pw, pb in partials[1:]:  # in thread order
+            dweight, dbias = dweight + pw, dbias + pb
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
+
+
+# --- RMSNorm -----------------------------------------------------------------------------
+
+
+@specialized("rms_norm_forward", NUMPY, kernels="numba")
+@no_fp_warnings
+def rms_norm_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    shape: Shape,
+    weight: np.ndarray | None,
+    eps: float | None,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """RMSNorm forward: one visit per row (``loops.rms_norm_forward``)."""
+    ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
+    if input.size == 0 or not compiled(ct):
+        return _fallback("rms_norm_forward", xp, input, shape, weight, eps, out)
+    eps_value = float(np.finfo(ct).eps) if eps is None else eps
+    D = prod(shape)
+    R = input.size // D
+    w = param_or(weight, D, ct, 1.0)  # D
+    rstd = np.empty(R, dtype=ct)  # R
+    y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
+    src = Source(input, *row_layout(input, len(shape)), ct)
+    dst = Target(y, R, D, ct)
+    B = block_size((src,), (dst,), R, D, ct)
+
+    def task(start: int, stop: int) -> None:
+        xbuf, ybuf = src.buffer(B), dst.buffer(B)
+        for a, e in spans(start, stop, B):
+            yb = dst.block(a, e, ybuf)  # n,D
+            loops.rms_norm_forward(src.block(a, e, xbuf), w, eps_value, yb, rstd[a:e], 0, e - a)
+            dst.done(a, e, yb)
+
+    run(task, ranges(R, D))
+    return finish(y, out), rstd.reshape(_batch(input, shape))
+
+
+@specialized("rms_norm_backward", NUMPY, kernels="numba")
+@no_fp_warnings
+def rms_norm_backward(
+    xp: Namespace,
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    shape: Shape,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    out: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """RMSNorm backward: one visit per row (``loops.rms_norm_backward``); dweight from
+    per-thread float64 partial sums added in thread order."""
+    ct = np.dtype(work_dtype(xp, input, weight, rstd))
+    if input.size == 0 or not compiled(ct):
+        return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
+    D = prod(shape)
+    R = input.size // D
+    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    w = param_or(weight, D, ct, 1.0)  # D
+    sums = weight is not None
+    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
+    layout = row_layout(input, len(shape))
+    src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
+    dst = Target(dx, R, D, ct)
+    B = block_size((src_x, src_dy), (dst,), R, D, ct)
+
+    def task(start: int, stop: int) -> np.ndarray:
+        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+        dw = np.zeros(D)  # D float64 partial sum
+        pw = np.zeros(D, dtype=ct)  # D the last rows' sums
+        for a, e in spans(start, stop, B):
+            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
+            ob = dst.block(a, e, obuf)  # n,D
+            loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, pw, sums, a, 0, e - a)
+            dst.done(a, e, ob)
+        return dw + pw
+
+    partials = run(task, ranges(R, D))
+    dweight = None
+    if sums:
+        dweight = partials[0]
+        for p in partials[1:]:  # in thread order
+            dweight = dweight + p
+    return finish(dx, out), grad_as(dweight, weight)

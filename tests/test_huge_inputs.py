@@ -1,0 +1,96 @@
+"""Finite huge inputs: no NumPy warning escapes from npnorm (pytest turns warnings into
+errors), every output and gradient is finite, and, where the statistics fit the dtype,
+the results are those of the same data at ordinary scale (normalization does not see a
+common factor). Every layer, every kernel family, float32 and float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npnorm
+
+FAMILIES = npnorm.kernels_available()
+
+
+def layers():
+    """(name, module factory, input shape); InstanceNorm with affine and running stats."""
+    return [
+        ("LayerNorm", lambda dt: npnorm.LayerNorm(6, dtype=dt), (4, 3, 6)),
+        ("RMSNorm", lambda dt: npnorm.RMSNorm(6, dtype=dt), (4, 3, 6)),
+        ("BatchNorm1d", lambda dt: npnorm.BatchNorm1d(3, dtype=dt), (5, 3)),
+        ("BatchNorm2d", lambda dt: npnorm.BatchNorm2d(3, dtype=dt), (4, 3, 5, 5)),
+        (
+            "InstanceNorm2d",
+            lambda dt: npnorm.InstanceNorm2d(3, affine=True, track_running_stats=True, dtype=dt),
+            (4, 3, 5, 5),
+        ),
+        ("GroupNorm", lambda dt: npnorm.GroupNorm(3, 6, dtype=dt), (4, 6, 4, 4)),
+    ]
+
+
+def _step(m, x, dy):
+    y = m(x)
+    dx = m.backward(dy)
+    return y, dx, dict(m.grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype, scale", [("float32", 1e30), ("float32", 3e36), ("float64", 1e150)])
+@pytest.mark.parametrize("layer", [name for name, _, _ in layers()])
+def test_huge_inputs_match_ordinary_scale(family, dtype, scale, layer):
+    make, shape = {n: (f, s) for n, f, s in layers()}[layer]
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=shape)
+    dy = rng.normal(size=shape)
+    with npnorm.use_kernels(family):
+        small, big = make(dtype), make(dtype)
+        y0, dx0, g0 = _step(small, x.astype(dtype), dy.astype(dtype))
+        y1, dx1, g1 = _step(big, (x * scale).astype(dtype), dy.astype(dtype))
+        big.eval()
+        ye = big((x * scale).astype(dtype))  # running statistics: finite, or inf where torch's are
+        dxe = big.backward(dy.astype(dtype))
+    for a in (y1, dx1, *g1.values(), ye, dxe):
+        assert np.isfinite(a).all(), layer
+    tol = 2e-3 if dtype == "float32" else 1e-4  # eps (1e-5) counts at ordinary scale only
+    np.testing.assert_allclose(y1, y0, rtol=tol, atol=tol)
+    np.testing.assert_allclose(dx1 * scale, dx0, rtol=tol, atol=tol * float(np.abs(dx0).max()))
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], rtol=tol, atol=tol * float(np.abs(g0[k]).max()), err_msg=k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layer", [name for name, _, _ in layers()])
+def test_statistics_beyond_float64_give_finite_results(family, layer):
+    """float64 data near 1e200: the variance overflows float64 itself; as in PyTorch the
+    output is then the bias (rstd 0), finite, and nothing warns."""
+    make, shape = {n: (f, s) for n, f, s in layers()}[layer]
+    x = np.random.default_rng(2).normal(size=shape) * 1e200
+    with npnorm.use_kernels(family):
+        m = make("float64")
+        y = m(x)
+        dx = m.backward(np.ones_like(x))
+    assert np.isfinite(y).all() and np.isfinite(dx).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_reported_case(family, dtype):
+    """``LayerNorm(4)`` on ``[1e30, -1e30, 0, 0]``: torch gives zeros in float32 (its
+    variance overflows) and ``[1.414, -1.414, 0, 0]`` in float64; npnorm gives the latter
+    in both, without a warning."""
+    x = np.array([[1e30, -1e30, 0.0, 0.0]], dtype=dtype)
+    with npnorm.use_kernels(family):
+        m = npnorm.LayerNorm(4, dtype=dtype)
+        y = m(x)
+        dx = m.backward(np.array([[1.0, 2.0, 3.0, 4.0]], dtype=dtype))
+    np.testing.assert_allclose(y, [[2**0.5, -(2**0.5), 0, 0]], rtol=1e-6, atol=1e-6)
+    assert np.isfinite(dx).all() and np.abs(dx).max() < 1e-28
+
+
+def test_the_reported_case_against_torch(torch):
+    x = np.array([[1e30, -1e30, 0.0, 0.0]])
+    ref = torch.nn.functional.layer_norm(torch.tensor(x), (4,)).numpy()  # float64
+    for family in FAMILIES:
+        with npnorm.use_kernels(family):
+            np.testing.assert_allclose(npnorm.LayerNorm(4)(x.astype(np.float32)), ref, rtol=1e-6, atol=1e-6)

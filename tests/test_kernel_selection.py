@@ -1,0 +1,192 @@
+"""The public kernel selection: kernels_available, get_kernels, set_kernels, use_kernels
+and NPNORM_KERNELS; and the NumPy path without numba."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+
+import npnorm
+import npnorm.functional as F
+from npnorm.functional import _dispatch
+from npnorm.functional._dispatch import family_kernel, generic_kernel, kernel
+
+HAS_NUMBA = importlib.util.find_spec("numba") is not None
+
+
+@pytest.fixture(autouse=True)
+def restore_selection():
+    before = _dispatch._selected
+    yield
+    _dispatch._selected = before
+
+
+def test_available_names():
+    names = npnorm.kernels_available()
+    assert names[:2] == ["reference", "numpy"]
+    assert ("numba" in names) == HAS_NUMBA
+    assert npnorm.get_kernels() in names
+
+
+def test_default_is_numba_where_it_imports(monkeypatch):
+    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
+    assert _dispatch._default() == ("numba" if HAS_NUMBA else "numpy")
+
+
+@pytest.mark.parametrize("name", ["reference", "numpy", *(["numba"] if HAS_NUMBA else [])])
+def test_set_kernels_selects_the_family_for_numpy_input(name):
+    npnorm.set_kernels(name)
+    assert npnorm.get_kernels() == name
+    for op in ("layer_norm_forward", "batch_norm_backward", "group_norm_forward"):
+        assert kernel(op, xp) is family_kernel(op, name)
+    x = np.random.default_rng(0).normal(size=(3, 5))
+    np.testing.assert_allclose(
+        F.layer_norm(x, 5), generic_kernel("layer_norm_forward")(xp, x, (5,), None, None, 1e-5)[0], rtol=1e-12
+    )
+
+
+def test_reference_is_the_generic_kernel_for_every_backend():
+    strict = pytest.importorskip("array_api_strict")
+    npnorm.set_kernels("reference")
+    import array_api_compat
+
+    ns = array_api_compat.array_namespace(strict.asarray([1.0]))
+    assert kernel("layer_norm_forward", ns) is generic_kernel("layer_norm_forward")
+    assert kernel("layer_norm_forward", xp) is generic_kernel("layer_norm_forward")
+
+
+@pytest.mark.parametrize("bad", ["Numba", "torch", "", None, 3, ["numpy"]])
+def test_unknown_names_are_a_value_error_listing_the_available(bad):
+    before = npnorm.get_kernels()
+    with pytest.raises(ValueError, match="available: reference, numpy"):
+        npnorm.set_kernels(bad)
+    with pytest.raises(ValueError, match="available: reference, numpy"):
+        with npnorm.use_kernels(bad):
+            pass
+    assert npnorm.get_kernels() == before
+
+
+def test_use_kernels_restores_on_exit_and_on_error():
+    npnorm.set_kernels("numpy")
+    with npnorm.use_kernels("reference"):
+        assert npnorm.get_kernels() == "reference"
+        with npnorm.use_kernels("numpy"):
+            assert npnorm.get_kernels() == "numpy"
+        assert npnorm.get_kernels() == "reference"
+    assert npnorm.get_kernels() == "numpy"
+    with pytest.raises(RuntimeError, match="inside"):
+        with npnorm.use_kernels("reference"):
+            raise RuntimeError("inside")
+    assert npnorm.get_kernels() == "numpy"
+
+
+def test_use_kernels_applies_to_the_calling_thread_only():
+    npnorm.set_kernels("numpy")
+    seen = []
+    with npnorm.use_kernels("reference"):
+        t = threading.Thread(target=lambda: seen.append(npnorm.get_kernels()))
+        t.start()
+        t.join()
+        assert npnorm.get_kernels() == "reference"
+    assert seen == ["numpy"]
+
+
+def test_set_kernels_applies_to_every_thread():
+    npnorm.set_kernels("reference")
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(npnorm.get_kernels()))
+    t.start()
+    t.join()
+    assert seen == ["reference"]
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != _dispatch.ENV_VAR}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["reference", "numpy"])
+def test_environment_variable_sets_the_start_value(name):
+    out = _run("import npnorm; print(npnorm.get_kernels())", NPNORM_KERNELS=name)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == name
+
+
+def test_bad_environment_value_is_an_error_at_first_use():
+    code = (
+        "import numpy as np, npnorm\n"
+        "try:\n"
+        "    npnorm.LayerNorm(4)(np.ones((2, 4), np.float32))\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    out = _run(code, NPNORM_KERNELS="fortran")
+    assert out.returncode == 0, out.stderr
+    assert "NPNORM_KERNELS" in out.stdout and "available: reference, numpy" in out.stdout
+
+
+# A subprocess in which numba cannot be imported (as without the 'fast' extra).
+NO_NUMBA = "import sys\nsys.modules['numba'] = None\n"
+
+
+def test_without_numba_numpy_input_runs_the_numpy_kernels():
+    code = NO_NUMBA + (
+        "import numpy as np, npnorm\n"
+        "assert npnorm.kernels_available() == ['reference', 'numpy'], npnorm.kernels_available()\n"
+        "assert npnorm.get_kernels() == 'numpy'\n"
+        "try:\n"
+        "    npnorm.set_kernels('numba')\n"
+        "except ValueError as e:\n"
+        "    assert 'npnorm[fast]' in str(e) and 'available: reference, numpy' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('numba accepted')\n"
+        "x = np.random.default_rng(0).normal(size=(4, 3, 5, 5)).astype(np.float32)\n"
+        "for m in (npnorm.LayerNorm(5), npnorm.RMSNorm(5), npnorm.BatchNorm2d(3), npnorm.GroupNorm(3, 3),\n"
+        "          npnorm.InstanceNorm2d(3, affine=True, track_running_stats=True)):\n"
+        "    for training in (True, False):\n"
+        "        m.train(training)\n"
+        "        y = m(x)\n"
+        "        dx = m.backward(np.ones_like(y))\n"
+        "        assert np.isfinite(y).all() and np.isfinite(dx).all()\n"
+        "assert 'npnorm.kernels.numpy_fast' in sys.modules\n"
+        "assert 'npnorm.kernels.numba_rows' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_without_numba_the_environment_cannot_ask_for_it():
+    out = _run(NO_NUMBA + "import npnorm\nnpnorm.get_kernels()", NPNORM_KERNELS="numba")
+    assert out.returncode != 0 and "NPNORM_KERNELS" in out.stderr and "npnorm[fast]" in out.stderr
+
+
+def test_warmup_command_without_numba_says_so():
+    out = _run(NO_NUMBA + "from npnorm.__main__ import main\nmain(['warmup'])")
+    assert out.returncode == 0, out.stderr
+    assert "numba is not installed" in out.stdout
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_warmup_compiles_every_loop_for_both_dtypes(tmp_path):
+    from npnorm import _warmup
+
+    result = _warmup.run(verbose=False, json_path=str(tmp_path / "w.json"))
+    assert result["compiled_loops"] >= 16  # 8 loops x float32, float64
+    from npnorm.kernels import _numba_loops as loops
+
+    for name, fn in vars(loops).items():
+        if hasattr(fn, "signatures") and not name.startswith("_"):
+            assert {str(sig[0].dtype) for sig in fn.signatures} >= {"float32", "float64"}, name
+    assert set(result["seconds"]) == {
+        f"{n} {d}" for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm") for d in _warmup.DTYPES
+    }

@@ -1,0 +1,402 @@
+"""The compiled ("numba") kernels against the generic reference kernels.
+
+Every operation, forward and backward, on drawn shapes, values, dtypes, memory layouts,
+flags, offsets and thread counts (hypothesis ``extra.numpy`` strategies, so failures
+shrink); bitwise reproducibility at a fixed thread count. Most draws shrink the staging
+block and the serial threshold, so that small inputs run through many staged blocks and
+several threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from npnorm import _threads
+from npnorm.functional._dispatch import family_kernel, generic_kernel
+
+pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
+
+from npnorm.kernels import _staging
+
+FLOATS = ("float16", "float32", "float64")
+LAYOUTS = ("C", "F", "sliced", "transposed", "channels_last")
+REL = {"float64": 1e-11, "float32": 2e-5}  # of the computation dtype, relative to a scale
+
+
+@contextlib.contextmanager
+def config(threads: int, small: bool) -> Iterator[None]:
+    """Thread count; with ``small``, tiny staging blocks and no serial threshold."""
+    saved = (_threads.get_num_threads(), _staging.STAGE_BYTES, _staging.MIN_PARALLEL)
+    _threads.set_num_threads(threads)
+    if small:
+        _staging.STAGE_BYTES, _staging.MIN_PARALLEL = 64, 1
+    try:
+        yield
+    finally:
+        _threads.set_num_threads(saved[0])
+        _staging.STAGE_BYTES, _staging.MIN_PARALLEL = saved[1:]
+
+
+def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
+    """The values of ``a`` in another memory layout (same dtype)."""
+    if layout == "F":
+        return np.asfortranarray(a)
+    if layout == "sliced":  # every other entry along the last axis
+        big = np.zeros((*a.shape[:-1], 2 * a.shape[-1]), dtype=a.dtype)
+        big[..., ::2] = a
+        return big[..., ::2]
+    if layout == "transposed":  # all strides reversed
+        return np.ascontiguousarray(a.T).T
+    if layout == "channels_last" and a.ndim >= 3:  # axis 1 innermost in memory
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).transpose(0, a.ndim - 1, *range(1, a.ndim - 1))
+    return a
+
+
+def values(dtype: str, shape: tuple[int, ...]) -> st.SearchStrategy[np.ndarray]:
+    """Bounded finite values of ``dtype`` (float16 keeps its range)."""
+    return hnp.arrays(np.dtype(dtype), shape, elements=st.floats(-4, 4, width=np.dtype(dtype).itemsize * 8))
+
+
+@st.composite
+def problems(draw: st.DrawFn, kind: str) -> dict:
+    """One drawn problem: the input and gradient, parameters, layout and settings.
+
+    ``kind``: "rows" (LayerNorm/RMSNorm: any batch shape, normalized over 1-2 trailing
+    axes), "batch", "instance" or "group" ((N, C, *spatial) input)."""
+    dtype = draw(st.sampled_from(FLOATS))
+    if kind == "rows":
+        shape = draw(hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=9))
+        k = draw(st.integers(1, min(2, len(shape))))
+        pshape = shape[len(shape) - k :]
+    else:
+        groups = draw(st.integers(1, 3)) if kind == "group" else 0
+        n = draw(st.integers(1, 4))
+        c = groups * draw(st.integers(1, 3)) if kind == "group" else draw(st.integers(1, 5))
+        spatial = draw(
+            hnp.array_shapes(min_dims=0 if kind == "batch" else 1, max_dims=3, min_side=1, max_side=7)
+        )
+        shape, pshape = (n, c, *spatial), (c,)
+    pdt = draw(st.sampled_from((dtype, "float32", "float64")))
+    offset = draw(st.sampled_from((0.0, 3.0, 1e3)))
+    x = draw(values(dtype, shape))
+    spread = draw(st.sampled_from((1.0, 1e-3)))
+    x = (x.astype(np.float64) * spread + offset).astype(dtype)
+    p = {
+        "kind": kind,
+        "x": laid_out(x, draw(st.sampled_from(LAYOUTS))),
+        "dy": laid_out(draw(values(dtype, shape)), draw(st.sampled_from(LAYOUTS))),
+        "w": draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(0.5, 1.5)))
+        if draw(st.booleans())
+        else None,
+        "b": draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(-2, 2)))
+        if draw(st.booleans())
+        else None,
+        "threads": draw(st.sampled_from((1, 2, 3))),
+        "small": draw(st.booleans()),
+        "training": draw(st.booleans()),
+        "momentum": draw(st.sampled_from((0.1, 1.0))),
+        "eps": draw(st.sampled_from((1e-5, 0.25))),
+    }
+    if kind == "rows":
+        p["norm"] = pshape
+    if kind == "group":
+        p["groups"] = groups
+    if kind in ("batch", "instance"):
+        buffers = draw(st.booleans()) or not p["training"]
+        p["rm"] = draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(-2, 2))) if buffers else None
+        p["rv"] = draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(0.5, 2))) if buffers else None
+    return p
+
+
+def ulp(dtype: np.dtype) -> float:
+    return float(np.finfo(dtype).eps)
+
+
+def assert_close(ours, ref, ct, scale, what: str) -> None:
+    """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` relative to
+    ``scale``, plus two roundings to the result's dtype; same dtype and shape."""
+    if ref is None:
+        assert ours is None, what
+        return
+    assert isinstance(ours, np.ndarray), what
+    assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (
+        what,
+        ours.dtype,
+        ref.dtype,
+        ours.shape,
+        ref.shape,
+    )
+    a, b = ours.astype(np.float64), ref.astype(np.float64)
+    tol = REL[np.dtype(ct).name] * np.asarray(scale) + 2 * ulp(ref.dtype) * np.abs(b) + 1e-30
+    with np.errstate(invalid="ignore"):  # inf - inf: a float16 gradient beyond its range
+        bad = ~((a == b) | (np.abs(a - b) <= tol))
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.size} differ, worst {np.max(np.abs(a - b) - tol):.3g}"
+    )
+
+
+def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tuple:
+    """Forward and backward, numba vs reference (the backward from the reference's
+    statistics for both); every result equal to rounding."""
+    with config(p["threads"], p["small"]):
+        ours_f = family_kernel(ops[0], "numba")(xp, *fwd_args)
+        ref_f = generic_kernel(ops[0])(xp, *fwd_args)
+        ours_b = family_kernel(ops[1], "numba")(xp, *bwd_args(ref_f))
+        ref_b = generic_kernel(ops[1])(xp, *bwd_args(ref_f))
+    x, dy, w = p["x"], p["dy"], p["w"]
+    x64, dy64 = np.abs(x.astype(np.float64)), np.abs(dy.astype(np.float64))
+    xmax = float(x64.max(initial=0.0))
+    rstd = ref_f[1] if ops[0] == "rms_norm_forward" else ref_f[2]
+    rmax = float(np.max(np.abs(rstd.astype(np.float64)), initial=0.0))
+    wmax = 1.0 if w is None else float(np.abs(w.astype(np.float64)).max())
+    xhat_max = (2 * xmax + 1) * rmax  # |x - mean| * rstd, the mean rounded in the reference
+    y_scale = xhat_max * wmax + float(np.max(np.abs(ref_f[0].astype(np.float64)), initial=0.0))
+    assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
+    for i in range(1, len(ref_f)):
+        if ref_f[i] is None:
+            assert ours_f[i] is None
+            continue
+        r = np.abs(ref_f[i].astype(np.float64))
+        assert_close(ours_f[i], ref_f[i], ct, (r + xmax) * (1 + xmax * rmax) + 1, f"forward output {i}")
+    dy_sum = float(dy64.sum())
+    assert_close(
+        ours_b[0], ref_b[0], ct, 4 * rmax * wmax * float(dy64.max(initial=0.0)) * (1 + xhat_max), "dx"
+    )
+    for i, name in ((1, "dweight"), (2, "dbias")):
+        if i < len(ref_b):
+            assert_close(ours_b[i], ref_b[i], ct, dy_sum * (1 + xhat_max), name)
+    return ours_f, ours_b
+
+
+def compute_dtype(*arrays) -> np.dtype:
+    return np.result_type(np.float32, *(a.dtype for a in arrays if a is not None))
+
+
+# --- every operation against the reference ------------------------------------------------
+
+
+@settings(max_examples=150)
+@given(p=problems("rows"))
+def test_layer_norm(p):
+    x, dy, w, b, norm = p["x"], p["dy"], p["w"], p["b"], p["norm"]
+    ct = compute_dtype(x, w, b)
+    f, _ = compare(
+        ("layer_norm_forward", "layer_norm_backward"),
+        (x, norm, w, b, p["eps"]),
+        lambda r: (dy, x, norm, r[1], r[2], w, b),
+        p,
+        ct,
+    )
+    assert f[1].shape == f[2].shape == x.shape[: x.ndim - len(norm)] and f[1].dtype == ct
+
+
+@settings(max_examples=150)
+@given(p=problems("rows"), default_eps=st.booleans())
+def test_rms_norm(p, default_eps):
+    x, dy, w, norm = p["x"], p["dy"], p["w"], p["norm"]
+    eps = None if default_eps else p["eps"]
+    ct = compute_dtype(x, w)
+    f, _ = compare(
+        ("rms_norm_forward", "rms_norm_backward"),
+        (x, norm, w, eps),
+        lambda r: (dy, x, norm, r[1], w),
+        p,
+        ct,
+    )
+    assert f[1].dtype == ct
+
+
+def _two_values(x, dy, axis):
+    """The input doubled along ``axis`` (a statistic then has at least two values)."""
+    return np.concatenate([x, x + 1], axis=axis), np.concatenate([dy, dy], axis=axis)
+
+
+@settings(max_examples=150)
+@given(p=problems("batch"))
+def test_batch_norm(p):
+    x, dy, w, b, rm, rv = p["x"], p["dy"], p["w"], p["b"], p["rm"], p["rv"]
+    training = p["training"]
+    if training and x.shape[0] * int(np.prod(x.shape[2:])) <= 1:
+        x, dy = _two_values(x, dy, 0)
+        p = {**p, "x": x, "dy": dy}
+    ct = compute_dtype(x, w, b, rm, rv)
+    f, _ = compare(
+        ("batch_norm_forward", "batch_norm_backward"),
+        (x, rm, rv, w, b, training, p["momentum"], p["eps"]),
+        lambda r: (dy, x, r[1], r[2], w, b, training),
+        p,
+        ct,
+    )
+    assert f[1].shape == f[2].shape == (x.shape[1],) and f[1].dtype == f[2].dtype == ct
+    if not training:  # the buffers come back as given
+        assert f[3] is rm and f[4] is rv
+
+
+@settings(max_examples=150)
+@given(p=problems("instance"))
+def test_instance_norm(p):
+    x, dy, w, b, rm, rv = p["x"], p["dy"], p["w"], p["b"], p["rm"], p["rv"]
+    use_input_stats = p["training"]
+    if use_input_stats and int(np.prod(x.shape[2:])) <= 1:
+        x, dy = _two_values(x, dy, -1)
+        p = {**p, "x": x, "dy": dy}
+    ct = compute_dtype(x, w, b, rm, rv)
+    f, _ = compare(
+        ("instance_norm_forward", "instance_norm_backward"),
+        (x, rm, rv, w, b, use_input_stats, p["momentum"], p["eps"]),
+        lambda r: (dy, x, r[1], r[2], w, b, use_input_stats),
+        p,
+        ct,
+    )
+    assert f[1].shape == (x.shape[:2] if use_input_stats else x.shape[1:2])
+
+
+@settings(max_examples=150)
+@given(p=problems("group"))
+def test_group_norm(p):
+    x, dy, w, b, g = p["x"], p["dy"], p["w"], p["b"], p["groups"]
+    ct = compute_dtype(x, w, b)
+    f, _ = compare(
+        ("group_norm_forward", "group_norm_backward"),
+        (x, g, w, b, p["eps"]),
+        lambda r: (dy, x, g, r[1], r[2], w, b),
+        p,
+        ct,
+    )
+    assert f[1].shape == f[2].shape == (x.shape[0], g)
+
+
+# --- sizes, threads, determinism -------------------------------------------------------
+
+
+def _all_results(x, dy, w, b, threads):
+    """Every compiled forward and backward on (N, C, H, W) data, as one flat list."""
+    _threads.set_num_threads(threads)
+    D = x.shape[-1]
+    C = x.shape[1]
+    k = family_kernel
+    out = []
+    f = k("layer_norm_forward", "numba")(xp, x, (D,), w, b, 1e-5)
+    out += [*f, *k("layer_norm_backward", "numba")(xp, dy, x, (D,), f[1], f[2], w, b)]
+    f = k("rms_norm_forward", "numba")(xp, x, (D,), w, None)
+    out += [*f, *k("rms_norm_backward", "numba")(xp, dy, x, (D,), f[1], w)]
+    wc, bc = np.ones(C, x.dtype), np.zeros(C, x.dtype)
+    rm, rv = np.zeros(C, x.dtype), np.ones(C, x.dtype)
+    for training in (True, False):
+        f = k("batch_norm_forward", "numba")(xp, x, rm, rv, wc, bc, training, 0.1, 1e-5)
+        out += [*f, *k("batch_norm_backward", "numba")(xp, dy, x, f[1], f[2], wc, bc, training)]
+        f = k("instance_norm_forward", "numba")(xp, x, rm, rv, wc, bc, training, 0.1, 1e-5)
+        out += [*f, *k("instance_norm_backward", "numba")(xp, dy, x, f[1], f[2], wc, bc, training)]
+    f = k("group_norm_forward", "numba")(xp, x, 4, wc, bc, 1e-5)
+    out += [*f, *k("group_norm_backward", "numba")(xp, dy, x, 4, f[1], f[2], wc, bc)]
+    return [a for a in out if a is not None]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["C", "F"])
+def test_bitwise_reproducible_for_a_thread_count(dtype, layout):
+    """Large enough for several threads with the default settings (no shrinking): the
+    same input gives bitwise the same results at a fixed thread count, and results to
+    rounding across counts."""
+    rng = np.random.default_rng(3)
+    x = laid_out((rng.normal(size=(8, 16, 32, 300)) * 3 + 7).astype(dtype), layout)
+    dy = laid_out(rng.normal(size=x.shape).astype(dtype), layout)
+    w = rng.uniform(0.5, 1.5, 300).astype(dtype)
+    b = rng.normal(size=300).astype(dtype)
+    before = _threads.get_num_threads()
+    try:
+        runs = {t: [_all_results(x, dy, w, b, t), _all_results(x, dy, w, b, t)] for t in (1, 2, 3)}
+    finally:
+        _threads.set_num_threads(before)
+    for first, second in runs.values():
+        for a, c in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a, c)
+    rtol = 1e-11 if dtype == "float64" else 2e-5
+    for a, c in zip(runs[2][0], runs[1][0], strict=True):
+        np.testing.assert_allclose(a, c, rtol=rtol, atol=rtol * max(1.0, float(np.abs(c).max())))
+
+
+def test_parallel_split_and_blocks():
+    """The same results with the default settings, staged in tiny blocks, and split over
+    three threads with no serial threshold."""
+    rng = np.random.default_rng(5)
+    x = np.asfortranarray(rng.normal(size=(6, 8, 5, 12)).astype(np.float32))
+    dy = rng.normal(size=x.shape).astype(np.float16)
+    w = rng.uniform(0.5, 1.5, 12).astype(np.float32)
+    b = rng.normal(size=12).astype(np.float32)
+    base = _all_results(x, dy.astype(np.float32), w, b, 1)
+    with config(3, small=True):
+        split = _all_results(x, dy.astype(np.float32), w, b, 3)
+    for a, c in zip(split, base, strict=True):
+        np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(c).max())))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (5, 1), (3, 1, 1), (2, 3, 1), (1, 2, 1, 1)])
+def test_one_row_and_one_value(shape):
+    """One row, D = 1, one spatial element: as the reference."""
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=shape)
+    dy = rng.normal(size=shape)
+    D = shape[-1]
+    for op, args, bwd in (
+        ("layer_norm", (x, (D,), None, None, 1e-5), lambda r: (dy, x, (D,), r[1], r[2], None, None)),
+        ("rms_norm", (x, (D,), None, None), lambda r: (dy, x, (D,), r[1], None)),
+    ):
+        ours = family_kernel(op + "_forward", "numba")(xp, *args)
+        ref = generic_kernel(op + "_forward")(xp, *args)
+        for a, c in zip(ours, ref, strict=True):
+            np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)
+        dx = family_kernel(op + "_backward", "numba")(xp, *bwd(ref))[0]
+        np.testing.assert_allclose(
+            dx, generic_kernel(op + "_backward")(xp, *bwd(ref))[0], rtol=1e-9, atol=1e-12
+        )
+    if x.ndim >= 3:
+        ours = family_kernel("group_norm_forward", "numba")(xp, x, 1, None, None, 1e-5)
+        ref = generic_kernel("group_norm_forward")(xp, x, 1, None, None, 1e-5)
+        np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12, atol=1e-12)
+
+
+def test_empty_inputs():
+    x = np.zeros((0, 3, 4), np.float32)
+    y, mean, rstd = family_kernel("layer_norm_forward", "numba")(xp, x, (4,), None, None, 1e-5)
+    assert y.shape == x.shape and mean.shape == rstd.shape == (0, 3)
+    y, mean, rstd = family_kernel("group_norm_forward", "numba")(xp, x, 3, None, None, 1e-5)
+    assert y.shape == x.shape and mean.shape == (0, 3)
+
+
+def test_longdouble_runs_the_numpy_kernels():
+    """A computation dtype the loops do not compile for goes to the "numpy" family."""
+    if np.dtype(np.longdouble) == np.dtype(np.float64):
+        pytest.skip("longdouble is float64 on this platform")
+    x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.longdouble)
+    y = family_kernel("layer_norm_forward", "numba")(xp, x, (5,), None, None, 1e-5)[0]
+    assert y.dtype == np.longdouble
+    np.testing.assert_allclose(
+        y.astype(np.float64),
+        generic_kernel("layer_norm_forward")(xp, x, (5,), None, None, 1e-5)[0].astype(np.float64),
+        rtol=1e-12,
+    )
+
+
+def test_each_loop_compiles_for_float32_and_float64_only():
+    """Staging keeps the loops to one layout: after inputs of every dtype and layout, each
+    compiled loop has at most one signature per computation dtype."""
+    from npnorm.kernels import _numba_loops as loops
+
+    rng = np.random.default_rng(2)
+    for dtype in FLOATS:
+        for layout in LAYOUTS:
+            x = laid_out(rng.normal(size=(3, 4, 5)).astype(dtype), layout)
+            _all_results(x, x, None, None, 2)
+    for name, fn in vars(loops).items():
+        if hasattr(fn, "signatures") and not name.startswith("_"):
+            dtypes = [sig[0].dtype for sig in fn.signatures]
+            assert len(dtypes) == len(set(dtypes)) <= 2, (name, fn.signatures)

@@ -1,0 +1,179 @@
+"""``out=`` in the functional forward and backward functions, on every kernel family:
+written in place and returned, checked like torch's ``out=`` (shape, dtype, backend),
+any layout, aliasing the input allowed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npnorm
+import npnorm.functional as F
+
+FAMILIES = npnorm.kernels_available()
+
+
+def _rng():
+    return np.random.default_rng(4)
+
+
+def cases(x: np.ndarray, dy: np.ndarray):
+    """(name, forward(out), backward(out)) for every functional pair; the backward takes
+    its statistics from a forward without ``out``."""
+    c = x.shape[1]
+    d = x.shape[-1]
+    w, b = np.full(c, 1.5, x.dtype), np.full(c, 0.5, x.dtype)
+    wd, bd = np.full(d, 1.5, x.dtype), np.full(d, 0.5, x.dtype)
+    rm, rv = np.zeros(c, x.dtype), np.ones(c, x.dtype)
+    ln = F.layer_norm_forward(x, d, wd, bd)
+    rms = F.rms_norm_forward(x, d, wd)
+    gn = F.group_norm_forward(x, 2, w, b)
+    yield (
+        "layer_norm",
+        lambda out: F.layer_norm_forward(x, d, wd, bd, out=out),
+        lambda out: F.layer_norm_backward(dy, x, d, ln[1], ln[2], wd, bd, out=out),
+    )
+    yield (
+        "rms_norm",
+        lambda out: F.rms_norm_forward(x, d, wd, out=out),
+        lambda out: F.rms_norm_backward(dy, x, d, rms[1], wd, out=out),
+    )
+    yield (
+        "group_norm",
+        lambda out: F.group_norm_forward(x, 2, w, b, out=out),
+        lambda out: F.group_norm_backward(dy, x, 2, gn[1], gn[2], w, b, out=out),
+    )
+    for training in (True, False):
+        bn = F.batch_norm_forward(x, rm, rv, w, b, training)
+        inn = F.instance_norm_forward(x, rm, rv, w, b, training)
+        yield (
+            f"batch_norm training={training}",
+            lambda out, t=training: F.batch_norm_forward(x, rm, rv, w, b, t, out=out),
+            lambda out, t=training, s=bn: F.batch_norm_backward(dy, x, s[1], s[2], w, b, t, out=out),
+        )
+        yield (
+            f"instance_norm use_input_stats={training}",
+            lambda out, t=training: F.instance_norm_forward(x, rm, rv, w, b, t, out=out),
+            lambda out, t=training, s=inn: F.instance_norm_backward(dy, x, s[1], s[2], w, b, t, out=out),
+        )
+
+
+def same(a, b, name):
+    """Equal to a few ulps (the NumPy kernels' BLAS sums follow the output's layout)."""
+    tol = 4 * float(np.finfo(b.dtype).eps)
+    np.testing.assert_allclose(
+        a, b, rtol=tol, atol=tol * max(1.0, float(np.abs(b).max(initial=0))), err_msg=name
+    )
+
+
+def layouts(shape, dtype):
+    """Output arrays of several layouts: C, Fortran, a strided view."""
+    yield np.empty(shape, dtype)
+    yield np.asfortranarray(np.empty(shape, dtype))
+    yield np.empty((*shape[:-1], 2 * shape[-1]), dtype)[..., ::2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_out_is_written_and_returned(family, dtype):
+    rng = _rng()
+    x = (rng.normal(size=(3, 4, 5, 6)) + 2).astype(dtype)
+    dy = rng.normal(size=x.shape).astype(dtype)
+    with npnorm.use_kernels(family):
+        for name, fwd, bwd in cases(x, dy):
+            fresh_f, fresh_b = fwd(None), bwd(None)
+            for out in layouts(x.shape, x.dtype):
+                res = fwd(out)
+                assert res[0] is out, name
+                same(out, fresh_f[0], name)
+                for a, c in zip(res[1:], fresh_f[1:], strict=True):
+                    same(a, c, name)
+            for out in layouts(x.shape, x.dtype):
+                res = bwd(out)
+                assert res[0] is out, name
+                same(out, fresh_b[0], name)
+                for a, c in zip(res[1:], fresh_b[1:], strict=True):
+                    if c is None:
+                        assert a is None
+                    else:
+                        same(a, c, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_out_may_be_the_input_itself(family):
+    """In place (``out=x``, ``out=dy``): the result is what a fresh output gets."""
+    rng = _rng()
+    x0 = (rng.normal(size=(4, 4, 3, 5)) * 2 + 1).astype(np.float32)
+    dy0 = rng.normal(size=x0.shape).astype(np.float32)
+    with npnorm.use_kernels(family):
+        for i, (name, fwd, bwd) in enumerate(cases(x0.copy(), dy0.copy())):
+            fresh_f, fresh_b = fwd(None), bwd(None)
+            # fresh copies, so that the in-place call cannot change the other case's data
+            x, dy = x0.copy(), dy0.copy()
+            fwd_x, bwd_x = list(cases(x, dy))[i][1:]
+            expected_b = bwd_x(None)[0].copy()
+            got = fwd_x(x)[0]
+            assert got is x
+            np.testing.assert_allclose(x, fresh_f[0], rtol=1e-6, atol=1e-6, err_msg=name)
+            x, dy = x0.copy(), dy0.copy()
+            fwd_x, bwd_x = list(cases(x, dy))[i][1:]
+            got = bwd_x(dy)[0]
+            assert got is dy
+            np.testing.assert_allclose(dy, expected_b, rtol=1e-6, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(dy, fresh_b[0], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_out_overlapping_the_input_partly():
+    """A view that overlaps the input shifted by one row still gets the right values."""
+    rng = _rng()
+    buf = rng.normal(size=(9, 8)).astype(np.float32)
+    x = buf[:8]
+    expected = F.layer_norm(x.copy(), 8)
+    for family in FAMILIES:
+        data = buf.copy()
+        with npnorm.use_kernels(family):
+            F.layer_norm_forward(data[:8], 8, out=data[1:])
+        np.testing.assert_allclose(data[1:], expected, rtol=1e-6, atol=1e-6, err_msg=family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bad_out_is_refused_before_anything_is_written(family):
+    x = np.ones((2, 3, 4), np.float32)
+    with npnorm.use_kernels(family):
+        with pytest.raises(ValueError, match=r"out must have the input's shape \(2, 3, 4\), got \(2, 3, 5\)"):
+            F.layer_norm_forward(x, 4, out=np.zeros((2, 3, 5), np.float32))
+        with pytest.raises(TypeError, match="out must have the input's dtype float32, got float64"):
+            F.batch_norm_forward(x, None, None, training=True, out=np.zeros(x.shape))
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.zeros(x.shape, np.float32)
+            ro.flags.writeable = False
+            F.group_norm_forward(x, 3, out=ro)
+        with pytest.raises(TypeError, match="out"):
+            F.rms_norm_forward(x, 4, out=[[0.0] * 4] * 6)
+        dx = np.full(x.shape, 7.0, np.float32)
+        _, mean, rstd = F.layer_norm_forward(x, 4)
+        with pytest.raises(ValueError, match="out must have the input's shape"):
+            F.layer_norm_backward(x, x, 4, mean, rstd, out=dx[:1])
+        assert (dx == 7).all()
+
+
+def test_out_from_another_backend_is_a_type_error():
+    strict = pytest.importorskip("array_api_strict")
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(TypeError, match="out must be an array of the input's backend"):
+        F.layer_norm_forward(x, 4, out=strict.zeros((2, 4), dtype=strict.float32))
+
+
+def test_out_on_array_api_strict():
+    strict = pytest.importorskip("array_api_strict")
+    x = strict.asarray(np.random.default_rng(0).normal(size=(3, 4)), dtype=strict.float64)
+    out = strict.zeros((3, 4), dtype=strict.float64)
+    y = F.layer_norm_forward(x, 4, out=out)[0]
+    assert y is out
+    np.testing.assert_allclose(np.asarray(out), np.asarray(F.layer_norm(x, 4)), rtol=1e-12)
+
+
+def test_out_is_keyword_only():
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(TypeError):
+        F.layer_norm_forward(x, 4, None, None, 1e-5, np.empty_like(x))  # type: ignore[misc]
