@@ -194,10 +194,9 @@ def _namespace_name(device: Device) -> str:
 def npnorm_impl(device: Device, spec: Spec, x: Any, dy: Any, *, generic: bool) -> Impl:
     """npnorm's module on ``device``; with ``generic``, every call runs the generic kernels."""
     m = _ours(spec).to(device.xp)
-    ns = _namespace_name(device)
 
     def mode() -> contextlib.AbstractContextManager[None]:
-        return _dispatch.generic_only(ns) if generic else contextlib.nullcontext()
+        return _dispatch.use_kernels("reference") if generic else contextlib.nullcontext()
 
     def forward() -> None:
         with mode():
@@ -246,7 +245,7 @@ def impls_for(device: Device, spec: Spec, x_host: np.ndarray, dy_host: np.ndarra
     own, so that it differs from generic) and torch (where present)."""
     x, dy = device.xp.asarray(x_host), device.xp.asarray(dy_host)
     impls = {"npnorm generic": npnorm_impl(device, spec, x, dy, generic=True)}
-    if _dispatch._PROVIDERS.get(_namespace_name(device)):
+    if _dispatch.has_own_kernels(_namespace_name(device)):
         impls["npnorm"] = npnorm_impl(device, spec, x, dy, generic=False)
     if device.torch_device is not None:
         impls["torch " + device.torch_device] = torch_impl(device, spec, x_host, dy_host)

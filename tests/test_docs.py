@@ -122,6 +122,7 @@ def test_public_methods_document_their_arguments(cls):
 
 
 DOCTEST_MODULES = [
+    "npnorm.functional._dispatch",
     "npnorm._grad_mode",
     "npnorm._threads",
     "npnorm.convert",

@@ -583,7 +583,7 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_
     )
     for (got_pair, want_pair), pair_scales in zip(zip(fast[:2], ref[:2], strict=True), scales, strict=True):
         for got, want, scale in zip(got_pair, want_pair, pair_scales, strict=True):
-            assert got.dtype == want.dtype == ct and got.shape == want.shape == (c,)
+            assert got.dtype == want.dtype and got.shape == want.shape == (c,)
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 5 * scale)
     # dx = a*dy + b*(x - mean) + c: the largest term bounds the rounding
     r = np.reshape(rstd.astype(np.float64), (1, c) + (1,) * (len(shape) - 2))

@@ -119,8 +119,24 @@ def _available(family: str) -> bool:
 
 
 def kernels_available() -> list[str]:
-    """The kernel families that can run NumPy input here, e.g.
-    ``["reference", "numpy", "numba"]`` (``"numba"`` only where numba imports)."""
+    """The kernel families that can run NumPy input here.
+
+    ``"reference"`` (the generic Array API kernels, the readable reference) and
+    ``"numpy"`` (blocked NumPy calls) always; ``"numba"`` (fused compiled loops) where
+    numba imports (``pip install "npnorm[fast]"``). Each family has the same functional
+    signatures and is tested against the reference to rounding.
+
+    Returns
+    -------
+    list of str
+        E.g. ``["reference", "numpy", "numba"]``.
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> npnorm.kernels_available()[:2]
+    ['reference', 'numpy']
+    """
     return [REFERENCE, *(f for f in _FAMILIES if _available(f))]
 
 
@@ -149,7 +165,27 @@ def _default() -> str:
 
 
 def get_kernels() -> str:
-    """The kernel family NumPy input runs now: ``"reference"``, ``"numpy"`` or ``"numba"``."""
+    """The kernel family NumPy input runs now: ``"reference"``, ``"numpy"`` or ``"numba"``.
+
+    The innermost ``use_kernels`` block of the calling thread decides, else the last
+    ``set_kernels``, else the start value: the environment variable ``NPNORM_KERNELS``
+    if set, otherwise ``"numba"`` where numba imports and ``"numpy"`` where it does not.
+    Other backends (CuPy, array_api_strict, torch) run the reference kernels whatever
+    this says (and their own kernels where they have some, unless it is "reference").
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> npnorm.get_kernels() in npnorm.kernels_available()
+    True
+    >>> with npnorm.use_kernels("reference"):
+    ...     npnorm.get_kernels()
+    'reference'
+    """
     name = _override.get()
     if name is not None:
         return name
@@ -165,10 +201,27 @@ def set_kernels(name: str) -> None:
     """Run NumPy input with the kernel family ``name`` from now on, in every thread
     (``use_kernels`` blocks still take precedence within them).
 
+    Parameters
+    ----------
+    name : str
+        One of ``kernels_available()``: ``"reference"``, ``"numpy"`` or ``"numba"``.
+
     Raises
     ------
     ValueError
         If ``name`` is not one of ``kernels_available()``; the message lists them.
+
+    Examples
+    --------
+    >>> import npnorm
+    >>> before = npnorm.get_kernels()
+    >>> npnorm.set_kernels("numpy")
+    >>> npnorm.get_kernels()
+    'numpy'
+    >>> npnorm.set_kernels(before)
+    >>> npnorm.set_kernels("cuda")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: unknown or unavailable kernels 'cuda'; available: ...
     """
     global _selected
     checked = _checked(name)
@@ -178,9 +231,30 @@ def set_kernels(name: str) -> None:
 
 @contextlib.contextmanager
 def use_kernels(name: str) -> Iterator[None]:
-    """Run NumPy input with the kernel family ``name`` inside the ``with`` block, in the
-    calling thread (and context); the previous selection comes back on exit, also when
-    the block raises. ``ValueError`` as ``set_kernels``."""
+    """Run NumPy input with the kernel family ``name`` inside the ``with`` block.
+
+    The selection holds in the calling thread (and context) only; the previous one
+    comes back on exit, also when the block raises.
+
+    Parameters
+    ----------
+    name : str
+        One of ``kernels_available()``: ``"reference"``, ``"numpy"`` or ``"numba"``.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not one of ``kernels_available()``; the message lists them.
+
+    Examples
+    --------
+    >>> import numpy as np, npnorm
+    >>> x = np.random.default_rng(0).standard_normal((4, 8))
+    >>> with npnorm.use_kernels("reference"):  # the readable generic kernels
+    ...     y_ref = npnorm.functional.layer_norm(x, 8)
+    >>> bool(np.allclose(npnorm.functional.layer_norm(x, 8), y_ref))
+    True
+    """
     token = _override.set(_checked(name))
     try:
         yield
@@ -233,6 +307,12 @@ def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
     if name not in _LOADED:
         _load(name, tuple(p for p in _PROVIDERS.get(name, ()) if importlib.util.find_spec(p) is not None))
     return _SPECIALIZED.get((op, name)) or _GENERIC[op]
+
+
+def has_own_kernels(namespace_name: str) -> bool:
+    """Whether arrays of the namespace called ``namespace_name`` have faster kernels than
+    the generic ones (NumPy's families, or another backend's registered provider)."""
+    return namespace_name == NUMPY or bool(_PROVIDERS.get(namespace_name))
 
 
 def generic_kernel(op: str) -> Callable[..., Any]:

@@ -28,7 +28,7 @@ import numpy as np
 from .._backend import FLOAT_NAMES, Array, Namespace, to_host, to_namespace
 from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
-from .._stats import moments, xhat_from
+from .._stats import moments, rstd_of, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -247,7 +247,10 @@ def synced_forward(
     mean = to_namespace(mean64, xp, ct)  # C
     var = to_namespace(m2 / n, xp, ct)  # C, biased: what normalizes
     # the global statistics as constants: BatchNorm's inference path on the local slice
-    y, mean, rstd, _, _ = batch_norm_forward(input, mean, var, weight, bias, False, momentum, eps)
+    y, mean, _, _, _ = batch_norm_forward(input, mean, var, weight, bias, False, momentum, eps)
+    # rstd as saved for backward, computed here the same way on every rank: the kernel that
+    # normalized may differ between ranks (an empty rank runs the generic one)
+    rstd = rstd_of(xp, var, eps, ct)  # C
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:
         unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
@@ -324,7 +327,7 @@ def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         delta = mean_b - mean  # C
         mean = mean + delta * (n_b / total)  # C (the first rank: mean_b exactly)
         m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C (the first rank: M2_b exactly)
-        n = total
+        n = total  # the merged count
     return n, mean, m2
 
 
@@ -378,8 +381,9 @@ def _dtype_code(xp: Namespace, dtype: Any) -> int:
 
 @generic("sync_batch_norm_moments")
 def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tuple[Array, Array]:
-    """Per channel of a non-empty (N, C, *) input: the mean and the biased variance over
-    the batch and spatial axes, two-pass, in ``ct``."""
+    """Per channel of a non-empty (N, C, *) input: the mean (in ``ct``) and the biased
+    variance (in ``moments``' wider dtype, float64 where the backend has it) over the
+    batch and spatial axes, two-pass."""
     mean, var = moments(xp, as_ncs(xp, input, ct), (0, 2))  # 1,C,1  1,C,1
     assert mean is not None
     return xp.reshape(mean, (-1,)), xp.reshape(var, (-1,))  # C, C

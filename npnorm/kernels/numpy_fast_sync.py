@@ -45,7 +45,8 @@ def _per_channel(v: np.ndarray, C: int, ct: np.dtype[Any]) -> np.ndarray:
 
 @specialized("sync_batch_norm_moments", NS, kernels="numpy")
 def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Per channel mean (in ``ct``) and biased variance (float64) of a non-empty input."""
+    """Per channel mean (in ``ct``) and biased variance (float64) of a non-empty input,
+    as the generic kernel returns them."""
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
     return _merge_rows(*_row_moments(_rows(input, C, ct), ct), N, C, prod(input.shape[2:]))  # C, C
