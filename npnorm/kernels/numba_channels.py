@@ -210,6 +210,25 @@ def _group_backward(
     return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
+def _running_forward(
+    xp: Namespace,
+    input: np.ndarray,
+    running_mean: np.ndarray,
+    running_var: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    eps: float,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Normalize with the running statistics (BatchNorm eval, InstanceNorm without input
+    statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``."""
+    m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
+    v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
+    y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
+    return y, m.astype(ct), rstd
+
+
 # --- BatchNorm ---------------------------------------------------------------------------
 
 
@@ -241,10 +260,8 @@ def batch_norm_forward(
         new_mean, new_var = _running(xp, running_mean, running_var, mean, var * (n / (n - 1)), momentum)
         return y, mean.astype(ct), rstd, new_mean, new_var
     assert running_mean is not None and running_var is not None
-    m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
-    v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
-    y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
-    return y, m.astype(ct), rstd, new_mean, new_var
+    y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)
+    return y, m, rstd, new_mean, new_var
 
 
 @specialized("batch_norm_backward", NUMPY, kernels="numba")
@@ -300,10 +317,8 @@ def instance_norm_forward(
         new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, momentum)
         return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
     assert running_mean is not None and running_var is not None
-    m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
-    v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
-    y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
-    return y, m.astype(ct), rstd, running_mean, running_var
+    y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)
+    return y, m, rstd, running_mean, running_var
 
 
 @specialized("instance_norm_backward", NUMPY, kernels="numba")
