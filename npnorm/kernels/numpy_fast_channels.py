@@ -344,6 +344,37 @@ def _dx_sweep(
     run_chunks(work, R, B, S)
 
 
+def _batch_dx_sweep(
+    rows_dy: Rows,
+    rows_x: Rows,
+    dx: np.ndarray,
+    ct: np.dtype[Any],
+    m: np.ndarray,
+    r: np.ndarray,
+    w: np.ndarray | None,
+    sum_dy: np.ndarray,
+    sum_dyxc: np.ndarray,
+    count: float,
+    fold: bool,
+    B: int,
+) -> None:
+    """BatchNorm's training ``dx = a*dy + b*(x - mean) + c`` in one sweep, from the (C,)
+    sums of ``dy`` and ``dy*(x - mean)`` over ``count`` values per channel:
+    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/count``, ``c = -rstd*w*sum(dy)/count``
+    (``b``, ``c`` formed in float64: ``rstd^3`` underflows float32 for huge inputs). With
+    ``fold`` the mean moves into ``c`` and the sweep reads ``x`` itself."""
+    a_coef = r if w is None else r * w  # C
+    wv = 1.0 if w is None else w.astype(np.float64)
+    r64 = r.astype(np.float64)  # C
+    b64 = -r64 * (r64 * (wv * sum_dyxc) / count) * r64  # C  (r*sum is O(1): no r^3 underflow)
+    c64 = -r64 * (wv * sum_dy) / count  # C
+    if fold:
+        c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+    center = None if fold else _Ring(m, B)
+    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(c64.astype(ct), B))
+    _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
+
+
 def _channel_backward(
     grad_output: np.ndarray,
     input: np.ndarray,
@@ -373,15 +404,15 @@ def _channel_backward(
     m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
     r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
     w = param(weight, C, ct)  # C
-    a_coef = r if w is None else r * w  # C
     fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
     center = None if fold else _Ring(m, B)
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
     need_dot = batch_stats or weight is not None
     if batch_stats:
         sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
-    else:
-        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, _Ring(a_coef, B))
+    else:  # dx = rstd*w*dy, written by the sums sweep
+        dx_coef = _Ring(r if w is None else r * w, B)  # C
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
     sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
     sum_dyxc = None  # C: sum(dy * (x - mean))
     if sdx is not None:
@@ -390,15 +421,7 @@ def _channel_backward(
             sum_dyxc = sum_dyxc - m * sum_dy
     if batch_stats:
         assert sum_dyxc is not None
-        wv = 1.0 if w is None else w.astype(np.float64)
-        r64 = r.astype(np.float64)  # C
-        b64 = -r64 * (r64 * (wv * sum_dyxc) / (N * S)) * r64  # C  (r*sum is O(1): no r^3 underflow)
-        c64 = -r64 * (wv * sum_dy) / (N * S)  # C
-        if fold:
-            c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
-        b_coef, c_coef = b64.astype(ct), c64.astype(ct)  # C, C
-        rings = (_Ring(a_coef, B), _Ring(b_coef, B), _Ring(c_coef, B))
-        _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
+        _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
     dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
     dbias = None if bias is None else sum_dy  # C
     return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)

@@ -28,7 +28,7 @@ from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import block_rows, param
 from .numpy_fast_channels import (
     NS,
-    _dx_sweep,
+    _batch_dx_sweep,
     _foldable,
     _grad_sums_sweep,
     _huge,
@@ -96,18 +96,11 @@ def sync_batch_norm_dx(
         )
     rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
     B = block_rows(rows_x.R, rows_x.L, ct.itemsize)
-    w = param(weight, C, ct)  # C
-    a_coef = r if w is None else r * w  # C
-    # b and c in float64, as BatchNorm's backward forms them (r^3 underflows float32 for huge inputs)
-    wv = 1.0 if w is None else w.astype(np.float64)
-    r64 = r.astype(np.float64)  # C
-    b64 = -r64 * (r64 * (wv * _per_channel(mean_dyxc, C, np.dtype(np.float64)))) * r64  # C
-    c64 = -r64 * (wv * _per_channel(mean_dy, C, np.dtype(np.float64)))  # C
-    fold = _foldable(m, r)
-    if fold:
-        c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
-    center = None if fold else _Ring(m, B)
+    f64 = np.dtype(np.float64)
+    mean_dy64, mean_dyxc64 = _per_channel(mean_dy, C, f64), _per_channel(mean_dyxc, C, f64)  # C, C
     dx = np.empty(input.shape, dtype=input.dtype)
-    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(c64.astype(ct), B))
-    _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
+    # BatchNorm's dx sweep, with the global means as the sums over one value
+    _batch_dx_sweep(
+        rows_dy, rows_x, dx, ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, _foldable(m, r), B
+    )
     return dx
