@@ -1,6 +1,6 @@
 """``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``).
 
-``python -m npnorm bench [--quick] [--json FILE] [--reps N]``: time every layer (see
+``python -m npnorm bench [--quick] [--cold] [--json FILE] [--reps N]``: time every layer (see
 ``npnorm._bench``).
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="timed rounds per shape, at least (default 3 quick, 5 full; full runs add rounds up to 10 s)",
+    )
+    bench.add_argument(
+        "--cold",
+        action="store_true",
+        help="time every call from a cold cache (a read of twice the last-level cache before each) "
+        "instead of right after an untimed call of the same implementation",
     )
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from ._bench import run as run_bench
 
-        run_bench(quick=args.quick, reps=args.reps, json_path=args.json)
+        run_bench(quick=args.quick, reps=args.reps, json_path=args.json, cold=args.cold)
         return 0
     from ._selfcheck import run
 

@@ -1,8 +1,15 @@
 """``python -m npnorm bench``: time every layer and kernel family against PyTorch and the memory roofline.
 
 All figures come from one process, float32, in interleaved rounds (see ``_interleaved``);
-every ratio is the median of per-round ratios. Timings are figures to read, not
-assertions. Four parts:
+every ratio is the median of per-round ratios. What ran just before a timed call is the
+same for every implementation: by default an untimed call of the same implementation on
+the same data (a loop's steady state: the cache holds what that implementation's last
+call left there, e.g. the memory of its freed output that the allocator hands back);
+with ``--cold``, a read of twice the last-level cache (``_cold_cache``), so that every
+call finds nothing of its own in the cache. (Before, each implementation ran right after
+a fixed neighbour in the rotation, and inherited that neighbour's cache and threads: at
+the inference shape, 12.6 MB in and out with a 48 MB cache, that moved a ratio by up to
+2x.) Timings are figures to read, not assertions. Four parts:
 
 1. **Training**, per layer at standard shapes: the median forward, backward and
    forward+backward times of the module API with fresh outputs, for each npnorm kernel
@@ -177,48 +184,99 @@ class _Impl:
     measure_memory: bool = True
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size as the system reports it (sysconf, else Linux's sysfs;
+    0 if neither does)."""
+    sizes = [0]
+    for name in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+        try:
+            sizes.append(int(os.sysconf(name)))
+        except (ValueError, OSError, AttributeError):
+            pass
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        try:
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
+            pass
+    return max(sizes)
+
+
+# The cold mode reads this much before every timed call: twice the last-level cache, at
+# least 64 MiB.
+_FLUSH_BYTES = max(2 * _last_level_cache_bytes(), 64 << 20)
+_flush_buffer: np.ndarray | None = None
+
+
+def _cold_cache() -> None:
+    """Read a buffer twice the size of the last-level cache, evicting whatever the last
+    call left there."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = np.ones(_FLUSH_BYTES // 8, dtype=np.int64)
+    np.add.reduce(_flush_buffer)
+
+
+def _timed(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
+    """Milliseconds of one call of ``fn`` (from a cold cache with ``cold``), and what it returned."""
+    if cold:
+        _cold_cache()
     t0 = time.perf_counter()
     out = fn()
     return 1e3 * (time.perf_counter() - t0), out
 
 
-def _round(impl: _Impl) -> dict[str, float]:
-    """One forward, one backward (of that forward) and one forward+backward, in ms."""
-    fwd, saved = _timed(impl.forward)
-    bwd, _ = _timed(partial(impl.backward, saved))
+def _round(impl: _Impl, cold: bool) -> dict[str, float]:
+    """One forward, one backward (of that forward) and one forward+backward, in ms. Warm
+    (``cold`` False): after one untimed forward+backward of the same implementation; cold:
+    each timed call after ``_cold_cache``."""
+    if not cold:
+        impl.both()
+    fwd, saved = _timed(impl.forward, cold)
+    bwd, _ = _timed(partial(impl.backward, saved), cold)
     del saved
-    fb, _ = _timed(impl.both)
+    fb, _ = _timed(impl.both, cold)
     return {"fwd": fwd, "bwd": bwd, "fb": fb}
 
 
 Times = dict[str, dict[str, list[float]]]  # implementation -> figure -> ms per round
 
 
-def _interleaved(impls: dict[str, _Impl], copy: Callable[[], Any], reps: int, seconds: float) -> Times:
-    """Times of at least ``reps`` rounds (after one warm-up round), more while the rounds
-    have taken less than ``seconds`` in all (at most ``MAX_ROUNDS``). In each round every
-    implementation and the copy run once, in an order rotated from round to round, so
-    that a slow spell of a shared machine falls on all of them alike; ratios are then
-    taken round by round."""
+def _interleaved(
+    impls: dict[str, _Impl], copy: Callable[[], Any], reps: int, seconds: float, cold: bool = False
+) -> Times:
+    """Times of at least ``reps`` rounds (after one warm-up round), more while the timed
+    calls have taken less than ``seconds`` in all (at most ``MAX_ROUNDS`` rounds). In each
+    round every implementation and the copy run once, in an order rotated from round to
+    round, so that a slow spell of a shared machine falls on all of them alike; ratios are
+    then taken round by round. What ran before a timed call is the same for all of them
+    (see ``_round``): the same implementation (warm) or a cache flush (``cold``)."""
     names = list(impls)
     times: Times = {n: {"fwd": [], "bwd": [], "fb": []} for n in names}
     times["copy"] = {"copy": []}
-    start = time.perf_counter()
+    spent = 0.0
     i = 0
-    while i <= reps or (time.perf_counter() - start < seconds and i <= MAX_ROUNDS):
+    while i <= reps or (spent < 1e3 * seconds and i <= MAX_ROUNDS):
         k = i % len(names)
         gc.collect()  # once a round (with torch loaded a collection takes tens of ms), then
         gc.disable()  # no collection inside a timed call
         try:
             for name in ["copy", *names[k:], *names[:k]]:
                 if name == "copy":
-                    t = {"copy": _timed(copy)[0]}
+                    if not cold:
+                        copy()
+                    t = {"copy": _timed(copy, cold)[0]}
                 else:
-                    t = _round(impls[name])
+                    t = _round(impls[name], cold)
                 if i > 0:
                     for key, v in t.items():
                         times[name][key].append(v)
+                    spent += sum(t.values())
         finally:
             gc.enable()
         i += 1
@@ -380,7 +438,9 @@ def _families() -> list[str]:
     ]
 
 
-def _training(specs: list[Spec], torch: Any, reps: int, seconds: float) -> list[dict[str, Any]]:
+def _training(
+    specs: list[Spec], torch: Any, reps: int, seconds: float, cold: bool = False
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
     default = get_kernels()
@@ -393,7 +453,7 @@ def _training(specs: list[Spec], torch: Any, reps: int, seconds: float) -> list[
         impls["textbook"] = _textbook_impl(spec, x, dy)
         if torch is not None:
             impls["torch"] = _torch_impl(torch, spec, x, dy)
-        times = _interleaved(impls, partial(np.copyto, scratch, x), reps, seconds)
+        times = _interleaved(impls, partial(np.copyto, scratch, x), reps, seconds, cold)
         memory = {n: _peak_extra(i.both, x.nbytes) for n, i in impls.items() if i.measure_memory}
         copy = times["copy"]["copy"]
         copy_ms = statistics.median(copy)
@@ -426,21 +486,27 @@ def _training(specs: list[Spec], torch: Any, reps: int, seconds: float) -> list[
     return rows
 
 
-def _rounds(calls: dict[str, Callable[[], Any]], reps: int, seconds: float) -> dict[str, list[float]]:
-    """Milliseconds of each call per round, interleaved as in ``_interleaved``."""
+def _rounds(
+    calls: dict[str, Callable[[], Any]], reps: int, seconds: float, cold: bool = False
+) -> dict[str, list[float]]:
+    """Milliseconds of each call per round, interleaved as in ``_interleaved``: each timed
+    call right after an untimed one of the same call (warm) or after ``_cold_cache``."""
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
-    start = time.perf_counter()
+    spent = 0.0
     i = 0
-    while i <= reps or (time.perf_counter() - start < seconds and i <= MAX_ROUNDS):
+    while i <= reps or (spent < 1e3 * seconds and i <= MAX_ROUNDS):
         k = i % len(names)
         gc.collect()
         gc.disable()
         try:
             for name in [*names[k:], *names[:k]]:
-                ms = _timed(calls[name])[0]
+                if not cold:
+                    calls[name]()
+                ms = _timed(calls[name], cold)[0]
                 if i > 0:
                     times[name].append(ms)
+                    spent += ms
         finally:
             gc.enable()
         i += 1
@@ -491,9 +557,9 @@ def _forward_calls(shape: tuple[int, ...], torch: Any, repeat: int) -> dict[str,
 
 
 def _forward_rows(
-    what: str, shape: tuple[int, ...], torch: Any, repeat: int, reps: int, seconds: float
+    what: str, shape: tuple[int, ...], torch: Any, repeat: int, reps: int, seconds: float, cold: bool = False
 ) -> list[dict[str, Any]]:
-    times = _rounds(_forward_calls(shape, torch, repeat), reps, seconds)
+    times = _rounds(_forward_calls(shape, torch, repeat), reps, seconds, cold)
     rows = []
     print(
         f"\n{what}: F.layer_norm forward {shape} float32, per call; "
@@ -540,7 +606,9 @@ def compile_times() -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False, reps: int | None = None, json_path: str | None = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool = False, reps: int | None = None, json_path: str | None = None, cold: bool = False
+) -> list[dict[str, Any]]:
     specs = QUICK if quick else FULL
     reps = reps or (3 if quick else 5)
     seconds = 0.0 if quick else SECONDS
@@ -551,15 +619,16 @@ def run(quick: bool = False, reps: int | None = None, json_path: str | None = No
     info["npnorm_threads"] = get_num_threads()
     info["kernels"] = get_kernels()
     info["kernels_available"] = kernels_available()
+    info["cache"] = f"cold (a {_FLUSH_BYTES >> 20} MiB read before every timed call)" if cold else "warm"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    rows = _training(specs, torch, reps, seconds)
-    inference = _forward_rows("inference", INFERENCE_SHAPE, torch, 1, reps, seconds)
-    tiny = _forward_rows("tiny call", TINY_SHAPE, torch, TINY_CALLS, reps, seconds)
+    rows = _training(specs, torch, reps, seconds, cold)
+    inference = _forward_rows("inference", INFERENCE_SHAPE, torch, 1, reps, seconds, cold)
+    tiny = _forward_rows("tiny call", TINY_SHAPE, torch, TINY_CALLS, reps, seconds, cold)
     compiled = compile_times()
     _print_targets(rows, inference, tiny, judge=not quick)
     if json_path:
@@ -568,6 +637,7 @@ def run(quick: bool = False, reps: int | None = None, json_path: str | None = No
                 {
                     "machine": info,
                     "quick": quick,
+                    "cold": cold,
                     "reps": reps,
                     "rows": rows,
                     "inference": inference,

@@ -41,3 +41,28 @@ def test_bench_quick_writes_every_figure(tmp_path):
     # the quick shapes are not the ones the targets are for: figures, no verdicts
     assert "apply to the standard shapes" in out.stdout and "MISSED" not in out.stdout
     assert "rounds" in out.stdout and all(r["rounds"] == 1 for r in data["rows"])
+
+
+def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkeypatch):
+    """Warm: each timed call right after an untimed call of the same implementation; cold:
+    right after the cache flush. Either way no implementation inherits its neighbour's cache."""
+    from npnorm import _bench
+
+    log = []
+    monkeypatch.setattr(_bench, "_cold_cache", lambda: log.append("flush"))
+    calls = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
+    for cold in (False, True):
+        log.clear()
+        times = _bench._rounds(calls, reps=2, seconds=0.0, cold=cold)
+        assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2, "c": 2}  # 1 warm-up round
+        steps = [log[i : i + 2] for i in range(0, len(log), 2)]
+        assert len(steps) == 3 * 3
+        for before, timed in steps:
+            assert timed in calls and before == ("flush" if cold else timed)
+
+
+def test_the_cold_flush_is_larger_than_the_cache():
+    from npnorm import _bench
+
+    assert _bench._FLUSH_BYTES >= max(2 * _bench._last_level_cache_bytes(), 64 << 20)
+    _bench._cold_cache()
