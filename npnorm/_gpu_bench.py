@@ -7,7 +7,9 @@ default dispatch too where CuPy has kernels of its own), of the same ``torch.nn`
 CUDA when torch sees the GPU, and a device-to-device copy of the input (``copyto``). Each
 call is timed with CUDA events (CuPy's for CuPy, torch's for torch) after warm-up rounds
 (the first calls compile CuPy's kernels); the rounds are interleaved in a rotated order, as
-in ``npnorm._bench``, and ratios are medians of per-round ratios. Traffic is counted as in
+in ``npnorm._bench``, each timed call right after an untimed one of the same implementation
+(so that none inherits the cache of the one before it in the rotation), and ratios are
+medians of per-round ratios. Traffic is counted as in
 ``npnorm._bench``: a copy reads and writes the input once (2 x bytes), forward+backward
 reads x, writes y, reads x and dy and writes dx (5 x bytes); GB/s is that traffic over the
 median time, and "of copy" the fraction of the copy's bandwidth it reaches.
@@ -253,7 +255,9 @@ def impls_for(device: Device, spec: Spec, x_host: np.ndarray, dy_host: np.ndarra
 
 
 def _round(impl: Impl) -> dict[str, float]:
-    """One forward, one backward (of that forward) and one forward+backward, in ms."""
+    """One forward, one backward (of that forward) and one forward+backward, in ms, after
+    one untimed forward+backward of the same implementation."""
+    impl.both()
     fwd, saved = impl.timer(impl.forward)
     bwd, _ = impl.timer(partial(impl.backward, saved))
     del saved
@@ -281,6 +285,7 @@ def bench_spec(device: Device, spec: Spec, rounds: int, warmup: int, seed: int =
     copies: list[float] = []
     for i in range(warmup + rounds):
         k = i % len(names)
+        device.xp.copyto(dst, src)
         copy_ms, _ = device.timer(lambda: device.xp.copyto(dst, src))
         measured = {name: _round(impls[name]) for name in [*names[k:], *names[:k]]}
         if i >= warmup:
