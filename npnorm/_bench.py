@@ -32,6 +32,7 @@ issue (standard shapes only; ``--quick`` shows them without verdicts).
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import json
@@ -207,9 +208,13 @@ def _last_level_cache_bytes() -> int:
     return max(sizes)
 
 
-# The cold mode reads this much before every timed call: twice the last-level cache, at
-# least 64 MiB.
-_FLUSH_BYTES = max(2 * _last_level_cache_bytes(), 64 << 20)
+@functools.cache
+def _flush_bytes() -> int:
+    """What the cold mode reads before every timed call: twice the last-level cache, at
+    least 64 MiB (asked of the system on first use, not at import)."""
+    return max(2 * _last_level_cache_bytes(), 64 << 20)
+
+
 _flush_buffer: np.ndarray | None = None
 
 
@@ -218,7 +223,7 @@ def _cold_cache() -> None:
     call left there."""
     global _flush_buffer
     if _flush_buffer is None:
-        _flush_buffer = np.ones(_FLUSH_BYTES // 8, dtype=np.int64)
+        _flush_buffer = np.ones(_flush_bytes() // 8, dtype=np.int64)
     np.add.reduce(_flush_buffer)
 
 
@@ -229,6 +234,14 @@ def _timed(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
     return 1e3 * (time.perf_counter() - t0), out
+
+
+def _settled(fn: Callable[[], Any], cold: bool) -> float:
+    """Milliseconds of one call of ``fn`` right after an untimed call of ``fn`` itself
+    (warm) or after ``_cold_cache`` (``cold``)."""
+    if not cold:
+        fn()
+    return _timed(fn, cold)[0]
 
 
 def _round(impl: _Impl, cold: bool) -> dict[str, float]:
@@ -247,18 +260,17 @@ def _round(impl: _Impl, cold: bool) -> dict[str, float]:
 Times = dict[str, dict[str, list[float]]]  # implementation -> figure -> ms per round
 
 
-def _interleaved(
-    impls: dict[str, _Impl], copy: Callable[[], Any], reps: int, seconds: float, cold: bool = False
+def _round_robin(
+    rounds: dict[str, Callable[[], dict[str, float]]], reps: int, seconds: float, first: str | None = None
 ) -> Times:
-    """Times of at least ``reps`` rounds (after one warm-up round), more while the timed
-    calls have taken less than ``seconds`` in all (at most ``MAX_ROUNDS`` rounds). In each
-    round every implementation and the copy run once, in an order rotated from round to
-    round, so that a slow spell of a shared machine falls on all of them alike; ratios are
-    then taken round by round. What ran before a timed call is the same for all of them
-    (see ``_round``): the same implementation (warm) or a cache flush (``cold``)."""
-    names = list(impls)
-    times: Times = {n: {"fwd": [], "bwd": [], "fb": []} for n in names}
-    times["copy"] = {"copy": []}
+    """Call every ``rounds[name]`` once a round (each returns the milliseconds of its
+    figures) for at least ``reps`` rounds after one warm-up round, and more while the timed
+    calls have taken less than ``seconds`` in all (at most ``MAX_ROUNDS`` rounds). The
+    order is rotated from round to round (``first``, if given, always leads), so that a
+    slow spell of a shared machine falls on all of them alike; ratios are then taken round
+    by round."""
+    names = [n for n in rounds if n != first]
+    times: Times = {n: {} for n in rounds}
     spent = 0.0
     i = 0
     while i <= reps or (spent < 1e3 * seconds and i <= MAX_ROUNDS):
@@ -266,21 +278,28 @@ def _interleaved(
         gc.collect()  # once a round (with torch loaded a collection takes tens of ms), then
         gc.disable()  # no collection inside a timed call
         try:
-            for name in ["copy", *names[k:], *names[:k]]:
-                if name == "copy":
-                    if not cold:
-                        copy()
-                    t = {"copy": _timed(copy, cold)[0]}
-                else:
-                    t = _round(impls[name], cold)
+            for name in [*([first] if first is not None else []), *names[k:], *names[:k]]:
+                t = rounds[name]()
                 if i > 0:
                     for key, v in t.items():
-                        times[name][key].append(v)
+                        times[name].setdefault(key, []).append(v)
                     spent += sum(t.values())
         finally:
             gc.enable()
         i += 1
     return times
+
+
+def _interleaved(
+    impls: dict[str, _Impl], copy: Callable[[], Any], reps: int, seconds: float, cold: bool = False
+) -> Times:
+    """Forward, backward and forward+backward times of every implementation, and the
+    copy's, in the rounds of ``_round_robin`` (the copy first in each). What ran before a
+    timed call is the same for all of them (see ``_round``, ``_settled``): the same
+    implementation (warm) or a cache flush (``cold``)."""
+    rounds: dict[str, Callable[[], dict[str, float]]] = {"copy": lambda: {"copy": _settled(copy, cold)}}
+    rounds.update({name: partial(_round, impl, cold) for name, impl in impls.items()})
+    return _round_robin(rounds, reps, seconds, first="copy")
 
 
 def _peak_extra(fb: Callable[[], tuple[np.ndarray, ...]], input_bytes: int) -> float:
@@ -489,28 +508,14 @@ def _training(
 def _rounds(
     calls: dict[str, Callable[[], Any]], reps: int, seconds: float, cold: bool = False
 ) -> dict[str, list[float]]:
-    """Milliseconds of each call per round, interleaved as in ``_interleaved``: each timed
+    """Milliseconds of each call per round, in the rounds of ``_round_robin``: each timed
     call right after an untimed one of the same call (warm) or after ``_cold_cache``."""
-    names = list(calls)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    spent = 0.0
-    i = 0
-    while i <= reps or (spent < 1e3 * seconds and i <= MAX_ROUNDS):
-        k = i % len(names)
-        gc.collect()
-        gc.disable()
-        try:
-            for name in [*names[k:], *names[:k]]:
-                if not cold:
-                    calls[name]()
-                ms = _timed(calls[name], cold)[0]
-                if i > 0:
-                    times[name].append(ms)
-                    spent += ms
-        finally:
-            gc.enable()
-        i += 1
-    return times
+
+    def one(f: Callable[[], Any]) -> Callable[[], dict[str, float]]:
+        return lambda: {"ms": _settled(f, cold)}
+
+    rounds = {name: one(f) for name, f in calls.items()}
+    return {name: t.get("ms", []) for name, t in _round_robin(rounds, reps, seconds).items()}
 
 
 def _forward_calls(shape: tuple[int, ...], torch: Any, repeat: int) -> dict[str, Callable[[], Any]]:
@@ -619,7 +624,7 @@ def run(
     info["npnorm_threads"] = get_num_threads()
     info["kernels"] = get_kernels()
     info["kernels_available"] = kernels_available()
-    info["cache"] = f"cold (a {_FLUSH_BYTES >> 20} MiB read before every timed call)" if cold else "warm"
+    info["cache"] = f"cold (a {_flush_bytes() >> 20} MiB read before every timed call)" if cold else "warm"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
     if torch is not None:

@@ -64,5 +64,36 @@ def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkey
 def test_the_cold_flush_is_larger_than_the_cache():
     from npnorm import _bench
 
-    assert _bench._FLUSH_BYTES >= max(2 * _bench._last_level_cache_bytes(), 64 << 20)
+    assert _bench._flush_bytes() >= max(2 * _bench._last_level_cache_bytes(), 64 << 20)
     _bench._cold_cache()
+
+
+def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):
+    """The training rounds share the round-robin loop: the copy leads every round, each
+    implementation runs once a round, its untimed forward+backward before its timed calls."""
+    from npnorm import _bench
+
+    log = []
+    impls = {
+        name: _bench._Impl(
+            forward=lambda name=name: log.append((name, "fwd")),
+            backward=lambda saved, name=name: log.append((name, "bwd")),
+            both=lambda name=name: log.append((name, "both")),
+        )
+        for name in ("a", "b")
+    }
+    times = _bench._interleaved(impls, lambda: log.append(("copy", "copy")), reps=3, seconds=0.0)
+    assert {n: {k: len(v) for k, v in t.items()} for n, t in times.items()} == {
+        "copy": {"copy": 3},
+        "a": {"fwd": 3, "bwd": 3, "fb": 3},
+        "b": {"fwd": 3, "bwd": 3, "fb": 3},
+    }
+    per_round = 2 + 2 * 4  # copy warm + timed; per implementation: both, fwd, bwd, both
+    rounds = [log[i : i + per_round] for i in range(0, len(log), per_round)]
+    assert len(rounds) == 4  # one warm-up round
+    for r in rounds:
+        assert r[:2] == [("copy", "copy")] * 2
+        for j in (2, 6):
+            name = r[j][0]
+            assert r[j : j + 4] == [(name, "both"), (name, "fwd"), (name, "bwd"), (name, "both")]
+        assert {r[2][0], r[6][0]} == {"a", "b"}
