@@ -1,7 +1,7 @@
 """``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``).
 
-``python -m npnorm bench [--quick] [--cold] [--json FILE] [--reps N]``: time every layer (see
-``npnorm._bench``).
+``python -m npnorm bench [--quick] [--cold] [--reuse-memory] [--json FILE] [--reps N]``: time
+every layer (see ``npnorm._bench``).
 
 ``python -m npnorm profile [LAYER ...]``: the fast kernels' time per NumPy call site (see
 ``npnorm._profile``).
@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time every call from a cold cache (a read of twice the last-level cache before each) "
         "instead of right after an untimed call of the same implementation",
+    )
+    bench.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="keep freed memory in the process for reuse (glibc's mallopt), so that no implementation's "
+        "fresh outputs pay page faults: the kernels without the allocator",
     )
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
     prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
@@ -112,7 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from ._bench import run as run_bench
 
-        run_bench(quick=args.quick, reps=args.reps, json_path=args.json, cold=args.cold)
+        try:
+            run_bench(
+                quick=args.quick,
+                reps=args.reps,
+                json_path=args.json,
+                cold=args.cold,
+                reuse_memory=args.reuse_memory,
+            )
+        except RuntimeError as err:  # --reuse-memory without glibc
+            print(f"python -m npnorm bench: {err}", file=sys.stderr)
+            return 2
         return 0
     from ._selfcheck import run
 

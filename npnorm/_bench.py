@@ -6,7 +6,11 @@ same for every implementation: by default an untimed call of the same implementa
 the same data (a loop's steady state: the cache holds what that implementation's last
 call left there, e.g. the memory of its freed output that the allocator hands back);
 with ``--cold``, a read of twice the last-level cache (``_cold_cache``), so that every
-call finds nothing of its own in the cache. (Before, each implementation ran right after
+call finds nothing of its own in the cache. With ``--reuse-memory`` the process keeps
+the memory it frees (``reuse_freed_memory``), so that fresh outputs, npnorm's and
+PyTorch's alike, reuse pages instead of faulting in new ones: with glibc's defaults every output
+over 32 MiB is a new ``mmap`` whose pages the kernel zeroes on first touch, a cost of the
+allocator that the ratios otherwise include. (Before, each implementation ran right after
 a fixed neighbour in the rotation, and inherited that neighbour's cache and threads: at
 the inference shape, 12.6 MB in and out with a 48 MB cache, that moved a ratio by up to
 2x.) Timings are figures to read, not assertions. Four parts:
@@ -32,6 +36,7 @@ issue (standard shapes only; ``--quick`` shows them without verdicts).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import importlib.util
@@ -213,6 +218,34 @@ def _flush_bytes() -> int:
     """What the cold mode reads before every timed call: twice the last-level cache, at
     least 64 MiB (asked of the system on first use, not at import)."""
     return max(2 * _last_level_cache_bytes(), 64 << 20)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_KEEP_BLOCKS_UNDER = 1 << 30  # bytes: blocks below this come from the heap, not mmap
+
+
+def reuse_freed_memory() -> None:
+    """Make this process keep the memory it frees and hand it out again (glibc's
+    ``mallopt``: blocks under 1 GiB come from the heap instead of their own ``mmap``,
+    and the heap is never trimmed), so that a fresh output lands in pages the process
+    already touched instead of new ones the kernel must fault in and zero. It changes
+    every later allocation of the process: NumPy's, PyTorch's, anyone's.
+
+    Raises
+    ------
+    RuntimeError
+        Where the C library has no ``mallopt`` (not glibc), or refuses the values.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        raise RuntimeError("--reuse-memory needs glibc's mallopt (Linux); this C library has none") from None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if not (mallopt(_M_MMAP_THRESHOLD, _KEEP_BLOCKS_UNDER) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+        raise RuntimeError("mallopt refused the thresholds --reuse-memory sets")
 
 
 _flush_buffer: np.ndarray | None = None
@@ -612,8 +645,14 @@ def compile_times() -> dict[str, Any]:
 
 
 def run(
-    quick: bool = False, reps: int | None = None, json_path: str | None = None, cold: bool = False
+    quick: bool = False,
+    reps: int | None = None,
+    json_path: str | None = None,
+    cold: bool = False,
+    reuse_memory: bool = False,
 ) -> list[dict[str, Any]]:
+    if reuse_memory:
+        reuse_freed_memory()  # before anything is allocated
     specs = QUICK if quick else FULL
     reps = reps or (3 if quick else 5)
     seconds = 0.0 if quick else SECONDS
@@ -625,6 +664,7 @@ def run(
     info["kernels"] = get_kernels()
     info["kernels_available"] = kernels_available()
     info["cache"] = f"cold (a {_flush_bytes() >> 20} MiB read before every timed call)" if cold else "warm"
+    info["freed memory"] = "kept for reuse (--reuse-memory)" if reuse_memory else "the C library's default"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
     if torch is not None:
@@ -643,6 +683,7 @@ def run(
                     "machine": info,
                     "quick": quick,
                     "cold": cold,
+                    "reuse_memory": reuse_memory,
                     "reps": reps,
                     "rows": rows,
                     "inference": inference,

@@ -2,8 +2,11 @@
 the machines are shared and noisy, so speed is read from the printed figures)."""
 
 import json
+import platform
 import subprocess
 import sys
+
+import pytest
 
 
 def test_bench_quick_writes_every_figure(tmp_path):
@@ -97,3 +100,43 @@ def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeyp
             name = r[j][0]
             assert r[j : j + 4] == [(name, "both"), (name, "fwd"), (name, "bwd"), (name, "both")]
         assert {r[2][0], r[6][0]} == {"a", "b"}
+
+
+_REFAULT = """
+import resource, sys
+import numpy as np
+from npnorm import _bench
+
+if sys.argv[1] == "reuse":
+    _bench.reuse_freed_memory()
+
+
+def faults_of_fresh_array():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = np.empty(16 << 20, dtype=np.float32)  # 64 MiB: over glibc's largest default heap block
+    a.fill(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+faults_of_fresh_array()  # the first one always faults its pages in
+print(min(faults_of_fresh_array() for _ in range(3)))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="--reuse-memory is glibc's mallopt")
+def test_reuse_memory_lets_a_fresh_output_land_in_pages_already_touched():
+    def faults(mode):
+        out = subprocess.run(
+            [sys.executable, "-c", _REFAULT, mode], capture_output=True, text=True, timeout=120, check=True
+        )
+        return int(out.stdout)
+
+    assert faults("default") > 20  # a new mmap each time: its pages faulted in again
+    assert faults("reuse") <= 2  # the freed block handed out again
+
+
+def test_reuse_memory_is_a_bench_option():
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "bench", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and "--reuse-memory" in out.stdout
