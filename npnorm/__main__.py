@@ -116,19 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         run_profile(args.layers or None, reps=args.reps)
         return 0
     if args.command == "bench":
+        from ._bench import reuse_freed_memory
         from ._bench import run as run_bench
 
-        try:
-            run_bench(
-                quick=args.quick,
-                reps=args.reps,
-                json_path=args.json,
-                cold=args.cold,
-                reuse_memory=args.reuse_memory,
-            )
-        except RuntimeError as err:  # --reuse-memory without glibc
-            print(f"python -m npnorm bench: {err}", file=sys.stderr)
-            return 2
+        if args.reuse_memory:
+            try:
+                reuse_freed_memory()
+            except RuntimeError as err:  # not glibc
+                print(f"python -m npnorm bench: {err}", file=sys.stderr)
+                return 2
+        run_bench(
+            quick=args.quick,
+            reps=args.reps,
+            json_path=args.json,
+            cold=args.cold,
+            reuse_memory=args.reuse_memory,
+        )
         return 0
     from ._selfcheck import run
 

@@ -652,7 +652,7 @@ def run(
     reuse_memory: bool = False,
 ) -> list[dict[str, Any]]:
     if reuse_memory:
-        reuse_freed_memory()  # before anything is allocated
+        reuse_freed_memory()  # before the arrays are allocated (setting it twice changes nothing)
     specs = QUICK if quick else FULL
     reps = reps or (3 if quick else 5)
     seconds = 0.0 if quick else SECONDS

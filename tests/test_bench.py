@@ -140,3 +140,19 @@ def test_reuse_memory_is_a_bench_option():
         [sys.executable, "-m", "npnorm", "bench", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and "--reuse-memory" in out.stdout
+
+
+def test_reuse_memory_without_glibc_is_a_clear_error_and_runs_nothing(monkeypatch, capsys):
+    from npnorm import __main__ as cli
+    from npnorm import _bench
+
+    class NoMallopt:  # a C library without mallopt, as on macOS or musl
+        def __init__(self, name):
+            pass
+
+    ran = []
+    monkeypatch.setattr(_bench.ctypes, "CDLL", NoMallopt)
+    monkeypatch.setattr(_bench, "run", lambda **kw: ran.append(kw))
+    assert cli.main(["bench", "--reuse-memory"]) == 2
+    assert "glibc's mallopt" in capsys.readouterr().err
+    assert ran == []
