@@ -4,16 +4,16 @@ All figures come from one process, float32, in interleaved rounds (see ``_interl
 every ratio is the median of per-round ratios. What ran just before a timed call is the
 same for every implementation: by default an untimed call of the same implementation on
 the same data (a loop's steady state: the cache holds what that implementation's last
-call left there, e.g. the memory of its freed output that the allocator hands back);
-with ``--cold``, a read of twice the last-level cache (``_cold_cache``), so that every
-call finds nothing of its own in the cache. With ``--reuse-memory`` the process keeps
-the memory it frees (``reuse_freed_memory``), so that fresh outputs, npnorm's and
-PyTorch's alike, reuse pages instead of faulting in new ones: with glibc's defaults every output
-over 32 MiB is a new ``mmap`` whose pages the kernel zeroes on first touch, a cost of the
-allocator that the ratios otherwise include. (Before, each implementation ran right after
-a fixed neighbour in the rotation, and inherited that neighbour's cache and threads: at
-the inference shape, 12.6 MB in and out with a 48 MB cache, that moved a ratio by up to
-2x.) Timings are figures to read, not assertions. Four parts:
+call left there and, for outputs under glibc's mmap threshold, the memory of its freed
+output that the allocator hands back); with ``--cold``, a read of twice the last-level
+cache (``_cold_cache``), so that every call finds nothing of its own in the cache. With
+``--reuse-memory`` the process keeps the memory it frees (``reuse_freed_memory``), so
+that fresh outputs, npnorm's and PyTorch's alike, reuse pages instead of faulting in new
+ones: with glibc's defaults every output over 32 MiB is a new ``mmap`` whose pages the
+kernel zeroes on first touch, a cost of the allocator that the ratios otherwise include.
+(Before, each implementation ran right after a fixed neighbour in the rotation, and
+inherited that neighbour's cache and threads: at the inference shape, 12.6 MB in and out
+with a 48 MB cache, that moved a ratio by up to 2x.) Timings are figures to read, not assertions. Four parts:
 
 1. **Training**, per layer at standard shapes: the median forward, backward and
    forward+backward times of the module API with fresh outputs, for each npnorm kernel
