@@ -400,3 +400,29 @@ def test_each_loop_compiles_for_float32_and_float64_only():
         if hasattr(fn, "signatures") and not name.startswith("_"):
             dtypes = [sig[0].dtype for sig in fn.signatures]
             assert len(dtypes) == len(set(dtypes)) <= 2, (name, fn.signatures)
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_running_statistics_backward_does_not_read_x(op, dtype):
+    """With running statistics dx = dy * w * rstd, whatever x holds: a NaN, an inf, or values
+    whose distance to the mean overflows must not reach dx (they did, as 0 * NaN, in the
+    compiled kernel)."""
+    import npnorm
+    import npnorm.functional as F
+
+    big = np.finfo(dtype).max / 2
+    x = np.array([[[1.0, np.nan, np.inf, -np.inf, big, -big]], [[2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]], dtype=dtype)
+    dy = np.linspace(-1.0, 1.0, x.size, dtype=dtype).reshape(x.shape)
+    w = np.array([1.5], dtype=dtype)
+    running_mean, running_var = np.array([-big], dtype=dtype), np.array([4.0], dtype=dtype)
+    forward, backward = getattr(F, f"{op}_forward"), getattr(F, f"{op}_backward")
+    flag = {"batch_norm": "training", "instance_norm": "use_input_stats"}[op]
+    results = {}
+    for family in ("numba", "reference"):
+        with npnorm.use_kernels(family):
+            _, mean, rstd, _, _ = forward(x, running_mean, running_var, w, None, **{flag: False})
+            results[family] = backward(dy, x, mean, rstd, w, None, **{flag: False})[0]
+    expected = dy * w * (1 / np.sqrt(4.0 + 1e-5))
+    np.testing.assert_allclose(results["reference"], expected, rtol=1e-6)
+    np.testing.assert_allclose(results["numba"], expected, rtol=1e-6)

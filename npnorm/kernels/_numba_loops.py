@@ -275,7 +275,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
     into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + c1*xhat + c0`` with
     ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
     ``c1 = -rstd*w*mean(dy*xhat)``, ``c0 = -rstd*w*mean(dy)`` (over the M = N*S values),
-    else ``c1 = c0 = 0``."""
+    else (running statistics) ``dx = a*dy`` alone."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
     s = np.empty(4, dtype=dx.dtype)
@@ -306,8 +306,12 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
             xr = x[n, c]
             dyr = dy[n, c]
             dxr = dx[n, c]
-            for j in range(S):
-                dxr[j] = a * dyr[j] + k1 * ((xr[j] - m) * rc) + k0
+            if training:
+                for j in range(S):
+                    dxr[j] = a * dyr[j] + k1 * ((xr[j] - m) * rc) + k0
+            else:  # dx does not depend on x: a NaN or inf in x, or x - mean overflowing, stays out of it
+                for j in range(S):
+                    dxr[j] = a * dyr[j]
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
