@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import npnorm
+import npnorm.functional as F
 from npnorm import _threads
 from npnorm.functional._dispatch import family_kernel, generic_kernel
 
@@ -408,9 +410,6 @@ def test_running_statistics_backward_does_not_read_x(op, dtype):
     """With running statistics dx = dy * w * rstd, whatever x holds: a NaN, an inf, or values
     whose distance to the mean overflows must not reach dx (they did, as 0 * NaN, in the
     compiled kernel)."""
-    import npnorm
-    import npnorm.functional as F
-
     big = np.finfo(dtype).max / 2
     x = np.array([[[1.0, np.nan, np.inf, -np.inf, big, -big]], [[2.0, 3.0, 4.0, 5.0, 6.0, 7.0]]], dtype=dtype)
     dy = np.linspace(-1.0, 1.0, x.size, dtype=dtype).reshape(x.shape)

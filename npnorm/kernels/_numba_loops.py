@@ -294,12 +294,8 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         db[c] = sd
         dw[c] = sdx * rs
         s[0] = rs * wc
-        if training:
-            s[1] = -rs * wc * (sdx * rs / M)
-            s[2] = -rs * wc * sd / M
-        else:
-            s[1] = 0.0
-            s[2] = 0.0
+        s[1] = -rs * wc * (sdx * rs / M)  # c1, c0: batch statistics only
+        s[2] = -rs * wc * sd / M
         s[3] = rs
         a, k1, k0, rc = s[0], s[1], s[2], s[3]
         for n in range(N):
