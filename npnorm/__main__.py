@@ -116,22 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         run_profile(args.layers or None, reps=args.reps)
         return 0
     if args.command == "bench":
-        from ._bench import reuse_freed_memory
+        from ._bench import NoMallopt
         from ._bench import run as run_bench
 
-        if args.reuse_memory:
-            try:
-                reuse_freed_memory()
-            except RuntimeError as err:  # not glibc
-                print(f"python -m npnorm bench: {err}", file=sys.stderr)
-                return 2
-        run_bench(
-            quick=args.quick,
-            reps=args.reps,
-            json_path=args.json,
-            cold=args.cold,
-            reuse_memory=args.reuse_memory,
-        )
+        try:
+            run_bench(
+                quick=args.quick,
+                reps=args.reps,
+                json_path=args.json,
+                cold=args.cold,
+                reuse_memory=args.reuse_memory,
+            )
+        except NoMallopt as err:  # --reuse-memory where the C library is not glibc
+            print(f"python -m npnorm bench: {err}", file=sys.stderr)
+            return 2
         return 0
     from ._selfcheck import run
 

@@ -13,7 +13,8 @@ ones: with glibc's defaults every output over 32 MiB is a new ``mmap`` whose pag
 kernel zeroes on first touch, a cost of the allocator that the ratios otherwise include.
 (Before, each implementation ran right after a fixed neighbour in the rotation, and
 inherited that neighbour's cache and threads: at the inference shape, 12.6 MB in and out
-with a 48 MB cache, that moved a ratio by up to 2x.) Timings are figures to read, not assertions. Four parts:
+with a 48 MB cache, that moved a ratio by up to 2x.) Timings are figures to read, not
+assertions. Four parts:
 
 1. **Training**, per layer at standard shapes: the median forward, backward and
    forward+backward times of the module API with fresh outputs, for each npnorm kernel
@@ -226,6 +227,10 @@ _M_MMAP_THRESHOLD = -3
 _KEEP_BLOCKS_UNDER = 1 << 30  # bytes: blocks below this come from the heap, not mmap
 
 
+class NoMallopt(RuntimeError):
+    """The C library cannot keep freed memory for reuse as ``--reuse-memory`` asks."""
+
+
 def reuse_freed_memory() -> None:
     """Make this process keep the memory it frees and hand it out again (glibc's
     ``mallopt``: blocks under 1 GiB come from the heap instead of their own ``mmap``,
@@ -235,17 +240,17 @@ def reuse_freed_memory() -> None:
 
     Raises
     ------
-    RuntimeError
+    NoMallopt
         Where the C library has no ``mallopt`` (not glibc), or refuses the values.
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
     except (OSError, AttributeError):
-        raise RuntimeError("--reuse-memory needs glibc's mallopt (Linux); this C library has none") from None
+        raise NoMallopt("--reuse-memory needs glibc's mallopt (Linux); this C library has none") from None
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     if not (mallopt(_M_MMAP_THRESHOLD, _KEEP_BLOCKS_UNDER) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
-        raise RuntimeError("mallopt refused the thresholds --reuse-memory sets")
+        raise NoMallopt("mallopt refused the thresholds --reuse-memory sets")
 
 
 _flush_buffer: np.ndarray | None = None
@@ -652,7 +657,7 @@ def run(
     reuse_memory: bool = False,
 ) -> list[dict[str, Any]]:
     if reuse_memory:
-        reuse_freed_memory()  # before the arrays are allocated (setting it twice changes nothing)
+        reuse_freed_memory()  # before the arrays are allocated
     specs = QUICK if quick else FULL
     reps = reps or (3 if quick else 5)
     seconds = 0.0 if quick else SECONDS
