@@ -341,6 +341,52 @@ def test_parallel_split_and_blocks():
         np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(c).max())))
 
 
+@settings(max_examples=60)
+@given(
+    dtype=st.sampled_from(("float32", "float64")),
+    n=st.integers(1, 5),
+    groups=st.integers(1, 3),
+    k=st.integers(1, 3),
+    S=st.sampled_from((1, 255, 256, 257, 600)),
+    threads=st.sampled_from((2, 3)),
+    data=st.data(),
+)
+def test_group_pipeline_chunks_and_splits(dtype, n, groups, k, S, threads, data):
+    """The GroupNorm/InstanceNorm loops visit a row in chunks of ``CHUNK`` values and take
+    the next rows' sums along (a pipeline that restarts wherever a thread's rows or a
+    staged block begin): channels shorter than, equal to and longer than a chunk, 1 to
+    15 rows, as the reference to rounding and bitwise the same however the rows are split
+    (one thread, or several threads and one-row blocks)."""
+    from npnorm.kernels import _numba_loops as loops
+
+    assert loops.CHUNK == 256  # the sizes drawn above straddle it
+    C = groups * k
+    x = data.draw(values(dtype, (n, C, S))) * np.asarray(3, dtype) + np.asarray(7, dtype)
+    dy = data.draw(values(dtype, (n, C, S)))
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    b = np.linspace(-1, 1, C).astype(dtype)
+    rm, rv = np.zeros(C, dtype), np.ones(C, dtype)
+    calls = [
+        ("group_norm", (x, groups, w, b, 1e-5), lambda f: (dy, x, groups, f[1], f[2], w, b)),
+        ("instance_norm", (x, rm, rv, w, b, True, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, True)),
+    ]
+    for op, fwd_args, bwd_args in calls:
+        if op == "instance_norm" and S == 1:
+            continue  # one value per (sample, channel) row: no batch statistics
+        fwd, bwd = family_kernel(op + "_forward", "numba"), family_kernel(op + "_backward", "numba")
+        ref_f = generic_kernel(op + "_forward")(xp, *fwd_args)
+        ref_b = generic_kernel(op + "_backward")(xp, *bwd_args(ref_f))
+        with config(1, small=False):
+            one = [*fwd(xp, *fwd_args)[:3], *bwd(xp, *bwd_args(ref_f))]
+        with config(threads, small=True):
+            split = [*fwd(xp, *fwd_args)[:3], *bwd(xp, *bwd_args(ref_f))]
+        for a, c in zip(split, one, strict=True):
+            np.testing.assert_array_equal(a, c)
+        rtol = REL[dtype]
+        for a, r in zip(one, [*ref_f[:3], *ref_b], strict=True):
+            np.testing.assert_allclose(a, r, rtol=rtol, atol=rtol * 10 * max(1.0, float(np.abs(r).max())))
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (5, 1), (3, 1, 1), (2, 3, 1), (1, 2, 1, 1)])
 def test_one_row_and_one_value(shape):
     """One row, D = 1, one spatial element: as the reference."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
 
 # the options of every loop, and of the row sums (vectorized by reassociation)
 _loop: Any = njit(cache=True, nogil=True, error_model="numpy")
@@ -46,6 +46,9 @@ _sum_loop: Any = njit(cache=True, nogil=True, error_model="numpy", fastmath={"re
 # of FLUSH_ROWS minus one (so that how a thread's rows are cut into calls does not change
 # the sums).
 FLUSH_ROWS = 16
+
+# the values per chunk of the GroupNorm/InstanceNorm pipelines (see there)
+CHUNK = 256
 
 
 # --- vectorized row sums (float64 accumulators) -----------------------------------------
@@ -311,6 +314,100 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
+#
+# A (sample, group) row is long (k*S values: 12.5 KB for an InstanceNorm row of 56x56
+# float32), too long for the hardware to fetch the next row while this one is computed.
+# So the loops pipeline the rows: they visit each row's channels in chunks of CHUNK values,
+# and with each chunk of the row they write they also read the same chunk of the rows
+# ahead (the forward: row r + 1's squared deviations, from cache, and row r + 2's sum, from
+# memory; the backward: row r + 1's two sums), so that reading memory overlaps writing it.
+# A row's sums are taken chunk by chunk in the same order wherever the pipeline starts, so
+# the results do not depend on how the rows are split over threads or blocks.
+
+
+@_sum_loop
+def _sum_span(a, lo, hi):  # type: ignore[no-untyped-def]
+    """sum(a[lo:hi]). The spans' loops run over unsigned indices: numba wraps a negative
+    signed index around (``a[-1]``), and that test, in a loop over ``range(lo, hi)``,
+    keeps it from vectorizing (6x slower)."""
+    t = 0.0
+    for i in range(uint64(lo), uint64(hi)):
+        t += a[i]
+    return t
+
+
+@_sum_loop
+def _sum_sq_dev_span(a, lo, hi, m):  # type: ignore[no-untyped-def]
+    """sum((a[lo:hi] - m)^2), ``m`` a float64."""
+    t = 0.0
+    for i in range(uint64(lo), uint64(hi)):
+        d = a[i] - m
+        t += d * d
+    return t
+
+
+@_sum_loop
+def _sums_dy_span(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
+    """``(sum(dy), sum(dy * (x - m)))`` over ``[lo, hi)``, ``x - m = (x - m_hi) - m_lo``."""
+    s = 0.0
+    sx = 0.0
+    for i in range(uint64(lo), uint64(hi)):
+        d = dy[i]
+        s += d
+        sx += d * ((x[i] - m_hi) - m_lo)
+    return s, sx
+
+
+@_loop
+def _affine_span(x, y, lo, hi, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def]
+    """``y = (x - m)*sc + bc`` over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        y[j] = ((x[j] - m_hi) - m_lo) * sc + bc
+
+
+@_loop
+def _dx_span(dy, x, dx, lo, hi, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
+    """``dx = a*dy + k1*xhat + k0``, ``xhat = (x - m)*rc``, over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * dy[j] + k1 * ((x[j] - m) * rc) + k0
+
+
+@_loop
+def _group_sum(xr, k, S):  # type: ignore[no-untyped-def]
+    """The row's sum, chunk by chunk in the pipeline's order."""
+    t = 0.0
+    for i in range(k):
+        end = (i + 1) * S
+        for lo in range(i * S, end, CHUNK):
+            t += _sum_span(xr, lo, min(lo + CHUNK, end))
+    return t
+
+
+@_loop
+def _group_sq_dev(xr, k, S, m):  # type: ignore[no-untyped-def]
+    """The row's sum of squared deviations from ``m``, in the pipeline's order."""
+    t = 0.0
+    for i in range(k):
+        end = (i + 1) * S
+        for lo in range(i * S, end, CHUNK):
+            t += _sum_sq_dev_span(xr, lo, min(lo + CHUNK, end), m)
+    return t
+
+
+@_loop
+def _group_sums_dy(dyr, xr, m, zero, k, S, sdy, sdyx, at):  # type: ignore[no-untyped-def]
+    """Per channel i of the row, ``sum(dy)`` and ``sum(dy*(x - m))`` into ``sdy[at + i]``,
+    ``sdyx[at + i]``, in the pipeline's order."""
+    for i in range(k):
+        end = (i + 1) * S
+        u = 0.0
+        v = 0.0
+        for lo in range(i * S, end, CHUNK):
+            p, q = _sums_dy_span(dyr, xr, lo, min(lo + CHUNK, end), m, zero)
+            u += p
+            v += q
+        sdy[at + i] = u
+        sdyx[at + i] = v
 
 
 @_loop
@@ -318,30 +415,47 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
     """Rows ``[r0, r1)`` of x (R,L), row r being the (sample, group) row ``base + r`` of the
     input (group ``(base + r) % G``, G = C/k), L = k*S values: mean, rstd (R,), the
     biased variance into ``var`` (float64 (R,)), then ``y = (x - mean)*rstd*w_c + b_c``
-    per channel c of the group."""
+    per channel c of the group. Pipelined (see above): writing row r, it takes row
+    r + 1's squared deviations and row r + 2's sum."""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
     s = np.empty(3, dtype=y.dtype)
+    if r1 <= r0:
+        return
+    m = _group_sum(x[r0], k, S) / L  # row r0's mean and squared deviations,
+    q = _group_sq_dev(x[r0], k, S, m)
+    t = _group_sum(x[r0 + 1], k, S) if r0 + 1 < r1 else 0.0  # row r0 + 1's sum
     for r in range(r0, r1):
         xr = x[r]
-        m = _sum(xr) / L
-        v = _sum_sq_dev(xr, m) / L
+        yr = y[r]
+        v = q / L
         var[r] = v
         rs = 1.0 / np.sqrt(v + eps)
         m_hi, m_lo = _split(m, s)
         mean[r] = m
         rstd[r] = rs
         c0 = ((base + r) % G) * k
-        yr = y[r]
+        ahead1 = r + 1 < r1
+        ahead2 = r + 2 < r1
+        x1 = x[r + 1] if ahead1 else xr  # rows r + 1, r + 2 (unread past r1 - 1)
+        x2 = x[r + 2] if ahead2 else xr
+        m1 = t / L  # row r + 1's mean
+        q = 0.0
+        t = 0.0
         for i in range(k):
             s[2] = rstd[r] * w[c0 + i]
             sc = s[2]
             bc = b[c0 + i]
-            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
-            yi = yr[i * S : (i + 1) * S]
-            for j in range(S):
-                yi[j] = ((xi[j] - m_hi) - m_lo) * sc + bc
+            end = (i + 1) * S  # channel c0 + i: values [i*S, end) of the row
+            for lo in range(i * S, end, CHUNK):
+                hi = min(lo + CHUNK, end)
+                if ahead2:
+                    t += _sum_span(x2, lo, hi)
+                if ahead1:
+                    q += _sum_sq_dev_span(x1, lo, hi, m1)
+                _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
+        m = m1
 
 
 @_loop
@@ -350,13 +464,17 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     ``sum(dy*(x - mean))`` (float64, into ``sdy``, ``sdyx`` (R*k,)), combined with the
     weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
     ``dx = rstd*w_c*dy + c1*xhat + c0``, ``xhat = (x - mean)*rstd``,
-    ``c1 = -rstd*(sgx*rstd)/L``, ``c0 = -rstd*sg/L``."""
+    ``c1 = -rstd*(sgx*rstd)/L``, ``c0 = -rstd*sg/L``. Pipelined (see above): writing
+    row r's dx, it takes row r + 1's sums."""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
     s = np.empty(3, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
+    if r1 <= r0:
+        return
+    _group_sums_dy(dy[r0], x[r0], mean[r0], zero, k, S, sdy, sdyx, r0 * k)
     for r in range(r0, r1):
         xr = x[r]
         dyr = dy[r]
@@ -367,20 +485,30 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
         sg = 0.0
         sgx = 0.0
         for i in range(k):
-            u, v = _sums_dy_scalar_w(dyr[i * S : (i + 1) * S], xr[i * S : (i + 1) * S], m, zero)
-            sdy[r * k + i] = u
-            sdyx[r * k + i] = v
             wc = np.float64(w[c0 + i])
-            sg += wc * u
-            sgx += wc * v
+            sg += wc * sdy[r * k + i]
+            sgx += wc * sdyx[r * k + i]
         s[1] = -rs * (sgx * rs / L)
         s[2] = -rs * sg / L
         k1, k0, rc = s[1], s[2], rstd[r]
+        ahead = r + 1 < r1
+        n = r + 1 if ahead else r  # the row whose sums are taken along (none past r1 - 1)
+        x1 = x[n]
+        dy1 = dy[n]
+        m1 = mean[n]
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
-            xi = xr[i * S : (i + 1) * S]  # channel c0 + i
-            dyi = dyr[i * S : (i + 1) * S]
-            dxi = dxr[i * S : (i + 1) * S]
-            for j in range(S):
-                dxi[j] = a * dyi[j] + k1 * ((xi[j] - m) * rc) + k0
+            end = (i + 1) * S  # channel c0 + i
+            u = 0.0
+            v = 0.0
+            for lo in range(i * S, end, CHUNK):
+                hi = min(lo + CHUNK, end)
+                if ahead:
+                    p, q = _sums_dy_span(dy1, x1, lo, hi, m1, zero)
+                    u += p
+                    v += q
+                _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
+            if ahead:
+                sdy[n * k + i] = u
+                sdyx[n * k + i] = v

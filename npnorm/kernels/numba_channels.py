@@ -13,7 +13,10 @@ as (N, C, S), S = prod(spatial):
   C-ordered in the computation dtype is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), like
-  LayerNorm; other dtypes and layouts are staged block by block (``_staging``).
+  LayerNorm, but pipelined: while a row's output is written, the next rows' sums are
+  taken, so that reading memory overlaps writing it (such rows are too long for the
+  hardware to fetch the next one in time on its own); other dtypes and layouts are staged
+  block by block (``_staging``).
 
 dweight and dbias are reduced in float64 from per-channel or per-(sample, channel)
 sums, in a fixed order: bitwise the same for any thread count. Empty inputs and
