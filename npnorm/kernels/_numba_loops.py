@@ -52,21 +52,26 @@ CHUNK = 256
 
 
 # --- vectorized row sums (float64 accumulators) -----------------------------------------
+#
+# The sums over a span ``[lo, hi)`` of a row (the whole row: ``0, len``) loop over unsigned
+# indices: numba wraps a negative signed index around (``a[-1]``), and that test, in a loop
+# over ``range(lo, hi)``, keeps it from vectorizing (6x slower).
 
 
 @_sum_loop
-def _sum(a):  # type: ignore[no-untyped-def]
+def _sum(a, lo, hi):  # type: ignore[no-untyped-def]
+    """sum(a[lo:hi])."""
     t = 0.0
-    for i in range(a.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         t += a[i]
     return t
 
 
 @_sum_loop
-def _sum_sq_dev(a, m):  # type: ignore[no-untyped-def]
-    """sum((a - m)^2), ``m`` a float64."""
+def _sum_sq_dev(a, lo, hi, m):  # type: ignore[no-untyped-def]
+    """sum((a[lo:hi] - m)^2), ``m`` a float64."""
     t = 0.0
-    for i in range(a.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         d = a[i] - m
         t += d * d
     return t
@@ -94,11 +99,12 @@ def _sums_dy(dy, xc_of, m_hi, m_lo, w):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
-def _sums_dy_scalar_w(dy, x, m_hi, m_lo):  # type: ignore[no-untyped-def]
-    """``(sum(dy), sum(dy * (x - m)))`` over one channel row."""
+def _sums_dy_scalar_w(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
+    """``(sum(dy), sum(dy * (x - m)))`` over ``[lo, hi)`` of a channel row,
+    ``x - m = (x - m_hi) - m_lo``."""
     s = 0.0
     sx = 0.0
-    for i in range(dy.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         d = dy[i]
         s += d
         sx += d * ((x[i] - m_hi) - m_lo)
@@ -112,6 +118,23 @@ def _sum_g_x(dy, x, w):  # type: ignore[no-untyped-def]
     for i in range(dy.shape[0]):
         t += (dy[i] * w[i]) * x[i]
     return t
+
+
+# --- the output passes over a span ``[lo, hi)`` of a channel row --------------------------
+
+
+@_loop
+def _affine_span(x, y, lo, hi, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def]
+    """``y = (x - m)*sc + bc`` over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        y[j] = ((x[j] - m_hi) - m_lo) * sc + bc
+
+
+@_loop
+def _dx_span(dy, x, dx, lo, hi, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
+    """``dx = a*dy + k1*xhat + k0``, ``xhat = (x - m)*rc``, over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * dy[j] + k1 * ((x[j] - m) * rc) + k0
 
 
 @_loop
@@ -141,8 +164,8 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
     s = np.empty(2, dtype=y.dtype)
     for r in range(r0, r1):
         xr = x[r]
-        m = _sum(xr) / D
-        var = _sum_sq_dev(xr, m) / D
+        m = _sum(xr, 0, D) / D
+        var = _sum_sq_dev(xr, 0, D, m) / D
         rs = 1.0 / np.sqrt(var + eps)
         m_hi, m_lo = _split(m, s)
         mean[r] = m
@@ -251,11 +274,11 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
         if training:
             t = 0.0
             for n in range(N):
-                t += _sum(x[n, c])
+                t += _sum(x[n, c], 0, S)
             m = t / M
             q = 0.0
             for n in range(N):
-                q += _sum_sq_dev(x[n, c], m)
+                q += _sum_sq_dev(x[n, c], 0, S, m)
             mean[c] = m
             var[c] = q / M
         m = mean[c]
@@ -266,10 +289,7 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
         k = s[2]
         bc = b[c]
         for n in range(N):
-            xr = x[n, c]
-            yr = y[n, c]
-            for j in range(S):
-                yr[j] = ((xr[j] - m_hi) - m_lo) * k + bc
+            _affine_span(x[n, c], y[n, c], 0, S, m_hi, m_lo, k, bc)
 
 
 @_loop
@@ -291,7 +311,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         sd = 0.0
         sdx = 0.0
         for n in range(N):
-            u, v = _sums_dy_scalar_w(dy[n, c], x[n, c], m, zero)
+            u, v = _sums_dy_scalar_w(dy[n, c], x[n, c], 0, S, m, zero)
             sd += u
             sdx += v
         db[c] = sd
@@ -306,8 +326,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
             dyr = dy[n, c]
             dxr = dx[n, c]
             if training:
-                for j in range(S):
-                    dxr[j] = a * dyr[j] + k1 * ((xr[j] - m) * rc) + k0
+                _dx_span(dyr, xr, dxr, 0, S, a, k1, m, rc, k0)
             else:  # dx does not depend on x: a NaN or inf in x, or x - mean overflowing, stays out of it
                 for j in range(S):
                     dxr[j] = a * dyr[j]
@@ -325,53 +344,6 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
 # the results do not depend on how the rows are split over threads or blocks.
 
 
-@_sum_loop
-def _sum_span(a, lo, hi):  # type: ignore[no-untyped-def]
-    """sum(a[lo:hi]). The spans' loops run over unsigned indices: numba wraps a negative
-    signed index around (``a[-1]``), and that test, in a loop over ``range(lo, hi)``,
-    keeps it from vectorizing (6x slower)."""
-    t = 0.0
-    for i in range(uint64(lo), uint64(hi)):
-        t += a[i]
-    return t
-
-
-@_sum_loop
-def _sum_sq_dev_span(a, lo, hi, m):  # type: ignore[no-untyped-def]
-    """sum((a[lo:hi] - m)^2), ``m`` a float64."""
-    t = 0.0
-    for i in range(uint64(lo), uint64(hi)):
-        d = a[i] - m
-        t += d * d
-    return t
-
-
-@_sum_loop
-def _sums_dy_span(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
-    """``(sum(dy), sum(dy * (x - m)))`` over ``[lo, hi)``, ``x - m = (x - m_hi) - m_lo``."""
-    s = 0.0
-    sx = 0.0
-    for i in range(uint64(lo), uint64(hi)):
-        d = dy[i]
-        s += d
-        sx += d * ((x[i] - m_hi) - m_lo)
-    return s, sx
-
-
-@_loop
-def _affine_span(x, y, lo, hi, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def]
-    """``y = (x - m)*sc + bc`` over ``[lo, hi)``."""
-    for j in range(uint64(lo), uint64(hi)):
-        y[j] = ((x[j] - m_hi) - m_lo) * sc + bc
-
-
-@_loop
-def _dx_span(dy, x, dx, lo, hi, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
-    """``dx = a*dy + k1*xhat + k0``, ``xhat = (x - m)*rc``, over ``[lo, hi)``."""
-    for j in range(uint64(lo), uint64(hi)):
-        dx[j] = a * dy[j] + k1 * ((x[j] - m) * rc) + k0
-
-
 @_loop
 def _group_sum(xr, k, S):  # type: ignore[no-untyped-def]
     """The row's sum, chunk by chunk in the pipeline's order."""
@@ -379,7 +351,7 @@ def _group_sum(xr, k, S):  # type: ignore[no-untyped-def]
     for i in range(k):
         end = (i + 1) * S
         for lo in range(i * S, end, CHUNK):
-            t += _sum_span(xr, lo, min(lo + CHUNK, end))
+            t += _sum(xr, lo, min(lo + CHUNK, end))
     return t
 
 
@@ -390,7 +362,7 @@ def _group_sq_dev(xr, k, S, m):  # type: ignore[no-untyped-def]
     for i in range(k):
         end = (i + 1) * S
         for lo in range(i * S, end, CHUNK):
-            t += _sum_sq_dev_span(xr, lo, min(lo + CHUNK, end), m)
+            t += _sum_sq_dev(xr, lo, min(lo + CHUNK, end), m)
     return t
 
 
@@ -403,7 +375,7 @@ def _group_sums_dy(dyr, xr, m, zero, k, S, sdy, sdyx, at):  # type: ignore[no-un
         u = 0.0
         v = 0.0
         for lo in range(i * S, end, CHUNK):
-            p, q = _sums_dy_span(dyr, xr, lo, min(lo + CHUNK, end), m, zero)
+            p, q = _sums_dy_scalar_w(dyr, xr, lo, min(lo + CHUNK, end), m, zero)
             u += p
             v += q
         sdy[at + i] = u
@@ -451,9 +423,9 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
                 if ahead2:
-                    t += _sum_span(x2, lo, hi)
+                    t += _sum(x2, lo, hi)
                 if ahead1:
-                    q += _sum_sq_dev_span(x1, lo, hi, m1)
+                    q += _sum_sq_dev(x1, lo, hi, m1)
                 _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
         m = m1
 
@@ -505,7 +477,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
                 if ahead:
-                    p, q = _sums_dy_span(dy1, x1, lo, hi, m1, zero)
+                    p, q = _sums_dy_scalar_w(dy1, x1, lo, hi, m1, zero)
                     u += p
                     v += q
                 _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
