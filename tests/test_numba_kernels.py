@@ -351,12 +351,13 @@ def test_parallel_split_and_blocks():
     threads=st.sampled_from((2, 3)),
     data=st.data(),
 )
-def test_group_pipeline_chunks_and_splits(dtype, n, groups, k, S, threads, data):
-    """The GroupNorm/InstanceNorm loops visit a row in chunks of ``CHUNK`` values and take
-    the next rows' sums along (a pipeline that restarts wherever a thread's rows or a
-    staged block begin): channels shorter than, equal to and longer than a chunk, 1 to
-    15 rows, as the reference to rounding (split over threads, in one-row blocks) and
-    bitwise the same as in one thread with the default blocks."""
+def test_pipeline_chunks_and_splits(dtype, n, groups, k, S, threads, data):
+    """The row loops visit a row in chunks of ``CHUNK`` values and take the next rows' sums
+    along (a pipeline that fills again wherever a thread's rows or a staged block begin):
+    GroupNorm/InstanceNorm channels, and LayerNorm/RMSNorm rows, shorter than, equal to
+    and longer than a chunk, 1 to 45 rows, as the reference to rounding (split over
+    threads, in one-row blocks) and bitwise the same as in one thread with the default
+    blocks (all but LayerNorm/RMSNorm's dweight and dbias, summed per thread)."""
     from npnorm.kernels import _numba_loops as loops
 
     assert loops.CHUNK == 256  # the sizes drawn above straddle it
@@ -368,22 +369,27 @@ def test_group_pipeline_chunks_and_splits(dtype, n, groups, k, S, threads, data)
     dy = dy + (np.cos(np.arange(dy.size)) / 7).reshape(dy.shape).astype(dtype)
     w = np.linspace(0.5, 1.5, C).astype(dtype)
     b = np.linspace(-1, 1, C).astype(dtype)
+    wS = np.linspace(0.5, 1.5, S).astype(dtype)  # LayerNorm/RMSNorm over the last axis
+    bS = np.linspace(-1, 1, S).astype(dtype)
     rm, rv = np.zeros(C, dtype), np.ones(C, dtype)
-    p = {"x": x, "dy": dy, "w": w, "threads": threads, "small": True}
+    p = {"x": x, "dy": dy, "threads": threads, "small": True}
     calls = [
-        ("group_norm", (x, groups, w, b, 1e-5), lambda f: (dy, x, groups, f[1], f[2], w, b)),
-        ("instance_norm", (x, rm, rv, w, b, True, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, True)),
+        ("group_norm", w, (x, groups, w, b, 1e-5), lambda f: (dy, x, groups, f[1], f[2], w, b)),
+        ("instance_norm", w, (x, rm, rv, w, b, True, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, True)),
+        ("layer_norm", wS, (x, (S,), wS, bS, 1e-5), lambda f: (dy, x, (S,), f[1], f[2], wS, bS)),
+        ("rms_norm", wS, (x, (S,), wS, None), lambda f: (dy, x, (S,), f[1], wS)),
     ]
-    for op, fwd_args, bwd_args in calls:
+    for op, weight, fwd_args, bwd_args in calls:
         if op == "instance_norm" and S == 1:
             continue  # one value per (sample, channel) row: no batch statistics
         ops = (op + "_forward", op + "_backward")
-        split_f, split_b = compare(ops, fwd_args, bwd_args, p, np.dtype(dtype))
+        split_f, split_b = compare(ops, fwd_args, bwd_args, {**p, "w": weight}, np.dtype(dtype))
         ref_f = generic_kernel(ops[0])(xp, *fwd_args)  # compare's backward ran from these
         with config(1, small=False):
             one_f = family_kernel(ops[0], "numba")(xp, *fwd_args)
             one_b = family_kernel(ops[1], "numba")(xp, *bwd_args(ref_f))
-        for a, c in zip([*split_f[:3], *split_b], [*one_f[:3], *one_b], strict=True):
+        grads = 1 if op in ("layer_norm", "rms_norm") else len(one_b)
+        for a, c in zip([*split_f, *split_b[:grads]], [*one_f, *one_b[:grads]], strict=True):
             np.testing.assert_array_equal(a, c)
 
 

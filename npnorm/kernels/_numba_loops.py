@@ -47,7 +47,7 @@ _sum_loop: Any = njit(cache=True, nogil=True, error_model="numpy", fastmath={"re
 # the sums).
 FLUSH_ROWS = 16
 
-# the values per chunk of the GroupNorm/InstanceNorm pipelines (see there)
+# the values per chunk of the pipelined row loops (see there)
 CHUNK = 256
 
 
@@ -78,23 +78,25 @@ def _sum_sq_dev(a, lo, hi, m):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
-def _sum_sq(a):  # type: ignore[no-untyped-def]
+def _sum_sq(a, lo, hi):  # type: ignore[no-untyped-def]
+    """sum(a[lo:hi]^2), the squares in float64."""
     t = 0.0
-    for i in range(a.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         v = np.float64(a[i])
         t += v * v
     return t
 
 
 @_sum_loop
-def _sums_dy(dy, xc_of, m_hi, m_lo, w):  # type: ignore[no-untyped-def]
-    """``(sum(g), sum(g * (x - m)))`` with ``g = dy * w``, ``x - m = (x - m_hi) - m_lo``."""
+def _sums_dy(dy, x, w, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
+    """``(sum(g), sum(g * (x - m)))`` over ``[lo, hi)`` with ``g = dy * w``,
+    ``x - m = (x - m_hi) - m_lo``."""
     sg = 0.0
     sgx = 0.0
-    for i in range(dy.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         g = dy[i] * w[i]
         sg += g
-        sgx += g * ((xc_of[i] - m_hi) - m_lo)
+        sgx += g * ((x[i] - m_hi) - m_lo)
     return sg, sgx
 
 
@@ -112,15 +114,67 @@ def _sums_dy_scalar_w(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def
 
 
 @_sum_loop
-def _sum_g_x(dy, x, w):  # type: ignore[no-untyped-def]
-    """sum(dy * w * x) (RMSNorm's backward)."""
+def _sum_g_x(dy, x, w, lo, hi):  # type: ignore[no-untyped-def]
+    """sum(dy * w * x) over ``[lo, hi)`` (RMSNorm's backward)."""
     t = 0.0
-    for i in range(dy.shape[0]):
+    for i in range(uint64(lo), uint64(hi)):
         t += (dy[i] * w[i]) * x[i]
     return t
 
 
-# --- the output passes over a span ``[lo, hi)`` of a channel row --------------------------
+# --- the output passes over a span ``[lo, hi)`` of a row -----------------------------------
+#
+# LayerNorm/RMSNorm rows, with a weight (and bias) per value; the channel rows of BatchNorm,
+# InstanceNorm and GroupNorm, with a scale and shift per channel.
+
+
+@_loop
+def _norm_span(x, y, w, b, lo, hi, m_hi, m_lo, k):  # type: ignore[no-untyped-def]
+    """``y = (x - m)*k*w + b`` over ``[lo, hi)`` (LayerNorm)."""
+    for j in range(uint64(lo), uint64(hi)):
+        y[j] = ((x[j] - m_hi) - m_lo) * k * w[j] + b[j]
+
+
+@_loop
+def _scale_span(x, y, w, lo, hi, k):  # type: ignore[no-untyped-def]
+    """``y = x*k*w`` over ``[lo, hi)`` (RMSNorm)."""
+    for j in range(uint64(lo), uint64(hi)):
+        y[j] = x[j] * k * w[j]
+
+
+@_loop
+def _norm_dx_span(dy, x, dx, w, lo, hi, a, c1, m, c0):  # type: ignore[no-untyped-def]
+    """``dx = a*(dy*w) + c1*xhat + c0``, ``xhat = (x - m)*a``, over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * (dy[j] * w[j]) + c1 * ((x[j] - m) * a) + c0
+
+
+@_loop
+def _norm_dx_sums_span(dy, x, dx, w, pw, pb, lo, hi, a, c1, m, c0):  # type: ignore[no-untyped-def]
+    """``_norm_dx_span``, and ``dy*xhat``, ``dy`` added into ``pw``, ``pb``."""
+    for j in range(uint64(lo), uint64(hi)):
+        xh = (x[j] - m) * a
+        d = dy[j]
+        dx[j] = a * (d * w[j]) + c1 * xh + c0
+        pw[j] += d * xh
+        pb[j] += d
+
+
+@_loop
+def _scale_dx_span(dy, x, dx, w, lo, hi, a, c1):  # type: ignore[no-untyped-def]
+    """``dx = a*(dy*w) + c1*xhat``, ``xhat = x*a``, over ``[lo, hi)`` (RMSNorm)."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * (dy[j] * w[j]) + c1 * (x[j] * a)
+
+
+@_loop
+def _scale_dx_sums_span(dy, x, dx, w, pw, lo, hi, a, c1):  # type: ignore[no-untyped-def]
+    """``_scale_dx_span``, and ``dy*xhat`` added into ``pw``."""
+    for j in range(uint64(lo), uint64(hi)):
+        d = dy[j]
+        xh = x[j] * a
+        dx[j] = a * (d * w[j]) + c1 * xh
+        pw[j] += d * xh
 
 
 @_loop
@@ -153,27 +207,59 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
         part[j] = 0
 
 
+# --- pipelined rows: LayerNorm, RMSNorm, GroupNorm and InstanceNorm ---------------------
+#
+# Reading a row for its sums and then writing its output would run as two phases, each
+# leaving memory half idle: the hardware does not fetch the next row in time on its own
+# (rows of a few KB and more; 16 KB for LayerNorm at D = 4096, 12.5 KB for an
+# InstanceNorm row of 56x56 float32). So these loops pipeline the rows: they visit a row
+# in chunks of CHUNK values, and with each chunk of row r that they write they take the
+# same chunk of the rows ahead (the forward of LayerNorm and GroupNorm: row r + 1's
+# squared deviations, from cache, and row r + 2's sum, from memory; RMSNorm's forward: row
+# r + 1's sum of squares; the backwards: row r + 1's sums). The loop starts one or two rows
+# before r0 with the writes off while the pipeline fills, so that every row's sums are
+# taken by the same code, chunk by chunk in the same order, wherever a thread's range or a
+# staged block begins: the results do not depend on how the rows are split.
+
+
 # --- LayerNorm and RMSNorm: rows of D values ----------------------------------------------
 
 
 @_loop
 def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-untyped-def]
     """Rows ``[r0, r1)`` of x (R,D): mean, rstd (R,) and ``y = (x - mean)*rstd*w + b``.
-    Without weight/bias the caller passes ones/zeros (exact)."""
+    Without weight/bias the caller passes ones/zeros (exact). Pipelined (see above):
+    writing row r, it takes row r + 1's squared deviations and row r + 2's sum."""
     D = x.shape[1]
-    s = np.empty(2, dtype=y.dtype)
-    for r in range(r0, r1):
-        xr = x[r]
-        m = _sum(xr, 0, D) / D
-        var = _sum_sq_dev(xr, 0, D, m) / D
-        rs = 1.0 / np.sqrt(var + eps)
+    s = np.empty(3, dtype=y.dtype)
+    if r1 <= r0:
+        return
+    m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
+    for r in range(r0 - 2, r1):
+        write = r >= r0
+        dev = r0 <= r + 1 < r1
+        add = r + 2 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        xr, yr = x[row], y[row]
+        x1 = x[r + 1] if dev else xr
+        x2 = x[r + 2] if add else xr
+        s[2] = 1.0 / np.sqrt(q / D + eps)
+        if write:
+            mean[r] = m
+            rstd[r] = s[2]
+        k = s[2]
         m_hi, m_lo = _split(m, s)
-        mean[r] = m
-        rstd[r] = rs
-        k = rstd[r]
-        yr = y[r]
-        for j in range(D):
-            yr[j] = ((xr[j] - m_hi) - m_lo) * k * w[j] + b[j]
+        q1 = 0.0  # row r + 1's squared deviations, row r + 2's sum
+        t2 = 0.0
+        for lo in range(0, D, CHUNK):
+            hi = min(lo + CHUNK, D)
+            if add:
+                t2 += _sum(x2, lo, hi)
+            if dev:
+                q1 += _sum_sq_dev(x1, lo, hi, m1)
+            if write:
+                _norm_span(xr, yr, w, b, lo, hi, m_hi, m_lo, k)
+        m, q, m1 = m1, q1, t2 / D
 
 
 @_loop
@@ -184,77 +270,105 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
     where rstd is: no rstd^3, which underflows float32 for huge rows). With
     ``with_sums``, ``sum_rows(dy*xhat)`` and ``sum_rows(dy)`` go into the partial sums
     ``pw``, ``pb`` (the data's dtype, (D,)), flushed into the float64 ``dw``, ``db``
-    (see FLUSH_ROWS; the caller flushes what is left)."""
+    (see FLUSH_ROWS; the caller flushes what is left). Pipelined (see above): writing
+    row r's dx, it takes row r + 1's sums."""
     D = x.shape[1]
     s = np.empty(3, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
-    for r in range(r0, r1):
-        xr = x[r]
-        dyr = dy[r]
-        dxr = dx[r]
-        m = mean[r]
-        rs = np.float64(rstd[r])
-        sg, sgx = _sums_dy(dyr, xr, m, zero, w)
+    if r1 <= r0:
+        return
+    sg = sgx = 0.0  # row r's sum(g), sum(g*(x - mean))
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        add = r + 1 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        n = r + 1 if add else row  # the row whose sums are taken along
+        xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
+        m = mean[row]
+        rs = np.float64(rstd[row])
         s[0] = rs
         s[1] = -rs * (sgx * rs / D)
         s[2] = -rs * sg / D
         a, c1, c0 = s[0], s[1], s[2]
-        if with_sums:
-            for j in range(D):
-                xh = (xr[j] - m) * a
-                d = dyr[j]
-                dxr[j] = a * (d * w[j]) + c1 * xh + c0
-                pw[j] += d * xh
-                pb[j] += d
-            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
-                _flush(pw, dw)
-                _flush(pb, db)
-        else:
-            for j in range(D):
-                dxr[j] = a * (dyr[j] * w[j]) + c1 * ((xr[j] - m) * a) + c0
+        sg = sgx = 0.0
+        for lo in range(0, D, CHUNK):
+            hi = min(lo + CHUNK, D)
+            if add:
+                u, v = _sums_dy(dy1, x1, w, lo, hi, mean[n], zero)
+                sg += u
+                sgx += v
+            if write:
+                if with_sums:
+                    _norm_dx_sums_span(dyr, xr, dxr, w, pw, pb, lo, hi, a, c1, m, c0)
+                else:
+                    _norm_dx_span(dyr, xr, dxr, w, lo, hi, a, c1, m, c0)
+        if write and with_sums and (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
+            _flush(pw, dw)
+            _flush(pb, db)
 
 
 @_loop
 def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def]
-    """Rows ``[r0, r1)``: ``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x*rstd*w``."""
+    """Rows ``[r0, r1)``: ``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x*rstd*w``.
+    Pipelined (see above): writing row r, it takes row r + 1's sum of squares."""
     D = x.shape[1]
-    for r in range(r0, r1):
-        xr = x[r]
-        rstd[r] = 1.0 / np.sqrt(_sum_sq(xr) / D + eps)
-        k = rstd[r]
-        yr = y[r]
-        for j in range(D):
-            yr[j] = xr[j] * k * w[j]
+    s = np.empty(1, dtype=y.dtype)
+    if r1 <= r0:
+        return
+    q = 0.0  # row r's sum of squares
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        add = r + 1 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        xr, yr = x[row], y[row]
+        x1 = x[r + 1] if add else xr
+        s[0] = 1.0 / np.sqrt(q / D + eps)
+        if write:
+            rstd[r] = s[0]
+        k = s[0]
+        q = 0.0
+        for lo in range(0, D, CHUNK):
+            hi = min(lo + CHUNK, D)
+            if add:
+                q += _sum_sq(x1, lo, hi)
+            if write:
+                _scale_span(xr, yr, w, lo, hi, k)
 
 
 @_loop
 def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
     """Rows ``[r0, r1)`` (rows ``base + r``): ``dx = a*g + c1*xhat`` with ``a = rstd``,
     ``xhat = x*rstd``, ``c1 = -rstd*mean(g*xhat)``, ``g = dy*w``; ``sum_rows(dy*xhat)``
-    into ``pw`` and ``dw`` as in ``layer_norm_backward``."""
+    into ``pw`` and ``dw`` as in ``layer_norm_backward``. Pipelined (see above): writing
+    row r's dx, it takes row r + 1's sum."""
     D = x.shape[1]
     s = np.empty(2, dtype=dx.dtype)
-    for r in range(r0, r1):
-        xr = x[r]
-        dyr = dy[r]
-        dxr = dx[r]
-        rs = np.float64(rstd[r])
-        sgx = _sum_g_x(dyr, xr, w)
+    if r1 <= r0:
+        return
+    sgx = 0.0  # row r's sum(g*x)
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        add = r + 1 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        n = r + 1 if add else row  # the row whose sum is taken along
+        xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
+        rs = np.float64(rstd[row])
         s[0] = rs
         s[1] = -rs * (sgx * rs / D)
         a, c1 = s[0], s[1]
-        if with_sums:
-            for j in range(D):
-                d = dyr[j]
-                xh = xr[j] * a
-                dxr[j] = a * (d * w[j]) + c1 * xh
-                pw[j] += d * xh
-            if (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
-                _flush(pw, dw)
-        else:
-            for j in range(D):
-                dxr[j] = a * (dyr[j] * w[j]) + c1 * (xr[j] * a)
+        sgx = 0.0
+        for lo in range(0, D, CHUNK):
+            hi = min(lo + CHUNK, D)
+            if add:
+                sgx += _sum_g_x(dy1, x1, w, lo, hi)
+            if write:
+                if with_sums:
+                    _scale_dx_sums_span(dyr, xr, dxr, w, pw, lo, hi, a, c1)
+                else:
+                    _scale_dx_span(dyr, xr, dxr, w, lo, hi, a, c1)
+        if write and with_sums and (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
+            _flush(pw, dw)
 
 
 # --- BatchNorm (and running statistics): channels of N rows of S values ---------------------
@@ -334,52 +448,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
 #
-# A (sample, group) row is long (k*S values: 12.5 KB for an InstanceNorm row of 56x56
-# float32), too long for the hardware to fetch the next row while this one is computed.
-# So the loops pipeline the rows: they visit each row's channels in chunks of CHUNK values,
-# and with each chunk of the row they write they also read the same chunk of the rows
-# ahead (the forward: row r + 1's squared deviations, from cache, and row r + 2's sum, from
-# memory; the backward: row r + 1's two sums), so that reading memory overlaps writing it.
-# A row's sums are taken chunk by chunk in the same order wherever the pipeline starts, so
-# the results do not depend on how the rows are split over threads or blocks.
-
-
-@_loop
-def _group_sum(xr, k, S):  # type: ignore[no-untyped-def]
-    """The row's sum, chunk by chunk in the pipeline's order."""
-    t = 0.0
-    for i in range(k):
-        end = (i + 1) * S
-        for lo in range(i * S, end, CHUNK):
-            t += _sum(xr, lo, min(lo + CHUNK, end))
-    return t
-
-
-@_loop
-def _group_sq_dev(xr, k, S, m):  # type: ignore[no-untyped-def]
-    """The row's sum of squared deviations from ``m``, in the pipeline's order."""
-    t = 0.0
-    for i in range(k):
-        end = (i + 1) * S
-        for lo in range(i * S, end, CHUNK):
-            t += _sum_sq_dev(xr, lo, min(lo + CHUNK, end), m)
-    return t
-
-
-@_loop
-def _group_sums_dy(dyr, xr, m, zero, k, S, sdy, sdyx, at):  # type: ignore[no-untyped-def]
-    """Per channel i of the row, ``sum(dy)`` and ``sum(dy*(x - m))`` into ``sdy[at + i]``,
-    ``sdyx[at + i]``, in the pipeline's order."""
-    for i in range(k):
-        end = (i + 1) * S
-        u = 0.0
-        v = 0.0
-        for lo in range(i * S, end, CHUNK):
-            p, q = _sums_dy_scalar_w(dyr, xr, lo, min(lo + CHUNK, end), m, zero)
-            u += p
-            v += q
-        sdy[at + i] = u
-        sdyx[at + i] = v
+# Pipelined as the rows above, a chunk never straddling two channels of the row.
 
 
 @_loop
@@ -392,42 +461,42 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
-    s = np.empty(3, dtype=y.dtype)
+    s = np.empty(4, dtype=y.dtype)
     if r1 <= r0:
         return
-    m = _group_sum(x[r0], k, S) / L  # row r0's mean and squared deviations,
-    q = _group_sq_dev(x[r0], k, S, m)
-    t = _group_sum(x[r0 + 1], k, S) if r0 + 1 < r1 else 0.0  # row r0 + 1's sum
-    for r in range(r0, r1):
-        xr = x[r]
-        yr = y[r]
-        v = q / L
-        var[r] = v
-        rs = 1.0 / np.sqrt(v + eps)
+    m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
+    for r in range(r0 - 2, r1):
+        write = r >= r0
+        dev = r0 <= r + 1 < r1
+        add = r + 2 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        xr, yr = x[row], y[row]
+        x1 = x[r + 1] if dev else xr
+        x2 = x[r + 2] if add else xr
+        s[3] = 1.0 / np.sqrt(q / L + eps)
+        if write:
+            var[r] = q / L
+            mean[r] = m
+            rstd[r] = s[3]
+        rc = s[3]  # rstd in the data's dtype
         m_hi, m_lo = _split(m, s)
-        mean[r] = m
-        rstd[r] = rs
-        c0 = ((base + r) % G) * k
-        ahead1 = r + 1 < r1
-        ahead2 = r + 2 < r1
-        x1 = x[r + 1] if ahead1 else xr  # rows r + 1, r + 2 (unread past r1 - 1)
-        x2 = x[r + 2] if ahead2 else xr
-        m1 = t / L  # row r + 1's mean
-        q = 0.0
-        t = 0.0
+        c0 = ((base + row) % G) * k
+        q1 = 0.0  # row r + 1's squared deviations, row r + 2's sum
+        t2 = 0.0
         for i in range(k):
-            s[2] = rstd[r] * w[c0 + i]
+            s[2] = rc * w[c0 + i]
             sc = s[2]
             bc = b[c0 + i]
             end = (i + 1) * S  # channel c0 + i: values [i*S, end) of the row
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
-                if ahead2:
-                    t += _sum(x2, lo, hi)
-                if ahead1:
-                    q += _sum_sq_dev(x1, lo, hi, m1)
-                _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
-        m = m1
+                if add:
+                    t2 += _sum(x2, lo, hi)
+                if dev:
+                    q1 += _sum_sq_dev(x1, lo, hi, m1)
+                if write:
+                    _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
+        m, q, m1 = m1, q1, t2 / L
 
 
 @_loop
@@ -446,28 +515,24 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     zero = s[0]  # 0 in the data's dtype
     if r1 <= r0:
         return
-    _group_sums_dy(dy[r0], x[r0], mean[r0], zero, k, S, sdy, sdyx, r0 * k)
-    for r in range(r0, r1):
-        xr = x[r]
-        dyr = dy[r]
-        dxr = dx[r]
-        m = mean[r]
-        rs = np.float64(rstd[r])
-        c0 = ((base + r) % G) * k
+    for r in range(r0 - 1, r1):
+        write = r >= r0
+        add = r + 1 < r1
+        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
+        n = r + 1 if add else row  # the row whose sums are taken along
+        xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
+        m = mean[row]
+        rs = np.float64(rstd[row])
+        c0 = ((base + row) % G) * k
         sg = 0.0
         sgx = 0.0
         for i in range(k):
             wc = np.float64(w[c0 + i])
-            sg += wc * sdy[r * k + i]
-            sgx += wc * sdyx[r * k + i]
+            sg += wc * sdy[row * k + i]
+            sgx += wc * sdyx[row * k + i]
         s[1] = -rs * (sgx * rs / L)
         s[2] = -rs * sg / L
-        k1, k0, rc = s[1], s[2], rstd[r]
-        ahead = r + 1 < r1
-        n = r + 1 if ahead else r  # the row whose sums are taken along (none past r1 - 1)
-        x1 = x[n]
-        dy1 = dy[n]
-        m1 = mean[n]
+        k1, k0, rc = s[1], s[2], rstd[row]
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
@@ -476,11 +541,12 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             v = 0.0
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
-                if ahead:
-                    p, q = _sums_dy_scalar_w(dy1, x1, lo, hi, m1, zero)
+                if add:
+                    p, q = _sums_dy_scalar_w(dy1, x1, lo, hi, mean[n], zero)
                     u += p
                     v += q
-                _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
-            if ahead:
+                if write:
+                    _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
+            if add:
                 sdy[n * k + i] = u
                 sdyx[n * k + i] = v

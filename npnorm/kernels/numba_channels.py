@@ -12,11 +12,11 @@ as (N, C, S), S = prod(spatial):
   the threads; a channel's results do not depend on the split. An input that is not
   C-ordered in the computation dtype is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
-  ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), like
-  LayerNorm, but pipelined: while a row's output is written, the next rows' sums are
-  taken, so that reading memory overlaps writing it (such rows are too long for the
-  hardware to fetch the next one in time on its own); other dtypes and layouts are staged
-  block by block (``_staging``).
+  ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
+  like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
+  so that reading memory overlaps writing it (such rows are too long for the hardware to
+  fetch the next one in time on its own); other dtypes and layouts are staged block by
+  block (``_staging``).
 
 dweight and dbias are reduced in float64 from per-channel or per-(sample, channel)
 sums, in a fixed order: bitwise the same for any thread count. Empty inputs and

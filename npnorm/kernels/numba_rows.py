@@ -8,8 +8,10 @@ Each row of ``D`` values is read from memory once per pass direction: the forwar
 its float64 mean and two-pass variance while the row is in cache and writes ``y`` in the
 same visit; the backward takes the row's two sums and writes ``dx``, adding the row into
 this thread's dweight/dbias partial sums (float64, added in thread order at the end:
-bitwise reproducible for a fixed thread count). See ``_numba_loops`` for the loops and
-``_staging`` for how inputs of other dtypes and layouts reach them.
+bitwise reproducible for a fixed thread count). The loops are pipelined: while a row's
+output is written, chunk by chunk, the next rows' sums are taken, so that reading memory
+overlaps writing it. See ``_numba_loops`` for the loops and ``_staging`` for how inputs
+of other dtypes and layouts reach them.
 
 Anything the loops do not compile for (a computation dtype other than float32/float64,
 say longdouble) and empty inputs go to the ``"numpy"`` family's kernels.
