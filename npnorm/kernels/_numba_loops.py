@@ -217,9 +217,35 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
 # same chunk of the rows ahead (the forward of LayerNorm and GroupNorm: row r + 1's
 # squared deviations, from cache, and row r + 2's sum, from memory; RMSNorm's forward: row
 # r + 1's sum of squares; the backwards: row r + 1's sums). The loop starts one or two rows
-# before r0 with the writes off while the pipeline fills, so that every row's sums are
-# taken by the same code, chunk by chunk in the same order, wherever a thread's range or a
-# staged block begins: the results do not depend on how the rows are split.
+# before r0 with the writes off while the pipeline fills (``_one_ahead``, ``_two_ahead``),
+# so that every row's sums are taken by the same code, chunk by chunk in the same order,
+# wherever a thread's range or a staged block begins: the results do not depend on how the
+# rows are split.
+
+
+@_loop
+def _one_ahead(r, r0, r1):  # type: ignore[no-untyped-def]
+    """Step r (from r0 - 1) of a pipeline over rows ``[r0, r1)`` that takes row r + 1's sums
+    while it writes row r: ``(write, add, row, n)``, whether row r is written and whether
+    row r + 1 is summed, the row to write (r0, a placeholder, while the pipeline fills) and
+    the row to sum (the row to write where there is none)."""
+    write = r >= r0
+    add = r + 1 < r1
+    row = r if write else r0
+    return write, add, row, r + 1 if add else row
+
+
+@_loop
+def _two_ahead(r, r0, r1):  # type: ignore[no-untyped-def]
+    """Step r (from r0 - 2) of a pipeline over rows ``[r0, r1)`` that takes row r + 1's
+    squared deviations and row r + 2's sum while it writes row r: ``(write, dev, add,
+    row, n1, n2)``, whether each of the three is done, and the rows (as in ``_one_ahead``:
+    the row to write where a row is out of the range)."""
+    write = r >= r0
+    dev = r0 <= r + 1 < r1
+    add = r + 2 < r1
+    row = r if write else r0
+    return write, dev, add, row, r + 1 if dev else row, r + 2 if add else row
 
 
 # --- LayerNorm and RMSNorm: rows of D values ----------------------------------------------
@@ -236,13 +262,8 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
         return
     m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
     for r in range(r0 - 2, r1):
-        write = r >= r0
-        dev = r0 <= r + 1 < r1
-        add = r + 2 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        xr, yr = x[row], y[row]
-        x1 = x[r + 1] if dev else xr
-        x2 = x[r + 2] if add else xr
+        write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
+        xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
         s[2] = 1.0 / np.sqrt(q / D + eps)
         if write:
             mean[r] = m
@@ -280,10 +301,7 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
         return
     sg = sgx = 0.0  # row r's sum(g), sum(g*(x - mean))
     for r in range(r0 - 1, r1):
-        write = r >= r0
-        add = r + 1 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        n = r + 1 if add else row  # the row whose sums are taken along
+        write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         m = mean[row]
         rs = np.float64(rstd[row])
@@ -318,11 +336,8 @@ def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def
         return
     q = 0.0  # row r's sum of squares
     for r in range(r0 - 1, r1):
-        write = r >= r0
-        add = r + 1 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        xr, yr = x[row], y[row]
-        x1 = x[r + 1] if add else xr
+        write, add, row, n = _one_ahead(r, r0, r1)
+        xr, yr, x1 = x[row], y[row], x[n]
         s[0] = 1.0 / np.sqrt(q / D + eps)
         if write:
             rstd[r] = s[0]
@@ -348,10 +363,7 @@ def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # t
         return
     sgx = 0.0  # row r's sum(g*x)
     for r in range(r0 - 1, r1):
-        write = r >= r0
-        add = r + 1 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        n = r + 1 if add else row  # the row whose sum is taken along
+        write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         rs = np.float64(rstd[row])
         s[0] = rs
@@ -466,13 +478,8 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
         return
     m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
     for r in range(r0 - 2, r1):
-        write = r >= r0
-        dev = r0 <= r + 1 < r1
-        add = r + 2 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        xr, yr = x[row], y[row]
-        x1 = x[r + 1] if dev else xr
-        x2 = x[r + 2] if add else xr
+        write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
+        xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
         s[3] = 1.0 / np.sqrt(q / L + eps)
         if write:
             var[r] = q / L
@@ -516,10 +523,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     if r1 <= r0:
         return
     for r in range(r0 - 1, r1):
-        write = r >= r0
-        add = r + 1 < r1
-        row = r if write else r0  # (a placeholder while the pipeline fills: not written)
-        n = r + 1 if add else row  # the row whose sums are taken along
+        write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         m = mean[row]
         rs = np.float64(rstd[row])
