@@ -248,6 +248,16 @@ def _two_ahead(r, r0, r1):  # type: ignore[no-untyped-def]
     return write, dev, add, row, r + 1 if dev else row, r + 2 if add else row
 
 
+@_loop
+def _row_stats(m, q, L, eps, s):  # type: ignore[no-untyped-def]
+    """A row's statistics from its float64 mean ``m`` and sum of squared deviations ``q``
+    over ``L`` values: ``(rstd, m_hi, m_lo)``, rstd = 1/sqrt(q/L + eps) rounded to the
+    data's dtype as it is stored, and the mean split as by ``_split`` (in ``s[0:3]``)."""
+    s[2] = 1.0 / np.sqrt(q / L + eps)
+    m_hi, m_lo = _split(m, s)
+    return s[2], m_hi, m_lo
+
+
 # --- LayerNorm and RMSNorm: rows of D values ----------------------------------------------
 
 
@@ -264,12 +274,10 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
     for r in range(r0 - 2, r1):
         write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
         xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
-        s[2] = 1.0 / np.sqrt(q / D + eps)
+        k, m_hi, m_lo = _row_stats(m, q, D, eps, s)
         if write:
             mean[r] = m
-            rstd[r] = s[2]
-        k = s[2]
-        m_hi, m_lo = _split(m, s)
+            rstd[r] = k
         q1 = 0.0  # row r + 1's squared deviations, row r + 2's sum
         t2 = 0.0
         for lo in range(0, D, CHUNK):
@@ -473,20 +481,18 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
-    s = np.empty(4, dtype=y.dtype)
+    s = np.empty(3, dtype=y.dtype)
     if r1 <= r0:
         return
     m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
     for r in range(r0 - 2, r1):
         write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
         xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
-        s[3] = 1.0 / np.sqrt(q / L + eps)
+        rc, m_hi, m_lo = _row_stats(m, q, L, eps, s)
         if write:
             var[r] = q / L
             mean[r] = m
-            rstd[r] = s[3]
-        rc = s[3]  # rstd in the data's dtype
-        m_hi, m_lo = _split(m, s)
+            rstd[r] = rc
         c0 = ((base + row) % G) * k
         q1 = 0.0  # row r + 1's squared deviations, row r + 2's sum
         t2 = 0.0
