@@ -536,7 +536,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
         c0 = ((base + row) % G) * k
         sg = 0.0
         sgx = 0.0
-        for i in range(k):
+        for i in range(k if write else 0):  # (the placeholder row's sums are not taken yet)
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[row * k + i]
             sgx += wc * sdyx[row * k + i]
