@@ -1,4 +1,5 @@
-"""Row blocks: how the fast NumPy kernels cut a ``(rows, D)`` array into pieces.
+"""Row blocks: how the fast NumPy kernels cut a ``(rows, D)`` array into pieces (and the
+row views and output handling that the compiled kernels share).
 
 A normalization over the trailing axes is independent from row to row, so the
 kernels view the input as ``(R, D)`` and work through it ``B`` rows at a time, with

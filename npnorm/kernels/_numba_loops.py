@@ -9,15 +9,18 @@ rows over npnorm's thread pool (``npnorm._threads``), one range per thread, so t
 npnorm.set_num_threads is the one thread control and the split is fixed by the thread
 count (numba's own threading layer is not used).
 
-Numerics, in every loop:
+Numerics:
 
-* statistics are two-pass within the cached row (mean, then the sum of squared
-  deviations) and accumulated in float64, whatever the data's dtype: a float32 row with
-  a large common offset (mean 1e3 x spread) keeps float64's accuracy, and a finite row
-  has finite statistics (the squares of float32 values beyond ~1.8e19 overflow float32,
-  not float64);
-* the float64 mean is split into its value in the data's dtype and the remainder,
-  ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's accuracy;
+* the forwards' statistics are two-pass over the cached row (the mean, then the sum of
+  squared deviations; RMSNorm's is one sum of squares), and every row sum, the
+  backwards' too, is accumulated in float64 whatever the data's dtype: a float32 row
+  with a large common offset (mean 1e3 x spread) keeps float64's accuracy, and a finite
+  row has finite statistics (the squares of float32 values beyond ~1.8e19 overflow
+  float32, not float64);
+* the forwards split the float64 mean into its value in the data's dtype and the
+  remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
+  accuracy (the backwards centre with the saved mean, which is stored in the data's
+  dtype, as the reference's is);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
@@ -429,9 +432,9 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + c1*xhat + c0`` with
+    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + k1*xhat + k0`` with
     ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
-    ``c1 = -rstd*w*mean(dy*xhat)``, ``c0 = -rstd*w*mean(dy)`` (over the M = N*S values),
+    ``k1 = -rstd*w*mean(dy*xhat)``, ``k0 = -rstd*w*mean(dy)`` (over the M = N*S values),
     else (running statistics) ``dx = a*dy`` alone."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
@@ -451,7 +454,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         db[c] = sd
         dw[c] = sdx * rs
         s[0] = rs * wc
-        s[1] = -rs * wc * (sdx * rs / M)  # c1, c0: batch statistics only
+        s[1] = -rs * wc * (sdx * rs / M)  # k1, k0: batch statistics only
         s[2] = -rs * wc * sd / M
         s[3] = rs
         a, k1, k0, rc = s[0], s[1], s[2], s[3]
@@ -517,8 +520,8 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     """Rows ``[r0, r1)`` (see ``group_forward``): per channel row ``sum(dy)`` and
     ``sum(dy*(x - mean))`` (float64, into ``sdy``, ``sdyx`` (R*k,)), combined with the
     weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
-    ``dx = rstd*w_c*dy + c1*xhat + c0``, ``xhat = (x - mean)*rstd``,
-    ``c1 = -rstd*(sgx*rstd)/L``, ``c0 = -rstd*sg/L``. Pipelined (see above): writing
+    ``dx = rstd*w_c*dy + k1*xhat + k0``, ``xhat = (x - mean)*rstd``,
+    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``. Pipelined (see above): writing
     row r's dx, it takes row r + 1's sums."""
     L = x.shape[1]
     S = L // k

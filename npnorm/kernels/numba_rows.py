@@ -4,13 +4,15 @@ Same signatures and results (to rounding) as the generic kernels in
 ``npnorm.functional.layer_norm`` / ``rms_norm``; registered as the ``"numba"`` kernel
 family for NumPy arrays, the default when numba imports (``pip install "npnorm[fast]"``).
 
-Each row of ``D`` values is read from memory once per pass direction: the forward takes
-its float64 mean and two-pass variance while the row is in cache and writes ``y`` in the
-same visit; the backward takes the row's two sums and writes ``dx``, adding the row into
-this thread's dweight/dbias partial sums (float64, added in thread order at the end:
-bitwise reproducible for a fixed thread count). The loops are pipelined: while a row's
-output is written, chunk by chunk, the next rows' sums are taken, so that reading memory
-overlaps writing it. See ``_numba_loops`` for the loops and ``_staging`` for how inputs
+Each row of ``D`` values is read from memory once per pass direction, the later passes
+over it hitting the cache: the forward takes its float64 mean and two-pass variance
+(RMSNorm: its mean square) and writes ``y``; the backward takes the row's sums (two;
+RMSNorm's one) and writes ``dx``, adding the row into this thread's dweight/dbias partial
+sums (in the data's dtype, flushed into float64 every ``_numba_loops.FLUSH_ROWS`` rows;
+the threads' float64 sums are added in thread order at the end: bitwise reproducible
+for a fixed thread count). The loops are pipelined: while a row's output is written,
+chunk by chunk, the next rows' sums are taken, so that reading memory overlaps writing
+it. See ``_numba_loops`` for the loops and ``_staging`` for how inputs
 of other dtypes and layouts reach them.
 
 Anything the loops do not compile for (a computation dtype other than float32/float64,
