@@ -110,3 +110,27 @@ def test_bad_input_raises_and_changes_nothing(rng, shape, match):
 def test_one_spatial_element_fine_in_eval_with_running_stats():
     m = npnorm.InstanceNorm1d(3, track_running_stats=True).eval()
     assert m(np.ones((2, 3, 1), np.float32)).shape == (2, 3, 1)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_empty_batch_with_running_stats_as_torch(family):
+    """An empty batch in training with running statistics: an empty output, and the
+    buffers become NaN (the average of no instances), as in PyTorch; no NumPy warning
+    (one escaped from a mean over no instances)."""
+    m = npnorm.InstanceNorm1d(3, affine=True, track_running_stats=True)
+    with npnorm.use_kernels(family):
+        y = m(np.zeros((0, 3, 4), np.float32))
+        dx = m.backward(np.zeros((0, 3, 4), np.float32))
+    assert y.shape == dx.shape == (0, 3, 4)
+    assert np.isnan(m.running_mean).all() and np.isnan(m.running_var).all()
+    assert int(m.num_batches_tracked) == 0
+    np.testing.assert_array_equal(m.grads["weight"], 0)
+
+
+def test_empty_batch_running_stats_match_torch(torch):
+    ref = torch.nn.InstanceNorm1d(3, track_running_stats=True)
+    ref(torch.zeros((0, 3, 4)))
+    ours = npnorm.InstanceNorm1d(3, track_running_stats=True)
+    ours(np.zeros((0, 3, 4), np.float32))
+    np.testing.assert_array_equal(ours.running_mean, ref.running_mean.numpy())
+    np.testing.assert_array_equal(ours.running_var, ref.running_var.numpy())

@@ -119,8 +119,8 @@ def channel_norm_forward(
         assert mean is not None
         if running_mean is not None and running_var is not None:
             count = prod([int(x.shape[a]) for a in axes])  # values per statistic
-            batch_mean = xp.mean(mean, axis=(0, 2))  # C, average over instances
-            batch_var = xp.mean(var, axis=(0, 2)) * (count / (count - 1))  # C, unbiased
+            batch_mean = xp.sum(mean, axis=(0, 2)) / mean.shape[0]  # C, average over instances (none: NaN)
+            batch_var = xp.sum(var, axis=(0, 2)) / mean.shape[0] * (count / (count - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
     else:

@@ -701,8 +701,9 @@ def instance_norm_forward(
         y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, with_buffers, out)
         if running_mean is not None and running_var is not None:
             assert var is not None
-            batch_mean = np.mean(np.reshape(mean, (N, C)), axis=0)  # C
-            batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
+            # C: the average over the N instances (NaN for an empty batch, as in PyTorch)
+            batch_mean = np.sum(np.reshape(mean, (N, C)), axis=0) / N  # C
+            batch_var = np.sum(np.reshape(var, (N, C)), axis=0) / N * (S / (S - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
         return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
