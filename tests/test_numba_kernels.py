@@ -27,25 +27,43 @@ from npnorm.functional._dispatch import family_kernel, generic_kernel
 
 pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
 
-from npnorm.kernels import _staging
+from npnorm.kernels import _blocks, _staging
 
 FLOATS = ("float16", "float32", "float64")
 LAYOUTS = ("C", "F", "sliced", "transposed", "channels_last")
 REL = {"float64": 1e-11, "float32": 2e-5}  # of the computation dtype, relative to a scale
+# The statistics against float64 (the reference kernel on the data cast to float64): the
+# compiled loops accumulate in float64 whatever the data's dtype, so they are off by the
+# rounding to the result's dtype and a float64 summation order only.
+TIGHT = 1e-11
+STATS = {  # the forward's results, by position
+    "layer_norm_forward": ("output", "mean", "rstd"),
+    "rms_norm_forward": ("output", "rstd"),
+    "group_norm_forward": ("output", "mean", "rstd"),
+    "batch_norm_forward": ("output", "mean", "rstd", "running_mean", "running_var"),
+    "instance_norm_forward": ("output", "mean", "rstd", "running_mean", "running_var"),
+}
 
 
 @contextlib.contextmanager
 def config(threads: int, small: bool) -> Iterator[None]:
-    """Thread count; with ``small``, tiny staging blocks and no serial threshold."""
-    saved = (_threads.get_num_threads(), _staging.STAGE_BYTES, _staging.MIN_PARALLEL)
+    """Thread count; with ``small``, tiny staging blocks, no serial threshold, and no
+    whole copy of small inputs that cannot be viewed as rows (they are staged sample by
+    sample, as large ones are)."""
+    saved = (
+        _threads.get_num_threads(),
+        _staging.STAGE_BYTES,
+        _staging.MIN_PARALLEL,
+        _blocks.SMALL_COPY_BYTES,
+    )
     _threads.set_num_threads(threads)
     if small:
-        _staging.STAGE_BYTES, _staging.MIN_PARALLEL = 64, 1
+        _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
     try:
         yield
     finally:
         _threads.set_num_threads(saved[0])
-        _staging.STAGE_BYTES, _staging.MIN_PARALLEL = saved[1:]
+        _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -146,9 +164,34 @@ def assert_close(ours, ref, ct, scale, what: str) -> None:
     )
 
 
+def assert_accurate(ours, ref, truth, scale, what: str) -> None:
+    """``ours`` has ``ref``'s dtype and shape, and equals ``truth`` (float64) to two
+    roundings to its dtype (subnormals included) plus ``TIGHT`` relative to ``scale``."""
+    assert isinstance(ours, np.ndarray), what
+    assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (
+        what,
+        ours.dtype,
+        ref.dtype,
+        ours.shape,
+        ref.shape,
+    )
+    a, t = ours.astype(np.float64), np.asarray(truth, dtype=np.float64)
+    tiny = float(np.finfo(ours.dtype).smallest_subnormal)
+    tol = TIGHT * np.asarray(scale) + 2 * ulp(ours.dtype) * np.abs(t) + 2 * tiny
+    bad = ~((a == t) | (np.abs(a - t) <= tol))
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {bad.size} differ, worst {np.max(np.abs(a - t) - tol):.3g}"
+    )
+
+
+def as_float64(a):
+    return a.astype(np.float64) if isinstance(a, np.ndarray) else a
+
+
 def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tuple:
     """Forward and backward, numba vs reference (the backward from the reference's
-    statistics for both); every result equal to rounding."""
+    statistics for both); every result equal to rounding, and the statistics (mean, rstd,
+    running buffers) to float64's accuracy."""
     with config(p["threads"], p["small"]):
         ours_f = family_kernel(ops[0], "numba")(xp, *fwd_args)
         ref_f = generic_kernel(ops[0])(xp, *fwd_args)
@@ -163,12 +206,17 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     xhat_max = (2 * xmax + 1) * rmax  # |x - mean| * rstd, the mean rounded in the reference
     y_scale = xhat_max * wmax + float(np.max(np.abs(ref_f[0].astype(np.float64)), initial=0.0))
     assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
-    for i in range(1, len(ref_f)):
+    args64 = [as_float64(a) for a in fwd_args]
+    if ops[0] == "rms_norm_forward" and args64[3] is None:
+        args64[3] = float(np.finfo(ct).eps)  # RMSNorm's default eps: the computation dtype's
+    truth = generic_kernel(ops[0])(xp, *args64)
+    for i, name in enumerate(STATS[ops[0]][1:], start=1):
         if ref_f[i] is None:
-            assert ours_f[i] is None
+            assert ours_f[i] is None, name
             continue
-        r = np.abs(ref_f[i].astype(np.float64))
-        assert_close(ours_f[i], ref_f[i], ct, (r + xmax) * (1 + xmax * rmax) + 1, f"forward output {i}")
+        t = np.abs(truth[i].astype(np.float64))
+        scale = {"mean": xmax, "rstd": t, "running_mean": xmax + t, "running_var": t}[name]
+        assert_accurate(ours_f[i], ref_f[i], truth[i], scale, name)
     dy_sum = float(dy64.sum())
     assert_close(
         ours_b[0], ref_b[0], ct, 4 * rmax * wmax * float(dy64.max(initial=0.0)) * (1 + xhat_max), "dx"
@@ -281,8 +329,13 @@ def test_group_norm(p):
 
 
 def _all_results(x, dy, w, b, threads):
-    """Every compiled forward and backward on (N, C, H, W) data, as one flat list."""
-    _threads.set_num_threads(threads)
+    """Every compiled forward and backward on (N, C, H, W) data, as one flat list, on
+    ``threads`` threads (the other settings as they are)."""
+    with config(threads, small=False):
+        return _every_op(x, dy, w, b)
+
+
+def _every_op(x, dy, w, b):
     D = x.shape[-1]
     C = x.shape[1]
     k = family_kernel
@@ -328,25 +381,29 @@ def test_bitwise_reproducible_for_a_thread_count(dtype, layout):
 
 
 def test_parallel_split_and_blocks():
-    """The same results with the default settings, staged in tiny blocks, and split over
-    three threads with no serial threshold."""
+    """The same results with the default settings, staged in tiny blocks (x Fortran-ordered,
+    copied sample by sample; dy float16, converted block by block), and split over three
+    threads with no serial threshold."""
     rng = np.random.default_rng(5)
     x = np.asfortranarray(rng.normal(size=(6, 8, 5, 12)).astype(np.float32))
     dy = rng.normal(size=x.shape).astype(np.float16)
     w = rng.uniform(0.5, 1.5, 12).astype(np.float32)
     b = rng.normal(size=12).astype(np.float32)
-    base = _all_results(x, dy.astype(np.float32), w, b, 1)
+    base = _all_results(x, dy, w, b, 1)
     with config(3, small=True):
-        split = _all_results(x, dy.astype(np.float32), w, b, 3)
+        assert _staging.Source(x, 6, 8, (5, 12), np.dtype(np.float32)).direct is None  # staged
+        split = _all_results(x, dy, w, b, 3)
     for a, c in zip(split, base, strict=True):
         np.testing.assert_allclose(a, c, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(c).max())))
 
 
 def check_pipeline(x: np.ndarray, dy: np.ndarray, groups: int, threads: int) -> None:
     """GroupNorm, InstanceNorm (x (N, C, S)) and LayerNorm, RMSNorm (over S), split over
-    ``threads`` in one-row blocks: as the reference to rounding, and bitwise the same as in
-    one thread with the default blocks (all but LayerNorm/RMSNorm's dweight and dbias,
-    summed per thread)."""
+    ``threads``: as the reference to rounding, and bitwise the same as in one thread with
+    the default blocks (all but LayerNorm/RMSNorm's dweight and dbias, summed per thread);
+    and the same split with x and dy strided, so staged in blocks of 64 bytes (one row each
+    for rows longer than that: the pipeline fills again at every row): bitwise as the
+    unstaged split, dweight and dbias too."""
     dtype = x.dtype
     C, S = x.shape[1], x.shape[2]
     w = np.linspace(0.5, 1.5, C).astype(dtype)
@@ -373,6 +430,16 @@ def check_pipeline(x: np.ndarray, dy: np.ndarray, groups: int, threads: int) -> 
         grads = 1 if op in ("layer_norm", "rms_norm") else len(one_b)
         for a, c in zip([*split_f, *split_b[:grads]], [*one_f, *one_b[:grads]], strict=True):
             np.testing.assert_array_equal(a, c, err_msg=op)
+        xs, dys = laid_out(x, "sliced"), laid_out(dy, "sliced")
+        swap = {id(x): xs, id(dy): dys}
+        with config(threads, small=True):
+            src = _staging.Source(xs, 1, xs.shape[0] * xs.shape[1], (S,), np.dtype(dtype))
+            if not xs.flags.c_contiguous:  # (a single value is)
+                assert src.direct is None
+            staged_f = family_kernel(ops[0], "numba")(xp, *(swap.get(id(a), a) for a in fwd_args))
+            staged_b = family_kernel(ops[1], "numba")(xp, *(swap.get(id(a), a) for a in bwd_args(ref_f)))
+        for a, c in zip([*staged_f, *staged_b], [*split_f, *split_b], strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=f"{op}, staged")
 
 
 def rounding(dtype: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
@@ -441,26 +508,67 @@ def test_one_row_and_one_value(shape):
         np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12, atol=1e-12)
 
 
-def test_empty_inputs():
-    x = np.zeros((0, 3, 4), np.float32)
-    y, mean, rstd = family_kernel("layer_norm_forward", "numba")(xp, x, (4,), None, None, 1e-5)
-    assert y.shape == x.shape and mean.shape == rstd.shape == (0, 3)
-    y, mean, rstd = family_kernel("group_norm_forward", "numba")(xp, x, 3, None, None, 1e-5)
-    assert y.shape == x.shape and mean.shape == (0, 3)
+def _calls(x, dy):
+    """``(op, forward arguments, backward arguments from the forward's results)`` of every
+    operation on (N, 3, 4) data (normalized over the last axis, or 3 channels)."""
+    dt = x.dtype
+    w, b = np.linspace(0.5, 1.5, 4).astype(dt), np.linspace(-1, 1, 4).astype(dt)
+    wc, bc = np.linspace(0.5, 1.5, 3).astype(dt), np.linspace(-1, 1, 3).astype(dt)
+    rm, rv = np.zeros(3, dt), np.ones(3, dt)
+    calls = [
+        ("layer_norm", (x, (4,), w, b, 1e-5), lambda f: (dy, x, (4,), f[1], f[2], w, b)),
+        ("rms_norm", (x, (4,), w, 1e-5), lambda f: (dy, x, (4,), f[1], w)),
+        ("group_norm", (x, 3, wc, bc, 1e-5), lambda f: (dy, x, 3, f[1], f[2], wc, bc)),
+    ]
+    for op in ("batch_norm", "instance_norm"):
+        for flag in (True, False):
+            calls.append(
+                (
+                    op,
+                    (x, rm, rv, wc, bc, flag, 0.1, 1e-5),
+                    lambda f, flag=flag: (dy, x, f[1], f[2], wc, bc, flag),
+                )
+            )
+    return calls
 
 
-def test_longdouble_runs_the_numpy_kernels():
-    """A computation dtype the loops do not compile for goes to the "numpy" family."""
-    if np.dtype(np.longdouble) == np.dtype(np.float64):
+def _same_results(ours, ref, what):
+    assert len(ours) == len(ref), what
+    for a, c in zip(ours, ref, strict=True):
+        if c is None:
+            assert a is None, what
+            continue
+        assert (a.dtype, a.shape) == (c.dtype, c.shape), what
+        np.testing.assert_allclose(
+            a.astype(np.float64), c.astype(np.float64), rtol=1e-12, atol=1e-12, err_msg=what
+        )
+
+
+@pytest.mark.parametrize("case", ["empty", "longdouble"])
+def test_what_the_loops_do_not_take_goes_to_the_numpy_family(case):
+    """Every operation, forward and backward, on an empty batch and on longdouble data (a
+    dtype the loops do not compile for): the numba family hands them to the "numpy"
+    family's kernels, with every argument in its place (as the reference's results).
+    (BatchNorm's batch statistics of an empty batch never reach a kernel: the functional
+    API refuses them, as PyTorch does.)"""
+    if case == "longdouble" and np.dtype(np.longdouble) == np.dtype(np.float64):
         pytest.skip("longdouble is float64 on this platform")
-    x = np.random.default_rng(0).normal(size=(3, 5)).astype(np.longdouble)
-    y = family_kernel("layer_norm_forward", "numba")(xp, x, (5,), None, None, 1e-5)[0]
-    assert y.dtype == np.longdouble
-    np.testing.assert_allclose(
-        y.astype(np.float64),
-        generic_kernel("layer_norm_forward")(xp, x, (5,), None, None, 1e-5)[0].astype(np.float64),
-        rtol=1e-12,
-    )
+    rng = np.random.default_rng(0)
+    n, dt = (0, np.float32) if case == "empty" else (2, np.longdouble)
+    x = rng.normal(size=(n, 3, 4)).astype(dt)
+    dy = rng.normal(size=x.shape).astype(dt)
+    for op, fwd_args, bwd_args in _calls(x, dy):
+        what = f"{op}{fwd_args[5:6]}, {case}"
+        if case == "empty" and op == "batch_norm" and fwd_args[5]:  # as PyTorch
+            with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+                F.batch_norm(x, *fwd_args[1:3], training=True)
+            continue
+        ref_f = generic_kernel(op + "_forward")(xp, *fwd_args)
+        _same_results(family_kernel(op + "_forward", "numba")(xp, *fwd_args), ref_f, what)
+        ref_b = generic_kernel(op + "_backward")(xp, *bwd_args(ref_f))
+        _same_results(
+            family_kernel(op + "_backward", "numba")(xp, *bwd_args(ref_f)), ref_b, what + ", backward"
+        )
 
 
 def test_each_loop_compiles_for_float32_and_float64_only():

@@ -35,9 +35,9 @@ def _error(a, truth):
     return float(np.abs(np.asarray(a, dtype=np.float64) - truth).max() / np.abs(truth).max())
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", list(LAYERS))
-def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed):
+def _ours_and_float64(name, seed):
+    """``(x, dy, y, dx, y64, dx64)``: float32 data with offset 1e3, the compiled kernels'
+    output and dx, and the reference's in float64 on the same values."""
     shape, make = LAYERS[name]
     c, d = shape[1], shape[-1]
     rng = np.random.default_rng(seed)
@@ -51,10 +51,26 @@ def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed
         m = make(c, d, "float32")
         y = m(x)
         dx = m.backward(dy)
+    return x, dy, y, dx, y64, dx64
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_float32_with_offset_1e3_rounds_like_float32_only(name, seed):
+    """Without PyTorch too: statistics taken in float64 leave the float32 output off the
+    float64 one by float32 rounding only (a float32 sum of the row misses this)."""
+    _, _, y, _, y64, _ = _ours_and_float64(name, seed)
+    assert _error(y, y64) <= 3e-7, "output: float64 statistics give float32 rounding only"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed):
+    x, dy, y, dx, y64, dx64 = _ours_and_float64(name, seed)
+    c, d = x.shape[1], x.shape[-1]
     ref = _torch_layer(torch, name, c, d)
     xt = torch.tensor(x, requires_grad=True)
     ref(xt).backward(torch.tensor(dy))
     yt = ref(torch.tensor(x)).detach().numpy()
     assert _error(y, y64) <= _error(yt, y64), "output"
-    assert _error(y, y64) <= 3e-7, "output: float64 statistics give float32 rounding only"
     assert _error(dx, dx64) <= 1.1 * _error(xt.grad.numpy(), dx64) + 1e-7, "dx"

@@ -139,11 +139,13 @@ def test_out_overlapping_the_input_partly():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bad_out_is_refused_before_anything_is_written(family):
     x = np.ones((2, 3, 4), np.float32)
+    wrong_shape, wrong_dtype = np.full((2, 3, 5), 7, np.float32), np.full(x.shape, 7.0)
     with npnorm.use_kernels(family):
         with pytest.raises(ValueError, match=r"out must have the input's shape \(2, 3, 4\), got \(2, 3, 5\)"):
-            F.layer_norm_forward(x, 4, out=np.zeros((2, 3, 5), np.float32))
+            F.layer_norm_forward(x, 4, out=wrong_shape)
         with pytest.raises(TypeError, match="out must have the input's dtype float32, got float64"):
-            F.batch_norm_forward(x, None, None, training=True, out=np.zeros(x.shape))
+            F.batch_norm_forward(x, None, None, training=True, out=wrong_dtype)
+        assert (wrong_shape == 7).all() and (wrong_dtype == 7).all()
         with pytest.raises(ValueError, match="read-only"):
             ro = np.zeros(x.shape, np.float32)
             ro.flags.writeable = False
