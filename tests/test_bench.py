@@ -1,7 +1,9 @@
 """The benchmark command runs and reports every figure it promises (no timing assertions:
 the machines are shared and noisy, so speed is read from the printed figures)."""
 
+import glob
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -31,6 +33,16 @@ def test_bench_quick_writes_every_figure(tmp_path):
             assert r[key] > 0, (r["impl"], key)
         if r["impl"] != "torch":
             assert r["extra_memory_x_input"] is not None
+        # one round: each figure is that round's, and each ratio is the ratio of the figures
+        same = [s for s in data["rows"] if s["layer"] == r["layer"]]
+        default_fb = next(s["fb_ms"] for s in same if s["default"])
+        torch_fb = next((s["fb_ms"] for s in same if s["impl"] == "torch"), None)
+        assert r["copy_GBps"] == pytest.approx(2 * 4 * math.prod(r["shape"]) / r["copy_ms"] / 1e6)
+        assert r["roofline_fwd"] == pytest.approx(r["copy_ms"] / r["fwd_ms"])
+        assert r["roofline_fb"] == pytest.approx(2.5 * r["copy_ms"] / r["fb_ms"])
+        assert r["fb_vs_default_fresh"] == pytest.approx(r["fb_ms"] / default_fb)
+        assert r["fb_vs_torch"] == (None if torch_fb is None else pytest.approx(r["fb_ms"] / torch_fb))
+        assert [r["fwd_ms"], r["bwd_ms"], r["fb_ms"]] == [r["times_ms"][k][0] for k in ("fwd", "bwd", "fb")]
     for part, shape in (("inference", [64, 128, 384]), ("tiny", [4, 8])):
         rows = data[part]
         assert {r["impl"] for r in rows} >= {f"npnorm {k}" for k in families} | {f"npnorm {default} out="}
@@ -64,11 +76,65 @@ def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkey
             assert timed in calls and before == ("flush" if cold else timed)
 
 
-def test_the_cold_flush_is_larger_than_the_cache():
+@pytest.mark.parametrize("cache", [0, 8 << 20, 300 << 20])
+def test_the_cold_flush_is_twice_the_cache_and_at_least_64_mib(monkeypatch, cache):
     from npnorm import _bench
 
-    assert _bench._flush_bytes() >= max(2 * _bench._last_level_cache_bytes(), 64 << 20)
-    _bench._cold_cache()
+    monkeypatch.setattr(_bench, "_last_level_cache_bytes", lambda: cache)
+    monkeypatch.setattr(_bench, "_flush_buffer", None)
+    _bench._flush_bytes.cache_clear()
+    try:
+        assert _bench._flush_bytes() == max(2 * cache, 64 << 20)
+        _bench._cold_cache()
+        assert _bench._flush_buffer is not None and _bench._flush_buffer.nbytes == max(2 * cache, 64 << 20)
+    finally:
+        _bench._flush_bytes.cache_clear()
+
+
+def test_the_last_level_cache_is_read_from_the_system():
+    """The largest cache level the system reports (as sysfs lists it on Linux)."""
+    from npnorm import _bench
+
+    sizes = []
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        with open(path) as f:
+            text = f.read().strip()
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    if not sizes:
+        pytest.skip("no sysfs cache sizes on this system")
+    assert _bench._last_level_cache_bytes() >= max(sizes) > 0
+
+
+def _row(layer, shape, **figures):
+    return {"layer": layer, "shape": list(shape), "default": True, "fb_vs_torch": None, **figures}
+
+
+@pytest.mark.parametrize("side", ["met", "MISSED"])
+def test_targets_are_judged_on_the_right_side(capsys, side):
+    """Each verdict: a figure just inside its target is met, just outside MISSED."""
+    from npnorm import _bench, get_kernels
+
+    d = 0.01 if side == "MISSED" else -0.01  # how far past the target the figures are
+    target = _bench.TARGET_VS_TORCH[("LayerNorm", (32, 512, 768))]
+    rows = [
+        _row(
+            "LayerNorm",
+            (32, 512, 768),
+            fb_vs_torch=target + d,
+            roofline_fb=_bench.TARGET_ROOFLINE - d,
+            extra_memory_x_input=_bench.TARGET_EXTRA_MEMORY + d,
+        )
+    ]
+    impl = f"npnorm {get_kernels()}"
+    inference = [
+        {"impl": impl, "shape": [64, 128, 384], "us_per_call": 1.0, "vs_torch": _bench.TARGET_INFERENCE + d}
+    ]
+    tiny = [{"impl": impl, "shape": [4, 8], "us_per_call": 1.0, "vs_torch": _bench.TARGET_TINY + d}]
+    _bench._print_targets(rows, inference, tiny, judge=True)
+    out = capsys.readouterr().out
+    verdicts = [word for word in out.replace(";", " ").split() if word in ("met", "MISSED")]
+    assert verdicts == [side] * 5, out
 
 
 def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):

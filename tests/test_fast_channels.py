@@ -119,8 +119,9 @@ def compare(ops: tuple[str, str], args_fwd, make_bwd, ct, x, dy, w):
         if len(ref_f) > i:
             scale = 0 if ref_f[i] is None else float(np.max(np.abs(ref_f[i].astype(np.float64)))) + 1
             assert_close(fast_f[i], ref_f[i], ct, scale, name)
-    dy_sum = float(np.sum(np.abs(dy.astype(np.float64))))
-    scale_dx = 4 * rstd_max * w_max * float(np.max(np.abs(dy.astype(np.float64))))
+    dy64 = np.abs(dy.astype(np.float64))
+    dy_sum = np.sum(dy64, axis=tuple(a for a in range(dy.ndim) if a != 1))  # C: each channel's
+    scale_dx = 4 * rstd_max * w_max * float(np.max(dy64))
     assert_close(fast_b[0], ref_b[0], ct, scale_dx, "dx")
     assert_close(fast_b[1], ref_b[1], ct, dy_sum * xhat_max, "dweight")
     assert_close(fast_b[2], ref_b[2], ct, dy_sum, "dbias")
@@ -423,15 +424,31 @@ def test_registered_for_numpy(op):
 
 
 def test_empty_inputs_give_the_generic_results():
+    """An empty batch through every channel operation the public API lets through
+    (BatchNorm's batch statistics need values), forward and backward: as the reference."""
     x = np.zeros((0, 3, 4), np.float32)
-    y, mean, rstd, _, _ = F.batch_norm_forward(
-        x, np.zeros(3, np.float32), np.ones(3, np.float32), training=False
-    )
-    assert y.shape == x.shape and mean.shape == rstd.shape == (3,)
-    y, mean, rstd = F.group_norm_forward(x, 3)
-    assert y.shape == x.shape and mean.shape == (0, 3)
-    dx, _, _ = F.group_norm_backward(x, x, 3, mean, rstd)
-    assert dx.shape == x.shape
+    w, b = np.linspace(0.5, 1.5, 3).astype(np.float32), np.linspace(-1, 1, 3).astype(np.float32)
+    rm, rv = np.linspace(-1, 1, 3).astype(np.float32), np.linspace(0.5, 2, 3).astype(np.float32)
+    calls = [
+        ("batch_norm", (x, rm, rv, w, b, False, 0.1, 1e-5), lambda f: (x, x, f[1], f[2], w, b, False)),
+        ("group_norm", (x, 3, w, b, 1e-5), lambda f: (x, x, 3, f[1], f[2], w, b)),
+    ]
+    for flag in (True, False):
+        calls.append(
+            (
+                "instance_norm",
+                (x, rm, rv, w, b, flag, 0.1, 1e-5),
+                lambda f, s=flag: (x, x, f[1], f[2], w, b, s),
+            )
+        )
+    for op, args, bwd in calls:
+        ours_f = kernel(op + "_forward", xp)(xp, *args)
+        ref_f = generic_kernel(op + "_forward")(xp, *args)
+        ours_b = kernel(op + "_backward", xp)(xp, *bwd(ref_f))
+        ref_b = generic_kernel(op + "_backward")(xp, *bwd(ref_f))
+        for a, c in zip((*ours_f, *ours_b), (*ref_f, *ref_b), strict=True):
+            assert (a.dtype, a.shape) == (c.dtype, c.shape), op
+            np.testing.assert_array_equal(a, c, err_msg=op)  # (NaN buffers where the reference's are)
 
 
 def test_tiny_shapes():

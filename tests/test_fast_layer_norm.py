@@ -276,7 +276,9 @@ def test_no_floating_point_warnings_from_worker_threads(small_blocks):
     assert np.isinf(rstd).all() and np.isnan(y).all()
 
 
-def test_memory_is_outputs_plus_block_scratch(rng):
+def test_memory_is_outputs_plus_block_scratch(rng, monkeypatch):
+    # blocks of 32 KiB, so that the scratch allowance is well under one input-sized array
+    monkeypatch.setattr(_blocks, "BLOCK_BYTES", 32 * 1024)
     _threads.set_num_threads(2)
     x = rng.normal(size=(2048, 512)).astype(np.float32)  # 4 MiB
     dy = rng.normal(size=x.shape).astype(np.float32)
@@ -284,6 +286,7 @@ def test_memory_is_outputs_plus_block_scratch(rng):
     _, mean, rstd = fast.layer_norm_forward(xp, x, (512,), w, b, 1e-5)
     # per thread at most ~7 block-sized buffers (scratch, tiled w and b)
     allowance = 2 * 7 * _blocks.BLOCK_BYTES + 256 * 1024
+    assert allowance < x.nbytes / 4
     for call in (
         lambda: fast.layer_norm_forward(xp, x, (512,), w, b, 1e-5),
         lambda: fast.layer_norm_backward(xp, dy, x, (512,), mean, rstd, w, b),
@@ -328,10 +331,13 @@ def test_bitwise_reproducible_for_a_thread_count_close_across_counts(small_block
 
 
 def test_more_threads_than_cpus(small_blocks, rng):
-    x, dy = rng.normal(size=(50, 9)), rng.normal(size=(50, 9))
+    threads = (
+        len(os.sched_getaffinity(0)) + 1 if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) + 1
+    )
+    x, dy = rng.normal(size=(8 * threads, 9)), rng.normal(size=(8 * threads, 9))  # blocks of 7 rows
     _threads.set_num_threads(1)
     ref = _all_results(x, dy, None, None)
-    _threads.set_num_threads(5)
+    _threads.set_num_threads(threads)
     for a, c in zip(_all_results(x, dy, None, None), ref, strict=True):
         if c is None:
             assert a is None
