@@ -36,10 +36,13 @@ def test_loaded_arrays_are_fresh_and_owned(backend, rng, source):
     }[source]
     m.load_state_dict(given_state)
     for k, v in given_state.items():
-        if hasattr(v, "shape"):
-            before = backend.numpy(v).copy()
-            v[...] = 7  # the caller changes its array in place ...
-            np.testing.assert_array_equal(backend.numpy(getattr(m, k)), before, err_msg=k)  # ... not ours
+        loaded = np.asarray(backend.numpy(getattr(m, k)), dtype=np.float64)
+        np.testing.assert_allclose(loaded, np.asarray(state[k], dtype=np.float64), rtol=1e-6, err_msg=k)
+        if isinstance(v, list):
+            v[0] = 7.0  # the caller changes its list in place ...
+        elif hasattr(v, "shape"):
+            v[...] = 7  # ... or its array ...
+        np.testing.assert_array_equal(backend.numpy(getattr(m, k)), loaded, err_msg=k)  # ... not ours
     assert m.state_dict()["weight"] is m.weight  # state_dict: the module's own arrays, as in torch
 
 

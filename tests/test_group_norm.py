@@ -53,14 +53,25 @@ def test_gradcheck(backend, rng, groups, training):
     assert npnorm.gradcheck(m, backend.asarray(rng.normal(size=(2, 4, 3))))
 
 
-def test_one_group_is_layer_norm_over_channels_and_space(rng):
-    x = rng.normal(size=(3, 4, 5))
-    np.testing.assert_allclose(F.group_norm(x, 1), F.layer_norm(x, (4, 5)), atol=1e-12)
+def _standardized(x, axes):
+    """(x - mean) / sqrt(var + 1e-5) over ``axes``, in plain NumPy."""
+    return (x - x.mean(axis=axes, keepdims=True)) / np.sqrt(x.var(axis=axes, keepdims=True) + 1e-5)
 
 
-def test_one_channel_per_group_is_instance_norm(rng):
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_one_group_is_layer_norm_over_channels_and_space(rng, family):
     x = rng.normal(size=(3, 4, 5))
-    np.testing.assert_allclose(F.group_norm(x, 4), F.instance_norm(x), atol=1e-12)
+    with npnorm.use_kernels(family):  # (the fast families share code between the layers)
+        np.testing.assert_allclose(F.group_norm(x, 1), _standardized(x, (1, 2)), atol=1e-12)
+        np.testing.assert_allclose(F.layer_norm(x, (4, 5)), _standardized(x, (1, 2)), atol=1e-12)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_one_channel_per_group_is_instance_norm(rng, family):
+    x = rng.normal(size=(3, 4, 5))
+    with npnorm.use_kernels(family):
+        np.testing.assert_allclose(F.group_norm(x, 4), _standardized(x, (2,)), atol=1e-12)
+        np.testing.assert_allclose(F.instance_norm(x), _standardized(x, (2,)), atol=1e-12)
 
 
 def test_state_dict_keys(torch):

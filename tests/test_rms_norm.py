@@ -55,10 +55,11 @@ def test_output_has_unit_mean_square():
     "dtype,expect", [("float32", np.finfo(np.float32).eps), ("float64", np.finfo(np.float64).eps)]
 )
 def test_eps_none_is_machine_epsilon_of_compute_dtype(dtype, expect):
-    x = np.zeros((1, 4), dtype=dtype)
-    x[0, 0] = 1e-4
+    """Rows whose mean square is 0 or of the order of eps: rstd shows eps itself."""
+    x = np.zeros((2, 4), dtype=dtype)
+    x[0, 0] = 2 * np.sqrt(expect)  # mean square = eps
     _, rstd = F.rms_norm_forward(x, 4)
-    np.testing.assert_allclose(rstd[0], 1 / np.sqrt(1e-8 / 4 + expect), rtol=1e-6)
+    np.testing.assert_allclose(rstd, [1 / np.sqrt(2 * expect), 1 / np.sqrt(expect)], rtol=1e-6)
 
 
 def test_float16_uses_float32_epsilon():
