@@ -141,12 +141,9 @@ def ulp(dtype: np.dtype) -> float:
     return float(np.finfo(dtype).eps)
 
 
-def assert_close(ours, ref, ct, scale, what: str) -> None:
-    """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` relative to
-    ``scale``, plus two roundings to the result's dtype; same dtype and shape."""
-    if ref is None:
-        assert ours is None, what
-        return
+def _within(ours, ref, want, rel: float, scale, what: str) -> None:
+    """``ours`` has ``ref``'s dtype and shape, and equals ``want`` to ``rel`` relative to
+    ``scale`` plus two roundings to its dtype (subnormals included)."""
     assert isinstance(ours, np.ndarray), what
     assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (
         what,
@@ -155,8 +152,9 @@ def assert_close(ours, ref, ct, scale, what: str) -> None:
         ours.shape,
         ref.shape,
     )
-    a, b = ours.astype(np.float64), ref.astype(np.float64)
-    tol = REL[np.dtype(ct).name] * np.asarray(scale) + 2 * ulp(ref.dtype) * np.abs(b) + 1e-30
+    a, b = ours.astype(np.float64), np.asarray(want, dtype=np.float64)
+    tiny = float(np.finfo(ours.dtype).smallest_subnormal)
+    tol = rel * np.asarray(scale) + 2 * ulp(ours.dtype) * np.abs(b) + 2 * tiny
     with np.errstate(invalid="ignore"):  # inf - inf: a float16 gradient beyond its range
         bad = ~((a == b) | (np.abs(a - b) <= tol))
     assert not bad.any(), (
@@ -164,24 +162,19 @@ def assert_close(ours, ref, ct, scale, what: str) -> None:
     )
 
 
+def assert_close(ours, ref, ct, scale, what: str) -> None:
+    """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` relative to
+    ``scale``, plus two roundings to the result's dtype; same dtype and shape."""
+    if ref is None:
+        assert ours is None, what
+        return
+    _within(ours, ref, ref, REL[np.dtype(ct).name], scale, what)
+
+
 def assert_accurate(ours, ref, truth, scale, what: str) -> None:
     """``ours`` has ``ref``'s dtype and shape, and equals ``truth`` (float64) to two
-    roundings to its dtype (subnormals included) plus ``TIGHT`` relative to ``scale``."""
-    assert isinstance(ours, np.ndarray), what
-    assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (
-        what,
-        ours.dtype,
-        ref.dtype,
-        ours.shape,
-        ref.shape,
-    )
-    a, t = ours.astype(np.float64), np.asarray(truth, dtype=np.float64)
-    tiny = float(np.finfo(ours.dtype).smallest_subnormal)
-    tol = TIGHT * np.asarray(scale) + 2 * ulp(ours.dtype) * np.abs(t) + 2 * tiny
-    bad = ~((a == t) | (np.abs(a - t) <= tol))
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} of {bad.size} differ, worst {np.max(np.abs(a - t) - tol):.3g}"
-    )
+    roundings to its dtype plus ``TIGHT`` relative to ``scale``."""
+    _within(ours, ref, truth, TIGHT, scale, what)
 
 
 def as_float64(a):
