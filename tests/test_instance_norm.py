@@ -83,6 +83,8 @@ def test_torch_quirks_pinned(torch, rng):
     assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 0
     np.testing.assert_array_equal(ours.running_mean, 0)
     np.testing.assert_array_equal(ref.running_mean.numpy(), 0)
+    np.testing.assert_array_equal(ours.running_var, 1)
+    np.testing.assert_array_equal(ref.running_var.numpy(), 1)
 
 
 def test_channel_mismatch_raises_where_torch_only_warns(torch):
