@@ -1,4 +1,5 @@
-"""Helpers for parity with torch.nn: same parameters, same data, compare everything."""
+"""Helpers for parity with torch.nn (same parameters, same data, compare everything), and
+for running every operation through two kernel families."""
 
 from __future__ import annotations
 
@@ -45,3 +46,43 @@ def step_and_compare(torch, backend, ours, ref, x_np, dy_np, dtype: str) -> None
     assert set(ours.state_dict()) == set(tstate)
     for k, v in ours.state_dict().items():
         close(v, tstate[k], dtype, k)
+
+
+def op_calls(x, dy, w, b, groups: int) -> list:
+    """``(op, forward arguments, backward arguments from the forward's results)`` of every
+    operation on (N, C, ..., D) data: LayerNorm and RMSNorm (its default eps) over the
+    last axis, with weight ``w`` and bias ``b`` ((D,) or None); GroupNorm in ``groups``
+    groups; BatchNorm and InstanceNorm with batch and with running statistics. The
+    channel layers' weights, biases and buffers are fixed (C,) values of x's dtype."""
+    D, C, dt = x.shape[-1], x.shape[1], x.dtype
+    wc, bc = np.linspace(0.5, 1.5, C).astype(dt), np.linspace(-1, 1, C).astype(dt)
+    rm, rv = np.linspace(-1, 1, C).astype(dt), np.linspace(0.5, 2, C).astype(dt)
+    calls = [
+        ("layer_norm", (x, (D,), w, b, 1e-5), lambda f: (dy, x, (D,), f[1], f[2], w, b)),
+        ("rms_norm", (x, (D,), w, None), lambda f: (dy, x, (D,), f[1], w)),
+        ("group_norm", (x, groups, wc, bc, 1e-5), lambda f: (dy, x, groups, f[1], f[2], wc, bc)),
+    ]
+    for op in ("batch_norm", "instance_norm"):
+        for stats in (True, False):  # batch statistics, running statistics
+            calls.append(
+                (
+                    op,
+                    (x, rm, rv, wc, bc, stats, 0.1, 1e-5),
+                    lambda f, s=stats: (dy, x, f[1], f[2], wc, bc, s),
+                )
+            )
+    return calls
+
+
+def same_results(ours, ref, what: str, tol: float = 0.0) -> None:
+    """Two sequences of results: None in the same places, the same dtypes and shapes, and
+    values equal to ``tol`` (relative and absolute; NaN equals NaN; 0: exactly)."""
+    assert len(ours) == len(ref), what
+    for a, c in zip(ours, ref, strict=True):
+        if c is None:
+            assert a is None, what
+            continue
+        assert (a.dtype, a.shape) == (c.dtype, c.shape), what
+        np.testing.assert_allclose(
+            a.astype(np.float64), c.astype(np.float64), rtol=tol, atol=tol, err_msg=what
+        )

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
+from helpers import op_calls, same_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -329,23 +330,10 @@ def _all_results(x, dy, w, b, threads):
 
 
 def _every_op(x, dy, w, b):
-    D = x.shape[-1]
-    C = x.shape[1]
-    k = family_kernel
     out = []
-    f = k("layer_norm_forward", "numba")(xp, x, (D,), w, b, 1e-5)
-    out += [*f, *k("layer_norm_backward", "numba")(xp, dy, x, (D,), f[1], f[2], w, b)]
-    f = k("rms_norm_forward", "numba")(xp, x, (D,), w, None)
-    out += [*f, *k("rms_norm_backward", "numba")(xp, dy, x, (D,), f[1], w)]
-    wc, bc = np.ones(C, x.dtype), np.zeros(C, x.dtype)
-    rm, rv = np.zeros(C, x.dtype), np.ones(C, x.dtype)
-    for training in (True, False):
-        f = k("batch_norm_forward", "numba")(xp, x, rm, rv, wc, bc, training, 0.1, 1e-5)
-        out += [*f, *k("batch_norm_backward", "numba")(xp, dy, x, f[1], f[2], wc, bc, training)]
-        f = k("instance_norm_forward", "numba")(xp, x, rm, rv, wc, bc, training, 0.1, 1e-5)
-        out += [*f, *k("instance_norm_backward", "numba")(xp, dy, x, f[1], f[2], wc, bc, training)]
-    f = k("group_norm_forward", "numba")(xp, x, 4, wc, bc, 1e-5)
-    out += [*f, *k("group_norm_backward", "numba")(xp, dy, x, 4, f[1], f[2], wc, bc)]
+    for op, fwd_args, bwd_args in op_calls(x, dy, w, b, 4):
+        f = family_kernel(op + "_forward", "numba")(xp, *fwd_args)
+        out += [*f, *family_kernel(op + "_backward", "numba")(xp, *bwd_args(f))]
     return [a for a in out if a is not None]
 
 
@@ -501,42 +489,6 @@ def test_one_row_and_one_value(shape):
         np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12, atol=1e-12)
 
 
-def _calls(x, dy):
-    """``(op, forward arguments, backward arguments from the forward's results)`` of every
-    operation on (N, 3, 4) data (normalized over the last axis, or 3 channels)."""
-    dt = x.dtype
-    w, b = np.linspace(0.5, 1.5, 4).astype(dt), np.linspace(-1, 1, 4).astype(dt)
-    wc, bc = np.linspace(0.5, 1.5, 3).astype(dt), np.linspace(-1, 1, 3).astype(dt)
-    rm, rv = np.zeros(3, dt), np.ones(3, dt)
-    calls = [
-        ("layer_norm", (x, (4,), w, b, 1e-5), lambda f: (dy, x, (4,), f[1], f[2], w, b)),
-        ("rms_norm", (x, (4,), w, 1e-5), lambda f: (dy, x, (4,), f[1], w)),
-        ("group_norm", (x, 3, wc, bc, 1e-5), lambda f: (dy, x, 3, f[1], f[2], wc, bc)),
-    ]
-    for op in ("batch_norm", "instance_norm"):
-        for flag in (True, False):
-            calls.append(
-                (
-                    op,
-                    (x, rm, rv, wc, bc, flag, 0.1, 1e-5),
-                    lambda f, flag=flag: (dy, x, f[1], f[2], wc, bc, flag),
-                )
-            )
-    return calls
-
-
-def _same_results(ours, ref, what):
-    assert len(ours) == len(ref), what
-    for a, c in zip(ours, ref, strict=True):
-        if c is None:
-            assert a is None, what
-            continue
-        assert (a.dtype, a.shape) == (c.dtype, c.shape), what
-        np.testing.assert_allclose(
-            a.astype(np.float64), c.astype(np.float64), rtol=1e-12, atol=1e-12, err_msg=what
-        )
-
-
 @pytest.mark.parametrize("case", ["empty", "longdouble"])
 def test_what_the_loops_do_not_take_goes_to_the_numpy_family(case):
     """Every operation, forward and backward, on an empty batch and on longdouble data (a
@@ -550,18 +502,18 @@ def test_what_the_loops_do_not_take_goes_to_the_numpy_family(case):
     n, dt = (0, np.float32) if case == "empty" else (2, np.longdouble)
     x = rng.normal(size=(n, 3, 4)).astype(dt)
     dy = rng.normal(size=x.shape).astype(dt)
-    for op, fwd_args, bwd_args in _calls(x, dy):
+    w, b = np.linspace(0.5, 1.5, 4).astype(dt), np.linspace(-1, 1, 4).astype(dt)
+    for op, fwd_args, bwd_args in op_calls(x, dy, w, b, 3):
         what = f"{op}{fwd_args[5:6]}, {case}"
         if case == "empty" and op == "batch_norm" and fwd_args[5]:  # as PyTorch
             with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
                 F.batch_norm(x, *fwd_args[1:3], training=True)
             continue
         ref_f = generic_kernel(op + "_forward")(xp, *fwd_args)
-        _same_results(family_kernel(op + "_forward", "numba")(xp, *fwd_args), ref_f, what)
+        same_results(family_kernel(op + "_forward", "numba")(xp, *fwd_args), ref_f, what, 1e-12)
         ref_b = generic_kernel(op + "_backward")(xp, *bwd_args(ref_f))
-        _same_results(
-            family_kernel(op + "_backward", "numba")(xp, *bwd_args(ref_f)), ref_b, what + ", backward"
-        )
+        ours_b = family_kernel(op + "_backward", "numba")(xp, *bwd_args(ref_f))
+        same_results(ours_b, ref_b, what + ", backward", 1e-12)
 
 
 def test_each_loop_compiles_for_float32_and_float64_only():
