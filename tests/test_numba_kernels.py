@@ -28,7 +28,7 @@ from npnorm.functional._dispatch import family_kernel, generic_kernel
 
 pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
 
-from npnorm.kernels import _blocks, _staging
+from npnorm.kernels import _blocks, _staging, numba_channels
 
 FLOATS = ("float16", "float32", "float64")
 LAYOUTS = ("C", "F", "sliced", "transposed", "channels_last")
@@ -48,23 +48,28 @@ STATS = {  # the forward's results, by position
 
 @contextlib.contextmanager
 def config(threads: int, small: bool) -> Iterator[None]:
-    """Thread count; with ``small``, tiny staging blocks, no serial threshold, and no
-    whole copy of small inputs that cannot be viewed as rows (they are staged sample by
-    sample, as large ones are)."""
+    """Thread count; with ``small``, tiny staging blocks, no serial threshold, no whole
+    copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
+    as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
+    (rows of 12 bytes or more)."""
     saved = (
         _threads.get_num_threads(),
         _staging.STAGE_BYTES,
         _staging.MIN_PARALLEL,
         _blocks.SMALL_COPY_BYTES,
+        numba_channels.BLOCK_BYTES,
+        numba_channels.ROW_BYTES,
     )
     _threads.set_num_threads(threads)
     if small:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
+        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES = 0, 12
     try:
         yield
     finally:
         _threads.set_num_threads(saved[0])
-        _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:]
+        _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
+        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES = saved[4:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -381,7 +386,8 @@ def test_parallel_split_and_blocks():
 
 
 def check_pipeline(x: np.ndarray, dy: np.ndarray, groups: int, threads: int) -> None:
-    """GroupNorm, InstanceNorm (x (N, C, S)) and LayerNorm, RMSNorm (over S), split over
+    """BatchNorm, GroupNorm, InstanceNorm (x (N, C, S); BatchNorm's and InstanceNorm's
+    training and running-statistics modes) and LayerNorm, RMSNorm (over S), split over
     ``threads``: as the reference to rounding, and bitwise the same as in one thread with
     the default blocks (all but LayerNorm/RMSNorm's dweight and dbias, summed per thread);
     and the same split with x and dy strided, so staged in blocks of 64 bytes (one row each
@@ -394,16 +400,20 @@ def check_pipeline(x: np.ndarray, dy: np.ndarray, groups: int, threads: int) -> 
     wS = np.linspace(0.5, 1.5, S).astype(dtype)  # LayerNorm/RMSNorm over the last axis
     bS = np.linspace(-1, 1, S).astype(dtype)
     rm, rv = np.zeros(C, dtype), np.ones(C, dtype)
+    em, ev = np.linspace(6, 8, C).astype(dtype), np.linspace(1, 3, C).astype(dtype)  # running statistics
     p = {"x": x, "dy": dy, "threads": threads, "small": True}
     calls = [
+        ("batch_norm", w, (x, rm, rv, w, b, True, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, True)),
+        ("batch_norm", w, (x, em, ev, w, b, False, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, False)),
+        ("instance_norm", w, (x, em, ev, w, b, False, 0.1, 1e-5), lambda f: (dy, x, *f[1:3], w, b, False)),
         ("group_norm", w, (x, groups, w, b, 1e-5), lambda f: (dy, x, groups, f[1], f[2], w, b)),
         ("instance_norm", w, (x, rm, rv, w, b, True, 0.1, 1e-5), lambda f: (dy, x, f[1], f[2], w, b, True)),
         ("layer_norm", wS, (x, (S,), wS, bS, 1e-5), lambda f: (dy, x, (S,), f[1], f[2], wS, bS)),
         ("rms_norm", wS, (x, (S,), wS, None), lambda f: (dy, x, (S,), f[1], wS)),
     ]
     for op, weight, fwd_args, bwd_args in calls:
-        if op == "instance_norm" and S == 1:
-            continue  # one value per (sample, channel) row: no batch statistics
+        if (op == "instance_norm" and S == 1 and fwd_args[5]) or (op == "batch_norm" and x.shape[0] * S == 1):
+            continue  # one value per (sample, channel) row, or per channel: no batch statistics
         ops = (op + "_forward", op + "_backward")
         split_f, split_b = compare(ops, fwd_args, bwd_args, {**p, "w": weight}, dtype)
         ref_f = generic_kernel(ops[0])(xp, *fwd_args)  # compare's backward ran from these
@@ -443,8 +453,9 @@ def rounding(dtype: str, shape: tuple[int, ...], scale: float) -> np.ndarray:
 def test_pipeline_chunks_and_splits(dtype, n, groups, k, S, threads, data):
     """The row loops visit a row in chunks of ``CHUNK`` values and take the next rows' sums
     along (a pipeline that fills again wherever a thread's rows or a staged block begin):
-    GroupNorm/InstanceNorm channels, and LayerNorm/RMSNorm rows, shorter than, equal to
-    and longer than a chunk, 1 to 45 rows (``check_pipeline``)."""
+    BatchNorm's channels (N rows each), GroupNorm/InstanceNorm channels, and
+    LayerNorm/RMSNorm rows, shorter than, equal to and longer than a chunk, 1 to 45 rows
+    (``check_pipeline``)."""
     from npnorm.kernels import _numba_loops as loops
 
     assert loops.CHUNK == 256  # the sizes drawn above straddle it
@@ -464,6 +475,38 @@ def test_pipeline_split_does_not_change_sums(threads):
     x = 7 + rounding("float64", shape, 3.0)
     dy = np.cos(np.arange(math.prod(shape))).reshape(shape) / 7
     check_pipeline(x, dy, 3, threads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255)])
+def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
+    """BatchNorm's channels of fewer than CHUNK values per sample go in blocks of channels
+    (BatchNorm1d's (N, C) input among them); their results are bitwise those of the
+    one-channel-at-a-time loops (the same sums in the same order), in training and with
+    running statistics, in blocks of one, two and all channels, split over threads."""
+    from npnorm.kernels import numba_channels
+
+    C = shape[1]
+    x = 7 + rounding(dtype, shape, 3.0)
+    dy = np.cos(np.arange(math.prod(shape))).reshape(shape).astype(dtype) / 7
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    b = np.linspace(-1, 1, C).astype(dtype)
+    rm, rv = np.linspace(6, 8, C).astype(dtype), np.linspace(1, 3, C).astype(dtype)
+
+    def results(block: int, threads: int) -> list[np.ndarray]:
+        monkeypatch.setattr(numba_channels, "_channel_block", lambda N, S, ct: block)
+        out = []
+        with config(threads, small=True):
+            for training in (True, False):
+                f = family_kernel("batch_norm_forward", "numba")(xp, x, rm, rv, w, b, training, 0.1, 1e-5)
+                g = family_kernel("batch_norm_backward", "numba")(xp, dy, x, f[1], f[2], w, b, training)
+                out += [*f, *g]
+        return out
+
+    one_at_a_time = results(0, 1)
+    for block, threads in ((1, 1), (2, 2), (2, 3), (C, 1), (C, 2)):
+        for a, c in zip(results(block, threads), one_at_a_time, strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 7), (5, 1), (3, 1, 1), (2, 3, 1), (1, 2, 1, 1)])

@@ -195,6 +195,13 @@ def _dx_span(dy, x, dx, lo, hi, a, k1, m, rc, k0):  # type: ignore[no-untyped-de
 
 
 @_loop
+def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
+    """``dx = a*dy`` over ``[lo, hi)``."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * dy[j]
+
+
+@_loop
 def _split(m, scratch):  # type: ignore[no-untyped-def]
     """``m`` (float64) as ``(m_hi, m_lo)`` in ``scratch``'s dtype: ``m_hi`` rounded,
     ``m_lo`` what the rounding lost."""
@@ -210,7 +217,7 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
         part[j] = 0
 
 
-# --- pipelined rows: LayerNorm, RMSNorm, GroupNorm and InstanceNorm ---------------------
+# --- pipelined rows: LayerNorm, RMSNorm, GroupNorm, InstanceNorm (and BatchNorm's channels)
 #
 # Reading a row for its sums and then writing its output would run as two phases, each
 # leaving memory half idle: the hardware does not fetch the next row in time on its own
@@ -399,34 +406,52 @@ def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # t
 
 @_loop
 def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type: ignore[no-untyped-def]
-    """Channels ``[c0, c1)`` of x (N,C,S), one channel at a time, so that its N*S values
-    stay in cache between the passes. With ``training``, the channel's mean and biased
-    variance (two-pass, float64) are written into ``mean``, ``var`` (float64 (C,));
-    else they are read from there (running statistics). Then ``rstd`` (C,) and
-    ``y = (x - mean)*rstd*w + b``."""
+    """Channels ``[c0, c1)`` of x (N,C,S), channel c's M = N*S values being the N rows
+    ``x[n, c]``. With ``training``, each channel's mean and biased variance (two-pass,
+    float64) are written into ``mean``, ``var`` (float64 (C,)); else they are read from
+    there (running statistics). Then ``rstd`` (C,) and ``y = (x - mean)*rstd*w + b``.
+    With ``training`` the channels are pipelined as the rows above: writing channel c
+    (from cache), it takes channel c + 1's squared deviations (from cache) and channel
+    c + 2's sum (from memory), chunk by chunk of each of the N rows."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
     s = np.empty(3, dtype=y.dtype)
-    for c in range(c0, c1):
-        if training:
-            t = 0.0
+    if not training:
+        for c in range(c0, c1):
+            rstd[c] = 1.0 / np.sqrt(var[c] + eps)
+            m_hi, m_lo = _split(mean[c], s)
+            s[2] = rstd[c] * w[c]
+            sc = s[2]
+            bc = b[c]
             for n in range(N):
-                t += _sum(x[n, c], 0, S)
-            m = t / M
-            q = 0.0
-            for n in range(N):
-                q += _sum_sq_dev(x[n, c], 0, S, m)
+                _affine_span(x[n, c], y[n, c], 0, S, m_hi, m_lo, sc, bc)
+        return
+    if c1 <= c0:
+        return
+    m = q = m1 = 0.0  # channel c's mean and squared deviations, channel c + 1's mean
+    for c in range(c0 - 2, c1):
+        write, dev, add, ch, n1, n2 = _two_ahead(c, c0, c1)
+        rs, m_hi, m_lo = _row_stats(m, q, M, eps, s)
+        if write:
             mean[c] = m
             var[c] = q / M
-        m = mean[c]
-        rs = 1.0 / np.sqrt(var[c] + eps)
-        rstd[c] = rs
-        m_hi, m_lo = _split(m, s)
-        s[2] = rstd[c] * w[c]
-        k = s[2]
-        bc = b[c]
+            rstd[c] = rs
+        s[2] = rs * w[ch]
+        sc = s[2]
+        bc = b[ch]
+        q1 = 0.0  # channel c + 1's squared deviations, channel c + 2's sum
+        t2 = 0.0
         for n in range(N):
-            _affine_span(x[n, c], y[n, c], 0, S, m_hi, m_lo, k, bc)
+            xr, yr, x1, x2 = x[n, ch], y[n, ch], x[n, n1], x[n, n2]
+            for lo in range(0, S, CHUNK):
+                hi = min(lo + CHUNK, S)
+                if add:
+                    t2 += _sum(x2, lo, hi)
+                if dev:
+                    q1 += _sum_sq_dev(x1, lo, hi, m1)
+                if write:
+                    _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
+        m, q, m1 = m1, q1, t2 / M
 
 
 @_loop
@@ -435,38 +460,207 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
     into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + k1*xhat + k0`` with
     ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
     ``k1 = -rstd*w*mean(dy*xhat)``, ``k0 = -rstd*w*mean(dy)`` (over the M = N*S values),
-    else (running statistics) ``dx = a*dy`` alone."""
+    else (running statistics) ``dx = a*dy`` alone. Pipelined as the rows above: writing
+    channel c's dx, it takes channel c + 1's sums."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
     s = np.empty(4, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
-    for c in range(c0, c1):
-        m = mean[c]
-        rs = np.float64(rstd[c])
-        wc = np.float64(w[c])
-        sd = 0.0
-        sdx = 0.0
-        for n in range(N):
-            u, v = _sums_dy_scalar_w(dy[n, c], x[n, c], 0, S, m, zero)
-            sd += u
-            sdx += v
-        db[c] = sd
-        dw[c] = sdx * rs
+    if c1 <= c0:
+        return
+    sd = sdx = 0.0  # channel c's sum(dy), sum(dy*(x - mean))
+    for c in range(c0 - 1, c1):
+        write, add, ch, n1 = _one_ahead(c, c0, c1)
+        m = mean[ch]
+        rs = np.float64(rstd[ch])
+        wc = np.float64(w[ch])
+        if write:
+            db[c] = sd
+            dw[c] = sdx * rs
         s[0] = rs * wc
         s[1] = -rs * wc * (sdx * rs / M)  # k1, k0: batch statistics only
         s[2] = -rs * wc * sd / M
         s[3] = rs
         a, k1, k0, rc = s[0], s[1], s[2], s[3]
+        sd = sdx = 0.0
         for n in range(N):
-            xr = x[n, c]
-            dyr = dy[n, c]
-            dxr = dx[n, c]
-            if training:
-                _dx_span(dyr, xr, dxr, 0, S, a, k1, m, rc, k0)
-            else:  # dx does not depend on x: a NaN or inf in x, or x - mean overflowing, stays out of it
-                for j in range(S):
-                    dxr[j] = a * dyr[j]
+            xr, dyr, dxr, x1, dy1 = x[n, ch], dy[n, ch], dx[n, ch], x[n, n1], dy[n, n1]
+            for lo in range(0, S, CHUNK):
+                hi = min(lo + CHUNK, S)
+                if add:
+                    u, v = _sums_dy_scalar_w(dy1, x1, lo, hi, mean[n1], zero)
+                    sd += u
+                    sdx += v
+                if write:
+                    if training:
+                        _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
+                    else:  # dx does not depend on x: a NaN or inf in x, or x - mean
+                        _scale_dy_span(dyr, dxr, lo, hi, a)  # overflowing, stays out of it
+
+
+# Channels of short rows (S < CHUNK values per sample; BatchNorm1d's (N, C) input has S =
+# 1): taking one channel at a time would read every sample's row of a few bytes from a
+# cache line of its own, C*S values apart. So these loops take a block of channels [a, e)
+# at a time, whose N rows ``x[n, a*S:e*S]`` are contiguous and, for a block of the size
+# the caller picks, stay in cache between the passes. Each channel's sums are added in the
+# order of the pipelined loops above (one chunk per row), from the same helpers or, at S =
+# 1, the same operations in loops over the rows and across the channels (``_across_*``,
+# vectorized across the channels): the results do not depend on which loops ran, nor on
+# the blocks. (Each row of x here is a sample: ``x[n, lo + j]`` is channel j of the
+# block that begins at ``lo``.)
+
+
+@_loop
+def _across_sum(x, lo, t):  # type: ignore[no-untyped-def]
+    """``t += x[n, lo:lo + len(t)]`` for every row n (one value per channel)."""
+    base = uint64(lo)
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(t.shape[0])):
+            t[j] += x[n, base + j]
+
+
+@_loop
+def _across_sq_dev(x, lo, m, t):  # type: ignore[no-untyped-def]
+    """``t += (x[n, lo:lo + len(t)] - m)^2`` for every row n, ``m`` float64."""
+    base = uint64(lo)
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(t.shape[0])):
+            d = x[n, base + j] - m[j]
+            t[j] += d * d
+
+
+@_loop
+def _across_affine(x, y, lo, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def]
+    """``y = ((x - m_hi) - m_lo)*sc + bc`` on ``[:, lo:lo + len(sc)]`` (``_affine_span``'s,
+    per channel)."""
+    base = uint64(lo)
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(sc.shape[0])):
+            y[n, base + j] = ((x[n, base + j] - m_hi[j]) - m_lo[j]) * sc[j] + bc[j]
+
+
+@_loop
+def _across_sums_dy(dy, x, lo, m, sd, sdx):  # type: ignore[no-untyped-def]
+    """``sd += dy``, ``sdx += dy*(x - m)`` on ``[n, lo:lo + len(sd)]`` for every row n
+    (``_sums_dy_scalar_w``'s, per channel)."""
+    base = uint64(lo)
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(sd.shape[0])):
+            d = dy[n, base + j]
+            sd[j] += d
+            sdx[j] += d * (x[n, base + j] - m[j])
+
+
+@_loop
+def _across_dx(dy, x, dx, lo, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
+    """``dx = a*dy + k1*((x - m)*rc) + k0`` on ``[:, lo:lo + len(a)]`` (``_dx_span``'s,
+    per channel)."""
+    base = uint64(lo)
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(a.shape[0])):
+            dx[n, base + j] = a[j] * dy[n, base + j] + k1[j] * ((x[n, base + j] - m[j]) * rc[j]) + k0[j]
+
+
+@_loop
+def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1):  # type: ignore[no-untyped-def]
+    """``channel_forward`` for short channel rows, x (N,C,S) as (N,C*S) and y likewise,
+    in blocks of B channels (see above)."""
+    N, S = x.shape[0], x.shape[1] // mean.shape[0]
+    M = N * S
+    s = np.empty(3, dtype=y.dtype)
+    nb = max(0, min(B, c1 - c0))
+    t = np.empty(nb)  # the block's channel sums (float64)
+    sc = np.empty(nb, dtype=y.dtype)  # rstd*w, b and the mean split, per channel
+    bc = np.empty(nb, dtype=y.dtype)
+    m_hi = np.empty(nb, dtype=y.dtype)
+    m_lo = np.empty(nb, dtype=y.dtype)
+    for a in range(c0, c1, B):
+        e = min(a + B, c1)
+        k, lo = e - a, a * S  # the block's channels, and where its rows begin
+        m, v, tb = mean[a:e], var[a:e], t[:k]
+        if training:
+            for q in (False, True):  # the sums, then the squared deviations from the mean
+                tb[:] = 0.0
+                if S == 1:
+                    if q:
+                        _across_sq_dev(x, lo, m, tb)
+                    else:
+                        _across_sum(x, lo, tb)
+                else:
+                    for n in range(N):
+                        xr = x[n]
+                        for j in range(k):
+                            jlo, jhi = lo + j * S, lo + (j + 1) * S
+                            tb[j] += _sum_sq_dev(xr, jlo, jhi, m[j]) if q else _sum(xr, jlo, jhi)
+                if q:
+                    v[:] = tb / M
+                else:
+                    m[:] = tb / M
+        for j in range(k):
+            c = a + j
+            rstd[c] = 1.0 / np.sqrt(var[c] + eps)
+            m_hi[j], m_lo[j] = _split(mean[c], s)
+            sc[j] = rstd[c] * w[c]
+            bc[j] = b[c]
+        if S == 1:
+            _across_affine(x, y, lo, m_hi[:k], m_lo[:k], sc[:k], bc[:k])
+        else:
+            for n in range(N):
+                xr, yr = x[n], y[n]
+                for j in range(k):
+                    _affine_span(xr, yr, lo + j * S, lo + (j + 1) * S, m_hi[j], m_lo[j], sc[j], bc[j])
+
+
+@_loop
+def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1):  # type: ignore[no-untyped-def]
+    """``channel_backward`` for short channel rows, dy, x, dx (N,C*S), in blocks of B
+    channels (see above)."""
+    N, S = x.shape[0], x.shape[1] // mean.shape[0]
+    M = N * S
+    s = np.empty(1, dtype=dx.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    nb = max(0, min(B, c1 - c0))
+    sd = np.empty(nb)  # the block's sum(dy), sum(dy*(x - mean)) (float64)
+    sdx = np.empty(nb)
+    av = np.empty(nb, dtype=dx.dtype)  # a, k1, k0 per channel
+    k1v = np.empty(nb, dtype=dx.dtype)
+    k0v = np.empty(nb, dtype=dx.dtype)
+    for a in range(c0, c1, B):
+        e = min(a + B, c1)
+        k, lo = e - a, a * S  # the block's channels, and where its rows begin
+        m, r = mean[a:e], rstd[a:e]
+        sd[:] = 0.0
+        sdx[:] = 0.0
+        if S == 1:
+            _across_sums_dy(dy, x, lo, m, sd[:k], sdx[:k])
+        else:
+            for n in range(N):
+                xr, dyr = x[n], dy[n]
+                for j in range(k):
+                    u, v = _sums_dy_scalar_w(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
+                    sd[j] += u
+                    sdx[j] += v
+        for j in range(k):
+            rs = np.float64(r[j])
+            wc = np.float64(w[a + j])
+            db[a + j] = sd[j]
+            dw[a + j] = sdx[j] * rs
+            av[j] = rs * wc
+            k1v[j] = -rs * wc * (sdx[j] * rs / M)
+            k0v[j] = -rs * wc * sd[j] / M
+        if training and S == 1:
+            _across_dx(dy, x, dx, lo, av[:k], k1v[:k], m, r, k0v[:k])
+            continue
+        for n in range(N):
+            xr, dyr, dxr = x[n], dy[n], dx[n]
+            for j in range(k):
+                jlo, jhi = lo + j * S, lo + (j + 1) * S
+                if training:
+                    _dx_span(dyr, xr, dxr, jlo, jhi, av[j], k1v[j], m[j], r[j], k0v[j])
+                else:  # dx does not depend on x (see channel_backward)
+                    _scale_dy_span(dyr, dxr, jlo, jhi, av[j])
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------

@@ -8,8 +8,12 @@ as (N, C, S), S = prod(spatial):
 * BatchNorm (and the running-statistics mode of InstanceNorm) works one channel at a
   time (``loops.channel_forward`` / ``channel_backward``): the channel's N*S values are
   read from memory once and stay in cache for the statistics (float64, two-pass) and
-  the output, or for the backward's two sums and ``dx``. The channels are split over
-  the threads; a channel's results do not depend on the split. An input that is not
+  the output, or for the backward's two sums and ``dx``; in training the channels are
+  pipelined as the rows below (while channel c is written, the next channels' sums are
+  taken). Channels of fewer than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C)
+  input: one) are taken in blocks of channels instead (``loops.channel_block_forward``
+  / ``_backward``), whose rows are contiguous. The channels are split over the threads;
+  a channel's results do not depend on the split or the blocks. An input that is not
   C-ordered in the computation dtype is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
@@ -68,6 +72,26 @@ def _running(
 
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
 
+# Channels of short rows (S < CHUNK values) go to ``loops.channel_block_forward`` /
+# ``_backward`` in blocks of channels: as many as keep BLOCK_BYTES of each array in cache
+# between the passes, and enough for rows of ROW_BYTES at least, so that the passes stream
+# through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
+# Timed against one channel at a time on a 2-vCPU Xeon (forward+backward, float32): 6-12x
+# faster at S = 1, 19% at (32, 512, 7, 7), 4-5% at S = 64 and 196; from S = 128 to 784
+# within 2% either way, so channels of CHUNK values and more stay one at a time.
+BLOCK_BYTES = 256 * 1024
+ROW_BYTES = 8 * 1024
+
+
+def _channel_block(N: int, S: int, ct: np.dtype[Any]) -> int:
+    """The channels per block of ``loops.channel_block_forward``/``_backward``, or 0 for
+    channels of S values long enough for one at a time (``loops.channel_forward``,
+    ``channel_backward``)."""
+    if S >= loops.CHUNK:
+        return 0
+    row = S * ct.itemsize  # bytes of one channel's row of a sample
+    return max(BLOCK_BYTES // (N * row), -(-ROW_BYTES // row), 1)
+
 
 def _channel_forward(
     input: np.ndarray,
@@ -91,8 +115,14 @@ def _channel_forward(
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     rstd = np.empty(C, dtype=ct)  # C
 
+    B = _channel_block(N, S, ct)
+
     def task(c0: int, c1: int) -> None:
-        loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y3, c0, c1)
+        if B:
+            x2, y2 = x.reshape(N, C * S), y3.reshape(N, C * S)  # N,C*S
+            loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, c0, c1)
+        else:
+            loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y3, c0, c1)
 
     run(task, ranges(C, N * S))
     if not dst.direct:
@@ -125,8 +155,14 @@ def _channel_backward(
     w = param_or(weight, C, ct, 1.0)  # C
     dw, db = np.empty(C), np.empty(C)  # C, C float64
 
+    B = _channel_block(N, S, ct)
+
     def task(c0: int, c1: int) -> None:
-        loops.channel_backward(dy, x, m, r, w, training, dx3, dw, db, c0, c1)
+        if B:
+            x2, dy2, dx2 = x.reshape(N, C * S), dy.reshape(N, C * S), dx3.reshape(N, C * S)  # N,C*S
+            loops.channel_block_backward(dy2, x2, m, r, w, training, dx2, dw, db, B, c0, c1)
+        else:
+            loops.channel_backward(dy, x, m, r, w, training, dx3, dw, db, c0, c1)
 
     run(task, ranges(C, N * S))
     if not dst.direct:
