@@ -581,7 +581,7 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
         m, v, tb = mean[a:e], var[a:e], t[:k]
         if training:
             for q in (False, True):  # the sums, then the squared deviations from the mean
-                tb[:] = 0.0
+                tb.fill(0.0)
                 if S == 1:
                     if q:
                         _across_sq_dev(x, lo, m, tb)
@@ -593,10 +593,11 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
                         for j in range(k):
                             jlo, jhi = lo + j * S, lo + (j + 1) * S
                             tb[j] += _sum_sq_dev(xr, jlo, jhi, m[j]) if q else _sum(xr, jlo, jhi)
-                if q:
-                    v[:] = tb / M
-                else:
-                    m[:] = tb / M
+                for j in range(k):  # (a loop: array expressions take seconds to compile)
+                    if q:
+                        v[j] = tb[j] / M
+                    else:
+                        m[j] = tb[j] / M
         for j in range(k):
             c = a + j
             rstd[c] = 1.0 / np.sqrt(var[c] + eps)
@@ -631,8 +632,8 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
         e = min(a + B, c1)
         k, lo = e - a, a * S  # the block's channels, and where its rows begin
         m, r = mean[a:e], rstd[a:e]
-        sd[:] = 0.0
-        sdx[:] = 0.0
+        sd.fill(0.0)
+        sdx.fill(0.0)
         if S == 1:
             _across_sums_dy(dy, x, lo, m, sd[:k], sdx[:k])
         else:
