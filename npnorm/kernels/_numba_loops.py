@@ -412,7 +412,10 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
     there (running statistics). Then ``rstd`` (C,) and ``y = (x - mean)*rstd*w + b``.
     With ``training`` the channels are pipelined as the rows above: writing channel c
     (from cache), it takes channel c + 1's squared deviations (from cache) and channel
-    c + 2's sum (from memory), chunk by chunk of each of the N rows."""
+    c + 2's sum (from memory), chunk by chunk of each of the N rows. (The step per chunk
+    is ``group_forward``'s, and ``channel_backward``'s is ``group_backward``'s, written out
+    in each: as one helper taking the flags and returning the sums, both measured 1.5-1.7x
+    slower.)"""
     N, S = x.shape[0], x.shape[2]
     M = N * S
     s = np.empty(3, dtype=y.dtype)
