@@ -202,6 +202,19 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 
 
 @_loop
+def _batch_dx_coefs(rs, wc, sd, sdx, M, s):  # type: ignore[no-untyped-def]
+    """BatchNorm's ``dx = a*dy + k1*xhat + k0`` over a channel of M values, from its float64
+    rstd ``rs``, weight ``wc``, ``sd = sum(dy)`` and ``sdx = sum(dy*(x - mean))``:
+    ``(a, k1, k0)`` in the data's dtype (through ``s[0:3]``), ``a = rstd*w``,
+    ``k1 = -rstd*w*mean(dy*xhat)``, ``k0 = -rstd*w*mean(dy)`` (k1, k0: batch statistics
+    only)."""
+    s[0] = rs * wc
+    s[1] = -rs * wc * (sdx * rs / M)
+    s[2] = -rs * wc * sd / M
+    return s[0], s[1], s[2]
+
+
+@_loop
 def _split(m, scratch):  # type: ignore[no-untyped-def]
     """``m`` (float64) as ``(m_hi, m_lo)`` in ``scratch``'s dtype: ``m_hi`` rounded,
     ``m_lo`` what the rounding lost."""
@@ -259,11 +272,11 @@ def _two_ahead(r, r0, r1):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _row_stats(m, q, L, eps, s):  # type: ignore[no-untyped-def]
-    """A row's statistics from its float64 mean ``m`` and sum of squared deviations ``q``
-    over ``L`` values: ``(rstd, m_hi, m_lo)``, rstd = 1/sqrt(q/L + eps) rounded to the
-    data's dtype as it is stored, and the mean split as by ``_split`` (in ``s[0:3]``)."""
-    s[2] = 1.0 / np.sqrt(q / L + eps)
+def _row_stats(m, var, eps, s):  # type: ignore[no-untyped-def]
+    """A row's (or channel's) statistics from its float64 mean ``m`` and biased variance
+    ``var``: ``(rstd, m_hi, m_lo)``, rstd = 1/sqrt(var + eps) rounded to the data's dtype
+    as it is stored, and the mean split as by ``_split`` (in ``s[0:3]``)."""
+    s[2] = 1.0 / np.sqrt(var + eps)
     m_hi, m_lo = _split(m, s)
     return s[2], m_hi, m_lo
 
@@ -284,7 +297,7 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
     for r in range(r0 - 2, r1):
         write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
         xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
-        k, m_hi, m_lo = _row_stats(m, q, D, eps, s)
+        k, m_hi, m_lo = _row_stats(m, q / D, eps, s)
         if write:
             mean[r] = m
             rstd[r] = k
@@ -421,9 +434,9 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
     s = np.empty(3, dtype=y.dtype)
     if not training:
         for c in range(c0, c1):
-            rstd[c] = 1.0 / np.sqrt(var[c] + eps)
-            m_hi, m_lo = _split(mean[c], s)
-            s[2] = rstd[c] * w[c]
+            rs, m_hi, m_lo = _row_stats(mean[c], var[c], eps, s)
+            rstd[c] = rs
+            s[2] = rs * w[c]
             sc = s[2]
             bc = b[c]
             for n in range(N):
@@ -434,7 +447,7 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
     m = q = m1 = 0.0  # channel c's mean and squared deviations, channel c + 1's mean
     for c in range(c0 - 2, c1):
         write, dev, add, ch, n1, n2 = _two_ahead(c, c0, c1)
-        rs, m_hi, m_lo = _row_stats(m, q, M, eps, s)
+        rs, m_hi, m_lo = _row_stats(m, q / M, eps, s)
         if write:
             mean[c] = m
             var[c] = q / M
@@ -467,7 +480,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
     channel c's dx, it takes channel c + 1's sums."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
-    s = np.empty(4, dtype=dx.dtype)
+    s = np.empty(3, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
     if c1 <= c0:
@@ -481,11 +494,8 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         if write:
             db[c] = sd
             dw[c] = sdx * rs
-        s[0] = rs * wc
-        s[1] = -rs * wc * (sdx * rs / M)  # k1, k0: batch statistics only
-        s[2] = -rs * wc * sd / M
-        s[3] = rs
-        a, k1, k0, rc = s[0], s[1], s[2], s[3]
+        a, k1, k0 = _batch_dx_coefs(rs, wc, sd, sdx, M, s)
+        rc = rstd[ch]
         sd = sdx = 0.0
         for n in range(N):
             xr, dyr, dxr, x1, dy1 = x[n, ch], dy[n, ch], dx[n, ch], x[n, n1], dy[n, n1]
@@ -603,9 +613,9 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
                         m[j] = tb[j] / M
         for j in range(k):
             c = a + j
-            rstd[c] = 1.0 / np.sqrt(var[c] + eps)
-            m_hi[j], m_lo[j] = _split(mean[c], s)
-            sc[j] = rstd[c] * w[c]
+            rs, m_hi[j], m_lo[j] = _row_stats(mean[c], var[c], eps, s)
+            rstd[c] = rs
+            sc[j] = rs * w[c]
             bc[j] = b[c]
         if S == 1:
             _across_affine(x, y, lo, m_hi[:k], m_lo[:k], sc[:k], bc[:k])
@@ -622,7 +632,7 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
     channels (see above)."""
     N, S = x.shape[0], x.shape[1] // mean.shape[0]
     M = N * S
-    s = np.empty(1, dtype=dx.dtype)
+    s = np.empty(3, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
     nb = max(0, min(B, c1 - c0))
@@ -651,9 +661,7 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
             wc = np.float64(w[a + j])
             db[a + j] = sd[j]
             dw[a + j] = sdx[j] * rs
-            av[j] = rs * wc
-            k1v[j] = -rs * wc * (sdx[j] * rs / M)
-            k0v[j] = -rs * wc * sd[j] / M
+            av[j], k1v[j], k0v[j] = _batch_dx_coefs(rs, wc, sd[j], sdx[j], M, s)
         if training and S == 1:
             _across_dx(dy, x, dx, lo, av[:k], k1v[:k], m, r, k0v[:k])
             continue
@@ -689,7 +697,7 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
     for r in range(r0 - 2, r1):
         write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
         xr, yr, x1, x2 = x[row], y[row], x[n1], x[n2]
-        rc, m_hi, m_lo = _row_stats(m, q, L, eps, s)
+        rc, m_hi, m_lo = _row_stats(m, q / L, eps, s)
         if write:
             var[r] = q / L
             mean[r] = m

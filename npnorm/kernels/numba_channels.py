@@ -116,10 +116,10 @@ def _channel_forward(
     rstd = np.empty(C, dtype=ct)  # C
 
     B = _channel_block(N, S, ct)
+    x2, y2 = x.reshape(N, C * S), y3.reshape(N, C * S)  # N,C*S: the rows of the blocks
 
     def task(c0: int, c1: int) -> None:
         if B:
-            x2, y2 = x.reshape(N, C * S), y3.reshape(N, C * S)  # N,C*S
             loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, c0, c1)
         else:
             loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y3, c0, c1)
@@ -156,10 +156,10 @@ def _channel_backward(
     dw, db = np.empty(C), np.empty(C)  # C, C float64
 
     B = _channel_block(N, S, ct)
+    x2, dy2, dx2 = x.reshape(N, C * S), dy.reshape(N, C * S), dx3.reshape(N, C * S)  # N,C*S
 
     def task(c0: int, c1: int) -> None:
         if B:
-            x2, dy2, dx2 = x.reshape(N, C * S), dy.reshape(N, C * S), dx3.reshape(N, C * S)  # N,C*S
             loops.channel_block_backward(dy2, x2, m, r, w, training, dx2, dw, db, B, c0, c1)
         else:
             loops.channel_backward(dy, x, m, r, w, training, dx3, dw, db, c0, c1)
