@@ -484,8 +484,6 @@ def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
     (BatchNorm1d's (N, C) input among them); their results are bitwise those of the
     one-channel-at-a-time loops (the same sums in the same order), in training and with
     running statistics, in blocks of one, two and all channels, split over threads."""
-    from npnorm.kernels import numba_channels
-
     C = shape[1]
     x = 7 + rounding(dtype, shape, 3.0)
     dy = np.cos(np.arange(math.prod(shape))).reshape(shape).astype(dtype) / 7
