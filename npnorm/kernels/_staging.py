@@ -76,6 +76,15 @@ def compiled(ct: np.dtype[Any]) -> bool:
     return ct in COMPILED
 
 
+def small(size: int, ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
+    """Whether a call can skip staging and threads: fewer than ``MIN_PARALLEL`` elements, the
+    inputs C-ordered in the computation dtype, and no ``out`` or a C-ordered one (its
+    shape and dtype checked by the caller) that shares no memory with them."""
+    if size >= MIN_PARALLEL or any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
+        return False
+    return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
+
+
 class Source:
     """An input's rows ``(R, L)`` for the loops: the input itself when it is C-ordered in
     the computation dtype (``direct``), else blocks staged through scratch."""

@@ -29,6 +29,7 @@ computation dtypes the loops do not compile for go to the ``"numpy"`` family.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, output
-from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, spans
+from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, small, spans
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
 
@@ -108,23 +109,26 @@ def _channel_forward(
     and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``."""
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
+    w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
+    rstd = np.empty(C, dtype=ct)  # C
+    B = _channel_block(N, S, ct)
+
+    def loop(x: np.ndarray, y: np.ndarray, c0: int, c1: int) -> None:  # x, y: N,C,S
+        if B:  # x, y as N,C*S: the rows of the blocks
+            x2, y2 = x.reshape(N, C * S), y.reshape(N, C * S)
+            loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, c0, c1)
+        else:
+            loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1)
+
+    if small(input.size, ct, out, input):  # no staging, no threads
+        y = np.empty(input.shape, dtype=ct) if out is None else out
+        loop(input.reshape(N, C, S), y.reshape(N, C, S), 0, C)
+        return y, rstd
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
     dst = Target(y, N * C, S, ct)
     y3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
-    w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
-    rstd = np.empty(C, dtype=ct)  # C
-
-    B = _channel_block(N, S, ct)
-    x2, y2 = x.reshape(N, C * S), y3.reshape(N, C * S)  # N,C*S: the rows of the blocks
-
-    def task(c0: int, c1: int) -> None:
-        if B:
-            loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, c0, c1)
-        else:
-            loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y3, c0, c1)
-
-    run(task, ranges(C, N * S))
+    run(partial(loop, x, y3), ranges(C, N * S))
     if not dst.direct:
         dst.done(0, N * C, y3.reshape(N * C, S))
     return finish(y, out), rstd
@@ -145,26 +149,29 @@ def _channel_backward(
     with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``."""
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
+    m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
+    r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
+    w = param_or(weight, C, ct, 1.0)  # C
+    dw, db = np.empty(C), np.empty(C)  # C, C float64
+    B = _channel_block(N, S, ct)
+
+    def loop(dy: np.ndarray, x: np.ndarray, dx: np.ndarray, c0: int, c1: int) -> None:  # N,C,S
+        if B:  # as N,C*S: the rows of the blocks
+            dy2, x2, dx2 = dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S)
+            loops.channel_block_backward(dy2, x2, m, r, w, training, dx2, dw, db, B, c0, c1)
+        else:
+            loops.channel_backward(dy, x, m, r, w, training, dx, dw, db, c0, c1)
+
+    if small(input.size, ct, out, input, grad_output):  # no staging, no threads
+        dx = np.empty(input.shape, dtype=ct) if out is None else out
+        loop(grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S), 0, C)
+        return dx, grad_as(dw, weight), grad_as(db, bias)
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     dy = _source(grad_output, C, ct).whole().reshape(N, C, S)  # N,C,S
     dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
     dst = Target(dx, N * C, S, ct)
     dx3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
-    m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
-    r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
-    w = param_or(weight, C, ct, 1.0)  # C
-    dw, db = np.empty(C), np.empty(C)  # C, C float64
-
-    B = _channel_block(N, S, ct)
-    x2, dy2, dx2 = x.reshape(N, C * S), dy.reshape(N, C * S), dx3.reshape(N, C * S)  # N,C*S
-
-    def task(c0: int, c1: int) -> None:
-        if B:
-            loops.channel_block_backward(dy2, x2, m, r, w, training, dx2, dw, db, B, c0, c1)
-        else:
-            loops.channel_backward(dy, x, m, r, w, training, dx3, dw, db, c0, c1)
-
-    run(task, ranges(C, N * S))
+    run(partial(loop, dy, x, dx3), ranges(C, N * S))
     if not dst.direct:
         dst.done(0, N * C, dx3.reshape(N * C, S))
     return finish(dx, out), grad_as(dw, weight), grad_as(db, bias)
@@ -185,13 +192,18 @@ def _group_forward(
     """``loops.group_forward`` over the N*G (sample, group) rows. Returns ``(y, mean,
     rstd, var)``, the statistics (N*G,), ``var`` (biased) in float64."""
     C = int(input.shape[1])
-    src = _source(input, G, ct)
-    R, L, k = src.rows.R, src.L, C // G
-    y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
-    dst = Target(y, R, L, ct)
+    R, k = int(input.shape[0]) * G, C // G
+    L = input.size // R
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     mean, rstd = np.empty(R, dtype=ct), np.empty(R, dtype=ct)  # R, R
     var = np.empty(R)  # R float64
+    if small(input.size, ct, out, input):  # no staging, no threads
+        y = np.empty(input.shape, dtype=ct) if out is None else out
+        loops.group_forward(input.reshape(R, L), w, b, k, eps, y.reshape(R, L), mean, rstd, var, 0, 0, R)
+        return y, mean, rstd, var
+    src = _source(input, G, ct)
+    y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
+    dst = Target(y, R, L, ct)
     B = block_size((src,), (dst,), R, L, ct)
 
     def task(start: int, stop: int) -> None:
@@ -220,33 +232,40 @@ def _group_backward(
     """``loops.group_backward`` over the N*G rows; dweight and dbias summed over samples
     (float64, fixed order) from the per-(sample, channel) sums."""
     N, C = int(input.shape[0]), int(input.shape[1])
-    src_x, src_dy = _source(input, G, ct), _source(grad_output, G, ct)
-    R, L, k = src_x.rows.R, src_x.L, C // G
+    R, k = N * G, C // G
+    L = input.size // R
     m = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
     r = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
     w = param_or(weight, C, ct, 1.0)  # C
-    dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)
-    dst = Target(dx, R, L, ct)
     sdy, sdyx = np.empty(N * C), np.empty(N * C)  # N*C float64: sum(dy), sum(dy*(x - mean))
-    B = block_size((src_x, src_dy), (dst,), R, L, ct)
+    if small(input.size, ct, out, input, grad_output):  # no staging, no threads
+        dx = np.empty(input.shape, dtype=ct) if out is None else out
+        dy2, x2, dx2 = grad_output.reshape(R, L), input.reshape(R, L), dx.reshape(R, L)
+        loops.group_backward(dy2, x2, m, r, w, k, dx2, sdy, sdyx, 0, 0, R)
+    else:
+        src_x, src_dy = _source(input, G, ct), _source(grad_output, G, ct)
+        dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)
+        dst = Target(dx, R, L, ct)
+        B = block_size((src_x, src_dy), (dst,), R, L, ct)
 
-    def task(start: int, stop: int) -> None:
-        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
-        for a, e in spans(start, stop, B):
-            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,L  n,L
-            ob = dst.block(a, e, obuf)  # n,L
-            s1, s2 = sdy[a * k : e * k], sdyx[a * k : e * k]  # n*k, n*k
-            loops.group_backward(dyb, xb, m[a:e], r[a:e], w, k, ob, s1, s2, a, 0, e - a)
-            dst.done(a, e, ob)
+        def task(start: int, stop: int) -> None:
+            xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+            for a, e in spans(start, stop, B):
+                xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,L  n,L
+                ob = dst.block(a, e, obuf)  # n,L
+                s1, s2 = sdy[a * k : e * k], sdyx[a * k : e * k]  # n*k, n*k
+                loops.group_backward(dyb, xb, m[a:e], r[a:e], w, k, ob, s1, s2, a, 0, e - a)
+                dst.done(a, e, ob)
 
-    run(task, ranges(R, L))
+        run(task, ranges(R, L))
+        dx = finish(dx, out)
     dweight = dbias = None
     if weight is not None:  # sum over samples of rstd * sum(dy*(x - mean))
         r3 = np.reshape(r.astype(np.float64), (N, G, 1))  # N,G,1
         dweight = np.sum(np.reshape(np.reshape(sdyx, (N, G, k)) * r3, (N, C)), axis=0)  # C
     if bias is not None:
         dbias = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
-    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
+    return dx, grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 def _running_forward(
@@ -351,9 +370,11 @@ def instance_norm_forward(
     S = prod(input.shape[2:])
     if use_input_stats:
         y, mean, rstd, var = _group_forward(input, C, weight, bias, eps, ct, out)
-        batch_mean = np.mean(np.reshape(mean, (N, C)).astype(np.float64), axis=0)  # C
-        batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
-        new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, momentum)
+        new_mean, new_var = running_mean, running_var
+        if running_mean is not None and running_var is not None:
+            batch_mean = np.mean(np.reshape(mean, (N, C)).astype(np.float64), axis=0)  # C
+            batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
+            new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, momentum)
         return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
     assert running_mean is not None and running_var is not None
     y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)

@@ -29,9 +29,8 @@ from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
-from . import _staging
 from ._blocks import finish, grad_as, output, per_row, row_layout
-from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, spans
+from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, small, spans
 
 Partials = tuple[np.ndarray, np.ndarray]
 
@@ -42,15 +41,6 @@ def _batch(input: np.ndarray, shape: Shape) -> tuple[int, ...]:
 
 def _fallback(op: str, *args: Any) -> Any:
     return family_kernel(op, "numpy")(*args)
-
-
-def _small(size: int, ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
-    """Whether a call can skip staging and threads: fewer than ``MIN_PARALLEL`` elements, the
-    inputs C-ordered in the computation dtype, and no ``out`` or a C-ordered one (its
-    shape and dtype checked by the caller) that shares no memory with them."""
-    if size >= _staging.MIN_PARALLEL or any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
-        return False
-    return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
 
 
 # --- LayerNorm ---------------------------------------------------------------------------
@@ -77,7 +67,7 @@ def layer_norm_forward(
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
     batch = _batch(input, shape)
-    if _small(R * D, ct, out, input):
+    if small(R * D, ct, out, input):
         # the small common call: no staging, no threads (and no NumPy arithmetic to silence)
         y = np.empty(input.shape, dtype=ct) if out is None else out
         loops.layer_norm_forward(input.reshape(R, D), w, b, eps, y.reshape(R, D), mean, rstd, 0, R)
@@ -141,7 +131,7 @@ def layer_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     w = param_or(weight, D, ct, 1.0)  # D
     sums = weight is not None or bias is not None
-    if _small(R * D, ct, out, input, grad_output):  # no staging, no threads
+    if small(R * D, ct, out, input, grad_output):  # no staging, no threads
         dx = np.empty(input.shape, dtype=ct) if out is None else out
         dw, db, pw, pb = np.zeros(D), np.zeros(D), np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)
         x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
