@@ -769,3 +769,20 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             if add:
                 sdy[n * k + i] = u
                 sdyx[n * k + i] = v
+
+
+@_loop
+def group_param_sums(sdy, sdyx, rstd, k, dw, db):  # type: ignore[no-untyped-def]
+    """dweight and dbias (float64 (C,)) from ``group_backward``'s per-(sample, channel)
+    sums ``sdy``, ``sdyx`` (N*C,) and the rows' ``rstd`` (N*G,), channel c being in group
+    ``c // k``: ``dw[c] = sum_n rstd[n, g]*sdyx[n, c]``, ``db[c] = sum_n sdy[n, c]``, the
+    samples added in order."""
+    C = dw.shape[0]
+    G = C // k
+    for c in range(C):
+        dw[c] = 0.0
+        db[c] = 0.0
+    for n in range(sdy.shape[0] // C):
+        for c in range(C):
+            dw[c] += sdyx[n * C + c] * np.float64(rstd[n * G + c // k])
+            db[c] += sdy[n * C + c]

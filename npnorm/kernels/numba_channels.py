@@ -259,13 +259,9 @@ def _group_backward(
 
         run(task, ranges(R, L))
         dx = finish(dx, out)
-    dweight = dbias = None
-    if weight is not None:  # sum over samples of rstd * sum(dy*(x - mean))
-        r3 = np.reshape(r.astype(np.float64), (N, G, 1))  # N,G,1
-        dweight = np.sum(np.reshape(np.reshape(sdyx, (N, G, k)) * r3, (N, C)), axis=0)  # C
-    if bias is not None:
-        dbias = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
-    return dx, grad_as(dweight, weight), grad_as(dbias, bias)
+    dw, db = np.empty(C), np.empty(C)  # C, C float64: sums over the samples, in order
+    loops.group_param_sums(sdy, sdyx, r, k, dw, db)
+    return dx, grad_as(dw, weight), grad_as(db, bias)
 
 
 def _running_forward(
