@@ -772,11 +772,11 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
 
 
 @_loop
-def group_param_sums(sdy, sdyx, rstd, k, dw, db):  # type: ignore[no-untyped-def]
-    """dweight and dbias (float64 (C,)) from ``group_backward``'s per-(sample, channel)
-    sums ``sdy``, ``sdyx`` (N*C,) and the rows' ``rstd`` (N*G,), channel c being in group
-    ``c // k``: ``dw[c] = sum_n rstd[n, g]*sdyx[n, c]``, ``db[c] = sum_n sdy[n, c]``, the
-    samples added in order."""
+def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def]
+    """dweight and dbias (float64 (C,)) from the rows' ``rstd`` (N*G,) and the
+    per-(sample, channel) sums of ``group_backward``, ``sdy``, ``sdyx`` (N*C,), channel c
+    being in group ``c // k``: ``dw[c] = sum_n rstd[n, g]*sdyx[n, c]``,
+    ``db[c] = sum_n sdy[n, c]``, the samples added in order."""
     C = dw.shape[0]
     G = C // k
     for c in range(C):

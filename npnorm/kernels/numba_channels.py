@@ -260,7 +260,7 @@ def _group_backward(
         run(task, ranges(R, L))
         dx = finish(dx, out)
     dw, db = np.empty(C), np.empty(C)  # C, C float64: sums over the samples, in order
-    loops.group_param_sums(sdy, sdyx, r, k, dw, db)
+    loops.group_param_sums(r, sdy, sdyx, k, dw, db)
     return dx, grad_as(dw, weight), grad_as(db, bias)
 
 
