@@ -28,7 +28,7 @@ from npnorm.functional._dispatch import family_kernel, generic_kernel
 
 pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
 
-from npnorm.kernels import _blocks, _staging, numba_channels
+from npnorm.kernels import _blocks, _staging, numba_channels, numba_rows
 
 FLOATS = ("float16", "float32", "float64")
 LAYOUTS = ("C", "F", "sliced", "transposed", "channels_last")
@@ -342,6 +342,33 @@ def _every_op(x, dy, w, b):
         f = family_kernel(op + "_forward", "numba")(xp, *fwd_args)
         out += [*f, *family_kernel(op + "_backward", "numba")(xp, *bwd_args(f))]
     return [a for a in out if a is not None]
+
+
+def test_small_calls_skip_staging_and_threads(monkeypatch):
+    """A call under MIN_PARALLEL values, C-ordered in the computation dtype, runs its loop
+    directly, every operation forward and backward: no staging (``Source``) and no split
+    over the threads (``run``), with the results of the same loops staged in tiny blocks
+    (bitwise; in one thread, as LayerNorm's and RMSNorm's dweight and dbias are summed per
+    thread); a Fortran-ordered input of the same size takes the staged path."""
+    rng = np.random.default_rng(8)
+    x = (rng.normal(size=(2, 4, 3, 5)) * 3 + 7).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    w, b = np.linspace(0.5, 1.5, 5).astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)
+    with config(1, small=True):  # every op staged in tiny blocks, for the expected results
+        staged = _every_op(x, dy, w, b)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("staged or split")
+
+    for module in (numba_rows, numba_channels):
+        monkeypatch.setattr(module, "Source", refuse)
+        monkeypatch.setattr(module, "run", refuse)
+    direct = _all_results(x, dy, w, b, 2)
+    assert len(direct) == len(staged)
+    for a, c in zip(direct, staged, strict=True):
+        np.testing.assert_array_equal(a, c)
+    with pytest.raises(AssertionError, match="staged or split"):
+        _all_results(np.asfortranarray(x), dy, w, b, 2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -187,6 +187,10 @@ def rms_norm_forward(
     R = input.size // D
     w = param_or(weight, D, ct, 1.0)  # D
     rstd = np.empty(R, dtype=ct)  # R
+    if small(R * D, ct, out, input):  # no staging, no threads
+        y = np.empty(input.shape, dtype=ct) if out is None else out
+        loops.rms_norm_forward(input.reshape(R, D), w, eps_value, y.reshape(R, D), rstd, 0, R)
+        return y, rstd.reshape(_batch(input, shape))
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
     src = Source(input, *row_layout(input, len(shape)), ct)
     dst = Target(y, R, D, ct)
@@ -224,6 +228,12 @@ def rms_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     w = param_or(weight, D, ct, 1.0)  # D
     sums = weight is not None
+    if small(R * D, ct, out, input, grad_output):  # no staging, no threads
+        dx = np.empty(input.shape, dtype=ct) if out is None else out
+        dw, pw = np.zeros(D), np.zeros(D, dtype=ct)  # D float64, D the last rows' sums
+        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
+        loops.rms_norm_backward(dy2, x2, rstd_c, w, dx2, dw, pw, sums, 0, 0, R)
+        return dx, grad_as(dw + pw, weight)
     dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
     layout = row_layout(input, len(shape))
     src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
