@@ -387,22 +387,3 @@ def test_bad_environment_value_is_an_error(monkeypatch, bad):
     monkeypatch.setenv(_threads.ENV_VAR, bad)
     with pytest.raises(ValueError, match=_threads.ENV_VAR):
         _threads.get_num_threads()
-
-
-def test_pool_recreated_when_the_count_changes():
-    _threads.set_num_threads(3)
-    assert _threads.run_parallel([lambda k=k: k * k for k in range(6)]) == [0, 1, 4, 9, 16, 25]
-    pool3 = _threads._executor(2)
-    _threads.set_num_threads(2)
-    assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]
-    assert _threads._executor(1) is not pool3
-
-
-def test_task_errors_propagate():
-    _threads.set_num_threads(2)
-
-    def boom():
-        raise RuntimeError("in a worker")
-
-    with pytest.raises(RuntimeError, match="in a worker"):
-        _threads.run_parallel([lambda: 0, boom])
