@@ -49,9 +49,12 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
                 _, mean, rstd, _, _ = F.batch_norm_forward(x, rm, rv, w4, b4, training=training)
                 F.batch_norm_backward(x, x, mean, rstd, w4, b4, training=training)
 
+    wide = rng.standard_normal((1, 4, 24, 24)).astype(dtype)  # channels of 576 values
+
     def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
-        _, mean, rstd = F.group_norm_forward(img, 2, w4, b4)
-        F.group_norm_backward(img, img, 2, mean, rstd, w4, b4)
+        for x in (img, wide):  # the backward's short rows (one at a time) and long ones
+            _, mean, rstd = F.group_norm_forward(x, 2, w4, b4)
+            F.group_norm_backward(x, x, 2, mean, rstd, w4, b4)
 
     return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
 

@@ -504,6 +504,67 @@ def test_pipeline_split_does_not_change_sums(threads):
     check_pipeline(x, dy, 3, threads)
 
 
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from(("float32", "float64")),
+    n=st.integers(1, 4),
+    groups=st.integers(1, 3),
+    k=st.integers(1, 4),
+    S=st.sampled_from((1, 7, 49, 255, 256, 257, 600)),
+    threads=st.sampled_from((1, 2, 3)),
+    layout=st.sampled_from(("C", "sliced")),
+    data=st.data(),
+)
+def test_short_group_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, threads, layout, data):
+    """GroupNorm's and InstanceNorm's backward on short rows runs ``group_backward_short``
+    (one row at a time, no pipeline): bitwise the pipelined ``group_backward``'s dx,
+    dweight and dbias, rows shorter and longer than a chunk, split over threads, staged
+    in blocks (``sliced``) or not."""
+    shape = (n, groups * k, S)
+    x = data.draw(values(dtype, shape)) * np.asarray(3, dtype) + np.asarray(7, dtype)
+    x = x + rounding(dtype, shape, 1 / 3)  # plus values whose sums round
+    dy = data.draw(values(dtype, shape)) + rounding(dtype, shape, 1 / 7)
+    w = np.linspace(0.5, 1.5, groups * k).astype(dtype)
+    b = np.linspace(-1, 1, groups * k).astype(dtype)
+    _, mean, rstd = generic_kernel("group_norm_forward")(xp, x, groups, w, b, 1e-5)
+    x, dy = laid_out(x, layout), laid_out(dy, layout)
+    backward = family_kernel("group_norm_backward", "numba")
+    results = {}
+    for short in (True, False):
+        with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
+            mp.setattr(numba_channels, "_short_rows", lambda L, S, ct, short=short: short)
+            results[short] = backward(xp, dy, x, groups, mean, rstd, w, b)
+    for a, c in zip(results[True], results[False], strict=True):
+        np.testing.assert_array_equal(a, c)
+
+
+def test_short_group_rows_rule(monkeypatch):
+    """Which backward loop GroupNorm and InstanceNorm rows go to: short rows of short
+    channels one at a time, the others pipelined (see ``numba_channels._short_rows``)."""
+    from npnorm.kernels import _numba_loops as loops
+
+    called: list[str] = []
+    for name in ("group_backward", "group_backward_short"):
+        loop = getattr(loops, name)
+        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    cases = [
+        ((2, 4, 7, 7), 4, "float32", "group_backward_short"),  # InstanceNorm 7x7
+        ((2, 32, 7, 7), 2, "float32", "group_backward_short"),  # 16 channels of 7x7: 3 KB rows
+        ((2, 4, 14, 14), 4, "float64", "group_backward"),  # channels of 1.5 KB
+        ((1, 2, 30, 30), 2, "float32", "group_backward"),  # channels of 3.5 KB
+        ((1, 32, 14, 14), 2, "float32", "group_backward"),  # rows of 12.5 KB
+    ]
+    rng = np.random.default_rng(5)
+    for shape, groups, dtype, expected in cases:
+        x = rng.normal(size=shape).astype(dtype)
+        _, mean, rstd = F.group_norm_forward(x, groups)
+        called.clear()
+        dx = F.group_norm_backward(x, x, groups, mean, rstd)[0]
+        assert set(called) == {expected}, (shape, groups, dtype, called)
+        ref = generic_kernel("group_norm_backward")(xp, x, x, groups, mean, rstd, None, None)[0]
+        np.testing.assert_allclose(dx, ref, rtol=1e-4 if dtype == "float32" else 1e-10, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255)])
 def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):

@@ -778,6 +778,46 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
 
 
 @_loop
+def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # type: ignore[no-untyped-def]
+    """``group_backward`` for short rows (a few KB): one row at a time, its sums, then its
+    dx, with no pipeline (the hardware fetches short rows in time on its own, and the
+    pipeline's steps cost more than they hide there). The same sums, chunk by chunk in
+    the same order, and the same dx: bitwise ``group_backward``'s results."""
+    L = x.shape[1]
+    S = L // k
+    G = w.shape[0] // k
+    s = np.empty(3, dtype=dx.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    for r in range(r0, r1):
+        xr, dyr, dxr = x[r], dy[r], dx[r]
+        m = mean[r]
+        rs = np.float64(rstd[r])
+        c0 = ((base + r) % G) * k
+        for i in range(k):  # the row's sums per channel
+            u = 0.0
+            v = 0.0
+            for lo in range(i * S, (i + 1) * S, CHUNK):
+                p, q = _sums_dy_scalar_w(dyr, xr, lo, min(lo + CHUNK, (i + 1) * S), m, zero)
+                u += p
+                v += q
+            sdy[r * k + i] = u
+            sdyx[r * k + i] = v
+        sg = 0.0
+        sgx = 0.0
+        for i in range(k):
+            wc = np.float64(w[c0 + i])
+            sg += wc * sdy[r * k + i]
+            sgx += wc * sdyx[r * k + i]
+        s[1] = -rs * (sgx * rs / L)
+        s[2] = -rs * sg / L
+        k1, k0, rc = s[1], s[2], rstd[r]
+        for i in range(k):  # then its dx
+            s[0] = rs * w[c0 + i]
+            _dx_span(dyr, xr, dxr, i * S, (i + 1) * S, s[0], k1, m, rc, k0)
+
+
+@_loop
 def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def]
     """dweight and dbias (float64 (C,)) from the rows' ``rstd`` (N*G,) and the
     per-(sample, channel) sums of ``group_backward``, ``sdy``, ``sdyx`` (N*C,), channel c
