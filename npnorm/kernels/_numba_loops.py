@@ -782,7 +782,9 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
     """``group_backward`` for short rows (a few KB): one row at a time, its sums, then its
     dx, with no pipeline (the hardware fetches short rows in time on its own, and the
     pipeline's steps cost more than they hide there). The same sums, chunk by chunk in
-    the same order, and the same dx: bitwise ``group_backward``'s results."""
+    the same order, and the same dx: bitwise ``group_backward``'s results. (The row's
+    dx coefficients are written out as there: as one helper called from both, the
+    backward measured 1.6x slower at InstanceNorm (32, 512, 7, 7).)"""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
