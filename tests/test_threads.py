@@ -5,6 +5,7 @@ count, after a fork), and callers that find it in use (other threads, nested cal
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -135,3 +136,29 @@ def test_pool_works_in_a_forked_child():
             os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+def test_an_interrupted_wait_still_waits_for_the_workers():
+    """A KeyboardInterrupt while the caller waits for a worker is raised once the worker's
+    task has finished, and the pool is then as good as new."""
+    _threads.set_num_threads(2)
+    finished = []
+
+    def slow():
+        time.sleep(0.3)
+        finished.append(True)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # while the caller waits for `slow`
+        with pytest.raises(KeyboardInterrupt):
+            _threads.run_parallel([lambda: None, slow])
+        assert finished == [True]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert _threads.run_parallel([lambda: "a", lambda: "b"]) == ["a", "b"]
