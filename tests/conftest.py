@@ -102,6 +102,14 @@ def torch():
 
 
 @pytest.fixture
+def restore_threads():
+    """The thread count as it was before the test (for tests that set it)."""
+    before = npnorm.get_num_threads()
+    yield
+    npnorm.set_num_threads(before)
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
 

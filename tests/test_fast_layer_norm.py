@@ -28,6 +28,7 @@ FLOATS = ("float16", "float32", "float64")
 # the block size and thread count fixtures hold for every drawn example
 FIXTURES_OK = [HealthCheck.function_scoped_fixture]
 REL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-5}  # of the computation dtype
+pytestmark = pytest.mark.usefixtures("restore_threads")  # (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -35,13 +36,6 @@ def numpy_kernels():
     """These tests are about the "numpy" kernel family: the public functions use it."""
     with use_kernels("numpy"):
         yield
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    before = _threads.get_num_threads()
-    yield
-    _threads.set_num_threads(before)
 
 
 @pytest.fixture

@@ -13,12 +13,7 @@ import pytest
 
 from npnorm import _threads
 
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    before = _threads.get_num_threads()
-    yield
-    _threads.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("restore_threads")  # (tests/conftest.py)
 
 
 def _where(i: int):
