@@ -59,6 +59,42 @@ def test_huge_inputs_match_ordinary_scale(family, dtype, scale, layer):
         np.testing.assert_allclose(g1[k], g0[k], rtol=tol, atol=tol * float(np.abs(g0[k]).max()), err_msg=k)
 
 
+def long_rows():
+    """(name, module factory, input shape): rows (LayerNorm, RMSNorm) and channels of 256
+    values and more."""
+    return [
+        ("LayerNorm", lambda: npnorm.LayerNorm(768, dtype="float32"), (4, 768)),
+        ("RMSNorm", lambda: npnorm.RMSNorm(768, dtype="float32"), (4, 768)),
+        ("BatchNorm2d", lambda: npnorm.BatchNorm2d(4, dtype="float32"), (4, 4, 16, 16)),
+        ("InstanceNorm2d", lambda: npnorm.InstanceNorm2d(4, affine=True, dtype="float32"), (2, 4, 16, 16)),
+        ("GroupNorm", lambda: npnorm.GroupNorm(2, 4, dtype="float32"), (2, 4, 16, 16)),
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layer", [name for name, _, _ in long_rows()])
+def test_huge_long_rows_whose_gradient_sums_overflow_float32(family, layer):
+    """float32 values near 3e36 in long rows, with dy of the sign of x: float32 sums of
+    dy*(x - mean) pass float32's largest value (the numpy family's LayerNorm and RMSNorm
+    gave inf and NaN here), and the results are still those of the same data at ordinary
+    scale."""
+    make, shape = {n: (f, s) for n, f, s in long_rows()}[layer]
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=shape)
+    dy = (np.sign(x) * (1 + rng.random(shape))).astype(np.float32)
+    scale = 3e36
+    with npnorm.use_kernels(family):
+        small, big = make(), make()
+        y0, dx0, g0 = _step(small, x.astype(np.float32), dy)
+        y1, dx1, g1 = _step(big, (x * scale).astype(np.float32), dy)
+    for a in (y1, dx1, *g1.values()):
+        assert np.isfinite(a).all(), layer
+    np.testing.assert_allclose(y1, y0, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dx1 * scale, dx0, rtol=2e-3, atol=2e-3 * float(np.abs(dx0).max()))
+    for k in g0:
+        np.testing.assert_allclose(g1[k], g0[k], rtol=2e-3, atol=2e-3 * float(np.abs(g0[k]).max()), err_msg=k)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layer", [name for name, _, _ in layers()])
 def test_statistics_beyond_float64_give_finite_results(family, layer):

@@ -261,6 +261,22 @@ def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     return vecmat(ones[: a.shape[0]], a, out)  # D
 
 
+def scaled_rowdot(a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = scale[i] * sum_j a[i, j] * b[j]`` for an (n,D) block and a (D,) row (or
+    an (n,D) block ``b``), ``scale`` float64 (n,): the dot in the block's dtype, taken
+    again in float64 for the rows where that overflows (a float32 row of values near 1e36
+    whose products share a sign), so that a scale that brings the sum back into range
+    gives a finite result."""
+    rowdot(a, b, out=out)  # n
+    big = np.isinf(out)  # n
+    np.multiply(out, scale, out=out)  # n
+    if big.any():
+        rows = a[big].astype(np.float64)  # the few overflowing rows
+        other = b.astype(np.float64) if b.ndim == 1 else b[big].astype(np.float64)
+        out[big] = np.einsum("ij,j->i" if b.ndim == 1 else "ij,ij->i", rows, other) * scale[big]
+    return out
+
+
 def rowsumsq(a: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = sum_j a[i, j]**2`` for an (n,L) block: a BLAS dot in the block's dtype,
     summed again in ``out``'s dtype (float64) for the rows where that overflows (float32

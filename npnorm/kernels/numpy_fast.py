@@ -54,6 +54,7 @@ from ._blocks import (
     rowdot,
     rowsum,
     run_chunks,
+    scaled_rowdot,
     scratch,
     sum_in_order,
     tiled,
@@ -162,6 +163,9 @@ def layer_norm_backward(
     * ``dx = rstd * (g - mg - k * xc)``, built in place in the output block (or a
       scratch block when dx's dtype is not the computation dtype).
 
+    ``k``'s row sums are taken again in float64 for rows where they overflow the
+    computation dtype (``scaled_rowdot``).
+
     The per-thread partials are added in thread order at the end.
     """
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
@@ -211,15 +215,14 @@ def layer_norm_backward(
                 np.multiply(dyb, xc, out=u)  # n,D  dy * xc
                 vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
                 np.add(dw_part, col, out=dw_part)
-                rowdot(u, w, out=k)  # n  rowsum(g * xc)
+                scaled_rowdot(u, w, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 rowdot(dyb, w, out=mg)  # n  rowsum(g)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
-                rowdot(dyb, xc, out=k)  # n  rowsum(g * xc)
+                scaled_rowdot(dyb, xc, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 rowsum(dyb, ones, out=mg)  # n  rowsum(g)
                 g = dyb  # n,D
             np.divide(mg, D, out=mg)  # n  mean(g)
-            np.multiply(k, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
             np.multiply(xc, k[:, None], out=xc)  # n,D
             np.subtract(g, xc, out=out)  # n,D
             np.subtract(out, mg[:, None], out=out)  # n,D
@@ -300,7 +303,8 @@ def rms_norm_backward(
     ``k = rstd * mean(g * xhat) = rstd^2 * rowsum(dy * x * w) / D``:
     ``dweight += rstd @ (dy * x)`` (= colsum(dy * xhat)) into this thread's partial
     sum, and ``dx = rstd * (g - k * x)``, built in place in the output block. No mean
-    is subtracted, so working with ``x`` rather than ``xhat`` loses nothing.
+    is subtracted, so working with ``x`` rather than ``xhat`` loses nothing; ``k``'s row
+    sums are taken again in float64 where they overflow (``scaled_rowdot``).
     """
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     D = prod(shape)
@@ -337,12 +341,11 @@ def rms_norm_backward(
                 np.multiply(dyb, xb, out=u)  # n,D  dy * x
                 vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
                 np.add(dw_part, col, out=dw_part)
-                rowdot(u, w, out=k)  # n  rowsum(g * x)
+                scaled_rowdot(u, w, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
-                rowdot(dyb, xb, out=k)  # n  rowsum(g * x)
+                scaled_rowdot(dyb, xb, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 g = dyb  # n,D
-            np.multiply(k, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
             np.multiply(xb, k[:, None], out=u)  # n,D
             np.subtract(g, u, out=out)  # n,D
             np.multiply(out, rstd_c[a:e, None], out=out)  # n,D  dx
