@@ -344,30 +344,43 @@ def _every_op(x, dy, w, b):
     return [a for a in out if a is not None]
 
 
-def test_small_calls_skip_staging_and_threads(monkeypatch):
-    """A call under MIN_PARALLEL values, C-ordered in the computation dtype, runs its loop
-    directly, every operation forward and backward: no staging (``Source``) and no split
-    over the threads (``run``), with the results of the same loops staged in tiny blocks
-    (bitwise; in one thread, as LayerNorm's and RMSNorm's dweight and dbias are summed per
-    thread); a Fortran-ordered input of the same size takes the staged path."""
+def test_c_ordered_calls_skip_staging(monkeypatch):
+    """An input C-ordered in the computation dtype goes to the loops as it is, every
+    operation forward and backward: no staging (``Source``), each thread's rows in one
+    call, and no split over the threads (``run_parallel``) under MIN_PARALLEL values. The
+    results are those of the same loops staged in tiny blocks at the same thread count
+    (bitwise: LayerNorm's and RMSNorm's dweight and dbias are summed per thread); a
+    Fortran-ordered input of the same size takes the staged path."""
     rng = np.random.default_rng(8)
     x = (rng.normal(size=(2, 4, 3, 5)) * 3 + 7).astype(np.float32)
     dy = rng.normal(size=x.shape).astype(np.float32)
     w, b = np.linspace(0.5, 1.5, 5).astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)
     with config(1, small=True):  # every op staged in tiny blocks, for the expected results
         staged = _every_op(x, dy, w, b)
+    with config(2, small=True):  # and split over two threads
+        staged_split = _every_op(x, dy, w, b)
+    splits = []
 
     def refuse(*args, **kwargs):
-        raise AssertionError("staged or split")
+        raise AssertionError("staged")
+
+    def count(tasks):
+        splits.append(len(tasks))
+        return [t() for t in tasks]
 
     for module in (numba_rows, numba_channels):
         monkeypatch.setattr(module, "Source", refuse)
-        monkeypatch.setattr(module, "run", refuse)
-    direct = _all_results(x, dy, w, b, 2)
-    assert len(direct) == len(staged)
+    monkeypatch.setattr(_staging, "run_parallel", count)
+    direct = _all_results(x, dy, w, b, 2)  # small: no split
+    assert splits == [] and len(direct) == len(staged)
     for a, c in zip(direct, staged, strict=True):
         np.testing.assert_array_equal(a, c)
-    with pytest.raises(AssertionError, match="staged or split"):
+    with config(2, small=True):  # MIN_PARALLEL = 1: every call split in two
+        direct_split = _every_op(x, dy, w, b)
+    assert splits and set(splits) == {2}
+    for a, c in zip(direct_split, staged_split, strict=True):
+        np.testing.assert_array_equal(a, c)
+    with pytest.raises(AssertionError, match="staged"):
         _all_results(np.asfortranarray(x), dy, w, b, 2)
 
 

@@ -1,8 +1,9 @@
 """How the compiled (numba) kernels get their arrays and their threads.
 
 The compiled loops (``_numba_loops``) take C-ordered arrays of the computation dtype
-(float32 or float64) only, so that each compiles once per dtype and layout. An input
-that already is one (the common case) is passed as it is; anything else (float16,
+(float32 or float64) only, so that each compiles once per dtype and layout. A call whose
+inputs already are (the common case; ``direct``) passes them to the loops as they are,
+each thread's range of rows in one call, with no staging objects; anything else (float16,
 Fortran order, channels-last, strided views) is copied block by block into C-ordered
 scratch of the computation dtype (``Source``), and an output of another dtype or
 layout is written through a scratch block (``Target``). Memory beyond the outputs is
@@ -38,6 +39,8 @@ def ranges(n: int, per_item: int) -> list[tuple[int, int]]:
     """``n`` items (rows, channels) of ``per_item`` elements as contiguous ranges, one per
     thread: as many as the thread count allows with at least ``MIN_PARALLEL`` elements
     each, one (the calling thread) for small inputs."""
+    if n * per_item < 2 * MIN_PARALLEL:
+        return [(0, n)]
     parts = max(1, min(get_num_threads(), n, (n * per_item) // MIN_PARALLEL))
     return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
 
@@ -76,11 +79,14 @@ def compiled(ct: np.dtype[Any]) -> bool:
     return ct in COMPILED
 
 
-def small(size: int, ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
-    """Whether a call can skip staging and threads: fewer than ``MIN_PARALLEL`` elements, the
-    inputs C-ordered in the computation dtype, and no ``out`` or a C-ordered one (its
-    shape and dtype checked by the caller) that shares no memory with them."""
-    if size >= MIN_PARALLEL or any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
+def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
+    """Whether a call can skip staging: the inputs C-ordered in the computation dtype, and
+    no ``out`` or a C-ordered one (its shape and dtype checked by the caller) that shares
+    no memory with them. (Against the staging objects, which see the same arrays through a
+    few layers of Python, this saves 15-40 us a call; with 2 threads, LayerNorm's forward
+    at (2, 128, 384) took 50 against 67 us, GroupNorm's backward at (8, 64, 14, 14) 120
+    against 154 us.)"""
+    if any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
         return False
     return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
 

@@ -41,7 +41,7 @@ from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, output
-from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, small, spans
+from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
 
@@ -138,9 +138,9 @@ def _channel_forward(
         else:
             loops.channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1)
 
-    if small(input.size, ct, out, input):  # no staging, no threads
+    if direct(ct, out, input):  # no staging
         y = np.empty(input.shape, dtype=ct) if out is None else out
-        loop(input.reshape(N, C, S), y.reshape(N, C, S), 0, C)
+        run(partial(loop, input.reshape(N, C, S), y.reshape(N, C, S)), ranges(C, N * S))
         return y, rstd
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
@@ -180,9 +180,10 @@ def _channel_backward(
         else:
             loops.channel_backward(dy, x, m, r, w, training, dx, dw, db, c0, c1)
 
-    if small(input.size, ct, out, input, grad_output):  # no staging, no threads
+    if direct(ct, out, input, grad_output):  # no staging
         dx = np.empty(input.shape, dtype=ct) if out is None else out
-        loop(grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S), 0, C)
+        dy3, x3, dx3 = grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S)
+        run(partial(loop, dy3, x3, dx3), ranges(C, N * S))
         return dx, grad_as(dw, weight), grad_as(db, bias)
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     dy = _source(grad_output, C, ct).whole().reshape(N, C, S)  # N,C,S
@@ -215,9 +216,10 @@ def _group_forward(
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     mean, rstd = np.empty(R, dtype=ct), np.empty(R, dtype=ct)  # R, R
     var = np.empty(R)  # R float64
-    if small(input.size, ct, out, input):  # no staging, no threads
+    if direct(ct, out, input):  # no staging: each thread's rows in one call
         y = np.empty(input.shape, dtype=ct) if out is None else out
-        loops.group_forward(input.reshape(R, L), w, b, k, eps, y.reshape(R, L), mean, rstd, var, 0, 0, R)
+        x2, y2 = input.reshape(R, L), y.reshape(R, L)  # R,L  R,L
+        run(partial(loops.group_forward, x2, w, b, k, eps, y2, mean, rstd, var, 0), ranges(R, L))
         return y, mean, rstd, var
     src = _source(input, G, ct)
     y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
@@ -258,10 +260,10 @@ def _group_backward(
     w = param_or(weight, C, ct, 1.0)  # C
     sdy, sdyx = np.empty(N * C), np.empty(N * C)  # N*C float64: sum(dy), sum(dy*(x - mean))
     loop = loops.group_backward_short if _short_rows(L, L // k, ct) else loops.group_backward
-    if small(input.size, ct, out, input, grad_output):  # no staging, no threads
+    if direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
-        dy2, x2, dx2 = grad_output.reshape(R, L), input.reshape(R, L), dx.reshape(R, L)
-        loop(dy2, x2, m, r, w, k, dx2, sdy, sdyx, 0, 0, R)
+        dy2, x2, dx2 = grad_output.reshape(R, L), input.reshape(R, L), dx.reshape(R, L)  # R,L each
+        run(partial(loop, dy2, x2, m, r, w, k, dx2, sdy, sdyx, 0), ranges(R, L))
     else:
         src_x, src_dy = _source(input, G, ct), _source(grad_output, G, ct)
         dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)

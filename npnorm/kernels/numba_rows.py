@@ -21,6 +21,7 @@ say longdouble) and empty inputs go to the ``"numpy"`` family's kernels.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .._checks import Shape, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, output, per_row, row_layout
-from ._staging import Source, Target, block_size, compiled, param_or, ranges, run, small, spans
+from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans
 
 Partials = tuple[np.ndarray, np.ndarray]
 
@@ -67,10 +68,10 @@ def layer_norm_forward(
     mean = np.empty(R, dtype=ct)  # R
     rstd = np.empty(R, dtype=ct)  # R
     batch = _batch(input, shape)
-    if small(R * D, ct, out, input):
-        # the small common call: no staging, no threads (and no NumPy arithmetic to silence)
+    if direct(ct, out, input):  # the common call: no staging (and no NumPy arithmetic to silence)
         y = np.empty(input.shape, dtype=ct) if out is None else out
-        loops.layer_norm_forward(input.reshape(R, D), w, b, eps, y.reshape(R, D), mean, rstd, 0, R)
+        x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
+        run(partial(loops.layer_norm_forward, x2, w, b, eps, y2, mean, rstd), ranges(R, D))
         return y, mean.reshape(batch), rstd.reshape(batch)
     return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
 
@@ -131,38 +132,45 @@ def layer_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     w = param_or(weight, D, ct, 1.0)  # D
     sums = weight is not None or bias is not None
-    if small(R * D, ct, out, input, grad_output):  # no staging, no threads
+    if direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
-        dw, db, pw, pb = np.zeros(D), np.zeros(D), np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)
-        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
-        loops.layer_norm_backward(dy2, x2, mean_c, rstd_c, w, dx2, dw, db, pw, pb, sums, 0, 0, R)
-        return dx, grad_as(dw + pw, weight), grad_as(db + pb, bias)
-    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
-    layout = row_layout(input, len(shape))
-    src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
-    dst = Target(dx, R, D, ct)
-    B = block_size((src_x, src_dy), (dst,), R, D, ct)
+        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)  # R,D each
 
-    def task(start: int, stop: int) -> Partials:
-        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
-        dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
-        pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
-        for a, e in spans(start, stop, B):
-            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
-            ob = dst.block(a, e, obuf)  # n,D
-            loops.layer_norm_backward(
-                dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, pw, pb, sums, a, 0, e - a
-            )
-            dst.done(a, e, ob)
-        return dw + pw, db + pb
+        def rows(start: int, stop: int) -> Partials:
+            dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
+            pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
+            loops.layer_norm_backward(dy2, x2, mean_c, rstd_c, w, dx2, dw, db, pw, pb, sums, 0, start, stop)
+            return dw + pw, db + pb
 
-    partials = run(task, ranges(R, D))
+        partials = run(rows, ranges(R, D))
+    else:
+        dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
+        layout = row_layout(input, len(shape))
+        src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
+        dst = Target(dx, R, D, ct)
+        B = block_size((src_x, src_dy), (dst,), R, D, ct)
+
+        def task(start: int, stop: int) -> Partials:
+            xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+            dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
+            pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
+            for a, e in spans(start, stop, B):
+                xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
+                ob = dst.block(a, e, obuf)  # n,D
+                loops.layer_norm_backward(
+                    dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, pw, pb, sums, a, 0, e - a
+                )
+                dst.done(a, e, ob)
+            return dw + pw, db + pb
+
+        partials = run(task, ranges(R, D))
+        dx = finish(dx, out)
     dweight = dbias = None
     if sums:
         dweight, dbias = partials[0]
         for pw, pb in partials[1:]:  # in thread order
             dweight, dbias = dweight + pw, dbias + pb
-    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
+    return dx, grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 # --- RMSNorm -----------------------------------------------------------------------------
@@ -187,9 +195,10 @@ def rms_norm_forward(
     R = input.size // D
     w = param_or(weight, D, ct, 1.0)  # D
     rstd = np.empty(R, dtype=ct)  # R
-    if small(R * D, ct, out, input):  # no staging, no threads
+    if direct(ct, out, input):  # no staging
         y = np.empty(input.shape, dtype=ct) if out is None else out
-        loops.rms_norm_forward(input.reshape(R, D), w, eps_value, y.reshape(R, D), rstd, 0, R)
+        x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
+        run(partial(loops.rms_norm_forward, x2, w, eps_value, y2, rstd), ranges(R, D))
         return y, rstd.reshape(_batch(input, shape))
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
     src = Source(input, *row_layout(input, len(shape)), ct)
@@ -228,33 +237,39 @@ def rms_norm_backward(
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
     w = param_or(weight, D, ct, 1.0)  # D
     sums = weight is not None
-    if small(R * D, ct, out, input, grad_output):  # no staging, no threads
+    if direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
-        dw, pw = np.zeros(D), np.zeros(D, dtype=ct)  # D float64, D the last rows' sums
-        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)
-        loops.rms_norm_backward(dy2, x2, rstd_c, w, dx2, dw, pw, sums, 0, 0, R)
-        return dx, grad_as(dw + pw, weight)
-    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
-    layout = row_layout(input, len(shape))
-    src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
-    dst = Target(dx, R, D, ct)
-    B = block_size((src_x, src_dy), (dst,), R, D, ct)
+        x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)  # R,D each
 
-    def task(start: int, stop: int) -> np.ndarray:
-        xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
-        dw = np.zeros(D)  # D float64 partial sum
-        pw = np.zeros(D, dtype=ct)  # D the last rows' sums
-        for a, e in spans(start, stop, B):
-            xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
-            ob = dst.block(a, e, obuf)  # n,D
-            loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, pw, sums, a, 0, e - a)
-            dst.done(a, e, ob)
-        return dw + pw
+        def rows(start: int, stop: int) -> np.ndarray:
+            dw, pw = np.zeros(D), np.zeros(D, dtype=ct)  # D float64, D the last rows' sums
+            loops.rms_norm_backward(dy2, x2, rstd_c, w, dx2, dw, pw, sums, 0, start, stop)
+            return dw + pw
 
-    partials = run(task, ranges(R, D))
+        partials = run(rows, ranges(R, D))
+    else:
+        dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
+        layout = row_layout(input, len(shape))
+        src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
+        dst = Target(dx, R, D, ct)
+        B = block_size((src_x, src_dy), (dst,), R, D, ct)
+
+        def task(start: int, stop: int) -> np.ndarray:
+            xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
+            dw = np.zeros(D)  # D float64 partial sum
+            pw = np.zeros(D, dtype=ct)  # D the last rows' sums
+            for a, e in spans(start, stop, B):
+                xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
+                ob = dst.block(a, e, obuf)  # n,D
+                loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, pw, sums, a, 0, e - a)
+                dst.done(a, e, ob)
+            return dw + pw
+
+        partials = run(task, ranges(R, D))
+        dx = finish(dx, out)
     dweight = None
     if sums:
         dweight = partials[0]
         for p in partials[1:]:  # in thread order
             dweight = dweight + p
-    return finish(dx, out), grad_as(dweight, weight)
+    return dx, grad_as(dweight, weight)
