@@ -2,15 +2,17 @@
 
 All figures come from one process, float32, in interleaved rounds (see ``_interleaved``);
 every ratio is the median of per-round ratios. What ran just before a timed call is the
-same for every implementation: by default an untimed call of the same implementation on
-the same data (a loop's steady state: the cache holds what that implementation's last
-call left there and, for outputs under glibc's mmap threshold, the memory of its freed
-output that the allocator hands back); with ``--cold``, a read of twice the last-level
-cache (``_cold_cache``), so that every call finds nothing of its own in the cache. With
-``--reuse-memory`` the process keeps the memory it frees (``reuse_freed_memory``), so
-that fresh outputs, npnorm's and PyTorch's alike, reuse pages instead of faulting in new
-ones: with glibc's defaults every output over 32 MiB is a new ``mmap`` whose pages the
-kernel zeroes on first touch, a cost of the allocator that the ratios otherwise include.
+same for every implementation: by default a pause (``SETTLE_S``: the threads of the
+implementation before, PyTorch's spinning OpenMP threads, go idle) and an untimed call of
+the same implementation on the same data (a loop's steady state: the cache holds what
+that implementation's last call left there and, for outputs under glibc's mmap
+threshold, the memory of its freed output that the allocator hands back); with
+``--cold``, a read of twice the last-level cache (``_cold_cache``), so that every call
+finds nothing of its own in the cache. With ``--reuse-memory`` the process keeps the
+memory it frees (``reuse_freed_memory``), so that fresh outputs, npnorm's and PyTorch's
+alike, reuse pages instead of faulting in new ones: with glibc's defaults every output
+over 32 MiB is a new ``mmap`` whose pages the kernel zeroes on first touch, a cost of the
+allocator that the ratios otherwise include.
 (Before, each implementation ran right after a fixed neighbour in the rotation, and
 inherited that neighbour's cache and threads: at the inference shape, 12.6 MB in and out
 with a 48 MB cache, that moved a ratio by up to 2x.) Timings are figures to read, not
@@ -88,6 +90,12 @@ TINY_CALLS = 200  # calls per timed round of the tiny-call figure
 # layers then rest on a few dozen rounds, those of slow ones on ``reps``.
 SECONDS = 10.0
 MAX_ROUNDS = 50
+# Pause before each implementation's untimed call (warm runs), so that no implementation
+# inherits the busy threads of the one before it: PyTorch's OpenMP threads keep spinning
+# for a while after a call, on the same 2 vCPUs. At the inference shape npnorm's forward
+# took 1.3-10.6 ms (median 2.1) right after PyTorch's and 1.3-2.0 ms (median 1.6) after a
+# 10 ms pause, whose own call was unchanged (2.5 and 2.9 ms medians).
+SETTLE_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -274,19 +282,26 @@ def _timed(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
     return 1e3 * (time.perf_counter() - t0), out
 
 
+def _settle() -> None:
+    """Wait SETTLE_S, for the threads of whatever ran before to go idle."""
+    time.sleep(SETTLE_S)
+
+
 def _settled(fn: Callable[[], Any], cold: bool) -> float:
     """Milliseconds of one call of ``fn`` right after an untimed call of ``fn`` itself
-    (warm) or after ``_cold_cache`` (``cold``)."""
+    (warm: after a pause of SETTLE_S) or after ``_cold_cache`` (``cold``)."""
     if not cold:
+        _settle()
         fn()
     return _timed(fn, cold)[0]
 
 
 def _round(impl: _Impl, cold: bool) -> dict[str, float]:
     """One forward, one backward (of that forward) and one forward+backward, in ms. Warm
-    (``cold`` False): after one untimed forward+backward of the same implementation; cold:
-    each timed call after ``_cold_cache``."""
+    (``cold`` False): after a pause of SETTLE_S and one untimed forward+backward of the
+    same implementation; cold: each timed call after ``_cold_cache``."""
     if not cold:
+        _settle()
         impl.both()
     fwd, saved = _timed(impl.forward, cold)
     bwd, _ = _timed(partial(impl.backward, saved), cold)

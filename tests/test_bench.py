@@ -7,6 +7,7 @@ import math
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -59,21 +60,36 @@ def test_bench_quick_writes_every_figure(tmp_path):
 
 
 def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkeypatch):
-    """Warm: each timed call right after an untimed call of the same implementation; cold:
-    right after the cache flush. Either way no implementation inherits its neighbour's cache."""
+    """Warm: each timed call right after a pause (the neighbour's threads go idle) and an
+    untimed call of the same implementation; cold: right after the cache flush. Either way
+    no implementation inherits its neighbour's cache or busy threads."""
     from npnorm import _bench
 
     log = []
     monkeypatch.setattr(_bench, "_cold_cache", lambda: log.append("flush"))
+    monkeypatch.setattr(_bench, "_settle", lambda: log.append("pause"))
     calls = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
     for cold in (False, True):
         log.clear()
         times = _bench._rounds(calls, reps=2, seconds=0.0, cold=cold)
         assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2, "c": 2}  # 1 warm-up round
-        steps = [log[i : i + 2] for i in range(0, len(log), 2)]
+        steps = (
+            [log[i : i + 2] for i in range(0, len(log), 2)]
+            if cold
+            else [log[i : i + 3] for i in range(0, len(log), 3)]
+        )
         assert len(steps) == 3 * 3
-        for before, timed in steps:
-            assert timed in calls and before == ("flush" if cold else timed)
+        for step in steps:
+            timed = step[-1]
+            assert timed in calls and step[:-1] == (["flush"] if cold else ["pause", timed])
+
+
+def test_the_pause_is_real():
+    from npnorm import _bench
+
+    t0 = time.perf_counter()
+    _bench._settle()
+    assert time.perf_counter() - t0 >= _bench.SETTLE_S > 0
 
 
 @pytest.mark.parametrize("cache", [0, 8 << 20, 300 << 20])
