@@ -44,6 +44,23 @@ def _fallback(op: str, *args: Any) -> Any:
     return family_kernel(op, "numpy")(*args)
 
 
+def _staged_backward(
+    grad_output: np.ndarray,
+    input: np.ndarray,
+    shape: Shape,
+    R: int,
+    D: int,
+    ct: np.dtype[Any],
+    out: np.ndarray | None,
+) -> tuple[np.ndarray, Source, Source, Target, int]:
+    """A backward's staged rows: ``(dx, x's rows, dy's rows, dx's rows, rows per block)``."""
+    dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
+    layout = row_layout(input, len(shape))
+    src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
+    dst = Target(dx, R, D, ct)
+    return dx, src_x, src_dy, dst, block_size((src_x, src_dy), (dst,), R, D, ct)
+
+
 # --- LayerNorm ---------------------------------------------------------------------------
 
 
@@ -144,11 +161,7 @@ def layer_norm_backward(
 
         partials = run(rows, ranges(R, D))
     else:
-        dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
-        layout = row_layout(input, len(shape))
-        src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
-        dst = Target(dx, R, D, ct)
-        B = block_size((src_x, src_dy), (dst,), R, D, ct)
+        dx, src_x, src_dy, dst, B = _staged_backward(grad_output, input, shape, R, D, ct, out)
 
         def task(start: int, stop: int) -> Partials:
             xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
@@ -248,11 +261,7 @@ def rms_norm_backward(
 
         partials = run(rows, ranges(R, D))
     else:
-        dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output), contiguous=True)
-        layout = row_layout(input, len(shape))
-        src_x, src_dy = Source(input, *layout, ct), Source(grad_output, *layout, ct)
-        dst = Target(dx, R, D, ct)
-        B = block_size((src_x, src_dy), (dst,), R, D, ct)
+        dx, src_x, src_dy, dst, B = _staged_backward(grad_output, input, shape, R, D, ct, out)
 
         def task(start: int, stop: int) -> np.ndarray:
             xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
