@@ -2,8 +2,8 @@
 
 All figures come from one process, float32, in interleaved rounds (see ``_interleaved``);
 every ratio is the median of per-round ratios. What ran just before a timed call is the
-same for every implementation: by default a pause (``SETTLE_S``: the threads of the
-implementation before, PyTorch's spinning OpenMP threads, go idle) and an untimed call of
+same for every implementation: a pause (``SETTLE_S``: the threads of the implementation
+before, PyTorch's spinning OpenMP threads, go idle), then by default an untimed call of
 the same implementation on the same data (a loop's steady state: the cache holds what
 that implementation's last call left there and, for outputs under glibc's mmap
 threshold, the memory of its freed output that the allocator hands back); with
@@ -274,8 +274,10 @@ def _cold_cache() -> None:
 
 
 def _timed(fn: Callable[[], Any], cold: bool = False) -> tuple[float, Any]:
-    """Milliseconds of one call of ``fn`` (from a cold cache with ``cold``), and what it returned."""
+    """Milliseconds of one call of ``fn`` (with ``cold``: after a pause of SETTLE_S and
+    from a cold cache), and what it returned."""
     if cold:
+        _settle()
         _cold_cache()
     t0 = time.perf_counter()
     out = fn()
@@ -288,8 +290,8 @@ def _settle() -> None:
 
 
 def _settled(fn: Callable[[], Any], cold: bool) -> float:
-    """Milliseconds of one call of ``fn`` right after an untimed call of ``fn`` itself
-    (warm: after a pause of SETTLE_S) or after ``_cold_cache`` (``cold``)."""
+    """Milliseconds of one call of ``fn`` right after a pause of SETTLE_S and an untimed
+    call of ``fn`` itself (warm) or after a pause and ``_cold_cache`` (``cold``)."""
     if not cold:
         _settle()
         fn()
@@ -299,7 +301,7 @@ def _settled(fn: Callable[[], Any], cold: bool) -> float:
 def _round(impl: _Impl, cold: bool) -> dict[str, float]:
     """One forward, one backward (of that forward) and one forward+backward, in ms. Warm
     (``cold`` False): after a pause of SETTLE_S and one untimed forward+backward of the
-    same implementation; cold: each timed call after ``_cold_cache``."""
+    same implementation; cold: each timed call after a pause and ``_cold_cache``."""
     if not cold:
         _settle()
         impl.both()

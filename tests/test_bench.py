@@ -60,8 +60,8 @@ def test_bench_quick_writes_every_figure(tmp_path):
 
 
 def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkeypatch):
-    """Warm: each timed call right after a pause (the neighbour's threads go idle) and an
-    untimed call of the same implementation; cold: right after the cache flush. Either way
+    """Each timed call right after a pause (the neighbour's threads go idle), then an
+    untimed call of the same implementation (warm) or the cache flush (cold). Either way
     no implementation inherits its neighbour's cache or busy threads."""
     from npnorm import _bench
 
@@ -73,15 +73,29 @@ def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkey
         log.clear()
         times = _bench._rounds(calls, reps=2, seconds=0.0, cold=cold)
         assert {n: len(t) for n, t in times.items()} == {"a": 2, "b": 2, "c": 2}  # 1 warm-up round
-        steps = (
-            [log[i : i + 2] for i in range(0, len(log), 2)]
-            if cold
-            else [log[i : i + 3] for i in range(0, len(log), 3)]
-        )
+        steps = [log[i : i + 3] for i in range(0, len(log), 3)]  # pause, flush or untimed call, timed
         assert len(steps) == 3 * 3
         for step in steps:
             timed = step[-1]
-            assert timed in calls and step[:-1] == (["flush"] if cold else ["pause", timed])
+            assert timed in calls and step[:-1] == ["pause", "flush" if cold else timed]
+
+
+def test_every_training_round_follows_a_pause(monkeypatch):
+    """The training rounds (forward, backward, forward+backward): warm, a pause and an
+    untimed forward+backward before the timed calls; cold, a pause and a flush before each."""
+    from npnorm import _bench
+
+    log = []
+    monkeypatch.setattr(_bench, "_cold_cache", lambda: log.append("flush"))
+    monkeypatch.setattr(_bench, "_settle", lambda: log.append("pause"))
+    impl = _bench._Impl(
+        lambda: log.append("forward"), lambda _: log.append("backward"), lambda: log.append("both")
+    )
+    _bench._round(impl, cold=False)
+    assert log == ["pause", "both", "forward", "backward", "both"]
+    log.clear()
+    _bench._round(impl, cold=True)
+    assert log == ["pause", "flush", "forward", "pause", "flush", "backward", "pause", "flush", "both"]
 
 
 def test_the_pause_is_real():

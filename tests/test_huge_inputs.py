@@ -71,17 +71,28 @@ def long_rows():
     ]
 
 
+def _long_row_data(pattern, shape, rng):
+    """``(x, dy)`` at ordinary scale: dy of the sign of x (products of one sign: float32
+    sums overflow to inf), or x of alternating sign along the last axis with dy positive
+    (products of alternating sign: the partial sums of a vectorized dot overflow both
+    ways, to NaN)."""
+    if pattern == "dy follows x":
+        x = rng.normal(size=shape)
+        return x, np.sign(x) * (1 + rng.random(shape))
+    signs = np.where(np.arange(shape[-1]) % 2 == 0, 1.0, -1.0)
+    return signs * (1 + 0.1 * rng.random(shape)), 1 + rng.random(shape)
+
+
+@pytest.mark.parametrize("pattern", ["dy follows x", "x alternates"])
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("layer", [name for name, _, _ in long_rows()])
-def test_huge_long_rows_whose_gradient_sums_overflow_float32(family, layer):
-    """float32 values near 3e36 in long rows, with dy of the sign of x: float32 sums of
-    dy*(x - mean) pass float32's largest value (the numpy family's LayerNorm and RMSNorm
-    gave inf and NaN here), and the results are still those of the same data at ordinary
-    scale."""
+def test_huge_long_rows_whose_gradient_sums_overflow_float32(family, layer, pattern):
+    """float32 values near 3e36 in long rows: float32 sums of dy*(x - mean) pass float32's
+    largest value (the numpy family's LayerNorm and RMSNorm gave inf and NaN here), and
+    the results are still those of the same data at ordinary scale."""
     make, shape = {n: (f, s) for n, f, s in long_rows()}[layer]
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=shape)
-    dy = (np.sign(x) * (1 + rng.random(shape))).astype(np.float32)
+    x, dy64 = _long_row_data(pattern, shape, np.random.default_rng(3))
+    dy = dy64.astype(np.float32)
     scale = 3e36
     with npnorm.use_kernels(family):
         small, big = make(), make()

@@ -355,10 +355,21 @@ def test_c_ordered_calls_skip_staging(monkeypatch):
     x = (rng.normal(size=(2, 4, 3, 5)) * 3 + 7).astype(np.float32)
     dy = rng.normal(size=x.shape).astype(np.float32)
     w, b = np.linspace(0.5, 1.5, 5).astype(np.float32), np.linspace(-1, 1, 5).astype(np.float32)
-    with config(1, small=True):  # every op staged in tiny blocks, for the expected results
-        staged = _every_op(x, dy, w, b)
-    with config(2, small=True):  # and split over two threads
-        staged_split = _every_op(x, dy, w, b)
+    sources = []
+
+    class Spy(_staging.Source):
+        def __init__(self, *args, **kwargs):
+            sources.append(1)
+            super().__init__(*args, **kwargs)
+
+    with monkeypatch.context() as m:  # the expected results: the same values, staged
+        for module in (numba_rows, numba_channels):
+            m.setattr(module, "Source", Spy)
+        with config(1, small=True):  # in tiny blocks
+            staged = _every_op(laid_out(x, "sliced"), dy, w, b)
+        with config(2, small=True):  # and split over two threads
+            staged_split = _every_op(laid_out(x, "sliced"), dy, w, b)
+    assert len(sources) >= 2 * 2 * 5  # every op, forward and backward, staged both times
     splits = []
 
     def refuse(*args, **kwargs):

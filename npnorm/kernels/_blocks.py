@@ -261,14 +261,27 @@ def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     return vecmat(ones[: a.shape[0]], a, out)  # D
 
 
+def rowmean(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = mean_j a[i, j]`` for an (n,D) block, ``ones`` (D,) of ones: a dot in the
+    block's dtype over D, taken again in float64 for the rows where the dot is not finite
+    (as in ``scaled_rowdot``)."""
+    rowdot(a, ones, out=out)  # n
+    big = ~np.isfinite(out)  # n
+    np.divide(out, a.shape[1], out=out)  # n
+    if big.any():
+        out[big] = a[big].astype(np.float64).sum(axis=1) / a.shape[1]
+    return out
+
+
 def scaled_rowdot(a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = scale[i] * sum_j a[i, j] * b[j]`` for an (n,D) block and a (D,) row (or
     an (n,D) block ``b``), ``scale`` float64 (n,): the dot in the block's dtype, taken
-    again in float64 for the rows where that overflows (a float32 row of values near 1e36
-    whose products share a sign), so that a scale that brings the sum back into range
-    gives a finite result."""
+    again in float64 for the rows where that is not finite (a float32 row of values near
+    1e36: inf where the products share a sign, NaN where the dot's partial sums overflowed
+    both ways), so that a scale that brings the sum back into range gives a finite
+    result (a row holding a NaN or an infinity comes out the same either way)."""
     rowdot(a, b, out=out)  # n
-    big = np.isinf(out)  # n
+    big = ~np.isfinite(out)  # n  (inf, or NaN where lanes overflowed both ways)
     np.multiply(out, scale, out=out)  # n
     if big.any():
         rows = a[big].astype(np.float64)  # the few overflowing rows

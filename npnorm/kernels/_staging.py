@@ -3,10 +3,10 @@
 The compiled loops (``_numba_loops``) take C-ordered arrays of the computation dtype
 (float32 or float64) only, so that each compiles once per dtype and layout. A call whose
 inputs already are (the common case; ``direct``) passes them to the loops as they are,
-each thread's range of rows in one call, with no staging objects; anything else (float16,
-Fortran order, channels-last, strided views) is copied block by block into C-ordered
-scratch of the computation dtype (``Source``), and an output of another dtype or
-layout is written through a scratch block (``Target``). Memory beyond the outputs is
+each thread's range of rows (BatchNorm's: of channels) in one call, with no staging
+objects; anything else (float16, Fortran order, channels-last, strided views) is copied
+block by block into C-ordered scratch of the computation dtype (``Source``), and an
+output of another dtype or layout is written through a scratch block (``Target``). Memory beyond the outputs is
 then a few blocks per thread (BatchNorm, whose loop needs all of a channel's samples at
 once, stages such an input whole, ``Source.whole``, and such an output through a
 whole-size scratch array).
@@ -143,7 +143,8 @@ class Target:
 def block_size(
     sources: tuple[Source, ...], targets: tuple[Target, ...], R: int, L: int, ct: np.dtype[Any]
 ) -> int:
-    """Rows per call of a loop: all of a thread's range when nothing is staged, else
+    """Rows per call of a staged loop: all of a thread's range when nothing needs staging
+    (an input passed as it is, with an ``out`` that could not be written directly), else
     blocks of about ``STAGE_BYTES``."""
     if all(s.direct is not None for s in sources) and all(t.direct for t in targets):
         return max(1, R)

@@ -52,6 +52,7 @@ from ._blocks import (
     per_row,
     row_layout,
     rowdot,
+    rowmean,
     rowsum,
     run_chunks,
     scaled_rowdot,
@@ -93,7 +94,8 @@ def layer_norm_forward(
     """LayerNorm forward, block by block.
 
     For each block of rows, in the computation dtype ``ct``:
-    ``mean = rowsum(x) / D``; ``xc = x - mean`` (into the output block, or a scratch
+    ``mean = rowsum(x) / D`` (``rowmean``: rows whose float32 sum overflows are summed again
+    in float64); ``xc = x - mean`` (into the output block, or a scratch
     block when the output dtype differs); ``rstd = 1 / sqrt(rowdot(xc, xc) / D + eps)``
     (two-pass, from cache); then ``xc *= rstd``, ``*= w``, ``+= b`` in place. mean and
     rstd are written straight into the (R,) outputs.
@@ -123,8 +125,7 @@ def layer_norm_forward(
             out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
             m = mean[a:e]  # n
             r = rstd[a:e]  # n
-            rowsum(xb, ones, out=m)
-            np.divide(m, D, out=m)  # mean
+            rowmean(xb, ones, out=m)  # mean
             np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
             inv_rms(out, D, eps, out=r)  # rstd
             np.multiply(out, r[:, None], out=out)  # n,D  xhat
