@@ -6,10 +6,10 @@ inputs already are (the common case; ``direct``) passes them to the loops as the
 each thread's range of rows (BatchNorm's: of channels) in one call, with no staging
 objects; anything else (float16, Fortran order, channels-last, strided views) is copied
 block by block into C-ordered scratch of the computation dtype (``Source``), and an
-output of another dtype or layout is written through a scratch block (``Target``). Memory beyond the outputs is
-then a few blocks per thread (BatchNorm, whose loop needs all of a channel's samples at
-once, stages such an input whole, ``Source.whole``, and such an output through a
-whole-size scratch array).
+output of another dtype or layout is written through a scratch block (``Target``).
+Memory beyond the outputs is then a few blocks per thread (BatchNorm, whose loop needs
+all of a channel's samples at once, stages such an input whole, ``Source.whole``, and
+such an output through a whole-size scratch array).
 
 Threads: the rows (or channels) are split into one contiguous range per thread
 (``ranges``), fixed by the thread count (``npnorm.set_num_threads``) and the size, and
