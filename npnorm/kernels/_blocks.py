@@ -261,6 +261,16 @@ def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     return vecmat(ones[: a.shape[0]], a, out)  # D
 
 
+def _wide_rowdot(a: np.ndarray, b: np.ndarray, rows: np.ndarray, dtype: Any = np.float64) -> np.ndarray:
+    """``sum_j a[i, j] * b[j]`` (``b`` a (D,) row) or ``* b[i, j]`` (an (n,D) block) in
+    ``dtype``, for the rows the mask ``rows`` selects: the few rows whose dot in the
+    block's dtype overflowed, taken again (``rowmean``, ``scaled_rowdot``, ``rowsumsq``)."""
+    wide = a[rows].astype(dtype)  # the selected rows
+    if b.ndim == 1:
+        return np.einsum("ij,j->i", wide, b.astype(dtype))
+    return np.einsum("ij,ij->i", wide, wide if b is a else b[rows].astype(dtype))
+
+
 def rowmean(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = mean_j a[i, j]`` for an (n,D) block, ``ones`` (D,) of ones: a dot in the
     block's dtype over D, taken again in float64 for the rows where the dot is not finite
@@ -269,7 +279,7 @@ def rowmean(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
     big = ~np.isfinite(out)  # n
     np.divide(out, a.shape[1], out=out)  # n
     if big.any():
-        out[big] = a[big].astype(np.float64).sum(axis=1) / a.shape[1]
+        out[big] = _wide_rowdot(a, ones, big) / a.shape[1]
     return out
 
 
@@ -284,9 +294,7 @@ def scaled_rowdot(a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarr
     big = ~np.isfinite(out)  # n  (inf, or NaN where lanes overflowed both ways)
     np.multiply(out, scale, out=out)  # n
     if big.any():
-        rows = a[big].astype(np.float64)  # the few overflowing rows
-        other = b.astype(np.float64) if b.ndim == 1 else b[big].astype(np.float64)
-        out[big] = np.einsum("ij,j->i" if b.ndim == 1 else "ij,ij->i", rows, other) * scale[big]
+        out[big] = _wide_rowdot(a, b, big) * scale[big]
     return out
 
 
@@ -300,8 +308,7 @@ def rowsumsq(a: np.ndarray, out: np.ndarray) -> np.ndarray:
     if tmp is not out:
         out[...] = tmp
     if big.any():
-        b = a[big].astype(out.dtype)  # the few overflowing rows
-        out[big] = np.einsum("ij,ij->i", b, b)
+        out[big] = _wide_rowdot(a, a, big, out.dtype)
     return out
 
 
