@@ -39,8 +39,8 @@ def ranges(n: int, per_item: int) -> list[tuple[int, int]]:
     """``n`` items (rows, channels) of ``per_item`` elements as contiguous ranges, one per
     thread: as many as the thread count allows with at least ``MIN_PARALLEL`` elements
     each, one (the calling thread) for small inputs."""
-    if n * per_item < 2 * MIN_PARALLEL:
-        return [(0, n)]
+    if n * per_item < 2 * MIN_PARALLEL:  # one part whatever the thread count: skip reading
+        return [(0, n)]  # it (0.35 against 2.2 us, a seventh of a tiny call)
     parts = max(1, min(get_num_threads(), n, (n * per_item) // MIN_PARALLEL))
     return [(k * n // parts, (k + 1) * n // parts) for k in range(parts)]
 
