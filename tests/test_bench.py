@@ -167,6 +167,30 @@ def test_targets_are_judged_on_the_right_side(capsys, side):
     assert verdicts == [side] * 5, out
 
 
+def test_a_figure_that_rounds_onto_its_target_prints_the_digits_that_judge_it(capsys):
+    """A ratio of 0.6008 against 0.6 prints as 0.601 (not 0.60 next to MISSED), a roofline of
+    49.96% as 49.96%; figures away from their targets keep the short form."""
+    from npnorm import _bench, get_kernels
+
+    target = _bench.TARGET_VS_TORCH[("LayerNorm", (32, 512, 768))]
+    rows = [
+        _row(
+            "LayerNorm",
+            (32, 512, 768),
+            fb_vs_torch=target + 0.0008,
+            roofline_fb=_bench.TARGET_ROOFLINE - 0.0004,
+            extra_memory_x_input=0.0,
+        )
+    ]
+    impl = f"npnorm {get_kernels()}"
+    inference = [{"impl": impl, "shape": [64, 128, 384], "us_per_call": 1.0, "vs_torch": 0.5}]
+    _bench._print_targets(rows, inference, [], judge=True)
+    out = capsys.readouterr().out
+    assert f"{target + 0.0008:.3f}x torch (<= {target}) MISSED" in out, out
+    assert "roofline 49.96% (>= 50%) MISSED" in out, out
+    assert "extra memory 0.00x" in out and "0.50x torch (<= 1.0) met" in out, out
+
+
 def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):
     """The training rounds share the round-robin loop: the copy leads every round, each
     implementation runs once a round, its untimed forward+backward before its timed calls."""
