@@ -244,7 +244,11 @@ def test_network_check_catches_wrong_backward_passes(trained, data, monkeypatch)
             td.check_network(trained["mlp", "none"], x, y)
     bn_backward = npnorm.BatchNorm1d._backward
     with monkeypatch.context() as m:  # BatchNorm's eval-mode backward used in training
-        m.setattr(npnorm.BatchNorm1d, "_backward", lambda self, dy, s: bn_backward(self, dy, (*s[:3], False)))
+        m.setattr(
+            npnorm.BatchNorm1d,
+            "_backward",
+            lambda self, dy, s: bn_backward(self, dy, (*s[:3], False, *s[4:])),
+        )
         with pytest.raises(AssertionError, match="backprop gives"):
             td.check_network(trained["mlp", "batch"], x, y)
 

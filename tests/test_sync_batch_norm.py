@@ -144,7 +144,7 @@ def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, seed):
     flat = (n, c, -1)
     ref = npnorm.BatchNorm1d(c, 1e-5, flags["momentum"], flags["affine"], flags["track"], dtype=dtype)
     randomize(ref, np.random.default_rng(seed))
-    start = ref.state_dict()
+    start = {k: np.array(v, copy=True) for k, v in ref.state_dict().items()}  # ref trains in place
     want = [_train_step(ref, x.reshape(flat), dy.reshape(flat)) for _ in range(2)]  # two steps, same data
     ends = np.cumsum([0, *splits])
 

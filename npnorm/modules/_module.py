@@ -90,9 +90,11 @@ class Module:
 
     ``_forward(input) -> (output, saved, updates)``
         Validate and compute, changing nothing on ``self``. ``saved`` is a tuple of
-        whatever ``_backward`` needs; ``updates`` maps buffer names to their new
-        arrays. ``forward`` assigns the updates and keeps ``saved`` only after
-        ``_forward`` returned, so that a forward that raises changes nothing.
+        whatever ``_backward`` needs, the parameters the forward used included (a
+        ``weight`` assigned after the forward is not the one to differentiate);
+        ``updates`` maps buffer names to their new values. ``forward`` assigns the
+        updates and keeps ``saved`` only after ``_forward`` returned, so that a
+        forward that raises changes nothing.
     ``_backward(grad_output, saved) -> (grad_input, {name: grad or None})``
         The input gradient, and each parameter's gradient (``None`` for an absent
         parameter); ``backward`` adds them into ``self.grads``.
@@ -121,10 +123,10 @@ class Module:
     ...         super().__init__(dtype=dtype, xp=xp)
     ...         self.weight = self.xp.ones((), dtype=self.dtype)
     ...     def _forward(self, input):
-    ...         return input * self.weight, (input,), {}
+    ...         return input * self.weight, (input, self.weight), {}
     ...     def _backward(self, grad_output, saved):
-    ...         (input,) = saved
-    ...         return grad_output * self.weight, {"weight": self.xp.sum(grad_output * input)}
+    ...         input, weight = saved
+    ...         return grad_output * weight, {"weight": self.xp.sum(grad_output * input)}
     >>> npnorm.gradcheck(Scale(), np.arange(6.0).reshape(2, 3))
     True
     """
@@ -151,6 +153,9 @@ class Module:
         Inside ``npnorm.no_grad()`` nothing is saved, and what an earlier forward
         saved is dropped. A forward that raises changes nothing: parameters,
         buffers, counters and the previously saved context stay exactly as they were.
+        The running statistics and the counter are updated in place, as PyTorch
+        updates its buffers: a ``state_dict()`` taken earlier, or a module that
+        shares them (``SyncBatchNorm.convert_sync_batchnorm``), sees the new values.
 
         Parameters
         ----------
@@ -164,15 +169,16 @@ class Module:
         """
         output, saved, updates = self._forward(input)
         for name, value in updates.items():
-            if isinstance(value, np.generic):  # a NumPy scalar from 0-d arithmetic
-                value = self.xp.asarray(value)
-            setattr(self, name, value)
+            self._write(name, value)
         self._saved = saved if is_grad_enabled() else None
         return output
 
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward; parameter gradients are
-        added into ``self.grads`` (as ``.grad`` accumulates in PyTorch).
+        added into ``self.grads`` (in place, as ``.grad`` accumulates in PyTorch).
+
+        The gradient is that of the forward as it ran, with the parameters it used:
+        assigning a new ``weight`` between forward and backward does not change it.
 
         Parameters
         ----------
@@ -189,18 +195,33 @@ class Module:
         ------
         RuntimeError
             When no forward was saved: none ran yet, the last one ran inside
-            ``npnorm.no_grad()``, or ``to()`` / a copy dropped it.
+            ``npnorm.no_grad()``, or ``to()`` / a copy dropped it; or when
+            ``load_state_dict`` has since overwritten an array the forward saved.
         """
         if self._saved is None:
             raise RuntimeError(
                 f"{type(self).__name__}.backward() called with no saved forward: call forward first "
                 "(a forward inside npnorm.no_grad() saves nothing, and to() or a copy drops what was saved)"
             )
+        if isinstance(self._saved, _Overwritten):
+            raise RuntimeError(
+                f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
+                "forward used was overwritten in place by load_state_dict since (PyTorch raises here "
+                "too): run forward again"
+            )
         grad_input, param_grads = self._backward(grad_output, self._saved)
         for name, g in param_grads.items():
             if g is None:
                 continue
-            self.grads[name] = self.grads[name] + g if name in self.grads else g
+            held = self.grads.get(name)
+            if held is None:  # a copy: the backward's array may be a view of its input
+                self.grads[name] = array_api_compat.array_namespace(g).asarray(g, copy=True)
+                continue
+            total = held + g
+            if _fits(held, total):  # in place, as PyTorch accumulates .grad
+                held[...] = total
+            else:
+                self.grads[name] = total
         return grad_input
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
@@ -258,10 +279,13 @@ class Module:
 
         Values may be NumPy arrays, lists, scalars, torch tensors (CPU or GPU, any
         floating dtype: bfloat16 and float8 ones are widened exactly), ml_dtypes
-        arrays, or arrays of any backend. Each is copied into a fresh array of the
-        module's backend and dtype: the module never shares memory with the
-        checkpoint. Every key and shape is checked, and every value converted,
-        before anything is assigned: on error the module is left exactly as it was.
+        arrays, or arrays of any backend. Each is converted to the module's backend
+        and dtype and copied into the module's own array, in place as PyTorch copies
+        (references taken earlier, from ``state_dict()`` or ``parameters()``, see the
+        loaded values): the module never shares memory with the checkpoint. Every
+        key and shape is checked, and every value converted, before anything is
+        assigned: on error the module is left exactly as it was. A backward whose
+        forward saved an array that was then overwritten raises, as in PyTorch.
 
         A BatchNorm/InstanceNorm checkpoint without ``num_batches_tracked`` (saved
         by PyTorch before 0.4.1) loads as PyTorch loads it: the counter keeps its
@@ -349,9 +373,26 @@ class Module:
                 f"Error(s) in loading state_dict for {type(self).__name__} (nothing was changed):\n\t"
                 + "\n\t".join(errors)
             )
-        for key, value in staged.items():
-            setattr(self, key, value)
+        overwritten = [key for key, value in staged.items() if self._write(key, value)]
+        saved = self._saved
+        if saved is not None and not isinstance(saved, _Overwritten):
+            hit = [k for k in overwritten if any(v is own[k] for v in saved)]
+            if hit:  # the last forward's backward would read the new values
+                self._saved = _Overwritten(hit)
         return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
+
+    def _write(self, name: str, value: Any) -> bool:
+        """Set parameter or buffer ``name`` to ``value`` (of the module's backend):
+        into the module's own array, in place, where shape and dtype match (True), or
+        as a new array (False: none yet, another shape or dtype, or read-only)."""
+        current = getattr(self, name)
+        if isinstance(value, np.generic):  # a NumPy scalar from 0-d arithmetic
+            value = self.xp.asarray(value)
+        if current is not None and _fits(current, value):
+            current[...] = value
+            return True
+        setattr(self, name, value)
+        return False
 
     def _missing_key_defaults(self) -> dict[str, Array]:
         """Values ``load_state_dict`` uses for keys a checkpoint may lack (PyTorch's
@@ -461,6 +502,24 @@ class Module:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+class _Overwritten(NamedTuple):
+    """In place of the saved forward: the names of the saved arrays that
+    ``load_state_dict`` overwrote since (``backward`` raises)."""
+
+    names: list[str]
+
+
+def _fits(current: Any, value: Any) -> bool:
+    """Whether ``value`` can be written into ``current`` in place: same backend,
+    shape and dtype, and ``current`` writable."""
+    if not _is_array(value) or type(value) is not type(current):
+        return False
+    if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
+        return False
+    flags = getattr(current, "flags", None)
+    return flags is None or bool(getattr(flags, "writeable", True))
 
 
 class _HostArray(NamedTuple):

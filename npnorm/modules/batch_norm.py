@@ -106,12 +106,12 @@ class _BatchNorm(_NormBase):
         )
         if use_batch_stats and running_mean is not None:
             updates["running_mean"], updates["running_var"] = new_mean, new_var
-        return y, (input, mean, rstd, use_batch_stats), updates
+        return y, (input, mean, rstd, use_batch_stats, self.weight, self.bias), updates
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, mean, rstd, use_batch_stats = saved
+        input, mean, rstd, use_batch_stats, weight, bias = saved
         dx, dweight, dbias = batch_norm_backward(
-            grad_output, input, mean, rstd, self.weight, self.bias, use_batch_stats
+            grad_output, input, mean, rstd, weight, bias, use_batch_stats
         )
         return dx, {"weight": dweight, "bias": dbias}
 

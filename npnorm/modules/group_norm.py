@@ -105,12 +105,12 @@ class GroupNorm(Module):
         self._check_backend(input)
         check_channels(input, self.num_channels, "GroupNorm")
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
-        return y, (input, mean, rstd), {}
+        return y, (input, mean, rstd, self.weight, self.bias), {}
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, mean, rstd = saved
+        input, mean, rstd, weight, bias = saved
         dx, dweight, dbias = group_norm_backward(
-            grad_output, input, self.num_groups, mean, rstd, self.weight, self.bias
+            grad_output, input, self.num_groups, mean, rstd, weight, bias
         )
         return dx, {"weight": dweight, "bias": dbias}
 

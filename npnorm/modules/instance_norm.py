@@ -67,10 +67,10 @@ class _InstanceNorm(_NormBase):
             updates["running_mean"], updates["running_var"] = new_mean, new_var
         if unbatched:
             y = y[0, ...]
-        return y, (x, mean, rstd, use_input_stats, unbatched), updates
+        return y, (x, mean, rstd, use_input_stats, unbatched, self.weight, self.bias), updates
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        x, mean, rstd, use_input_stats, unbatched = saved
+        x, mean, rstd, use_input_stats, unbatched, weight, bias = saved
         if unbatched:
             if tuple(grad_output.shape) != tuple(x.shape[1:]):
                 raise ValueError(
@@ -78,9 +78,7 @@ class _InstanceNorm(_NormBase):
                     f"got {tuple(grad_output.shape)}"
                 )
             grad_output = self.xp.expand_dims(grad_output, axis=0)
-        dx, dweight, dbias = instance_norm_backward(
-            grad_output, x, mean, rstd, self.weight, self.bias, use_input_stats
-        )
+        dx, dweight, dbias = instance_norm_backward(grad_output, x, mean, rstd, weight, bias, use_input_stats)
         return (dx[0, ...] if unbatched else dx), {"weight": dweight, "bias": dbias}
 
 

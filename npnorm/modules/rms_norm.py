@@ -93,11 +93,11 @@ class RMSNorm(Module):
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         y, rstd = rms_norm_forward(input, self.normalized_shape, self.weight, self.eps)
-        return y, (input, rstd), {}
+        return y, (input, rstd, self.weight), {}
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, rstd = saved
-        dx, dweight, _ = rms_norm_backward(grad_output, input, self.normalized_shape, rstd, self.weight)
+        input, rstd, weight = saved
+        dx, dweight, _ = rms_norm_backward(grad_output, input, self.normalized_shape, rstd, weight)
         return dx, {"weight": dweight}
 
     def extra_repr(self) -> str:

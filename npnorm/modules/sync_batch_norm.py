@@ -159,20 +159,20 @@ class SyncBatchNorm(_BatchNorm):
         )
         if running_mean is not None:
             updates["running_mean"], updates["running_var"] = new_mean, new_var
-        return y, (input, mean, rstd, True, True), updates
+        return y, (input, mean, rstd, True, self.weight, self.bias, True), updates
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, mean, rstd, _, synced = saved
+        input, mean, rstd, _, weight, bias, synced = saved
         if not synced:
-            return super()._backward(grad_output, saved[:4])
+            return super()._backward(grad_output, saved[:6])
         dx, dweight, dbias = synced_backward(
             resolve_comm(self.comm),
             grad_output,
             input,
             mean,
             rstd,
-            self.weight,
-            self.bias,
+            weight,
+            bias,
             type(self).__name__,
         )
         return dx, {"weight": dweight, "bias": dbias}

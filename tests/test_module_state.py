@@ -1,0 +1,134 @@
+"""What a module's arrays are after a step, as in PyTorch: buffers, loaded values and grads
+written in place (references held by the user see them), and a backward that differentiates
+the forward that ran, with the weight it used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npnorm
+
+# (make, input shape) for every layer with a weight; the batch-statistics layers track
+LAYERS = [
+    pytest.param(lambda **kw: npnorm.LayerNorm(4, **kw), (3, 4), id="LayerNorm"),
+    pytest.param(lambda **kw: npnorm.RMSNorm(4, **kw), (3, 4), id="RMSNorm"),
+    pytest.param(lambda **kw: npnorm.GroupNorm(2, 4, **kw), (3, 4, 5), id="GroupNorm"),
+    pytest.param(lambda **kw: npnorm.BatchNorm1d(4, **kw), (3, 4, 5), id="BatchNorm1d"),
+    pytest.param(
+        lambda **kw: npnorm.InstanceNorm1d(4, affine=True, track_running_stats=True, **kw),
+        (3, 4, 5),
+        id="InstanceNorm1d",
+    ),
+    pytest.param(lambda **kw: npnorm.SyncBatchNorm(4, **kw), (3, 4, 5), id="SyncBatchNorm"),
+]
+
+
+def _data(backend, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return backend.asarray(rng.normal(size=shape)), backend.asarray(rng.normal(size=shape))
+
+
+@pytest.mark.parametrize("make, shape", LAYERS)
+def test_backward_uses_the_weight_its_forward_used(backend, make, shape):
+    """A weight and bias assigned between forward and backward do not change the gradient
+    (PyTorch's saved tensors: the forward's weight)."""
+    m = make(dtype="float64", xp=backend.name)
+    x, dy = _data(backend, shape)
+    m(x)
+    want = backend.numpy(m.backward(dy))
+    m.zero_grad()
+    m(x)
+    m.weight = m.weight * 3.0 + 1.0
+    if getattr(m, "bias", None) is not None:
+        m.bias = m.bias - 2.0
+    np.testing.assert_array_equal(backend.numpy(m.backward(dy)), want)
+
+
+@pytest.mark.parametrize("make, shape", LAYERS)
+def test_a_held_state_dict_sees_the_training_step(backend, make, shape):
+    """Running statistics and the counter change in place: a state_dict taken before a step
+    holds the step's values after it, as a PyTorch state_dict does."""
+    m = make(dtype="float64", xp=backend.name)
+    held = m.state_dict()
+    m(_data(backend, shape)[0])
+    now = m.state_dict()
+    for k, v in held.items():
+        assert v is now[k], k
+    if "running_mean" in held:
+        assert not np.all(backend.numpy(held["running_mean"]) == 0)
+    if "num_batches_tracked" in held and not isinstance(m, npnorm.InstanceNorm1d):
+        assert int(backend.numpy(held["num_batches_tracked"])) == 1
+
+
+def test_a_converted_sync_batch_norm_keeps_sharing_its_buffers():
+    """convert_sync_batchnorm shares the arrays (as torch's conversion): a step on either
+    module moves both."""
+    bn = npnorm.BatchNorm1d(3, dtype="float64")
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
+    sync(np.random.default_rng(0).normal(size=(4, 3)))
+    assert int(bn.num_batches_tracked) == 1
+    np.testing.assert_array_equal(bn.running_mean, sync.running_mean)
+
+
+@pytest.mark.parametrize("make, shape", LAYERS)
+def test_load_state_dict_writes_into_held_arrays(backend, make, shape):
+    """load_state_dict copies into the module's own arrays, so that an optimizer holding
+    parameters() updates what the module uses; the module still shares no memory with the
+    checkpoint."""
+    m = make(dtype="float64", xp=backend.name)
+    params = m.parameters()
+    source = {k: np.full(tuple(v.shape), 0.5) for k, v in m.state_dict().items()}
+    source.pop("num_batches_tracked", None)
+    m.load_state_dict(source, strict=False)
+    for k, v in params.items():
+        assert v is getattr(m, k), k
+        np.testing.assert_array_equal(backend.numpy(v), 0.5)
+    source["weight"][...] = 7.0
+    assert float(backend.numpy(m.weight).max()) == 0.5
+
+
+@pytest.mark.parametrize("make, shape", LAYERS)
+def test_backward_after_its_weight_was_loaded_over_raises(make, shape):
+    """A load_state_dict between forward and backward overwrites the weight the forward used:
+    backward raises, as PyTorch's does, and a new forward clears it; loading only what the
+    forward did not save leaves the backward as it was."""
+    m = make(dtype="float64")
+    rng = np.random.default_rng(0)
+    x, dy = rng.normal(size=shape), rng.normal(size=shape)
+    m(x)
+    m.load_state_dict({"weight": np.full(4, 2.0)}, strict=False)
+    with pytest.raises(RuntimeError, match=r"weight .*overwritten in place by load_state_dict"):
+        m.backward(dy)
+    m(x)
+    m.backward(dy)
+    if "running_mean" in m.state_dict():
+        m.train()
+        m(x)
+        m.load_state_dict({"running_mean": np.ones(4)}, strict=False)  # training: not saved
+        m.backward(dy)
+
+
+def test_grads_accumulate_in_place_and_the_first_is_not_a_view_of_grad_output(rng):
+    m = npnorm.LayerNorm(4, dtype="float64")
+    x, dy = rng.normal(size=(4,)), rng.normal(size=(4,))  # one row: dbias has dy's values
+    m(x)
+    m.backward(dy)
+    held = m.grads["bias"]
+    assert not np.shares_memory(held, dy)
+    first = held.copy()
+    m(x)
+    m.backward(dy)
+    assert m.grads["bias"] is held
+    np.testing.assert_allclose(held, 2 * first)
+    np.testing.assert_array_equal(dy, first)  # the caller's grad_output unchanged
+
+
+def test_a_failed_forward_changes_no_held_buffer():
+    """In-place updates happen only after the forward succeeded."""
+    m = npnorm.BatchNorm1d(3, dtype="float64")
+    held = {k: np.array(v, copy=True) for k, v in m.state_dict().items()}
+    with pytest.raises(ValueError):
+        m(np.ones((4, 5)))  # 5 channels, not 3
+    for k, v in m.state_dict().items():
+        np.testing.assert_array_equal(v, held[k], err_msg=k)
