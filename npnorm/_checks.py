@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,8 @@ def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shap
         shape: Shape = (int(normalized_shape),)
     else:
         try:
-            shape = tuple(int(d) for d in normalized_shape)  # type: ignore[union-attr]
+            # operator.index: ints of any kind (np.int64 too), never a float or a string's digits
+            shape = tuple(operator.index(d) for d in normalized_shape)  # type: ignore[union-attr]
         except TypeError as err:
             raise TypeError(f"{what} must be an int or a sequence of ints, got {normalized_shape!r}") from err
     if not shape or any(d <= 0 for d in shape):
@@ -93,6 +95,21 @@ def check_row_stats(x: Array, shape: Shape, **stats: Array) -> None:
                 f"{name} must hold one value per row: {rows} for an input of shape "
                 f"{tuple(x.shape)} normalized over {shape}, got shape {tuple(a.shape)}"
             )
+
+
+def check_count(value: Any, what: str) -> int:
+    """A positive int (of any integer type: NumPy's too, as PyTorch accepts them; not a
+    bool) as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_real(value: Any, what: str) -> float:
+    """A real number (of any type: NumPy's float32 too; not a bool) as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, got {value!r}")
+    return float(value)
 
 
 def check_eps(eps: Any) -> float:

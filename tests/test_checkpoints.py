@@ -115,6 +115,58 @@ def test_missing_counter_keeps_the_current_count_as_torch(torch, rng):
     assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 3
 
 
+def test_a_versioned_torch_state_dict_without_its_counter_is_missing_a_key(torch):
+    """A state_dict that PyTorch made (module version 2, in its _metadata) and that lost its
+    counter is missing a key, strictly, as PyTorch says; a plain dict is an old checkpoint."""
+    ref = torch.nn.BatchNorm1d(3)
+    state = ref.state_dict()
+    del state["num_batches_tracked"]
+    with pytest.raises(RuntimeError, match="num_batches_tracked"):
+        ref.load_state_dict(state)
+    ours = npnorm.BatchNorm1d(3)
+    with pytest.raises(RuntimeError, match=r"missing key.*'num_batches_tracked'"):
+        ours.load_state_dict(state)
+    assert ours.load_state_dict(state, strict=False).missing_keys == ["num_batches_tracked"]
+    assert ours.load_state_dict(dict(state)).missing_keys == []  # no _metadata: torch < 0.4.1
+
+
+def test_a_counter_of_shape_1_loads_as_in_torch(torch):
+    """torch 0.3 saved 0-d values as shape (1,): PyTorch unpacks them, and so does npnorm."""
+    state = {k: v.numpy() for k, v in torch.nn.BatchNorm1d(3).state_dict().items()}
+    state["num_batches_tracked"] = np.array([7])
+    ref = torch.nn.BatchNorm1d(3)
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    ours = npnorm.BatchNorm1d(3)
+    ours.load_state_dict(state)
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 7
+    assert ours.num_batches_tracked.shape == ()
+    state["num_batches_tracked"] = np.array([7, 8])
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        ours.load_state_dict(state)
+
+
+def test_running_stats_into_an_untracked_instance_norm_as_in_torch(torch):
+    """A checkpoint without a version that has running stats for an InstanceNorm that does
+    not track them: PyTorch refuses it even with strict=False (torch < 0.4 tracked them by
+    default); a versioned one only has unexpected keys."""
+    old = {"running_mean": np.zeros(3), "running_var": np.ones(3)}
+    ref, ours = torch.nn.InstanceNorm1d(3), npnorm.InstanceNorm1d(3)
+    with pytest.raises(RuntimeError, match="track_running_stats"):
+        ref.load_state_dict({k: torch.from_numpy(v) for k, v in old.items()}, strict=False)
+    with pytest.raises(RuntimeError, match=r"'running_mean' and 'running_var'.*track_running_stats=True"):
+        ours.load_state_dict(old, strict=False)
+    versioned = torch.nn.InstanceNorm1d(3, track_running_stats=True).state_dict()
+    want = ref.load_state_dict(versioned, strict=False).unexpected_keys
+    assert ours.load_state_dict(versioned, strict=False).unexpected_keys == want
+
+
+def test_a_value_too_big_for_its_dtype_is_a_listed_error():
+    m = npnorm.BatchNorm1d(3)
+    with pytest.raises(RuntimeError, match="'num_batches_tracked': cannot convert"):
+        m.load_state_dict({**m.state_dict(), "num_batches_tracked": 2**70})
+    assert int(m.num_batches_tracked) == 0
+
+
 def test_counter_stays_a_0d_int64_array(backend, rng):
     m = npnorm.BatchNorm2d(2, xp=backend.xp)
     x = backend.asarray(rng.normal(size=(3, 2, 2, 2)), "float32")

@@ -47,6 +47,43 @@ def test_parameters_train_eval():
     assert npnorm.LayerNorm(3, elementwise_affine=False).parameters() == {}
 
 
+@pytest.mark.parametrize("mode", ["eval", 0, 1, None, np.bool_(True)])
+def test_train_takes_only_a_bool(mode):
+    """train("eval") would train: PyTorch raises ValueError, and so does npnorm."""
+    m = npnorm.BatchNorm1d(3).eval()
+    with pytest.raises(ValueError, match="bool"):
+        m.train(mode)
+    assert not m.training
+
+
+def test_numpy_integers_and_floats_configure_a_layer_as_in_torch():
+    """NumPy's integer and float scalars are accepted where PyTorch accepts them, stored as
+    Python numbers."""
+    bn = npnorm.BatchNorm1d(np.int64(4), momentum=np.float32(0.5))
+    assert type(bn.num_features) is int and bn.num_features == 4 and bn.momentum == 0.5
+    inn = npnorm.InstanceNorm2d(np.int32(3))
+    assert type(inn.num_features) is int
+    gn = npnorm.GroupNorm(np.int64(2), np.int64(4))
+    assert (type(gn.num_groups), type(gn.num_channels)) == (int, int)
+    x = np.ones((2, 4, 3), np.float32)
+    y, _, _ = npnorm.functional.group_norm_forward(x, np.int64(2))
+    assert y.shape == x.shape
+    for bad in (2.0, "2", True):
+        with pytest.raises(ValueError, match="num_groups must be a positive int"):
+            npnorm.GroupNorm(bad, 4)
+    with pytest.raises(TypeError, match="momentum"):
+        npnorm.BatchNorm1d(4, momentum="0.1")
+
+
+@pytest.mark.parametrize("shape", [(6.5,), (6.0,), "6", ["6"], np.array([6.7])])
+def test_normalized_shape_of_floats_or_strings_is_a_type_error(shape):
+    """int() would read 6.5 as 6 and "66" as (6, 6); PyTorch raises TypeError."""
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):
+        npnorm.functional.layer_norm_forward(np.ones((2, 6), np.float32), shape)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        npnorm.RMSNorm(shape)
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._backend import Array, Namespace
-from .._checks import cast, prod, work_dtype, write_out
+from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import moments, rstd_of, standardize_backward, xhat_from
 
 
@@ -78,9 +78,7 @@ def check_per_channel(c: int, **arrays: Array | None) -> None:
 
 
 def check_momentum(momentum: Any) -> float:
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        raise TypeError(f"momentum must be a number, got {momentum!r}")
-    return float(momentum)
+    return check_real(momentum, "momentum")
 
 
 def check_buffers_paired(running_mean: Array | None, running_var: Array | None) -> None:

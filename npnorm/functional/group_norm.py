@@ -6,17 +6,27 @@ Wu & He (2018), "Group Normalization", https://arxiv.org/abs/1803.08494.
 from __future__ import annotations
 
 from .._backend import Array, Namespace, no_fp_warnings
-from .._checks import cast, check_eps, check_grad_output, check_out, float_inputs, work_dtype, write_out
+from .._checks import (
+    cast,
+    check_count,
+    check_eps,
+    check_grad_output,
+    check_out,
+    float_inputs,
+    work_dtype,
+    write_out,
+)
 from .._stats import standardize, standardize_backward, xhat_from
 from ._channels import as_ncs, channel_affine, channel_affine_backward, check_channels, check_per_channel
 from ._dispatch import generic, kernel
 
 
-def check_groups(num_groups: int, num_channels: int) -> None:
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
-        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+def check_groups(num_groups: int, num_channels: int) -> int:
+    """``num_groups`` as an int, checked to divide ``num_channels``."""
+    num_groups = check_count(num_groups, "num_groups")
     if num_channels % num_groups:
         raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups ({num_groups})")
+    return num_groups
 
 
 def group_norm_forward(
@@ -76,7 +86,7 @@ def group_norm_forward(
     eps = check_eps(eps)
     xp = float_inputs(input, weight, bias, names=("input", "weight", "bias"))
     c = check_channels(input, None, "group_norm")
-    check_groups(num_groups, c)
+    num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
     check_out(xp, out, input)
     return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps, out)
@@ -137,7 +147,7 @@ def group_norm_backward(
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
     )  # fmt: skip
     c = check_channels(input, None, "group_norm")
-    check_groups(num_groups, c)
+    num_groups = check_groups(num_groups, c)
     check_grad_output(grad_output, input)
     check_per_channel(c, weight=weight, bias=bias)
     for name, a in (("mean", mean), ("rstd", rstd)):

@@ -33,7 +33,7 @@ def group_norm(
     x, w, b = float64_leaves(input=input, weight=weight, bias=bias)
     assert x is not None
     c = check_channels(x, None, "group_norm")
-    check_groups(num_groups, c)
+    num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=w, bias=b)
     grouped = (x.shape[0], num_groups, x.size // (x.shape[0] * num_groups))  # N, G, C/G·S
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)

@@ -252,9 +252,12 @@ class Module:
         """Set training mode (``mode=True``) or evaluation mode; returns the module.
 
         The mode matters to BatchNorm (batch or running statistics) and to
-        InstanceNorm with ``track_running_stats=True``.
+        InstanceNorm with ``track_running_stats=True``. ``mode`` must be a bool
+        (``ValueError`` otherwise, as in PyTorch: ``train("eval")`` would train).
         """
-        self.training = bool(mode)
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be a bool, got {mode!r}")
+        self.training = mode
         return self
 
     def eval(self) -> Module:
@@ -341,12 +344,16 @@ class Module:
         else:
             source = {k: state_dict[k] for k in state_dict.keys()}
         own = self.state_dict()
-        for key, default in self._missing_key_defaults().items():
+        # PyTorch's state_dict carries each module's version (torch's ``_metadata``);
+        # a plain dict has none, as a checkpoint of an old PyTorch
+        metadata = getattr(state_dict, "_metadata", None)
+        version = metadata.get(prefix[:-1], {}).get("version") if isinstance(metadata, Mapping) else None
+        errors = self._legacy_keys(source, version, prefix)
+        for key, default in self._missing_key_defaults(version).items():
             if key in own and key not in source:
                 source[key] = default
         missing = [k for k in own if k not in source]
         unexpected = [k for k in source if k not in own]
-        errors = []
         if strict and unexpected:
             errors.append("unexpected key(s): " + ", ".join(repr(prefix + k) for k in unexpected))
         if strict and missing:
@@ -358,7 +365,9 @@ class Module:
                 continue
             try:
                 value = to_namespace(source[key], self.xp, current.dtype)
-            except (TypeError, ValueError) as err:
+                if current.ndim == 0 and tuple(value.shape) == (1,):  # a counter saved by torch 0.3
+                    value = self.xp.reshape(value, ())
+            except (TypeError, ValueError, OverflowError) as err:  # 2**70 for an int64 counter
                 errors.append(f"{prefix + key!r}: cannot convert to an array ({err})")
                 continue
             if tuple(value.shape) != tuple(current.shape):
@@ -394,10 +403,16 @@ class Module:
         setattr(self, name, value)
         return False
 
-    def _missing_key_defaults(self) -> dict[str, Array]:
-        """Values ``load_state_dict`` uses for keys a checkpoint may lack (PyTorch's
-        version compatibility); none by default."""
+    def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
+        """Values ``load_state_dict`` uses for keys a checkpoint of PyTorch module
+        version ``version`` (None: unknown, a plain dict) may lack; none by default."""
         return {}
+
+    def _legacy_keys(self, source: dict[str, Any], version: int | None, prefix: str) -> list[str]:
+        """Errors for keys of an old checkpoint (module version ``version``) that
+        PyTorch refuses whatever ``strict`` says, removed from ``source`` (keys without
+        ``prefix``, which the messages show); none by default."""
+        return []
 
     # --- backends ------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from .._backend import Array
-from .._checks import check_eps
+from .._checks import check_count, check_eps, check_real
 from ..functional._channels import check_channels
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
 from ._module import DTYPE_XP_DOC, Module, Saved, Updates
@@ -31,13 +31,9 @@ class _NormBase(Module):
         xp: str | ModuleType | None = None,
     ) -> None:
         super().__init__(dtype=dtype, xp=xp)
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features <= 0:
-            raise ValueError(f"num_features must be a positive int, got {num_features!r}")
-        if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))):
-            raise TypeError(f"momentum must be a number or None, got {momentum!r}")
-        self.num_features = num_features
+        self.num_features = check_count(num_features, "num_features")
         self.eps = check_eps(eps)
-        self.momentum = None if momentum is None else float(momentum)
+        self.momentum = None if momentum is None else check_real(momentum, "momentum (or None)")
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
         xp_, c = self.xp, num_features
@@ -59,10 +55,10 @@ class _NormBase(Module):
             self.running_var = self.xp.ones((self.num_features,), dtype=self.dtype)
             self.num_batches_tracked = self.xp.asarray(0, dtype=self.xp.int64)
 
-    def _missing_key_defaults(self) -> dict[str, Array]:
+    def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
-        # (torch < 0.4.1) keeps the module's counter.
-        if self.num_batches_tracked is None:
+        # (torch < 0.4.1, module version < 2, or no version) keeps the module's counter.
+        if self.num_batches_tracked is None or (version is not None and version >= 2):
             return {}
         return {"num_batches_tracked": self.num_batches_tracked}
 

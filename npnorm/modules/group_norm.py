@@ -6,7 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from .._backend import Array
-from .._checks import check_eps
+from .._checks import check_count, check_eps
 from ..functional._channels import check_channels
 from ..functional.group_norm import check_groups, group_norm_backward, group_norm_forward
 from ._module import Module, Saved, Updates
@@ -90,9 +90,8 @@ class GroupNorm(Module):
         xp: str | ModuleType | None = None,
     ) -> None:
         super().__init__(dtype=dtype, xp=xp)
-        if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels <= 0:
-            raise ValueError(f"num_channels must be a positive int, got {num_channels!r}")
-        check_groups(num_groups, num_channels)
+        num_channels = check_count(num_channels, "num_channels")
+        num_groups = check_groups(num_groups, num_channels)
         self.num_groups, self.num_channels = num_groups, num_channels
         self.eps = check_eps(eps)
         self.affine = bool(affine)

@@ -33,6 +33,22 @@ class _InstanceNorm(_NormBase):
             num_features, eps, momentum, affine, track_running_stats, bias=bias, dtype=dtype, xp=xp
         )
 
+    def _legacy_keys(self, source: dict[str, Any], version: int | None, prefix: str) -> list[str]:
+        # As PyTorch's _InstanceNorm: a checkpoint without a version (torch < 0.4, where
+        # InstanceNorm tracked running statistics by default) refused with its reason
+        found = [k for k in ("running_mean", "running_var") if k in source]
+        if version is not None or self.track_running_stats or not found:
+            return []
+        for key in found:
+            del source[key]
+        name = type(self).__name__
+        return [
+            f"unexpected running stats buffer(s) {' and '.join(repr(prefix + k) for k in found)} for {name} "
+            f"with track_running_stats=False: a checkpoint saved before PyTorch 0.4.0 may have them "
+            f"(InstanceNorm tracked running stats by default then); remove them from the state_dict, "
+            f"or construct {name} with track_running_stats=True to use them"
+        ]
+
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         xp = self._check_backend(input)
         nb = self._no_batch_ndim
