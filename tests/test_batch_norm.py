@@ -289,3 +289,30 @@ def test_reset_running_stats(rng):
     np.testing.assert_array_equal(m.running_mean, 0)
     np.testing.assert_array_equal(m.running_var, 1)
     assert int(m.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (2, 3, 0)])
+def test_an_empty_batch_trains_as_in_torch(torch, family, shape):
+    """No values per channel in training: PyTorch returns an empty output, counts the
+    batch and leaves the running statistics as they were; its weight and bias gradients are
+    zeros. npnorm did the same nowhere (it raised "more than 1 value per channel")."""
+    ref = torch.nn.BatchNorm1d(3).double()
+    ours = npnorm.BatchNorm1d(3, dtype="float64")
+    randomize(ours, np.random.default_rng(0))
+    load_into_torch(torch, ours, ref)
+    x = np.zeros(shape)
+    xt = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+    with npnorm.use_kernels(family):
+        y = ours(x)
+        dx = ours.backward(np.zeros(shape))
+    yt = ref(xt)
+    yt.sum().backward()
+    assert y.shape == dx.shape == tuple(yt.shape) == shape
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[k], v.numpy(), err_msg=k)
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) > 0
+    np.testing.assert_array_equal(ours.grads["weight"], ref.weight.grad.numpy())
+    np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())
+    y, mean, rstd, rm, _ = F.batch_norm_forward(x, None, None, training=True)
+    assert y.shape == shape and np.isnan(mean).all() and np.isnan(rstd).all() and rm is None

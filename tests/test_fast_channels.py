@@ -426,7 +426,8 @@ def test_registered_for_numpy(op):
 
 def test_empty_inputs_give_the_generic_results():
     """An empty batch through every channel operation the public API lets through
-    (BatchNorm's batch statistics need values), forward and backward: as the reference."""
+    (BatchNorm's batch statistics of no values never reach a kernel), forward and
+    backward: as the reference."""
     x = np.zeros((0, 3, 4), np.float32)
     for op, args, bwd in op_calls(x, x, None, None, 3):
         if op in ("layer_norm", "rms_norm") or (op == "batch_norm" and args[5]):

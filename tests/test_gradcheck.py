@@ -65,6 +65,22 @@ def test_restores_module_state(backend, rng):
     assert m.backward(x).shape == (2, 4)  # saved context is back too
 
 
+def test_restores_running_statistics_and_grads_in_their_own_arrays(backend, rng):
+    """A training forward updates the buffers in place and a backward adds into the grads
+    in place: gradcheck puts their values back, into the same arrays (which a state_dict
+    or an optimizer may hold)."""
+    m = npnorm.BatchNorm1d(3, dtype="float64", xp=backend.xp)
+    x = backend.asarray(rng.normal(size=(4, 3)))
+    m(x)
+    m.backward(x)
+    held = {**m.state_dict(), **{("grad", k): g for k, g in m.grads.items()}}
+    state, grads = snapshot(m)
+    assert npnorm.gradcheck(m, x)
+    assert_state_equal(m, state, grads)
+    now = {**m.state_dict(), **{("grad", k): g for k, g in m.grads.items()}}
+    assert all(now[k] is v for k, v in held.items())
+
+
 def test_restores_state_even_when_failing(rng):
     m = WrongLayerNorm(3, which="weight", factor=2.0)
     state, grads = snapshot(m)

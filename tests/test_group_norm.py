@@ -101,3 +101,23 @@ def test_float16(rng):
     x = (rng.normal(size=(2, 4, 3)) * 3).astype(np.float16)
     y, mean, _rstd = F.group_norm_forward(x, 2)
     assert y.dtype == np.float16 and mean.dtype == np.float32 and mean.shape == (2, 2)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_groups_without_values_as_in_torch(torch, family):
+    """Groups of no values (spatial size 0): an empty output as PyTorch's, statistics of
+    nothing (NaN), PyTorch's weight gradient (NaN: it sums (ds - db*mean)*rstd with those
+    statistics) and bias gradient (0), and no NumPy "Mean of empty slice" warning (which
+    escaped from every family)."""
+    ref = torch.nn.GroupNorm(2, 4).double()
+    xt = torch.zeros((2, 4, 0), dtype=torch.float64, requires_grad=True)
+    ref(xt).sum().backward()
+    ours = npnorm.GroupNorm(2, 4, dtype="float64")
+    with npnorm.use_kernels(family):
+        y = ours(np.zeros((2, 4, 0)))
+        dx = ours.backward(np.zeros((2, 4, 0)))
+        _, mean, rstd = F.group_norm_forward(np.zeros((2, 4, 0)), 2)
+    assert y.shape == dx.shape == (2, 4, 0)
+    assert mean.shape == rstd.shape == (2, 2) and np.isnan(mean).all() and np.isnan(rstd).all()
+    np.testing.assert_array_equal(ours.grads["weight"], ref.weight.grad.numpy())
+    np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())

@@ -32,7 +32,7 @@ def layers():
 def _step(m, x, dy):
     y = m(x)
     dx = m.backward(dy)
-    return y, dx, dict(m.grads)
+    return y, dx, {k: g.copy() for k, g in m.grads.items()}  # grads accumulate in place
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -136,3 +136,24 @@ def test_empty_batch_running_stats_match_torch(torch):
     ours(np.zeros((0, 3, 4), np.float32))
     np.testing.assert_array_equal(ours.running_mean, ref.running_mean.numpy())
     np.testing.assert_array_equal(ours.running_var, ref.running_var.numpy())
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_no_spatial_values_train_as_in_torch(torch, family):
+    """Instances with no spatial values (N > 0, S = 0): PyTorch returns an empty output and
+    leaves the running statistics as they were (npnorm raised "more than 1 spatial
+    element"); no NumPy warning."""
+    ref = torch.nn.InstanceNorm1d(3, affine=True, track_running_stats=True).double()
+    ours = npnorm.InstanceNorm1d(3, affine=True, track_running_stats=True, dtype="float64")
+    randomize(ours, np.random.default_rng(0))
+    load_into_torch(torch, ours, ref)
+    xt = torch.zeros((2, 3, 0), dtype=torch.float64, requires_grad=True)
+    ref(xt).sum().backward()
+    with npnorm.use_kernels(family):
+        y = ours(np.zeros((2, 3, 0)))
+        dx = ours.backward(np.zeros((2, 3, 0)))
+    assert y.shape == dx.shape == (2, 3, 0)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[k], v.numpy(), err_msg=k)
+    np.testing.assert_array_equal(ours.grads["weight"], ref.weight.grad.numpy())
+    np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())

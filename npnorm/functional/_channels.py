@@ -81,6 +81,44 @@ def check_momentum(momentum: Any) -> float:
     return check_real(momentum, "momentum")
 
 
+def empty_forward(
+    xp: Namespace,
+    input: Array,
+    stats_shape: tuple[int, ...],
+    weight: Array | None,
+    bias: Array | None,
+    out: Array | None,
+) -> tuple[Array, Array, Array]:
+    """The forward of an input whose channels (or groups, or instances) hold no values,
+    as PyTorch computes it: an empty output, and statistics of nothing (NaN, as NumPy's
+    mean of nothing, without its warning) of shape ``stats_shape``."""
+    ct = work_dtype(xp, input, weight, bias)
+    nan = xp.full(stats_shape, float("nan"), dtype=ct)
+    return (
+        write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype)),
+        nan,
+        xp.asarray(nan, copy=True),
+    )
+
+
+def empty_backward(
+    xp: Namespace,
+    input: Array,
+    weight: Array | None,
+    bias: Array | None,
+    mean: Array,
+    out: Array | None,
+) -> tuple[Array, Array | None, Array | None]:
+    """The backward of an input with no values: an empty dx, and dweight, dbias sums of
+    nothing (zeros, as PyTorch's)."""
+    ct = work_dtype(xp, input, weight, bias, mean)
+    c = int(input.shape[1])
+    dx = write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype))
+    dweight = None if weight is None else xp.zeros((c,), dtype=ct)
+    dbias = None if bias is None else xp.zeros((c,), dtype=ct)
+    return dx, dweight, dbias
+
+
 def check_buffers_paired(running_mean: Array | None, running_var: Array | None) -> None:
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together (or both None)")

@@ -15,6 +15,8 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    empty_backward,
+    empty_forward,
     store_running,
 )
 from ._dispatch import generic, kernel
@@ -81,7 +83,9 @@ def batch_norm_forward(
     ------
     ValueError
         On a wrong shape, when training with one value per channel, or in
-        inference without buffers.
+        inference without buffers. An empty batch (no values per channel) is no
+        error, as in PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN
+        (statistics of nothing), and the buffers come back as they were.
 
     Examples
     --------
@@ -104,13 +108,16 @@ def batch_norm_forward(
     c = check_channels(input, None, "batch_norm")
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     check_buffers_paired(running_mean, running_var)
-    if training and int(input.shape[0]) * prod(input.shape[2:]) <= 1:
+    values = int(input.shape[0]) * prod(input.shape[2:])  # per channel
+    if training and values == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
         )
     if not training and running_mean is None:
         raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
     check_out(xp, out, input)
+    if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
+        return (*empty_forward(xp, input, (c,), weight, bias, out), running_mean, running_var)
     return kernel("batch_norm_forward", xp)(
         xp, input, running_mean, running_var, weight, bias, bool(training), momentum, eps, out
     )
@@ -180,6 +187,8 @@ def batch_norm_backward(
     check_grad_output(grad_output, input)
     check_per_channel(c, mean=mean, rstd=rstd, weight=weight, bias=bias)
     check_out(xp, out, input)
+    if prod(input.shape) == 0:
+        return empty_backward(xp, input, weight, bias, mean, out)
     return kernel("batch_norm_backward", xp)(
         xp, grad_output, input, mean, rstd, weight, bias, bool(training), out
     )

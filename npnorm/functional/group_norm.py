@@ -13,11 +13,20 @@ from .._checks import (
     check_grad_output,
     check_out,
     float_inputs,
+    prod,
     work_dtype,
     write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
-from ._channels import as_ncs, channel_affine, channel_affine_backward, check_channels, check_per_channel
+from ._channels import (
+    as_ncs,
+    channel_affine,
+    channel_affine_backward,
+    check_channels,
+    check_per_channel,
+    empty_backward,
+    empty_forward,
+)
 from ._dispatch import generic, kernel
 
 
@@ -89,6 +98,9 @@ def group_norm_forward(
     num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
     check_out(xp, out, input)
+    n = int(input.shape[0])
+    if n * prod(input.shape[1:]) == 0:  # no group holds a value (or there is none)
+        return empty_forward(xp, input, (n, num_groups), weight, bias, out)
     return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps, out)
 
 
@@ -156,6 +168,13 @@ def group_norm_backward(
                 f"{name} must have shape {(int(input.shape[0]), num_groups)}, got {tuple(a.shape)}"
             )
     check_out(xp, out, input)
+    if prod(input.shape) == 0:
+        dx, dweight, dbias = empty_backward(xp, input, weight, bias, mean, out)
+        if dweight is not None and int(input.shape[0]) > 0:
+            # as PyTorch's: its dweight_c sums (ds - db*mean)*rstd over samples, with the
+            # NaN statistics of groups of no values (N > 0, S = 0); dbias stays 0
+            dweight = dweight + float("nan")
+        return dx, dweight, dbias
     return kernel("group_norm_backward", xp)(
         xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
     )

@@ -15,6 +15,8 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    empty_backward,
+    empty_forward,
     store_running,
 )
 from ._dispatch import generic, kernel
@@ -76,7 +78,11 @@ def instance_norm_forward(
     Raises
     ------
     ValueError
-        On a wrong shape, or input statistics over one spatial element.
+        On a wrong shape, or input statistics over one spatial element. Input
+        statistics over none are no error, as in PyTorch: the output is empty; with
+        no spatial values ``mean`` and ``rstd`` are NaN (statistics of nothing) and the
+        buffers come back as they were, and with no instances (N = 0) the buffers
+        become NaN, the average over no instances.
 
     Examples
     --------
@@ -97,13 +103,18 @@ def instance_norm_forward(
     c = check_channels(input, None, "instance_norm", min_ndim=3)
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     check_buffers_paired(running_mean, running_var)
-    if use_input_stats and prod(input.shape[2:]) <= 1:
+    if use_input_stats and prod(input.shape[2:]) == 1:
         raise ValueError(
             f"Expected more than 1 spatial element when training, got input size {tuple(input.shape)}"
         )
     if not use_input_stats and running_mean is None:
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
     check_out(xp, out, input)
+    n = int(input.shape[0])
+    if use_input_stats and n > 0 and prod(input.shape[2:]) == 0:  # instances without values
+        # the buffers stay as they are, as PyTorch's (whose average of no instances, N = 0,
+        # is NaN: that case the kernels compute)
+        return (*empty_forward(xp, input, (n, c), weight, bias, out), running_mean, running_var)
     return kernel("instance_norm_forward", xp)(
         xp, input, running_mean, running_var, weight, bias, bool(use_input_stats), momentum, eps, out
     )
@@ -175,6 +186,8 @@ def instance_norm_backward(
         if tuple(a.shape) != stats_shape:
             raise ValueError(f"{name} must have shape {stats_shape}, got {tuple(a.shape)}")
     check_out(xp, out, input)
+    if prod(input.shape) == 0:
+        return empty_backward(xp, input, weight, bias, mean, out)
     return kernel("instance_norm_backward", xp)(
         xp, grad_output, input, mean, rstd, weight, bias, bool(use_input_stats), out
     )
