@@ -33,6 +33,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .._backend import Namespace
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -307,6 +309,23 @@ def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
     if name not in _LOADED:
         _load(name, tuple(p for p in _PROVIDERS.get(name, ()) if importlib.util.find_spec(p) is not None))
     return _SPECIALIZED.get((op, name)) or _GENERIC[op]
+
+
+def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) -> Any:
+    """``kernel(op, xp)(xp, *args, out)``: the kernel's result, whose first array (the
+    output, or dx) is written into ``out`` when given.
+
+    A kernel may write ``out`` while it still reads the small arrays ``reads`` (weight,
+    bias, statistics, running buffers): where ``out`` shares memory with one of them, the
+    kernel computes into a new array, which is then copied into ``out`` (an ``out`` that
+    is the input or grad_output itself the kernels handle)."""
+    fn = kernel(op, xp)
+    if out is not None and isinstance(out, np.ndarray):
+        if any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in reads):
+            result = fn(xp, *args, None)
+            out[...] = result[0]
+            return (out, *result[1:])
+    return fn(xp, *args, out)
 
 
 def has_own_kernels(namespace_name: str) -> bool:

@@ -19,7 +19,7 @@ from ._channels import (
     empty_forward,
     store_running,
 )
-from ._dispatch import generic, kernel
+from ._dispatch import generic, run
 
 
 def batch_norm_forward(
@@ -118,9 +118,10 @@ def batch_norm_forward(
     check_out(xp, out, input)
     if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
         return (*empty_forward(xp, input, (c,), weight, bias, out), running_mean, running_var)
-    return kernel("batch_norm_forward", xp)(
-        xp, input, running_mean, running_var, weight, bias, bool(training), momentum, eps, out
-    )
+    return run(
+        "batch_norm_forward", xp, input, running_mean, running_var, weight, bias, bool(training),
+        momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
+    )  # fmt: skip
 
 
 def batch_norm_backward(
@@ -189,9 +190,10 @@ def batch_norm_backward(
     check_out(xp, out, input)
     if prod(input.shape) == 0:
         return empty_backward(xp, input, weight, bias, mean, out)
-    return kernel("batch_norm_backward", xp)(
-        xp, grad_output, input, mean, rstd, weight, bias, bool(training), out
-    )
+    return run(
+        "batch_norm_backward", xp, grad_output, input, mean, rstd, weight, bias, bool(training),
+        out=out, reads=(mean, rstd, weight),
+    )  # fmt: skip
 
 
 def batch_norm(

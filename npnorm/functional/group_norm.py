@@ -27,7 +27,7 @@ from ._channels import (
     empty_backward,
     empty_forward,
 )
-from ._dispatch import generic, kernel
+from ._dispatch import generic, run
 
 
 def check_groups(num_groups: int, num_channels: int) -> int:
@@ -101,7 +101,7 @@ def group_norm_forward(
     n = int(input.shape[0])
     if n * prod(input.shape[1:]) == 0:  # no group holds a value (or there is none)
         return empty_forward(xp, input, (n, num_groups), weight, bias, out)
-    return kernel("group_norm_forward", xp)(xp, input, num_groups, weight, bias, eps, out)
+    return run("group_norm_forward", xp, input, num_groups, weight, bias, eps, out=out, reads=(weight, bias))
 
 
 def group_norm_backward(
@@ -175,9 +175,10 @@ def group_norm_backward(
             # NaN statistics of groups of no values (N > 0, S = 0); dbias stays 0
             dweight = dweight + float("nan")
         return dx, dweight, dbias
-    return kernel("group_norm_backward", xp)(
-        xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
-    )
+    return run(
+        "group_norm_backward", xp, grad_output, input, num_groups, mean, rstd, weight, bias,
+        out=out, reads=(mean, rstd, weight),
+    )  # fmt: skip
 
 
 def group_norm(

@@ -19,7 +19,7 @@ from ._channels import (
     empty_forward,
     store_running,
 )
-from ._dispatch import generic, kernel
+from ._dispatch import generic, run
 
 
 def instance_norm_forward(
@@ -115,9 +115,10 @@ def instance_norm_forward(
         # the buffers stay as they are, as PyTorch's (whose average of no instances, N = 0,
         # is NaN: that case the kernels compute)
         return (*empty_forward(xp, input, (n, c), weight, bias, out), running_mean, running_var)
-    return kernel("instance_norm_forward", xp)(
-        xp, input, running_mean, running_var, weight, bias, bool(use_input_stats), momentum, eps, out
-    )
+    return run(
+        "instance_norm_forward", xp, input, running_mean, running_var, weight, bias,
+        bool(use_input_stats), momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
+    )  # fmt: skip
 
 
 def instance_norm_backward(
@@ -188,9 +189,10 @@ def instance_norm_backward(
     check_out(xp, out, input)
     if prod(input.shape) == 0:
         return empty_backward(xp, input, weight, bias, mean, out)
-    return kernel("instance_norm_backward", xp)(
-        xp, grad_output, input, mean, rstd, weight, bias, bool(use_input_stats), out
-    )
+    return run(
+        "instance_norm_backward", xp, grad_output, input, mean, rstd, weight, bias,
+        bool(use_input_stats), out=out, reads=(mean, rstd, weight),
+    )  # fmt: skip
 
 
 def instance_norm(

@@ -24,7 +24,7 @@ from .._checks import (
     write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
-from ._dispatch import generic, kernel
+from ._dispatch import generic, run
 
 
 def layer_norm_forward(
@@ -92,7 +92,7 @@ def layer_norm_forward(
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
     check_out(xp, out, input)
-    return kernel("layer_norm_forward", xp)(xp, input, shape, weight, bias, eps, out)
+    return run("layer_norm_forward", xp, input, shape, weight, bias, eps, out=out, reads=(weight, bias))
 
 
 def layer_norm_backward(
@@ -174,7 +174,10 @@ def layer_norm_backward(
     check_param(weight, shape, "weight")
     check_param(bias, shape, "bias")
     check_out(xp, out, input)
-    return kernel("layer_norm_backward", xp)(xp, grad_output, input, shape, mean, rstd, weight, bias, out)
+    return run(
+        "layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias,
+        out=out, reads=(mean, rstd, weight),
+    )  # fmt: skip
 
 
 def layer_norm(

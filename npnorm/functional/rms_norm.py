@@ -25,7 +25,7 @@ from .._checks import (
     write_out,
 )
 from .._stats import standardize, standardize_backward, xhat_from
-from ._dispatch import generic, kernel
+from ._dispatch import generic, run
 
 
 def rms_norm_forward(
@@ -86,7 +86,7 @@ def rms_norm_forward(
     check_param(weight, shape, "weight")
     eps_value = None if eps is None else check_eps(eps)
     check_out(xp, out, input)
-    return kernel("rms_norm_forward", xp)(xp, input, shape, weight, eps_value, out)
+    return run("rms_norm_forward", xp, input, shape, weight, eps_value, out=out, reads=(weight,))
 
 
 def rms_norm_backward(
@@ -147,7 +147,9 @@ def rms_norm_backward(
     check_row_stats(input, shape, rstd=rstd)
     check_param(weight, shape, "weight")
     check_out(xp, out, input)
-    dx, dweight = kernel("rms_norm_backward", xp)(xp, grad_output, input, shape, rstd, weight, out)
+    dx, dweight = run(
+        "rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out=out, reads=(rstd, weight)
+    )
     return dx, dweight, None
 
 
