@@ -316,3 +316,8 @@ def test_an_empty_batch_trains_as_in_torch(torch, family, shape):
     np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())
     y, mean, rstd, rm, _ = F.batch_norm_forward(x, None, None, training=True)
     assert y.shape == shape and np.isnan(mean).all() and np.isnan(rstd).all() and rm is None
+    half = npnorm.BatchNorm1d(3, dtype="float16")  # grads in the parameters' dtype, as torch's
+    with npnorm.use_kernels(family):
+        half(x.astype(np.float16))
+        half.backward(np.zeros(shape, np.float16))
+    assert half.grads["weight"].dtype == half.grads["bias"].dtype == np.float16

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import npnorm
+import npnorm.functional as F
 
 SPATIAL = {"InstanceNorm1d": [(3,), (5,)], "InstanceNorm2d": [(2, 3)], "InstanceNorm3d": [(2, 2, 2)]}
 
@@ -152,6 +153,8 @@ def test_no_spatial_values_train_as_in_torch(torch, family):
     with npnorm.use_kernels(family):
         y = ours(np.zeros((2, 3, 0)))
         dx = ours.backward(np.zeros((2, 3, 0)))
+        _, _, _, rm, _ = F.instance_norm_forward(np.zeros((0, 3, 0)), np.zeros(3), np.ones(3))
+    assert np.isnan(rm).all()  # no instances: NaN, as for (0, 3, 4), without NumPy's warning
     assert y.shape == dx.shape == (2, 3, 0)
     for k, v in ref.state_dict().items():
         np.testing.assert_array_equal(ours.state_dict()[k], v.numpy(), err_msg=k)

@@ -75,7 +75,7 @@ def test_numpy_integers_and_floats_configure_a_layer_as_in_torch():
         npnorm.BatchNorm1d(4, momentum="0.1")
 
 
-@pytest.mark.parametrize("shape", [(6.5,), (6.0,), "6", ["6"], np.array([6.7])])
+@pytest.mark.parametrize("shape", [(6.5,), (6.0,), "6", ["6"], np.array([6.7]), [True]])
 def test_normalized_shape_of_floats_or_strings_is_a_type_error(shape):
     """int() would read 6.5 as 6 and "66" as (6, 6); PyTorch raises TypeError."""
     with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):

@@ -66,9 +66,12 @@ def test_a_converted_sync_batch_norm_keeps_sharing_its_buffers():
     module moves both."""
     bn = npnorm.BatchNorm1d(3, dtype="float64")
     sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
-    sync(np.random.default_rng(0).normal(size=(4, 3)))
+    x = np.random.default_rng(0).normal(size=(4, 3))
+    sync(x)
     assert int(bn.num_batches_tracked) == 1
     np.testing.assert_array_equal(bn.running_mean, sync.running_mean)
+    sync.backward(x)  # grads made after the conversion are shared too (torch's .grad)
+    assert bn.grads["weight"] is sync.grads["weight"]
 
 
 @pytest.mark.parametrize("make, shape", LAYERS)
@@ -88,25 +91,54 @@ def test_load_state_dict_writes_into_held_arrays(backend, make, shape):
     assert float(backend.numpy(m.weight).max()) == 0.5
 
 
-@pytest.mark.parametrize("make, shape", LAYERS)
-def test_backward_after_its_weight_was_loaded_over_raises(make, shape):
-    """A load_state_dict between forward and backward overwrites the weight the forward used:
-    backward raises, as PyTorch's does, and a new forward clears it; loading only what the
-    forward did not save leaves the backward as it was."""
-    m = make(dtype="float64")
+# (npnorm layer, torch layer, input shape, mode) for the load-between-passes parity test
+PAIRS = [
+    ("LayerNorm", (4,), {}, (3, 4), "train"),
+    ("RMSNorm", (4,), {}, (3, 4), "train"),
+    ("GroupNorm", (2, 4), {}, (3, 4, 5), "train"),
+    ("BatchNorm1d", (4,), {}, (3, 4, 5), "train"),
+    ("BatchNorm1d", (4,), {}, (3, 4, 5), "eval"),
+    ("InstanceNorm1d", (4,), {"affine": True, "track_running_stats": True}, (3, 4, 5), "train"),
+]
+
+
+@pytest.mark.parametrize("name, args, kw, shape, mode", PAIRS)
+def test_a_load_between_forward_and_backward_as_in_torch(torch, name, args, kw, shape, mode):
+    """load_state_dict of one array between forward and backward: backward raises where
+    PyTorch's does (its version check on what its backward keeps: the weight, LayerNorm's
+    bias, BatchNorm's running statistics), and otherwise gives the gradient of the forward
+    that ran (InstanceNorm's keeps copies, as PyTorch's)."""
     rng = np.random.default_rng(0)
     x, dy = rng.normal(size=shape), rng.normal(size=shape)
-    m(x)
-    m.load_state_dict({"weight": np.full(4, 2.0)}, strict=False)
-    with pytest.raises(RuntimeError, match=r"weight .*overwritten in place by load_state_dict"):
-        m.backward(dy)
-    m(x)
-    m.backward(dy)
-    if "running_mean" in m.state_dict():
-        m.train()
-        m(x)
-        m.load_state_dict({"running_mean": np.ones(4)}, strict=False)  # training: not saved
-        m.backward(dy)
+    for key in [k for k in getattr(npnorm, name)(*args, **kw).state_dict() if k != "num_batches_tracked"]:
+        ours = getattr(npnorm, name)(*args, **kw, dtype="float64")
+        ref = getattr(torch.nn, name)(*args, **kw).double()
+        getattr(ours, mode)()
+        getattr(ref, mode)()
+        want = _dx_of_a_step_on_a_copy(ours, x, dy)
+        ours(x)
+        xt = torch.tensor(x, requires_grad=True)
+        yt = ref(xt)
+        new = np.full(tuple(ours.state_dict()[key].shape), 0.5)
+        ours.load_state_dict({key: new}, strict=False)
+        ref.load_state_dict({key: torch.tensor(new)}, strict=False)
+        try:
+            yt.backward(torch.tensor(dy))
+        except RuntimeError:
+            with pytest.raises(RuntimeError, match=f"the {key} that the last forward used was overwritten"):
+                ours.backward(dy)
+            continue
+        np.testing.assert_allclose(ours.backward(dy), want, rtol=1e-12, atol=1e-12, err_msg=key)
+        np.testing.assert_allclose(xt.grad.numpy(), want, rtol=1e-10, atol=1e-10, err_msg=key)
+
+
+def _dx_of_a_step_on_a_copy(m, x, dy):
+    """dx of a forward and backward on a deep copy of ``m`` (``m`` unchanged)."""
+    import copy
+
+    c = copy.deepcopy(m)
+    c(x)
+    return c.backward(dy)
 
 
 def test_grads_accumulate_in_place_and_the_first_is_not_a_view_of_grad_output(rng):

@@ -110,12 +110,11 @@ def empty_backward(
     out: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
     """The backward of an input with no values: an empty dx, and dweight, dbias sums of
-    nothing (zeros, as PyTorch's)."""
-    ct = work_dtype(xp, input, weight, bias, mean)
+    nothing (zeros, as PyTorch's), in the parameters' dtypes (as ``channel_affine_backward``)."""
     c = int(input.shape[1])
     dx = write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype))
-    dweight = None if weight is None else xp.zeros((c,), dtype=ct)
-    dbias = None if bias is None else xp.zeros((c,), dtype=ct)
+    dweight = None if weight is None else xp.zeros((c,), dtype=weight.dtype)
+    dbias = None if bias is None else xp.zeros((c,), dtype=bias.dtype)
     return dx, dweight, dbias
 
 

@@ -115,6 +115,10 @@ def instance_norm_forward(
         # the buffers stay as they are, as PyTorch's (whose average of no instances, N = 0,
         # is NaN: that case the kernels compute)
         return (*empty_forward(xp, input, (n, c), weight, bias, out), running_mean, running_var)
+    if use_input_stats and n == 0 and prod(input.shape[2:]) == 0:  # the same, without NumPy's warning
+        y, mean, rstd = empty_forward(xp, input, (0, c), weight, bias, out)
+        nan = [None if a is None else xp.full_like(a, float("nan")) for a in (running_mean, running_var)]
+        return y, mean, rstd, nan[0], nan[1]
     return run(
         "instance_norm_forward", xp, input, running_mean, running_var, weight, bias,
         bool(use_input_stats), momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),

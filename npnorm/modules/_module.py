@@ -133,6 +133,10 @@ class Module:
 
     _parameter_names: tuple[str, ...] = ()
     _buffer_names: tuple[str, ...] = ()
+    # The arrays whose in-place overwrite (by load_state_dict) between forward and backward
+    # makes backward raise: those PyTorch's backward of the layer keeps, or (None) those the
+    # saved context holds.
+    _kept_for_backward: tuple[str, ...] | None = None
 
     def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -206,8 +210,8 @@ class Module:
         if isinstance(self._saved, _Overwritten):
             raise RuntimeError(
                 f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
-                "forward used was overwritten in place by load_state_dict since (PyTorch raises here "
-                "too): run forward again"
+                "forward used was overwritten in place by load_state_dict since (PyTorch's backward "
+                "raises there too): run forward again"
             )
         grad_input, param_grads = self._backward(grad_output, self._saved)
         for name, g in param_grads.items():
@@ -287,8 +291,9 @@ class Module:
         (references taken earlier, from ``state_dict()`` or ``parameters()``, see the
         loaded values): the module never shares memory with the checkpoint. Every
         key and shape is checked, and every value converted, before anything is
-        assigned: on error the module is left exactly as it was. A backward whose
-        forward saved an array that was then overwritten raises, as in PyTorch.
+        assigned: on error the module is left exactly as it was. A backward after a
+        load that overwrote an array PyTorch's backward keeps (the weight; LayerNorm's
+        bias; BatchNorm's running statistics) raises, as PyTorch's does.
 
         A BatchNorm/InstanceNorm checkpoint without ``num_batches_tracked`` (saved
         by PyTorch before 0.4.1) loads as PyTorch loads it: the counter keeps its
@@ -385,8 +390,11 @@ class Module:
         overwritten = [key for key, value in staged.items() if self._write(key, value)]
         saved = self._saved
         if saved is not None and not isinstance(saved, _Overwritten):
-            hit = [k for k in overwritten if any(v is own[k] for v in saved)]
-            if hit:  # the last forward's backward would read the new values
+            kept = self._kept_for_backward
+            hit = [
+                k for k in overwritten if (k in kept if kept is not None else any(v is own[k] for v in saved))
+            ]
+            if hit:  # as PyTorch's version check on what its backward keeps
                 self._saved = _Overwritten(hit)
         return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
 

@@ -74,6 +74,8 @@ class _BatchNorm(_NormBase):
     """BatchNorm1d/2d/3d: the per-channel computation with batch or running
     statistics (the public classes' docstrings describe it)."""
 
+    _kept_for_backward = ("weight", "running_mean", "running_var")  # as torch's batch_norm_backward
+
     _expected_ndims: tuple[int, ...] = ()
 
     def _check_input_dim(self, input: Array) -> None:

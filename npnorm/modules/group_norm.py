@@ -77,6 +77,7 @@ class GroupNorm(Module):
     """
 
     _parameter_names = ("weight", "bias")
+    _kept_for_backward = ("weight",)  # as torch's native_group_norm_backward
 
     def __init__(
         self,

@@ -15,6 +15,9 @@ class _InstanceNorm(_NormBase):
     """InstanceNorm1d/2d/3d: the per-(sample, channel) computation, batched or not
     (the public classes' docstrings describe it)."""
 
+    # torch's backward keeps copies (the weight repeated per sample): a load changes nothing
+    _kept_for_backward = ()
+
     _no_batch_ndim = 0
 
     def __init__(
@@ -83,7 +86,10 @@ class _InstanceNorm(_NormBase):
             updates["running_mean"], updates["running_var"] = new_mean, new_var
         if unbatched:
             y = y[0, ...]
-        return y, (x, mean, rstd, use_input_stats, unbatched, self.weight, self.bias), updates
+        # copies of weight and bias (C values), as torch's repeated weight: a later load
+        # into them does not change this forward's gradient
+        weight, bias = (None if a is None else xp.asarray(a, copy=True) for a in (self.weight, self.bias))
+        return y, (x, mean, rstd, use_input_stats, unbatched, weight, bias), updates
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         x, mean, rstd, use_input_stats, unbatched, weight, bias = saved

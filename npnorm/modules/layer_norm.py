@@ -80,6 +80,7 @@ class LayerNorm(Module):
     """
 
     _parameter_names = ("weight", "bias")
+    _kept_for_backward = ("weight", "bias")  # as torch's native_layer_norm_backward
 
     def __init__(
         self,

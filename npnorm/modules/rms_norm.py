@@ -72,6 +72,7 @@ class RMSNorm(Module):
     """
 
     _parameter_names = ("weight",)
+    _kept_for_backward = ("weight",)
 
     def __init__(
         self,

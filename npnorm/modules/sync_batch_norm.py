@@ -198,7 +198,7 @@ class SyncBatchNorm(_BatchNorm):
         )
         for name in (*cls._parameter_names, *cls._buffer_names):
             setattr(new, name, getattr(module, name))
-        new.grads.update(module.grads)
+        new.grads = module.grads  # one dict: grads made later are shared too, as torch's .grad
         new.train(module.training)
         return new
 
