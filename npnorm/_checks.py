@@ -21,8 +21,12 @@ Shape = tuple[int, ...]
 
 def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shape") -> Shape:
     """An int or a sequence of ints as a non-empty tuple of positive ints."""
-    if type(normalized_shape) is int and normalized_shape > 0:  # the common call, cheaply
+    if type(normalized_shape) is int and normalized_shape > 0:  # the common calls, cheaply
         return (normalized_shape,)
+    if type(normalized_shape) is tuple and len(normalized_shape) == 1:
+        d = normalized_shape[0]
+        if type(d) is int and d > 0:
+            return normalized_shape
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape: Shape = (int(normalized_shape),)
     else:
