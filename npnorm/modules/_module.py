@@ -274,8 +274,10 @@ class Module:
         """Parameters then buffers, under PyTorch's key names for the same layer.
 
         As in PyTorch, the values are the module's own arrays, not copies: an
-        in-place change to them changes the module. Copy them (``np.array(v)``) to
-        keep a snapshot. ``num_batches_tracked`` is a 0-d int64 array.
+        in-place change to them changes the module, and a training step or a
+        ``load_state_dict`` (which write in place) changes them. Copy them
+        (``np.array(v)``) to keep a snapshot. ``num_batches_tracked`` is a 0-d int64
+        array.
         """
         return {**self.parameters(), **self.buffers()}
 
