@@ -31,10 +31,11 @@ def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shap
         shape: Shape = (int(normalized_shape),)
     else:
         try:
-            # operator.index: ints of any kind (np.int64 too), never a float or a string's digits
-            shape = tuple(operator.index(d) for d in normalized_shape)  # type: ignore[union-attr]
-            if any(isinstance(d, bool) for d in normalized_shape):  # type: ignore[union-attr]
+            items = tuple(normalized_shape)  # type: ignore[arg-type]
+            if any(isinstance(d, bool) for d in items):
                 raise TypeError("a bool is not a size")
+            # operator.index: ints of any kind (np.int64 too), never a float or a string's digits
+            shape = tuple(operator.index(d) for d in items)
         except TypeError as err:
             raise TypeError(f"{what} must be an int or a sequence of ints, got {normalized_shape!r}") from err
     if not shape or any(d <= 0 for d in shape):

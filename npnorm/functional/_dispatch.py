@@ -320,11 +320,12 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
     kernel computes into a new array, which is then copied into ``out`` (an ``out`` that
     is the input or grad_output itself the kernels handle)."""
     fn = kernel(op, xp)
-    if out is not None and isinstance(out, np.ndarray):
-        if any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in reads):
-            result = fn(xp, *args, None)
-            out[...] = result[0]
-            return (out, *result[1:])
+    if isinstance(out, np.ndarray) and any(
+        isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in reads
+    ):
+        result = fn(xp, *args, None)
+        out[...] = result[0]
+        return (out, *result[1:])
     return fn(xp, *args, out)
 
 

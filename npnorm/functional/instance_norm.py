@@ -103,7 +103,8 @@ def instance_norm_forward(
     c = check_channels(input, None, "instance_norm", min_ndim=3)
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     check_buffers_paired(running_mean, running_var)
-    if use_input_stats and prod(input.shape[2:]) == 1:
+    s = prod(input.shape[2:])  # spatial values per instance
+    if use_input_stats and s == 1:
         raise ValueError(
             f"Expected more than 1 spatial element when training, got input size {tuple(input.shape)}"
         )
@@ -111,12 +112,11 @@ def instance_norm_forward(
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
     check_out(xp, out, input)
     n = int(input.shape[0])
-    if use_input_stats and n > 0 and prod(input.shape[2:]) == 0:  # instances without values
-        # the buffers stay as they are, as PyTorch's (whose average of no instances, N = 0,
-        # is NaN: that case the kernels compute)
-        return (*empty_forward(xp, input, (n, c), weight, bias, out), running_mean, running_var)
-    if use_input_stats and n == 0 and prod(input.shape[2:]) == 0:  # the same, without NumPy's warning
-        y, mean, rstd = empty_forward(xp, input, (0, c), weight, bias, out)
+    if use_input_stats and s == 0:  # instances without values (N = 0, S > 0: the kernels)
+        y, mean, rstd = empty_forward(xp, input, (n, c), weight, bias, out)
+        if n > 0:  # the buffers stay as they are, as PyTorch's
+            return y, mean, rstd, running_mean, running_var
+        # no instances: NaN buffers, PyTorch's average over none (as the kernels give for S > 0)
         nan = [None if a is None else xp.full_like(a, float("nan")) for a in (running_mean, running_var)]
         return y, mean, rstd, nan[0], nan[1]
     return run(

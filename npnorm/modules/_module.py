@@ -220,12 +220,10 @@ class Module:
             held = self.grads.get(name)
             if held is None:  # a copy: the backward's array may be a view of its input
                 self.grads[name] = array_api_compat.array_namespace(g).asarray(g, copy=True)
-                continue
-            total = held + g
-            if _fits(held, total):  # in place, as PyTorch accumulates .grad
-                held[...] = total
             else:
-                self.grads[name] = total
+                total = held + g
+                if not _into(held, total):  # in place, as PyTorch accumulates .grad
+                    self.grads[name] = total
         return grad_input
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
@@ -407,8 +405,7 @@ class Module:
         current = getattr(self, name)
         if isinstance(value, np.generic):  # a NumPy scalar from 0-d arithmetic
             value = self.xp.asarray(value)
-        if current is not None and _fits(current, value):
-            current[...] = value
+        if current is not None and _into(current, value):
             return True
         setattr(self, name, value)
         return False
@@ -536,15 +533,18 @@ class _Overwritten(NamedTuple):
     names: list[str]
 
 
-def _fits(current: Any, value: Any) -> bool:
-    """Whether ``value`` can be written into ``current`` in place: same backend,
-    shape and dtype, and ``current`` writable."""
+def _into(current: Any, value: Any) -> bool:
+    """Write ``value`` into ``current`` in place where it fits (same backend, shape and
+    dtype, and ``current`` writable); whether it did."""
     if not _is_array(value) or type(value) is not type(current):
         return False
     if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
         return False
     flags = getattr(current, "flags", None)
-    return flags is None or bool(getattr(flags, "writeable", True))
+    if flags is not None and not getattr(flags, "writeable", True):
+        return False
+    current[...] = value
+    return True
 
 
 class _HostArray(NamedTuple):
