@@ -198,14 +198,24 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
 
     The result never shares memory with ``value``: a CPU torch tensor or a NumPy
     array is viewed by ``_to_host`` without a copy, so the copy is made here, always.
+    Nor does it share autograd history: a torch tensor that requires grad (an
+    ``nn.Parameter``) gives a plain tensor.
     """
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
-        out = xp.asarray(value, copy=True)
+        out = copy_array(value)
     else:
         out = xp.asarray(_to_host(value), copy=True)
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out
+
+
+def copy_array(a: Array) -> Array:
+    """A copy of ``a`` on its own backend and device, sharing no memory with it (and, for
+    a torch tensor, no autograd history: npnorm computes its own backward)."""
+    if array_api_compat.is_torch_array(a):
+        a = a.detach()
+    return array_api_compat.array_namespace(a).asarray(a, copy=True)
 
 
 def to_host(value: Any) -> np.ndarray:

@@ -44,3 +44,57 @@ def test_torch_tensor_into_a_numpy_module_suggests_the_torch_backend(torch):
         npnorm.LayerNorm(4)(torch.randn(2, 4))
     m = npnorm.LayerNorm(4).to("torch")  # what the message says works
     assert isinstance(m(torch.randn(2, 4)), torch.Tensor)
+
+
+# Inputs that require grad (the output of an upstream torch layer, a torch module's
+# parameters): npnorm runs its own backward, so nothing it computes, stores or accumulates
+# may carry autograd history, and the caller's tensors must not gain any either.
+
+
+def _no_history(t):
+    return not t.requires_grad and t.grad_fn is None
+
+
+@pytest.mark.parametrize("make,shape", LAYERS)
+def test_inputs_that_require_grad_leave_no_autograd_history(torch, make, shape):
+    m = make(xp="torch", dtype="float64")
+    for training in (True, True, False):
+        m.train(training)
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        y = m(x)
+        dx = m.backward(torch.ones(shape, dtype=torch.float64, requires_grad=True))
+        assert _no_history(y) and _no_history(dx)
+        assert x.grad is None  # npnorm's backward returns dx; autograd never ran
+    for name, value in (*m.state_dict().items(), *m.grads.items()):
+        if value.is_floating_point():
+            assert _no_history(value), name
+
+
+def test_functional_batch_norm_on_a_torch_modules_buffers(torch):
+    # the torch module's own buffers stay plain buffers: its next forward works
+    ref = torch.nn.BatchNorm1d(3).double()
+    x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    y = npnorm.functional.batch_norm(
+        x, ref.running_mean, ref.running_var, ref.weight, ref.bias, training=True
+    )
+    assert _no_history(y) and _no_history(ref.running_mean) and _no_history(ref.running_var)
+    assert ref.weight.grad is None
+    out = torch.empty_like(x, requires_grad=True)
+    y, _, _ = npnorm.functional.layer_norm_forward(x, 3, ref.weight, ref.bias, out=out)
+    assert y is out
+    ref(x).sum().backward()  # raised "not differentiable with respect to running_mean"
+
+
+def test_loading_torch_parameters_keeps_the_module_apart_from_autograd(torch):
+    ref = torch.nn.LayerNorm(4).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    m = npnorm.LayerNorm(4, xp="torch", dtype="float64")
+    m.load_state_dict(dict(ref.named_parameters()))
+    assert _no_history(m.weight) and m.weight.is_leaf
+    torch.testing.assert_close(m.weight, ref.weight.detach())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    assert _no_history(m(x))
+    m.backward(torch.ones(2, 4, dtype=torch.float64))
+    assert ref.weight.grad is None
+    torch.optim.SGD([m.weight], lr=0.1)  # a leaf, as a fresh module's: raised "can't optimize a non-leaf"

@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import array_api_compat
 import numpy as np
 
 from .._backend import Namespace
@@ -40,6 +41,7 @@ from .._backend import Namespace
 F = TypeVar("F", bound=Callable[..., Any])
 
 NUMPY = "array_api_compat.numpy"  # the namespace name array_namespace gives NumPy arrays
+TORCH = "array_api_compat.torch"
 REFERENCE = "reference"
 ENV_VAR = "NPNORM_KERNELS"
 
@@ -320,6 +322,8 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
     kernel computes into a new array, which is then copied into ``out`` (an ``out`` that
     is the input or grad_output itself the kernels handle)."""
     fn = kernel(op, xp)
+    if xp.__name__ == TORCH:
+        return _run_detached(fn, xp, args, out)
     if isinstance(out, np.ndarray) and any(
         isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in reads
     ):
@@ -327,6 +331,19 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
         out[...] = result[0]
         return (out, *result[1:])
     return fn(xp, *args, out)
+
+
+def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], out: Any) -> Any:
+    """Run a kernel on torch tensors outside autograd: npnorm computes its own backward,
+    so the kernel sees every tensor detached (the same memory, without history). An
+    input that requires grad then gives a result without a ``grad_fn``, and the running
+    buffers it writes, a torch module's own among them, gain no history either."""
+    result = fn(xp, *(_detached(a) for a in args), _detached(out))
+    return result if out is None else (out, *result[1:])
+
+
+def _detached(a: Any) -> Any:
+    return a.detach() if array_api_compat.is_torch_array(a) else a
 
 
 def has_own_kernels(namespace_name: str) -> bool:

@@ -20,6 +20,7 @@ from .._backend import (
     Array,
     Namespace,
     backend_name,
+    copy_array,
     namespace_of,
     resolve_dtype,
     resolve_namespace,
@@ -219,7 +220,7 @@ class Module:
                 continue
             held = self.grads.get(name)
             if held is None:  # a copy: the backward's array may be a view of its input
-                self.grads[name] = array_api_compat.array_namespace(g).asarray(g, copy=True)
+                self.grads[name] = copy_array(g)
             else:
                 total = held + g
                 if not _into(held, total):  # in place, as PyTorch accumulates .grad
@@ -513,7 +514,7 @@ class Module:
             else:
                 new.__dict__[key] = _map_arrays(
                     value,
-                    lambda a: array_api_compat.array_namespace(a).asarray(a, copy=True),
+                    copy_array,
                     lambda v: copy.deepcopy(v, memo),
                 )
         return new

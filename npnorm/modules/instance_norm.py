@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .._backend import Array
+from .._backend import Array, copy_array
 from ..functional.instance_norm import instance_norm_backward, instance_norm_forward
 from ._module import DTYPE_XP_DOC, Saved, Updates
 from .batch_norm import _NormBase
@@ -88,7 +88,7 @@ class _InstanceNorm(_NormBase):
             y = y[0, ...]
         # copies of weight and bias (C values), as torch's repeated weight: a later load
         # into them does not change this forward's gradient
-        weight, bias = (None if a is None else xp.asarray(a, copy=True) for a in (self.weight, self.bias))
+        weight, bias = (None if a is None else copy_array(a) for a in (self.weight, self.bias))
         return y, (x, mean, rstd, use_input_stats, unbatched, weight, bias), updates
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
