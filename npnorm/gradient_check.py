@@ -34,6 +34,9 @@ _ACCEPTS = (
 )
 
 
+_PROJECTION_STREAM = 0x6E706E6F726D  # "npnorm": mixed into the projection's seed
+
+
 class GradcheckError(AssertionError):
     """Raised by :func:`gradcheck` when analytic and numeric gradients disagree.
 
@@ -94,7 +97,8 @@ def gradcheck(
     eps : float, default 1e-6
         Finite-difference step.
     atol, rtol : float, default 1e-5 and 1e-3
-        An element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``.
+        An element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``
+        (a NaN on either side fails).
         The defaults fail a 1% error in any gradient of ordinary magnitude.
     seed : int, default 0
         Seed of the random projection ``u``.
@@ -145,6 +149,7 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
     xp = namespace_of(x, what="x")
     snapshot = _snapshot(module)
     try:
+        module._pin_for_float64(x)
         module.to(xp=xp, dtype="float64")
         x64 = to_namespace(x, xp, xp.float64)
         module.zero_grad()
@@ -161,7 +166,7 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
             numeric[f"grad {name}"] = _numeric(loss, p, eps)
         where = (
             f"{type(module).__name__} ({'train' if module.training else 'eval'} mode, "
-            f"input shape {tuple(x.shape)})"
+            f"input shape {tuple(x.shape)}, in float64)"
         )
         _compare(where, analytic, numeric, atol, rtol)
         return True
@@ -207,13 +212,19 @@ def _check_pair(
         if p is not None:
             numeric[f"params[{i}]"] = _numeric(loss, p, eps)
     names = [getattr(f, "__name__", type(f).__name__) for f in (forward, backward)]
-    _compare(f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}", analytic, numeric, atol, rtol)
+    where = f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}, in float64"
+    _compare(where, analytic, numeric, atol, rtol)
     return True
 
 
 def _projection(xp: Namespace, y: Array, seed: int) -> Array:
-    """The fixed random ``u`` of ``L = sum(y * u)``."""
-    rng = np.random.default_rng(seed)
+    """The fixed random ``u`` of ``L = sum(y * u)``.
+
+    Drawn from ``seed`` mixed with a constant, so that it is not the array a user draws
+    with ``default_rng(seed)``: were ``u`` the input itself, a layer that ignores its
+    input's scale (LayerNorm, RMSNorm) would have ``dx = J.T @ x ~ 0``, and a wrong
+    scale of dx would pass."""
+    rng = np.random.default_rng([seed, _PROJECTION_STREAM])
     return xp.asarray(rng.standard_normal(tuple(y.shape)), dtype=xp.float64)
 
 
@@ -248,14 +259,15 @@ def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float)
     if a.shape != n.shape:
         return f"  {name}: the analytic gradient has shape {a.shape}, expected {n.shape}"
     err = np.abs(a - n)
-    bad = err > atol + rtol * np.abs(n)
+    bad = ~(err <= atol + rtol * np.abs(n))  # NaN on either side fails (err > tol would pass it)
     if not bad.any():
         return ""
-    worst = np.unravel_index(int(np.argmax(err)), err.shape) if err.ndim else ()
+    ranked = np.where(np.isnan(err), np.inf, err)  # a NaN is the worst discrepancy
+    worst = np.unravel_index(int(np.argmax(ranked)), err.shape) if err.ndim else ()
     shown = min(a.size, 6)
     return (
         f"  {name}: {int(bad.sum())} of {a.size} elements differ; max |analytic - numeric| = "
-        f"{err.max():.3e} at {tuple(int(i) for i in worst)} "
+        f"{err[worst]:.3e} at {tuple(int(i) for i in worst)} "
         f"(analytic {a[worst]:.6e}, numeric {n[worst]:.6e})\n"
         f"    analytic[:{shown}] = {np.array2string(a.reshape(-1)[:shown], precision=6)}\n"
         f"    numeric[:{shown}]  = {np.array2string(n.reshape(-1)[:shown], precision=6)}"

@@ -182,3 +182,66 @@ def test_plain_function_error_says_what_is_missing(rng):
 def test_module_takes_no_params(rng):
     with pytest.raises(TypeError, match="takes no params"):
         npnorm.gradcheck(npnorm.LayerNorm(3), rng.normal(size=(2, 3)), np.ones(3))
+
+
+class NaNLayerNorm(npnorm.LayerNorm):
+    """A LayerNorm whose backward puts a NaN into one gradient."""
+
+    def __init__(self, *args, which="input", **kw):
+        super().__init__(*args, **kw)
+        self.which = which
+
+    def _backward(self, grad_output, saved):
+        dx, grads = super()._backward(grad_output, saved)
+        if self.which == "input":
+            dx = dx.copy()
+            dx[0, 1] = np.nan
+        else:
+            grads[self.which] = np.full_like(grads[self.which], np.nan)
+        return dx, grads
+
+
+@pytest.mark.parametrize("which", ["input", "weight", "bias"])
+def test_fails_on_a_nan_gradient(rng, which):
+    # NaN compares false with everything: a tolerance test written as err > tol passed it
+    line = r"(?m)^  input: 1 of " if which == "input" else rf"(?m)^  grad {which}: 5 of 5 .*nan"
+    with pytest.raises(npnorm.GradcheckError, match=line):
+        npnorm.gradcheck(NaNLayerNorm(5, which=which), rng.normal(size=(3, 5)))
+    pair = (lambda x: x**2, lambda dy, x: dy * 2 * x + np.where(x > 0, np.nan, 0.0))
+    with pytest.raises(npnorm.GradcheckError, match="nan"):
+        npnorm.gradcheck(pair, np.array([-1.0, 2.0]))
+
+
+def test_fails_where_the_forward_gives_nan():
+    # the numeric gradient is NaN there: nothing is checked, so the check cannot pass
+    pair = (lambda x: x * np.nan, lambda dy, x: dy * 123.0)
+    with pytest.raises(npnorm.GradcheckError, match="nan"):
+        npnorm.gradcheck(pair, np.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_projection_is_not_the_users_own_draw(seed):
+    # x from default_rng(seed) was exactly the projection u with the same seed: for a layer
+    # that ignores the input's scale (LayerNorm, RMSNorm) the true dx is then ~0, and a
+    # 1% error in dx passed
+    x = np.random.default_rng(seed).standard_normal((8, 16))
+    for m in (WrongLayerNorm(16, which="input"), WrongLayerNorm(16, which="input", factor=1.1)):
+        with pytest.raises(npnorm.GradcheckError, match=r"(?m)^  input: "):
+            npnorm.gradcheck(m, x, seed=seed)
+
+
+def test_rms_norm_default_eps_is_the_modules_dtype_not_float64(rng):
+    # eps=None is the machine epsilon of the compute dtype: the float64 check must
+    # differentiate the float32 layer's function (eps 1.2e-7), not one with eps 2.2e-16,
+    # whose curvature near a zero row defeats finite differences
+    x = rng.normal(size=(4, 4)).astype(np.float32)
+    x[1] = 0.0
+    m = npnorm.RMSNorm(4)
+    assert npnorm.gradcheck(m, x)
+    assert m.eps is None and m.dtype == np.float32
+    assert npnorm.gradcheck(npnorm.RMSNorm(6), (1e-5 * rng.normal(size=(4, 6))).astype(np.float32))
+
+
+def test_failure_message_says_it_ran_in_float64(rng):
+    with pytest.raises(npnorm.GradcheckError, match="in float64"):
+        npnorm.gradcheck(WrongLayerNorm(5), rng.normal(size=(3, 5)).astype(np.float32))

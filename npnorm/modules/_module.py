@@ -230,6 +230,12 @@ class Module:
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
 
+    def _pin_for_float64(self, input: Array) -> None:
+        """Before ``gradcheck`` moves the module to float64 for ``input``: fix any
+        setting that follows the computation dtype to its value for ``input``, so that
+        the check differentiates the function the module computes (RMSNorm's
+        ``eps=None``). Nothing by default; ``gradcheck`` restores the module after."""
+
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         raise NotImplementedError
 
