@@ -78,6 +78,8 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
     if cached is not None:
         return cached
     present = [a for a in arrays if a is not None]
+    if not present:
+        raise TypeError(f"{what}: expected an array (numpy, cupy or another Array API namespace), got None")
     for a in present:
         if not array_api_compat.is_array_api_obj(a):
             raise TypeError(
@@ -168,7 +170,9 @@ def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
     if type(x) is np.ndarray and x.dtype.char in _FLOAT_CHARS:
         return
     if not xp.isdtype(x.dtype, "real floating"):
-        raise TypeError(f"{what} must have a floating dtype (float16/32/64), got {x.dtype}")
+        raise TypeError(
+            f"{what} must have a floating dtype (float16/32/64, or a backend's bfloat16), got {x.dtype}"
+        )
 
 
 def compute_dtype(xp: Namespace, *dtypes: Any) -> Any:
@@ -216,6 +220,13 @@ def copy_array(a: Array) -> Array:
     if array_api_compat.is_torch_array(a):
         a = a.detach()
     return array_api_compat.array_namespace(a).asarray(a, copy=True)
+
+
+def on_device_of(like: Array, a: Array) -> Array:
+    """``a`` (an array of ``like``'s backend) on ``like``'s device: itself where it is
+    there already, else a copy (as PyTorch's ``copy_`` loads a checkpoint across devices)."""
+    device = array_api_compat.device(like)
+    return a if array_api_compat.device(a) == device else array_api_compat.to_device(a, device)
 
 
 def to_host(value: Any) -> np.ndarray:

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 from ._backend import Array, Namespace, check_floating, compute_dtype, namespace_of
@@ -47,11 +48,19 @@ def prod(shape: Sequence[int]) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def float_inputs(*arrays: Array | None, names: Sequence[str]) -> Namespace:
-    """Namespace of the arrays, each checked to be a floating array of that backend."""
-    xp = _float_numpy_namespace(arrays)
-    if xp is not None:
-        return xp
+def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1) -> Namespace:
+    """Namespace of the arrays, each checked to be a floating array of that backend; the
+    first ``required`` of them may not be None."""
+    if all(a is not None for a in arrays[:required]):
+        xp = _float_numpy_namespace(arrays)
+        if xp is not None:
+            return xp
+    for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
+        if (a is None and i < required) or (a is not None and not array_api_compat.is_array_api_obj(a)):
+            raise TypeError(
+                f"{name}: expected an array (numpy, cupy or another Array API namespace), "
+                f"got {type(a).__name__}"
+            )
     present = [n for n, a in zip(names, arrays, strict=True) if a is not None]
     xp = namespace_of(*arrays, what=" and ".join(present))
     for name, a in zip(names, arrays, strict=True):

@@ -34,9 +34,38 @@ class Exchange:
 class _Group:
     def __init__(self, size: int) -> None:
         self.size = size
-        self.barrier = threading.Barrier(size, timeout=TIMEOUT)
         self.slots: list[Any] = [None] * size
         self.log: list[Exchange] = []  # every collective call, recorded once (by rank 0)
+        self._cond = threading.Condition()
+        self._arrived = 0  # ranks waiting at the current barrier
+        self._generation = 0  # barriers passed
+        self._broken = False
+
+    def wait(self) -> None:
+        """Wait until every rank has arrived. ``threading.BrokenBarrierError`` once a rank
+        has failed (``abort``) or after ``TIMEOUT``, but never for a barrier that every
+        rank had passed (``threading.Barrier.abort`` breaks that one too, for the ranks
+        not yet woken from it: the others then saw an error that was not theirs)."""
+        with self._cond:
+            generation = self._generation
+            self._arrived += 1
+            if self._arrived == self.size:
+                self._arrived = 0
+                self._generation += 1
+                self._cond.notify_all()
+                return
+            passed = self._cond.wait_for(lambda: self._generation != generation or self._broken, TIMEOUT)
+            if self._generation == generation:  # a rank failed, or the others never came
+                if not passed:
+                    self._broken = True
+                    self._cond.notify_all()
+                raise threading.BrokenBarrierError
+
+    def abort(self) -> None:
+        """A rank failed: every rank waiting in a collective, now or later, stops waiting."""
+        with self._cond:
+            self._broken = True
+            self._cond.notify_all()
 
 
 class ThreadComm:
@@ -66,9 +95,9 @@ class ThreadComm:
 
     def _exchange(self, kind: str, value: Any) -> list[Any]:
         g = self._group
-        g.barrier.wait()  # every rank has read the previous exchange's slots
+        g.wait()  # every rank has read the previous exchange's slots
         g.slots[self._rank] = value
-        g.barrier.wait()  # every rank has written its slot
+        g.wait()  # every rank has written its slot
         sent = list(g.slots)
         if self._rank == 0:
             g.log.append(Exchange(kind, sent))
@@ -99,7 +128,7 @@ def run_ranks(size: int, fn: Callable[[ThreadComm], Any]) -> list[Any]:
             results[rank] = fn(ThreadComm(group, rank))
         except BaseException as err:  # reported to the caller, never lost in the thread
             results[rank] = err
-            group.barrier.abort()  # any rank still waiting in a collective stops waiting
+            group.abort()  # any rank still waiting in a collective stops waiting
 
     threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
     for t in threads:

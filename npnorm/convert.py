@@ -108,6 +108,15 @@ def _names(pairs: tuple[Pair, ...], torch_side: bool) -> str:
     return ", ".join(("torch.nn." + p.torch_name) if torch_side else p.npnorm_class.__name__ for p in pairs)
 
 
+def _drop_unset_buffers(source: Any, target: Any) -> None:
+    """Set to None the buffers of ``target`` that are None in ``source``: a BatchNorm
+    whose running statistics were set to None after construction (it then normalizes
+    with batch statistics in eval too, in both libraries) has no such keys to load."""
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        if getattr(source, name, None) is None and getattr(target, name, None) is not None:
+            setattr(target, name, None)
+
+
 def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
     """The npnorm layer equivalent to a ``torch.nn`` normalization layer.
 
@@ -116,8 +125,8 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
     is copied: the two modules share no memory. ``to_torch`` is the inverse, and
     ``to_torch(from_torch(m))`` reproduces ``m`` exactly (bfloat16 aside).
 
-    Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm
-    and InstanceNorm1d/2d/3d (``npnorm.convert.PAIRS``). The class must be one of
+    Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm,
+    InstanceNorm1d/2d/3d and SyncBatchNorm (``npnorm.convert.PAIRS``). The class must be one of
     these exactly: a subclass may compute something else and is refused.
 
     Parameters
@@ -162,6 +171,7 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
     ours = pair.npnorm_class(
         **pair.arguments(module), dtype=name if name in FLOAT_NAMES else "float32", xp=xp
     )
+    _drop_unset_buffers(module, ours)
     ours.load_state_dict(module.state_dict())
     ours.train(module.training)
     return ours
@@ -181,7 +191,8 @@ def to_torch(module: Module) -> Any:
     Parameters
     ----------
     module : npnorm.Module
-        One of LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d.
+        One of LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm, InstanceNorm1d/2d/3d,
+        SyncBatchNorm.
 
     Returns
     -------
@@ -211,6 +222,7 @@ def to_torch(module: Module) -> Any:
         )
     tdtype = getattr(torch, dtype_name(module.xp, module.dtype))
     ref = getattr(torch.nn, pair.torch_name)(**pair.arguments(module), dtype=tdtype)
+    _drop_unset_buffers(module, ref)
     ref.load_state_dict({k: torch.from_numpy(to_host(v)) for k, v in module.state_dict().items()})
     ref.train(module.training)
     return ref

@@ -167,6 +167,28 @@ def test_a_value_too_big_for_its_dtype_is_a_listed_error():
     assert int(m.num_batches_tracked) == 0
 
 
+def test_a_meta_tensor_checkpoint_is_a_listed_error_and_changes_nothing(torch):
+    # a model built under torch.device("meta") has no values: torch's load raises RuntimeError
+    m = npnorm.LayerNorm(4)
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match=r"(?s)'weight': cannot convert.*meta.*'bias': cannot convert"):
+        m.load_state_dict(torch.nn.LayerNorm(4, device="meta").state_dict())
+    assert_state_equal(m, *before)
+
+
+def test_values_on_another_device_load_onto_the_modules(rng):
+    # as torch's copy_ loads a CPU checkpoint into a CUDA module: array_api_strict's second
+    # device stands in; the value on it used to fail the in-place write after the
+    # weight was already loaded
+    xs = pytest.importorskip("array_api_strict")
+    m = npnorm.LayerNorm(3, xp="array_api_strict")
+    weight, bias = m.weight, m.bias
+    m.load_state_dict({"weight": xs.full(3, 5.0), "bias": xs.full(3, 7.0, device=xs.Device("device1"))})
+    assert m.weight is weight and m.bias is bias  # written in place, on the module's device
+    assert m.bias.device == weight.device
+    np.testing.assert_array_equal(np.asarray(m.bias), np.full(3, 7.0))
+
+
 def test_counter_stays_a_0d_int64_array(backend, rng):
     m = npnorm.BatchNorm2d(2, xp=backend.xp)
     x = backend.asarray(rng.normal(size=(3, 2, 2, 2)), "float32")

@@ -163,6 +163,20 @@ def test_other_backends(torch, backend):
         assert torch.equal(back.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("name", ["BatchNorm1d", "SyncBatchNorm"])
+def test_running_statistics_set_to_none_convert_both_ways(torch, rng, name):
+    # torch documents this state: eval then normalizes with the batch's statistics
+    ref = getattr(torch.nn, name)(3, dtype=torch.float64).eval()
+    ref.running_mean = ref.running_var = None
+    ours = npnorm.from_torch(ref)
+    assert ours.running_mean is None and ours.running_var is None
+    x = rng.normal(size=(5, 3))
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    back = npnorm.to_torch(ours)
+    assert back.running_mean is None and back.running_var is None
+    assert set(back.state_dict()) == set(ref.state_dict())
+
+
 def test_clear_errors(torch):
     with pytest.raises(TypeError, match=r"converts torch.nn.LayerNorm.*got torch.nn.modules.linear.Linear"):
         npnorm.from_torch(torch.nn.Linear(2, 2))

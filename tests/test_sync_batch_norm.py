@@ -22,6 +22,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 
 import array_api_compat.numpy as xp
 import hypothesis.extra.numpy as hnp
@@ -279,6 +280,10 @@ def _error_case(name, rank):
         return good[0, 0] if rank == 2 else good
     if name == "integer":
         return good.astype(np.int64) if rank == 0 else good
+    if name == "none":
+        return None if rank == 1 else good
+    if name == "list":
+        return good.tolist() if rank == 2 else good
     return good
 
 
@@ -289,6 +294,10 @@ ERRORS = {
     "dtype": (ValueError, "different dtypes (rank 0: float32, rank 1: float64, rank 2: float64)"),
     "ndim": (ValueError, "SyncBatchNorm failed on rank 2 of 3: expected at least 2D input (got 1D input"),
     "integer": (TypeError, "SyncBatchNorm failed on rank 0 of 3: input must have a floating dtype"),
+    # not an array on one rank: raised there by the checks (IndexError for None), the
+    # other ranks waited in the exchange
+    "none": (TypeError, "SyncBatchNorm failed on rank 1 of 3: input: expected an array"),
+    "list": (TypeError, "SyncBatchNorm failed on rank 2 of 3: input: expected an array"),
 }
 
 
@@ -327,6 +336,52 @@ def test_a_bad_grad_output_on_one_rank_raises_on_every_rank():
     results = run_ranks(3, rank_fn)
     assert len({msg for msg, _ in results}) == 1, results
     assert "failed on rank 2 of 3: grad_output must have the shape" in results[0][0]
+
+
+def test_a_missing_argument_on_one_rank_raises_on_every_rank():
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        with pytest.raises(TypeError) as forward:
+            F.sync_batch_norm_forward(None if rank == 1 else x, None, None, training=True, comm=comm)
+        y, mean, rstd, _, _ = F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
+        with pytest.raises(TypeError) as backward:
+            F.sync_batch_norm_backward(None if rank == 2 else y, x, mean, rstd, comm=comm)
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        m(x)
+        with pytest.raises(TypeError) as module:
+            m.backward(None if rank == 0 else y)
+        return str(forward.value), str(backward.value), str(module.value)
+
+    results = run_ranks(3, rank_fn)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len(set(results)) == 1, results
+    forward, backward, module = results[0]
+    assert "sync_batch_norm failed on rank 1 of 3: input: expected an array" in forward
+    assert "sync_batch_norm failed on rank 2 of 3: grad_output: expected an array" in backward
+    assert "SyncBatchNorm failed on rank 0 of 3: grad_output: expected an array" in module
+
+
+def test_run_ranks_reports_each_ranks_own_error():
+    # every rank raises after a collective all of them completed: each reports its own
+    # error (threading.Barrier.abort broke the barrier the slower ranks were leaving)
+    def rank_fn(comm):
+        comm.allgather(comm.Get_rank())
+        raise KeyError(comm.Get_rank())
+
+    for _ in range(5):
+        assert [repr(r) for r in run_ranks(3, rank_fn)] == [repr(KeyError(r)) for r in range(3)]
+
+
+def test_run_ranks_stops_ranks_waiting_for_a_failed_one():
+    def rank_fn(comm):
+        if comm.Get_rank() == 1:
+            raise KeyError("gone")
+        comm.allgather(0)
+
+    results = run_ranks(3, rank_fn)
+    assert isinstance(results[1], KeyError)
+    assert all(isinstance(results[r], threading.BrokenBarrierError) for r in (0, 2)), results
 
 
 def test_functional_errors_across_ranks():

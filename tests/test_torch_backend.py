@@ -98,3 +98,51 @@ def test_loading_torch_parameters_keeps_the_module_apart_from_autograd(torch):
     m.backward(torch.ones(2, 4, dtype=torch.float64))
     assert ref.weight.grad is None
     torch.optim.SGD([m.weight], lr=0.1)  # a leaf, as a fresh module's: raised "can't optimize a non-leaf"
+
+
+KEPT = {  # what torch's backward of each layer keeps, beside its input
+    "LayerNorm": ("weight", "bias"),
+    "RMSNorm": ("weight",),
+    "BatchNorm2d": ("weight",),
+    "GroupNorm": ("weight",),
+    "InstanceNorm1d": (),  # torch's instance_norm keeps copies of weight and bias
+}
+
+
+@pytest.mark.parametrize(
+    "make,shape,what",
+    [
+        (*layer, what)
+        for i, layer in enumerate(LAYERS)
+        for what in ("input", "weight", "bias")[: 2 if i == 1 else 3]
+    ],
+)
+def test_an_in_place_change_of_what_backward_keeps_raises_as_in_torch(torch, make, shape, what):
+    # e.g. a pre-norm residual h = ln(x); x += f(h); ln.backward(dy): torch's version
+    # counter makes its backward raise; npnorm's read the changed x and returned a wrong dx
+    m = make(xp="torch", dtype="float64")
+    x = torch.randn(shape, dtype=torch.float64)
+    target = x if what == "input" else getattr(m, what)
+    m(x)
+    target.add_(1.0)
+    if what == "input" or what in KEPT[type(m).__name__]:
+        with pytest.raises(RuntimeError, match=f"{what}.*modified in place"):
+            m.backward(torch.ones(shape, dtype=torch.float64))
+        m(x)  # a new forward saves the new values
+    m.backward(torch.ones(shape, dtype=torch.float64))
+
+
+def test_the_same_in_place_changes_in_torch(torch):
+    # the rule the test above follows
+    ln = torch.nn.LayerNorm(3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    h = x * 1.0
+    y = ln(h)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    gn = torch.nn.GroupNorm(2, 4, dtype=torch.float64)
+    y = gn(torch.randn(2, 4, 3, dtype=torch.float64))
+    with torch.no_grad():
+        gn.bias.add_(1.0)  # not kept by GroupNorm's backward
+    y.sum().backward()

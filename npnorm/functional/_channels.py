@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import array_api_compat
+
 from .._backend import Array, Namespace
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import moments, rstd_of, standardize_backward, xhat_from
@@ -93,9 +95,10 @@ def empty_forward(
     as PyTorch computes it: an empty output, and statistics of nothing (NaN, as NumPy's
     mean of nothing, without its warning) of shape ``stats_shape``."""
     ct = work_dtype(xp, input, weight, bias)
-    nan = xp.full(stats_shape, float("nan"), dtype=ct)
+    on = array_api_compat.device(input)  # results on the input's device, as every kernel's
+    nan = xp.full(stats_shape, float("nan"), dtype=ct, device=on)
     return (
-        write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype)),
+        write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype, device=on)),
         nan,
         xp.asarray(nan, copy=True),
     )
@@ -111,10 +114,10 @@ def empty_backward(
 ) -> tuple[Array, Array | None, Array | None]:
     """The backward of an input with no values: an empty dx, and dweight, dbias sums of
     nothing (zeros, as PyTorch's), in the parameters' dtypes (as ``channel_affine_backward``)."""
-    c = int(input.shape[1])
-    dx = write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype))
-    dweight = None if weight is None else xp.zeros((c,), dtype=weight.dtype)
-    dbias = None if bias is None else xp.zeros((c,), dtype=bias.dtype)
+    c, on = int(input.shape[1]), array_api_compat.device(input)
+    dx = write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype, device=on))
+    dweight = None if weight is None else xp.zeros((c,), dtype=weight.dtype, device=on)
+    dbias = None if bias is None else xp.zeros((c,), dtype=bias.dtype, device=on)
     return dx, dweight, dbias
 
 

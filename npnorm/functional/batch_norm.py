@@ -182,7 +182,7 @@ def batch_norm_backward(
     """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
-        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
     )  # fmt: skip
     c = check_channels(input, None, "batch_norm")
     check_grad_output(grad_output, input)

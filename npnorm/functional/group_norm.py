@@ -156,7 +156,7 @@ def group_norm_backward(
     """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
-        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
     )  # fmt: skip
     c = check_channels(input, None, "group_norm")
     num_groups = check_groups(num_groups, c)

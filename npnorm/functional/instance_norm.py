@@ -181,7 +181,7 @@ def instance_norm_backward(
     """
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
-        names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+        names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
     )  # fmt: skip
     c = check_channels(input, None, "instance_norm", min_ndim=3)
     check_grad_output(grad_output, input)

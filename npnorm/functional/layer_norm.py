@@ -167,6 +167,7 @@ def layer_norm_backward(
         weight,
         bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+        required=4,
     )
     check_trailing(input, shape)
     check_grad_output(grad_output, input)

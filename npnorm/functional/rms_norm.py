@@ -141,7 +141,9 @@ def rms_norm_backward(
     (np.True_, None)
     """
     shape = as_shape(normalized_shape)
-    xp = float_inputs(grad_output, input, rstd, weight, names=("grad_output", "input", "rstd", "weight"))
+    xp = float_inputs(
+        grad_output, input, rstd, weight, names=("grad_output", "input", "rstd", "weight"), required=3
+    )
     check_trailing(input, shape)
     check_grad_output(grad_output, input)
     check_row_stats(input, shape, rstd=rstd)

@@ -227,7 +227,7 @@ def synced_forward(
             check_buffers_paired(running_mean, running_var)
             n_local = int(input.shape[0]) * prod(input.shape[2:])  # values per channel here
             header = np.array([1, c, n_local, _dtype_code(xp, input.dtype)], dtype=np.int64)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # whatever fails here, every rank must hear of it
             error = err
     table = allgather(comm, header)  # P,4: the one fixed-size exchange of the step
     if not table[:, 0].all():  # some rank failed its checks: every rank knows, every rank raises
@@ -277,11 +277,11 @@ def synced_backward(
     try:
         xp = float_inputs(
             grad_output, input, mean, rstd, weight, bias,
-            names=("grad_output", "input", "mean", "rstd", "weight", "bias"),
+            names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
         )  # fmt: skip
         check_per_channel(check_channels(input, None, what), mean=mean, rstd=rstd, weight=weight, bias=bias)
         check_grad_output(grad_output, input)
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # whatever fails here, every rank must hear of it
         error = err
     payload = np.zeros(2 + 2 * c, dtype=np.float64)  # failed, n, sum dy (C), sum dy*(x - mean) (C)
     if error is not None:

@@ -22,6 +22,7 @@ from .._backend import (
     backend_name,
     copy_array,
     namespace_of,
+    on_device_of,
     resolve_dtype,
     resolve_namespace,
     to_host,
@@ -145,6 +146,7 @@ class Module:
         self.training: bool = True
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
+        self._saved_versions: _Versions | None = None
 
     # --- forward / backward -------------------------------------------------
 
@@ -176,7 +178,20 @@ class Module:
         for name, value in updates.items():
             self._write(name, value)
         self._saved = saved if is_grad_enabled() else None
+        self._saved_versions = None if self._saved is None else self._versions(input, saved)
         return output
+
+    def _versions(self, input: Array, saved: Saved) -> _Versions:
+        """The in-place change counters (torch tensors' ``_version``; other backends
+        have none) of the input and of the arrays PyTorch's backward keeps, as the
+        forward leaves them: ``backward`` raises when one has moved since."""
+        kept = self._kept_for_backward
+        named = [("input", input)]
+        if kept is None:
+            named += [("saved array", a) for a in saved if _is_array(a)]
+        else:
+            named += [(name, getattr(self, name)) for name in kept]
+        return _Versions(saved, [(name, a, a._version) for name, a in named if hasattr(a, "_version")])
 
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward; parameter gradients are
@@ -214,6 +229,15 @@ class Module:
                 "forward used was overwritten in place by load_state_dict since (PyTorch's backward "
                 "raises there too): run forward again"
             )
+        versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
+        if versions is not None and versions.saved is self._saved:
+            moved = [name for name, a, version in versions.counters if a._version != version]
+            if moved:  # as PyTorch's check of the tensors its backward saved
+                raise RuntimeError(
+                    f"{type(self).__name__}.backward(): the {', '.join(moved)} that the last forward "
+                    "used was modified in place since (PyTorch's backward raises there too): run "
+                    "forward again"
+                )
         grad_input, param_grads = self._backward(grad_output, self._saved)
         for name, g in param_grads.items():
             if g is None:
@@ -376,11 +400,11 @@ class Module:
             if key not in source:
                 continue
             try:
-                value = to_namespace(source[key], self.xp, current.dtype)
+                value = on_device_of(current, to_namespace(source[key], self.xp, current.dtype))
                 if current.ndim == 0 and tuple(value.shape) == (1,):  # a counter saved by torch 0.3
                     value = self.xp.reshape(value, ())
-            except (TypeError, ValueError, OverflowError) as err:  # 2**70 for an int64 counter
-                errors.append(f"{prefix + key!r}: cannot convert to an array ({err})")
+            except Exception as err:  # 2**70 for an int64 counter, a torch meta tensor, ...
+                errors.append(f"{prefix + key!r}: cannot convert to an array ({type(err).__name__}: {err})")
                 continue
             if tuple(value.shape) != tuple(current.shape):
                 errors.append(
@@ -491,7 +515,7 @@ class Module:
                 state[key] = backend_name(value)
             elif key == "dtype":
                 state[key] = dtype_name(self.xp, value)
-            elif key == "_saved":
+            elif key in ("_saved", "_saved_versions"):
                 state[key] = None
             else:
                 state[key] = _map_arrays(value, lambda a: _HostArray(to_host(a)), lambda v: v)
@@ -515,7 +539,7 @@ class Module:
         for key, value in self.__dict__.items():
             if key in ("xp", "dtype"):
                 new.__dict__[key] = value
-            elif key == "_saved":
+            elif key in ("_saved", "_saved_versions"):
                 new.__dict__[key] = None
             else:
                 new.__dict__[key] = _map_arrays(
@@ -531,6 +555,14 @@ class Module:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+class _Versions(NamedTuple):
+    """What a forward saved, and the in-place change counters of the arrays PyTorch's
+    backward would check, as ``(name, array, version)``."""
+
+    saved: Saved
+    counters: list[tuple[str, Any, int]]
 
 
 class _Overwritten(NamedTuple):

@@ -144,7 +144,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_backend(input)
             self._check_input_dim(input)
             check_channels(input, self.num_features, what)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # whatever fails here, every rank must hear of it
             error = err
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
