@@ -14,10 +14,19 @@ InstanceNorm over spatial, BatchNorm over (batch, spatial).
 
 The variance is two-pass: the mean is removed before squaring, so a large common
 offset (say rows with mean 1e4 in float32) does not cancel catastrophically as it
-would in E[x^2] - E[x]^2. The squares are summed in float64 when the input is
-float32 (where the backend has float64): a float32 value beyond ~1.8e19 squares to
-infinity, and the statistics of a finite input stay finite (the variance of
-``[1e30, -1e30, 0, 0]`` is 5e59; its rstd, 1.4e-30, fits float32 again).
+would in E[x^2] - E[x]^2. The statistics and ``xhat`` are computed in float64 when
+the input is float32 (where the backend has float64), then rounded once:
+
+* a float32 sum of values near 3e38 overflows, and a float32 value beyond ~1.8e19
+  squares to infinity; in float64 the statistics of a finite input stay finite (the
+  variance of ``[1e30, -1e30, 0, 0]`` is 5e59; its rstd, 1.4e-30, fits float32 again);
+* a float32 mean carries a rounding error of up to half a unit in its last place, which
+  ``x - mean`` passes on to every output: at a common offset of 1e3 times the spread
+  that is ~3e-5 of the spread, more than torch's float32 kernels lose; in float64
+  the output is as exact as float32 can hold it;
+* a constant row's float64 mean is the constant exactly, so ``x - mean`` is exactly 0
+  (the output is the bias; with ``eps=0``, NaN as in torch), not rounding noise
+  scaled up by ``rstd``.
 
 docs/derivations/ derives :func:`standardize_backward` from the chain rule, node by
 node; ``npnorm.learn`` runs that staged backward and checks each step of it.
@@ -39,18 +48,17 @@ def square_dtype(xp: Namespace, dtype: object) -> object:
 
 
 def moments(xp: Namespace, x: Array, axes: Axes, *, center: bool = True) -> tuple[Array | None, Array]:
-    """Mean (``None`` when ``center=False``) and biased variance of ``x`` over ``axes``.
+    """Mean (``None`` when ``center=False``) and biased variance of ``x`` over ``axes``
+    (without centring: the mean square), both in ``square_dtype`` (float64).
 
-    Both keep the reduced axes (size 1) so that they broadcast against ``x``. The mean
-    has ``x``'s dtype; the variance is in ``square_dtype`` (float64).
+    Both keep the reduced axes (size 1) so that they broadcast against ``x``.
     """
-    wide = square_dtype(xp, x.dtype)
+    xw = cast(xp, x, square_dtype(xp, x.dtype))  # same shape as x, float64
     if center:
-        mean = xp.mean(x, axis=axes, keepdims=True)  # reduced axes -> 1
-        xc = cast(xp, x - mean, wide)  # same shape as x
+        mean = xp.mean(xw, axis=axes, keepdims=True)  # reduced axes -> 1
+        xc = xw - mean  # same shape as x
         var = xp.mean(xc * xc, axis=axes, keepdims=True)  # reduced axes -> 1
         return mean, var
-    xw = cast(xp, x, wide)  # same shape as x
     ms = xp.mean(xw * xw, axis=axes, keepdims=True)  # mean square, reduced axes -> 1
     return None, ms
 
@@ -63,12 +71,20 @@ def rstd_of(xp: Namespace, var: Array, eps: float, dtype: object) -> Array:
 def standardize(
     xp: Namespace, x: Array, axes: Axes, eps: float, *, center: bool = True
 ) -> tuple[Array, Array | None, Array]:
-    """``(xhat, mean, rstd)`` of ``x`` over ``axes``; mean and rstd keep dims, in
-    ``x``'s dtype."""
-    mean, var = moments(xp, x, axes, center=center)
-    rstd = rstd_of(xp, var, eps, x.dtype)  # reduced axes -> 1
-    xhat = (x - mean if mean is not None else x) * rstd  # same shape as x
-    return xhat, mean, rstd
+    """``(xhat, mean, rstd)`` of ``x`` over ``axes``, computed in float64
+    (``square_dtype``) and returned in ``x``'s dtype; mean and rstd keep dims."""
+    mean, var = moments(xp, x, axes, center=center)  # reduced axes -> 1, float64
+    rstd = rstd_of(xp, var, eps, var.dtype)  # reduced axes -> 1, float64
+    xhat = centred(xp, x, mean) * rstd  # same shape as x, float64
+    return cast(xp, xhat, x.dtype), None if mean is None else cast(xp, mean, x.dtype), cast(xp, rstd, x.dtype)
+
+
+def centred(xp: Namespace, x: Array, mean: Array | None) -> Array:
+    """``x - mean`` (``x`` where ``mean`` is None) in the dtype of ``mean`` (float64 from
+    ``moments``): the offset is removed before anything rounds to ``x``'s dtype."""
+    if mean is None:
+        return x
+    return cast(xp, x, mean.dtype) - mean
 
 
 def xhat_from(x: Array, mean: Array | None, rstd: Array) -> Array:

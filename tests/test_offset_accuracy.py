@@ -1,7 +1,9 @@
-"""float32 data with a large common offset (mean 1e3, spread 1): the compiled kernels are
-at least as accurate as PyTorch's CPU kernels, measured against float64 on the same
-float32 data. (Their statistics accumulate in float64; the backward's error comes from
-the saved float32 mean, as PyTorch's does.)"""
+"""float32 data with a large common offset (mean 1e3, spread 1): every kernel family is at
+least as accurate as PyTorch's CPU kernels, measured against float64 on the same float32
+data. (Their statistics are taken in float64, or, in the "numpy" family, centred again on
+what the float32 mean's rounding lost; the backward's error comes from the saved float32
+mean, as PyTorch's does.) Also the other ends of float32: sums beyond its range, and
+constant rows."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import numpy as np
 import pytest
 
 import npnorm
+import npnorm.functional as F
 
-pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
+FAMILIES = npnorm.kernels_available()  # numba where the 'fast' extra is installed
 
 LAYERS = {
     "LayerNorm": ((64, 768), lambda c, d, dt: npnorm.LayerNorm(d, dtype=dt)),
@@ -35,9 +38,9 @@ def _error(a, truth):
     return float(np.abs(np.asarray(a, dtype=np.float64) - truth).max() / np.abs(truth).max())
 
 
-def _ours_and_float64(name, seed):
-    """``(x, dy, y, dx, y64, dx64)``: float32 data with offset 1e3, the compiled kernels'
-    output and dx, and the reference's in float64 on the same values."""
+def _ours_and_float64(name, seed, family):
+    """``(x, dy, y, dx, y64, dx64)``: float32 data with offset 1e3, the output and dx of
+    the kernel family ``family``, and the reference's in float64 on the same values."""
     shape, make = LAYERS[name]
     c, d = shape[1], shape[-1]
     rng = np.random.default_rng(seed)
@@ -47,26 +50,29 @@ def _ours_and_float64(name, seed):
         m64 = make(c, d, "float64")
         y64 = m64(x.astype(np.float64))
         dx64 = m64.backward(dy.astype(np.float64))
-    with npnorm.use_kernels("numba"):
+    with npnorm.use_kernels(family):
         m = make(c, d, "float32")
         y = m(x)
         dx = m.backward(dy)
     return x, dy, y, dx, y64, dx64
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_float32_with_offset_1e3_rounds_like_float32_only(name, seed):
+def test_float32_with_offset_1e3_rounds_like_float32_only(name, seed, family):
     """Without PyTorch too: statistics taken in float64 leave the float32 output off the
-    float64 one by float32 rounding only (a float32 sum of the row misses this)."""
-    _, _, y, _, y64, _ = _ours_and_float64(name, seed)
+    float64 one by float32 rounding only (a float32 mean misses this by its rounding,
+    up to 3e-5 of the spread here: the reference's was 8.8e-4 off at offset 1e3)."""
+    _, _, y, _, y64, _ = _ours_and_float64(name, seed, family)
     assert _error(y, y64) <= 3e-7, "output: float64 statistics give float32 rounding only"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", list(LAYERS))
-def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed):
-    x, dy, y, dx, y64, dx64 = _ours_and_float64(name, seed)
+def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed, family):
+    x, dy, y, dx, y64, dx64 = _ours_and_float64(name, seed, family)
     c, d = x.shape[1], x.shape[-1]
     ref = _torch_layer(torch, name, c, d)
     xt = torch.tensor(x, requires_grad=True)
@@ -74,3 +80,54 @@ def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed
     yt = ref(torch.tensor(x)).detach().numpy()
     assert _error(y, y64) <= _error(yt, y64), "output"
     assert _error(dx, dx64) <= 1.1 * _error(xt.grad.numpy(), dx64) + 1e-7, "dx"
+
+
+def _each_functional(x, eps):
+    """Every layer's functional forward on x (N, C, L): LayerNorm over L, GroupNorm with
+    a group per channel."""
+    c, d = x.shape[1], x.shape[-1]
+    w, b = np.full(c, 2.0, dtype=x.dtype), np.full(c, 0.5, dtype=x.dtype)
+    rm, rv = np.zeros(c, dtype=x.dtype), np.ones(c, dtype=x.dtype)
+    return {
+        "layer_norm": F.layer_norm(x, d, np.full(d, 2.0, x.dtype), np.full(d, 0.5, x.dtype), eps),
+        "batch_norm": F.batch_norm(x, rm, rv, w, b, True, 0.1, eps),
+        "group_norm": F.group_norm(x, c, w, b, eps),
+        "instance_norm": F.instance_norm(x, None, None, w, b, True, 0.1, eps),
+    }
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_sums_beyond_its_range(family):
+    # the mean of [3e38, 3e38, 2e38, 2e38] is 2.5e38, but its float32 sum overflows: the
+    # reference gave NaN everywhere
+    x = np.array([3e38, 3e38, 2e38, 2e38], dtype=np.float32).reshape(1, 1, 4)
+    with npnorm.use_kernels(family):
+        for op, y in _each_functional(x, 1e-5).items():
+            np.testing.assert_allclose(y.reshape(-1), [2.5, 2.5, -1.5, -1.5], rtol=1e-6, err_msg=op)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_constant_rows_give_the_bias(family):
+    # a row of one value has mean exactly that value: x - mean is 0 and the output the
+    # bias (the reference's float32 mean left rounding noise, scaled by rstd ~ 316 into
+    # errors of 3e-4)
+    rng = np.random.default_rng(0)
+    values = rng.uniform(-50, 50, size=(1, 16, 1)).astype(np.float32)  # one per channel
+    x = np.ascontiguousarray(np.broadcast_to(values, (5, 16, 777)))
+    with npnorm.use_kernels(family):
+        for op, y in _each_functional(x, 1e-5).items():
+            np.testing.assert_allclose(y, 0.5, rtol=0, atol=1e-6, err_msg=op)
+        if family != "numpy":  # exactly 0 / 0, as torch: the "numpy" family's float32 mean
+            for op, y in _each_functional(x, 0.0).items():  # is only centred again
+                assert np.isnan(y).all(), op
+
+
+def test_the_reference_on_other_backends(backend):
+    # what torch tensors, array_api_strict and CuPy arrays always run
+    x = backend.asarray(np.array([[3e38, 3e38, 2e38, 2e38]]), "float32")
+    y = F.layer_norm(x, 4)
+    np.testing.assert_allclose(backend.numpy(y), [[1, 1, -1, -1]], rtol=1e-6)
+    offset = (np.random.default_rng(0).normal(size=(8, 768)) + 1e3).astype(np.float32)
+    y = backend.numpy(F.layer_norm(backend.asarray(offset, "float32"), 768))
+    y64 = F.layer_norm(offset.astype(np.float64), 768)
+    assert _error(y, y64) <= 3e-7

@@ -262,6 +262,27 @@ def test_an_offset_of_1e8_keeps_the_variance():
         np.testing.assert_allclose(var, whole.var(axis=0, ddof=1), rtol=1e-7)
 
 
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("offset,spread", [(1e4, 0.1), (1e3, 0.01), (100.0, 1e-3)])
+def test_float32_with_an_offset_keeps_the_variance(family, offset, spread):
+    # each rank's mean was rounded to float32 before the merge squared its distance from
+    # the others': running_var was 1.9e-4 to 6e-4 off (torch's float32 BatchNorm 6e-6 to
+    # 2e-5); one process's BatchNorm2d 3e-8
+    rng = np.random.default_rng(0)
+    parts = [(offset + spread * rng.normal(size=(k, 4, 3, 3))).astype(np.float32) for k in (5, 1, 6)]
+    whole = np.concatenate(parts).astype(np.float64).transpose(1, 0, 2, 3).reshape(4, -1)
+
+    def rank_fn(comm):
+        with npnorm.use_kernels(family):
+            m = npnorm.SyncBatchNorm(4, momentum=1.0, comm=comm)
+            m(parts[comm.Get_rank()])
+        return to_host(m.running_var), to_host(m.running_mean)
+
+    for var, mean in run_ranks(3, rank_fn):
+        np.testing.assert_allclose(var, whole.var(axis=1, ddof=1), rtol=2e-7)
+        np.testing.assert_allclose(mean, whole.mean(axis=1), rtol=1e-7)
+
+
 # --- over threads: every error on every rank, nothing changed -------------------------------
 
 

@@ -10,7 +10,7 @@ import array_api_compat
 
 from .._backend import Array, Namespace
 from .._checks import cast, check_real, prod, work_dtype, write_out
-from .._stats import moments, rstd_of, standardize_backward, xhat_from
+from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -153,7 +153,7 @@ def channel_norm_forward(
     x = as_ncs(xp, input, ct)  # N,C,S
     new_mean, new_var = running_mean, running_var
     if use_input_stats:
-        mean, var = moments(xp, x, axes)  # 1,C,1 (BN) or N,C,1 (IN); variance biased
+        mean, var = moments(xp, x, axes)  # 1,C,1 (BN) or N,C,1 (IN), float64; variance biased
         assert mean is not None
         if running_mean is not None and running_var is not None:
             count = prod([int(x.shape[a]) for a in axes])  # values per statistic
@@ -161,13 +161,17 @@ def channel_norm_forward(
             batch_var = xp.sum(var, axis=(0, 2)) / mean.shape[0] * (count / (count - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
+        rstd = rstd_of(xp, var, eps, var.dtype)  # same shape as mean, float64
+        xhat = cast(xp, centred(xp, x, mean) * rstd, ct)  # N,C,S: the offset removed in float64
+        mean, rstd = cast(xp, mean, ct), cast(xp, rstd, ct)  # what backward gets
     else:
         assert running_mean is not None and running_var is not None
         # a copy, so that the saved statistics never alias the caller's buffers
         mean = xp.reshape(xp.asarray(running_mean, dtype=ct, copy=True), (1, -1, 1))  # 1,C,1
         var = xp.reshape(cast(xp, running_var, ct), (1, -1, 1))  # 1,C,1
-    rstd = rstd_of(xp, var, eps, ct)  # same shape as mean
-    y = channel_affine(xp, xhat_from(x, mean, rstd), weight, bias, ct)  # N,C,S
+        rstd = rstd_of(xp, var, eps, ct)  # 1,C,1
+        xhat = xhat_from(x, mean, rstd)  # N,C,S
+    y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
     return write_out(xp, out, y), mean, rstd, new_mean, new_var
 

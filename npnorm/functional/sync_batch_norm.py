@@ -381,9 +381,9 @@ def _dtype_code(xp: Namespace, dtype: Any) -> int:
 
 @generic("sync_batch_norm_moments")
 def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tuple[Array, Array]:
-    """Per channel of a non-empty (N, C, *) input: the mean (in ``ct``) and the biased
-    variance (in ``moments``' wider dtype, float64 where the backend has it) over the
-    batch and spatial axes, two-pass."""
+    """Per channel of a non-empty (N, C, *) input: the mean and the biased variance over
+    the batch and spatial axes, two-pass, in ``moments``' dtype (float64 where the
+    backend has it: the merge across ranks starts from unrounded statistics)."""
     mean, var = moments(xp, as_ncs(xp, input, ct), (0, 2))  # 1,C,1  1,C,1
     assert mean is not None
     return xp.reshape(mean, (-1,)), xp.reshape(var, (-1,))  # C, C

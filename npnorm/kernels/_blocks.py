@@ -328,6 +328,37 @@ def inv_rms(
     return out
 
 
+# A row centred on its mean rounded to float32 is off by that rounding, up to half an ulp
+# of the mean: with a large common offset (1e3 times the spread) that is 3e-5 of the
+# spread in every output. Rows whose mean is more than this many standard deviations from
+# 0 are centred again on what the rounding lost (``recentre``); below it the rounding
+# costs a few ulps, as the reference's float64 statistics do.
+RECENTRE_ABOVE = 4.0
+
+
+def recentre(
+    xc: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    inv: np.ndarray,
+    eps: float,
+    var: np.ndarray | None = None,
+) -> None:
+    """For an (n,L) block ``xc = x - mean`` centred on its rows' means as rounded to the
+    block's dtype, and their ``rstd`` (``inv`` (L,) holds 1/L): where some row's mean is
+    more than ``RECENTRE_ABOVE`` of its standard deviations from 0, take the rows' own
+    means ``d = mean(xc)`` (what the rounding lost; the values are small, so the dot is
+    exact to a few ulps of the spread), subtract them from ``xc`` and add them to
+    ``mean``, and take ``rstd`` (and ``var``) again, about the true means. One more pass
+    over the cached block, with a large common offset only."""
+    if not (np.abs(mean) * rstd > RECENTRE_ABOVE).any():  # (run_chunks silences fp warnings)
+        return
+    d = rowdot(xc, inv, out=np.empty(xc.shape[0], dtype=xc.dtype))  # n
+    np.subtract(xc, d[:, None], out=xc)  # n,L  x - true mean
+    np.add(mean, d, out=mean)  # n  as close to the true mean as the dtype holds
+    inv_rms(xc, xc.shape[1], eps, out=rstd, var=var)  # n
+
+
 # --- loop mode ------------------------------------------------------------------------
 # NumPy buffers a broadcast ``block * col[:, None]`` whose rows are shorter than its
 # buffer size (8192 elements), which makes it 1.5-3x slower than the unbuffered loop for

@@ -50,6 +50,7 @@ from ._blocks import (
     output,
     param,
     per_row,
+    recentre,
     row_layout,
     rowdot,
     rowmean,
@@ -97,7 +98,9 @@ def layer_norm_forward(
     ``mean = rowsum(x) / D`` (``rowmean``: rows whose float32 sum overflows are summed again
     in float64); ``xc = x - mean`` (into the output block, or a scratch
     block when the output dtype differs); ``rstd = 1 / sqrt(rowdot(xc, xc) / D + eps)``
-    (two-pass, from cache); then ``xc *= rstd``, ``*= w``, ``+= b`` in place. mean and
+    (two-pass, from cache); with a large common offset, ``xc`` centred again on what the
+    mean's rounding to ``ct`` lost (``recentre``); then ``xc *= rstd``, ``*= w``, ``+= b``
+    in place. mean and
     rstd are written straight into the (R,) outputs.
     """
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
@@ -119,15 +122,17 @@ def layer_norm_forward(
         xbuf = scratch(x.staged, B, D, ct)  # B,D
         wbuf = scratch(not direct, B, D, ct)  # B,D
         wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
+        inv = np.full(D, 1.0 / D, dtype=ct)  # D
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = x.read(a, e, xbuf)  # n,D
             out = y2[a:e] if wbuf is None else wbuf[:n]  # n,D
             m = mean[a:e]  # n
             r = rstd[a:e]  # n
-            rowmean(xb, ones, out=m)  # mean
+            rowmean(xb, ones, out=m)  # mean, rounded to ct
             np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
             inv_rms(out, D, eps, out=r)  # rstd
+            recentre(out, m, r, inv, eps)  # a large common offset: centred on the true mean
             np.multiply(out, r[:, None], out=out)  # n,D  xhat
             if wt is not None:
                 np.multiply(out, wt[:n], out=out)  # n,D

@@ -79,6 +79,7 @@ from ._blocks import (
     inv_rms,
     output,
     param,
+    recentre,
     rowdot,
     rowsum,
     rowsumsq,
@@ -195,15 +196,26 @@ def _channel_forward(
 ) -> None:
     """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
     sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
-    ``_foldable``."""
+    ``_foldable``. ``mean`` may be float64 (batch statistics): the sweep then subtracts
+    its value rounded to ``ct`` and the shift takes what that rounding lost, so that a
+    large common offset costs no accuracy and no pass."""
     B = block_rows(rows.R, rows.L, ct.itemsize)
     w, b = param(weight, rows.P, ct), param(bias, rows.P, ct)  # C, C
-    scale = rstd if w is None else rstd * w  # C
-    if _foldable(mean, rstd):
-        shift = -mean * scale if b is None else b - mean * scale  # C
+    scale = rstd if w is None else rstd * w  # C, ct
+    scale64 = scale.astype(np.float64)  # C
+    b64 = 0.0 if b is None else b.astype(np.float64)  # C
+    mean64 = mean.astype(np.float64)  # C
+    if _foldable(mean64, rstd):
+        shift = (b64 - mean64 * scale64).astype(ct)  # C
         _affine_sweep(rows, y, ct, None, _Ring(scale, B), _Ring(shift, B))
-    else:
-        _affine_sweep(rows, y, ct, _Ring(mean, B), _Ring(scale, B), _ring(b, B))
+        return
+    center = mean.astype(ct)  # C
+    lost = mean64 - center.astype(np.float64)  # C: the rounding of the mean
+    if b is None and not lost.any():
+        _affine_sweep(rows, y, ct, _Ring(center, B), _Ring(scale, B), None)
+        return
+    shift = (b64 - lost * scale64).astype(ct)  # C
+    _affine_sweep(rows, y, ct, _Ring(center, B), _Ring(scale, B), _Ring(shift, B))
 
 
 def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -241,8 +253,7 @@ def _merge_rows(
     """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
     have S values), in float64: with row means ``m_r = mean_r + resid_r``,
     ``mean_c = mean(m_r)`` and ``M2_c = sum(M2_r - S*resid_r^2) + S*sum((m_r - mean_c)^2)``.
-    Returns ``(mean_c, var_c)``, the mean in the dtype of ``mean``, the (biased) variance
-    in float64."""
+    Returns ``(mean_c, var_c)``, the mean and the (biased) variance, in float64."""
     rm = np.reshape(mean, (N, C)).astype(np.float64)  # N,C
     rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
     mean_c = np.mean(rm + rd, axis=0)  # C
@@ -251,7 +262,7 @@ def _merge_rows(
     within = np.sum(m2r - S * (rd * rd), axis=0)  # C
     m2_c = within + S * np.sum(dev * dev, axis=0)  # C
     m2_c[np.isinf(m2r).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
-    return mean_c.astype(mean.dtype), m2_c / (N * S)
+    return mean_c, m2_c / (N * S)
 
 
 def _grad_sums_sweep(
@@ -443,8 +454,9 @@ def _group_forward(
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Normalize each (sample, group) row over its L = k*S values, one sweep: per block
-    ``mean = sum(x)/L``, ``xc = x - mean`` (in the output block), ``var = dot(xc, xc)/L``,
-    then ``y = xc * (rstd*w_c) + b_c`` in place.
+    ``mean = sum(x)/L``, ``xc = x - mean`` (in the output block), ``var = dot(xc, xc)/L``
+    (with a large common offset, centred again on what the mean's rounding lost:
+    ``recentre``), then ``y = xc * (rstd*w_c) + b_c`` in place.
 
     Returns ``(y, mean, rstd, var)``, the statistics (N*G,) arrays of ``ct``; ``var``
     (biased, float64) only when ``keep_var``. ``y`` is ``out`` when that was given.
@@ -477,9 +489,11 @@ def _group_forward(
             out = y2[a:e] if obuf is None else obuf[:n]  # n,L
             out_c = out.reshape(n * k, S)  # n*k,S  channel rows
             m, r = mean[a:e], rstd[a:e]  # n, n
-            rowdot(xb, inv, out=m)  # mean
+            rowdot(xb, inv, out=m)  # mean, rounded to ct
             np.subtract(xb, m[:, None], out=out)  # n,L  xc = x - mean
-            inv_rms(out, L, eps, out=r, var=None if var is None else var[a:e])  # rstd (and var)
+            v = None if var is None else var[a:e]  # n
+            inv_rms(out, L, eps, out=r, var=v)  # rstd (and var)
+            recentre(out, m, r, inv, eps, var=v)  # a large common offset: centred on the true mean
             if w_ring is None:
                 np.multiply(out, r[:, None], out=out)  # n,L  xhat
             else:
@@ -627,7 +641,7 @@ def batch_norm_forward(
     rows = _rows(input, C, ct)
     new_mean, new_var = running_mean, running_var
     if training:
-        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased, float64)
+        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased), float64
         if running_mean is not None and running_var is not None:
             n = N * S  # values per channel
             new_mean = running_update(xp, running_mean, mean, momentum)  # C
@@ -638,8 +652,8 @@ def batch_norm_forward(
         var = cast(xp, running_var, ct)  # C
     rstd = (1.0 / np.sqrt(var + eps)).astype(ct)  # C
     y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
-    _channel_forward(y, rows, ct, mean, rstd, weight, bias)
-    return finish(y, out), mean, rstd, new_mean, new_var
+    _channel_forward(y, rows, ct, mean, rstd, weight, bias)  # mean: float64 when training
+    return finish(y, out), mean.astype(ct, copy=False), rstd, new_mean, new_var
 
 
 @specialized("batch_norm_backward", NS, kernels="numpy")
