@@ -539,6 +539,22 @@ def test_the_learn_command_refuses_bad_arguments(capsys):
     assert "unknown exercise 'no_such'" in err and "no file /no/such/dir/rms_norm.py" in err
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        # a number of groups that does not divide the 6 channels printed a traceback
+        (["group_norm", "--groups", "4"], "--groups must divide the 6 channels: 1, 2, 3 or 6 (got 4)"),
+        (["group_norm", "--groups", "0"], "--groups must divide the 6 channels"),
+        (["batch_norm", "--groups", "3"], "--groups applies to group_norm"),  # was ignored
+    ],
+)
+def test_the_learn_command_checks_groups(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 # --- the exercises ---
 
 

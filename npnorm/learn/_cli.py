@@ -309,7 +309,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--matrix", action="store_true", help="the matrix view dx = J · dxhat")
     parser.add_argument("--eval", action="store_true", help="running statistics (batch_norm, instance_norm)")
     parser.add_argument(
-        "--groups", type=int, default=3, help="group_norm: number of groups of the 6 channels"
+        "--groups", type=int, help="group_norm: number of groups of the 6 channels (1, 2, 3 or 6; default 3)"
     )
     parser.add_argument("--solution", action="store_true", help="check: grade exercises/solutions/NAME.py")
     parser.add_argument(
@@ -319,7 +319,7 @@ def main(argv: list[str]) -> int:
         + ")",
     )
     args = parser.parse_args(argv)
-    kw: dict[str, Any] = {"eval": args.eval, "groups": args.groups}
+    kw: dict[str, Any] = {"eval": args.eval, "groups": 3 if args.groups is None else args.groups}
     if args.topic is None:
         overview()
         return 0
@@ -349,6 +349,10 @@ def main(argv: list[str]) -> int:
         )
     if args.eval and args.topic not in ("batch_norm", "instance_norm"):
         parser.error("--eval applies to batch_norm and instance_norm")
+    if args.groups is not None and args.topic != "group_norm":
+        parser.error("--groups applies to group_norm")
+    if args.groups is not None and (args.groups < 1 or 6 % args.groups):
+        parser.error(f"--groups must divide the 6 channels: 1, 2, 3 or 6 (got {args.groups})")
     if args.staged_vs_closed:
         return 0 if staged_vs_closed(args.topic, **kw) else 1
     if args.matrix:
