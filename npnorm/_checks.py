@@ -61,6 +61,11 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
                 f"{name}: expected an array (numpy, cupy or another Array API namespace), "
                 f"got {type(a).__name__}"
             )
+        if isinstance(a, np.ma.MaskedArray):  # the kernel families would disagree on the mask
+            raise TypeError(
+                f"{name}: masked arrays are not supported (a norm layer has no notion of a mask): "
+                "pass a.filled(value), or normalize a.compressed()"
+            )
     present = [n for n, a in zip(names, arrays, strict=True) if a is not None]
     xp = namespace_of(*arrays, what=" and ".join(present))
     for name, a in zip(names, arrays, strict=True):

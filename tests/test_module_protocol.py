@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
@@ -191,3 +193,40 @@ def test_load_state_dict_copies_never_aliases(torch, source):
     ref(torch.randn(4, 3, 2, 2))  # a torch training step moves torch's buffers in place
     assert torch.equal(ref.weight.detach(), before["weight"])
     np.testing.assert_array_equal(ours.running_mean, before["running_mean"].numpy())
+
+
+NOT_ARRAYS = {
+    "None": (None, "input: expected an array"),  # IndexError from an empty backend lookup
+    "list": ([[1.0, 2.0], [3.0, 4.0]], "input: expected an array (numpy, cupy or another Array API"),
+    "masked": (np.ma.masked_array(np.ones((2, 2)), mask=[[0, 1], [0, 0]]), "masked arrays are not supported"),
+}
+LAYERS_2 = [
+    lambda: npnorm.LayerNorm(2, elementwise_affine=False),
+    lambda: npnorm.RMSNorm(2),
+    lambda: npnorm.BatchNorm1d(2, affine=False, track_running_stats=False),
+    lambda: npnorm.GroupNorm(1, 2),
+    lambda: npnorm.InstanceNorm1d(2),
+]
+
+
+@pytest.mark.parametrize("make", LAYERS_2)
+@pytest.mark.parametrize("what", list(NOT_ARRAYS))
+def test_an_input_that_is_not_an_array_is_a_type_error_naming_it(make, what):
+    # every kernel family would treat a masked array its own way (the reference kept the
+    # mask, the numpy kernels ignored it, numba raised NumbaTypeError)
+    value, message = NOT_ARRAYS[what]
+    m = make()
+    with pytest.raises(TypeError, match=re.escape(message)):
+        m(value)
+
+
+def test_a_missing_backward_argument_is_a_type_error_naming_it():
+    x = np.ones((2, 3))
+    _, mean, rstd = npnorm.functional.layer_norm_forward(x, 3)
+    for args, name in (
+        ((None, x, 3, mean, rstd), "grad_output"),
+        ((x, x, 3, None, rstd), "mean"),
+        ((x, x, 3, mean, None), "rstd"),
+    ):
+        with pytest.raises(TypeError, match=f"^{name}: expected an array"):
+            npnorm.functional.layer_norm_backward(*args)
