@@ -51,10 +51,9 @@ def prod(shape: Sequence[int]) -> int:
 def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1) -> Namespace:
     """Namespace of the arrays, each checked to be a floating array of that backend; the
     first ``required`` of them may not be None."""
-    if all(a is not None for a in arrays[:required]):
-        xp = _float_numpy_namespace(arrays)
-        if xp is not None:
-            return xp
+    xp = _float_numpy_namespace(arrays, required)
+    if xp is not None:
+        return xp
     for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
         if (a is None and i < required) or (a is not None and not array_api_compat.is_array_api_obj(a)):
             raise TypeError(
@@ -74,12 +73,17 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
     return xp
 
 
-def _float_numpy_namespace(arrays: tuple[Array | None, ...]) -> Namespace | None:
-    """NumPy's namespace when every array present is a float16/32/64 NumPy array (the
-    common call: a type and dtype test per array), else None (the full checks decide)."""
+def _float_numpy_namespace(arrays: tuple[Array | None, ...], required: int) -> Namespace | None:
+    """NumPy's namespace when every array present is a float16/32/64 NumPy array and the
+    first ``required`` are present (the common call: a type and dtype test per array),
+    else None (the full checks decide)."""
     for a in arrays:
-        if a is not None and (type(a) is not np.ndarray or a.dtype.char not in "efd"):
+        if a is None:
+            if required > 0:
+                return None
+        elif type(a) is not np.ndarray or a.dtype.char not in "efd":
             return None
+        required -= 1
     return namespace_of(*arrays)
 
 

@@ -181,10 +181,12 @@ class Module:
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         return output
 
-    def _versions(self, input: Array, saved: Saved) -> _Versions:
+    def _versions(self, input: Array, saved: Saved) -> _Versions | None:
         """The in-place change counters (torch tensors' ``_version``; other backends
         have none) of the input and of the arrays PyTorch's backward keeps, as the
         forward leaves them: ``backward`` raises when one has moved since."""
+        if not hasattr(input, "_version"):  # NumPy, CuPy, ...: no counters (the module's
+            return None  # arrays are of the input's backend)
         kept = self._kept_for_backward
         named = [("input", input)]
         if kept is None:
