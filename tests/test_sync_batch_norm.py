@@ -383,6 +383,24 @@ def test_a_missing_argument_on_one_rank_raises_on_every_rank():
     assert "SyncBatchNorm failed on rank 0 of 3: grad_output: expected an array" in module
 
 
+def test_statistics_of_another_length_on_one_rank_raise_on_every_rank():
+    # the backward's payload was sized from mean: under MPI the ranks' all-reduce buffers
+    # then differed, and MPI aborted the job ("Message truncated")
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        y, mean, rstd, _, _ = F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
+        if rank == 1:
+            mean, rstd = np.ones(4), np.ones(4)
+        with pytest.raises(ValueError) as info:
+            F.sync_batch_norm_backward(y, x, mean, rstd, comm=comm)
+        return str(info.value)
+
+    messages = run_ranks(3, rank_fn)
+    assert all(isinstance(m, str) for m in messages), messages
+    assert len(set(messages)) == 1 and "failed on rank 1 of 3: mean must have shape (3,)" in messages[0]
+
+
 def test_run_ranks_reports_each_ranks_own_error():
     # every rank raises after a collective all of them completed: each reports its own
     # error (threading.Barrier.abort broke the barrier the slower ranks were leaving)

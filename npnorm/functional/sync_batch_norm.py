@@ -272,8 +272,10 @@ def synced_backward(
     """The training backward over a communicator of several ranks: one all-reduce of
     ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C)]`` in float64."""
     error = None
-    # the payload's C: the saved statistics', the same on every rank (forward checked it)
-    c = int(prod(getattr(mean, "shape", (0,))))
+    # the payload's C, which must be the same on every rank for the all-reduce: the input's
+    # channels (the forward checked them equal across ranks), so that a rank whose mean
+    # or rstd has another length fails its checks below instead of the exchange
+    c = _channel_count(input, mean)
     try:
         xp = float_inputs(
             grad_output, input, mean, rstd, weight, bias,
@@ -304,6 +306,17 @@ def synced_backward(
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
     dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C
     return dx, dweight, dbias
+
+
+def _channel_count(input: Any, mean: Any) -> int:
+    """C of an (N, C, *) ``input``, else the length of ``mean``, else 0 (a bad argument:
+    its rank fails its checks and says so in the exchange)."""
+    for a, size in ((input, lambda a: a.shape[1]), (mean, lambda a: prod(a.shape))):
+        try:
+            return int(size(a))
+        except (AttributeError, IndexError, TypeError):
+            continue
+    return 0
 
 
 def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
