@@ -47,6 +47,8 @@ class _Group:
         rank had passed (``threading.Barrier.abort`` breaks that one too, for the ranks
         not yet woken from it: the others then saw an error that was not theirs)."""
         with self._cond:
+            if self._broken:  # as threading.Barrier: once broken, every wait raises
+                raise threading.BrokenBarrierError
             generation = self._generation
             self._arrived += 1
             if self._arrived == self.size:

@@ -131,3 +131,17 @@ def test_the_reference_on_other_backends(backend):
     y = backend.numpy(F.layer_norm(backend.asarray(offset, "float32"), 768))
     y64 = F.layer_norm(offset.astype(np.float64), 768)
     assert _error(y, y64) <= 3e-7
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_row_holding_inf_keeps_an_inf_mean(family):
+    # beside a row with a large offset, the "numpy" kernels centred the block again and
+    # added mean(x - inf) = NaN to the inf row's mean
+    x = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32)
+    x[1] += 1e4
+    x[2, 5] = np.inf
+    with npnorm.use_kernels(family):
+        _, mean, _ = F.layer_norm_forward(x, 64)
+        _, gmean, _ = F.group_norm_forward(x.reshape(4, 2, 32), 1)
+    assert mean[2] == np.inf and gmean[2, 0] == np.inf
+    assert np.isfinite(mean[[0, 1, 3]]).all()

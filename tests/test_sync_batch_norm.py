@@ -412,6 +412,34 @@ def test_run_ranks_reports_each_ranks_own_error():
         assert [repr(r) for r in run_ranks(3, rank_fn)] == [repr(KeyError(r)) for r in range(3)]
 
 
+def test_a_thread_barrier_once_broken_stays_broken():
+    # as threading.Barrier: the waits that raised were counted as arrivals, so that the
+    # third wait of a group of 3 after abort() passed
+    from npnorm._threadcomm import _Group
+
+    group = _Group(3)
+    group.abort()
+    for _ in range(4):
+        with pytest.raises(threading.BrokenBarrierError):
+            group.wait()
+
+
+def test_torch_tensors_that_require_grad_leave_no_history_across_ranks(torch):
+    # the synced path called its kernels directly, not through the dispatcher that detaches
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, comm=comm, xp="torch", dtype="float64")
+        x = torch.randn(2 + comm.Get_rank(), 3, 4, dtype=torch.float64, requires_grad=True)
+        history = []
+        for _ in range(2):
+            y = m(x)
+            dx = m.backward(torch.ones_like(y, requires_grad=True))
+            history += [t.requires_grad for t in (y, dx, m.running_mean, *m.grads.values())]
+        return history
+
+    for history in run_ranks(2, rank_fn):
+        assert history == [False] * len(history)
+
+
 def test_run_ranks_stops_ranks_waiting_for_a_failed_one():
     def rank_fn(comm):
         if comm.Get_rank() == 1:

@@ -146,3 +146,36 @@ def test_the_same_in_place_changes_in_torch(torch):
     with torch.no_grad():
         gn.bias.add_(1.0)  # not kept by GroupNorm's backward
     y.sum().backward()
+
+
+@pytest.mark.parametrize("make,shape", LAYERS)
+def test_inference_tensors_run_as_in_torch(torch, make, shape):
+    # they keep no version counter (reading it raises RuntimeError): nothing to check
+    m = make(xp="torch", dtype="float32")
+    with torch.inference_mode():
+        x = torch.randn(shape)
+        y = m(x)  # inside inference_mode too
+    y = m(x)
+    assert tuple(m.backward(torch.ones_like(y)).shape) == shape
+
+
+@pytest.mark.parametrize("name", ["GroupNorm", "InstanceNorm1d", "LayerNorm"])
+def test_a_strided_input_changed_in_place_as_in_torch(torch, name):
+    # GroupNorm's and InstanceNorm's backward in torch keep input.contiguous(): a copy of a
+    # strided input, which the caller's in-place change does not reach
+    make, shape = {"GroupNorm": LAYERS[3], "InstanceNorm1d": LAYERS[4], "LayerNorm": LAYERS[0]}[name]
+    ours = make(xp="torch", dtype="float64")
+    ref = npnorm.to_torch(ours)
+    base = torch.randn((*shape[:-1], 2 * shape[-1]), dtype=torch.float64)
+    strided = base[..., ::2]
+    y_ref = ref(strided)
+    ours(strided)
+    strided.add_(1.0)
+    if name == "LayerNorm":
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y_ref.sum().backward()
+        with pytest.raises(RuntimeError, match=r"input.*modified in place"):
+            ours.backward(torch.ones(shape, dtype=torch.float64))
+    else:
+        y_ref.sum().backward()
+        ours.backward(torch.ones(shape, dtype=torch.float64))

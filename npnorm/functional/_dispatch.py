@@ -338,11 +338,13 @@ def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], 
     so the kernel sees every tensor detached (the same memory, without history). An
     input that requires grad then gives a result without a ``grad_fn``, and the running
     buffers it writes, a torch module's own among them, gain no history either."""
-    result = fn(xp, *(_detached(a) for a in args), _detached(out))
+    result = fn(xp, *(detached(a) for a in args), detached(out))
     return result if out is None else (out, *result[1:])
 
 
-def _detached(a: Any) -> Any:
+def detached(a: Any) -> Any:
+    """``a`` without autograd history where it is a torch tensor (the same memory); any
+    other value as it is. For the kernels a caller runs without ``run``."""
     return a.detach() if array_api_compat.is_torch_array(a) else a
 
 

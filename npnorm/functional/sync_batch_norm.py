@@ -37,7 +37,7 @@ from ._channels import (
     check_per_channel,
     running_update,
 )
-from ._dispatch import generic, kernel
+from ._dispatch import detached, generic, kernel
 from .batch_norm import batch_norm_backward, batch_norm_forward
 
 _WHAT = "sync_batch_norm"
@@ -233,6 +233,7 @@ def synced_forward(
     if not table[:, 0].all():  # some rank failed its checks: every rank knows, every rank raises
         raise_collectively(comm, error, what)
     _check_across_ranks(table, what)
+    input, weight, bias = detached(input), detached(weight), detached(bias)  # torch: no autograd
 
     # local (count, mean, M2) per channel, two-pass, in the computation dtype
     ct = work_dtype(xp, input, weight, bias, running_mean, running_var)  # float32 at least
@@ -289,6 +290,7 @@ def synced_backward(
     if error is not None:
         payload[0] = 1.0
     else:
+        grad_output, input, weight = detached(grad_output), detached(input), detached(weight)  # torch
         ct = work_dtype(xp, input, weight, bias, mean)
         sums = kernel("sync_batch_norm_grad_sums", xp)
         sum_dy, sum_dyxc = sums(xp, grad_output, input, mean, rstd, ct)  # C, C

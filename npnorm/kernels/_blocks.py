@@ -355,7 +355,8 @@ def recentre(
         return
     d = rowdot(xc, inv, out=np.empty(xc.shape[0], dtype=xc.dtype))  # n
     np.subtract(xc, d[:, None], out=xc)  # n,L  x - true mean
-    np.add(mean, d, out=mean)  # n  as close to the true mean as the dtype holds
+    np.add(mean, d, out=mean, where=np.isfinite(d))  # n  as close to the true mean as the dtype
+    # holds (a row holding inf or NaN keeps the mean it had: inf stays inf)
     inv_rms(xc, xc.shape[1], eps, out=rstd, var=var)  # n
 
 

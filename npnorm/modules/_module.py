@@ -139,6 +139,10 @@ class Module:
     # makes backward raise: those PyTorch's backward of the layer keeps, or (None) those the
     # saved context holds.
     _kept_for_backward: tuple[str, ...] | None = None
+    # Whether PyTorch's backward keeps a contiguous copy of a strided input (GroupNorm's and
+    # InstanceNorm's ``input.contiguous()``), so that an in-place change of the caller's
+    # tensor does not reach (nor fail) it
+    _input_copied_if_strided: bool = False
 
     def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -185,15 +189,16 @@ class Module:
         """The in-place change counters (torch tensors' ``_version``; other backends
         have none) of the input and of the arrays PyTorch's backward keeps, as the
         forward leaves them: ``backward`` raises when one has moved since."""
-        if not hasattr(input, "_version"):  # NumPy, CuPy, ...: no counters (the module's
-            return None  # arrays are of the input's backend)
+        if _version_of(input) is None:  # NumPy, CuPy, ...: no counters (the module's arrays
+            return None  # are of the input's backend)
         kept = self._kept_for_backward
-        named = [("input", input)]
+        named = [] if self._input_copied_if_strided and not input.is_contiguous() else [("input", input)]
         if kept is None:
             named += [("saved array", a) for a in saved if _is_array(a)]
         else:
             named += [(name, getattr(self, name)) for name in kept]
-        return _Versions(saved, [(name, a, a._version) for name, a in named if hasattr(a, "_version")])
+        counters = [(name, a, _version_of(a)) for name, a in named]
+        return _Versions(saved, [(name, a, v) for name, a, v in counters if v is not None])
 
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward; parameter gradients are
@@ -233,7 +238,7 @@ class Module:
             )
         versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
         if versions is not None and versions.saved is self._saved:
-            moved = [name for name, a, version in versions.counters if a._version != version]
+            moved = [name for name, a, version in versions.counters if _version_of(a) != version]
             if moved:  # as PyTorch's check of the tensors its backward saved
                 raise RuntimeError(
                     f"{type(self).__name__}.backward(): the {', '.join(moved)} that the last forward "
@@ -557,6 +562,15 @@ class Module:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+def _version_of(a: Any) -> int | None:
+    """``a``'s in-place change counter: a torch tensor's ``_version``; None for arrays of
+    other backends, and for torch's inference tensors, which keep none."""
+    try:
+        return int(a._version)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class _Versions(NamedTuple):

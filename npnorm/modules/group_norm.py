@@ -78,6 +78,7 @@ class GroupNorm(Module):
 
     _parameter_names = ("weight", "bias")
     _kept_for_backward = ("weight",)  # as torch's native_group_norm_backward
+    _input_copied_if_strided = True
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ class _InstanceNorm(_NormBase):
 
     # torch's backward keeps copies (the weight repeated per sample): a load changes nothing
     _kept_for_backward = ()
+    _input_copied_if_strided = True
 
     _no_batch_ndim = 0
 
