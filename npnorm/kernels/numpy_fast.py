@@ -100,8 +100,7 @@ def layer_norm_forward(
     block when the output dtype differs); ``rstd = 1 / sqrt(rowdot(xc, xc) / D + eps)``
     (two-pass, from cache); with a large common offset, ``xc`` centred again on what the
     mean's rounding to ``ct`` lost (``recentre``); then ``xc *= rstd``, ``*= w``, ``+= b``
-    in place. mean and
-    rstd are written straight into the (R,) outputs.
+    in place. mean and rstd are written straight into the (R,) outputs.
     """
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     D = prod(shape)
