@@ -149,8 +149,9 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
     xp = namespace_of(x, what="x")
     snapshot = _snapshot(module)
     try:
+        module.to(xp=xp)  # the input's backend: the module's settings are read against it
         module._pin_for_float64(x)
-        module.to(xp=xp, dtype="float64")
+        module.to(dtype="float64")
         x64 = to_namespace(x, xp, xp.float64)
         module.zero_grad()
         y = module(x64)

@@ -109,7 +109,6 @@ def empty_backward(
     input: Array,
     weight: Array | None,
     bias: Array | None,
-    mean: Array,
     out: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
     """The backward of an input with no values: an empty dx, and dweight, dbias sums of

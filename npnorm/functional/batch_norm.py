@@ -189,7 +189,7 @@ def batch_norm_backward(
     check_per_channel(c, mean=mean, rstd=rstd, weight=weight, bias=bias)
     check_out(xp, out, input)
     if prod(input.shape) == 0:
-        return empty_backward(xp, input, weight, bias, mean, out)
+        return empty_backward(xp, input, weight, bias, out)
     return run(
         "batch_norm_backward", xp, grad_output, input, mean, rstd, weight, bias, bool(training),
         out=out, reads=(mean, rstd, weight),

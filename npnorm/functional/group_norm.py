@@ -169,7 +169,7 @@ def group_norm_backward(
             )
     check_out(xp, out, input)
     if prod(input.shape) == 0:
-        dx, dweight, dbias = empty_backward(xp, input, weight, bias, mean, out)
+        dx, dweight, dbias = empty_backward(xp, input, weight, bias, out)
         if dweight is not None and int(input.shape[0]) > 0:
             # as PyTorch's: its dweight_c sums (ds - db*mean)*rstd over samples, with the
             # NaN statistics of groups of no values (N > 0, S = 0); dbias stays 0

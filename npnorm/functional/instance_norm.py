@@ -192,7 +192,7 @@ def instance_norm_backward(
             raise ValueError(f"{name} must have shape {stats_shape}, got {tuple(a.shape)}")
     check_out(xp, out, input)
     if prod(input.shape) == 0:
-        return empty_backward(xp, input, weight, bias, mean, out)
+        return empty_backward(xp, input, weight, bias, out)
     return run(
         "instance_norm_backward", xp, grad_output, input, mean, rstd, weight, bias,
         bool(use_input_stats), out=out, reads=(mean, rstd, weight),

@@ -313,12 +313,10 @@ def synced_backward(
 def _channel_count(input: Any, mean: Any) -> int:
     """C of an (N, C, *) ``input``, else the length of ``mean``, else 0 (a bad argument:
     its rank fails its checks and says so in the exchange)."""
-    for a, size in ((input, lambda a: a.shape[1]), (mean, lambda a: prod(a.shape))):
-        try:
-            return int(size(a))
-        except (AttributeError, IndexError, TypeError):
-            continue
-    return 0
+    shape: tuple[int, ...] = tuple(getattr(input, "shape", ()))
+    if len(shape) >= 2:
+        return int(shape[1])
+    return int(prod(getattr(mean, "shape", (0,))))
 
 
 def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:

@@ -262,7 +262,8 @@ class Module:
         raise NotImplementedError
 
     def _pin_for_float64(self, input: Array) -> None:
-        """Before ``gradcheck`` moves the module to float64 for ``input``: fix any
+        """Before ``gradcheck`` moves the module to float64 for ``input`` (an array of the
+        module's backend): fix any
         setting that follows the computation dtype to its value for ``input``, so that
         the check differentiates the function the module computes (RMSNorm's
         ``eps=None``). Nothing by default; ``gradcheck`` restores the module after."""

@@ -6,10 +6,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-import numpy as np
-
 from .._backend import Array
-from .._checks import as_shape, check_eps
+from .._checks import as_shape, check_eps, work_dtype
 from ..functional.rms_norm import rms_norm_backward, rms_norm_forward
 from ._module import Module, Saved, Updates
 
@@ -100,8 +98,7 @@ class RMSNorm(Module):
 
     def _pin_for_float64(self, input: Array) -> None:
         if self.eps is None:  # the machine epsilon of the dtype the forward computes in
-            names = {str(a.dtype).rsplit(".", 1)[-1] for a in (input, self.weight) if a is not None}
-            self.eps = float(np.finfo(np.float64 if "float64" in names else np.float32).eps)
+            self.eps = float(self.xp.finfo(work_dtype(self.xp, input, self.weight)).eps)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, rstd, weight = saved
