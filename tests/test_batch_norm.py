@@ -321,3 +321,46 @@ def test_an_empty_batch_trains_as_in_torch(torch, family, shape):
         half(x.astype(np.float16))
         half.backward(np.zeros(shape, np.float16))
     assert half.grads["weight"].dtype == half.grads["bias"].dtype == np.float16
+
+
+@pytest.mark.parametrize("fn", ["batch_norm", "instance_norm"])
+def test_a_refused_running_var_write_leaves_running_mean_as_it_was(backend, rng, fn):
+    # running_var is written second: a refusal there (a read-only NumPy array, a torch leaf
+    # that requires grad) left running_mean updated; PyTorch leaves both as they were
+    x = backend.asarray(rng.normal(size=(4, 3, 5)), "float32")
+    rm = backend.asarray(np.zeros(3), "float32")
+    if backend.name == "numpy":
+        rv = np.ones(3, np.float32)
+        rv.flags.writeable = False
+    elif backend.name == "torch":
+        rv = backend.asarray(np.ones(3), "float32").requires_grad_()
+    else:
+        pytest.skip("no read-only arrays on this backend")
+    call = F.batch_norm if fn == "batch_norm" else F.instance_norm
+    with pytest.raises((ValueError, RuntimeError)):
+        call(x, rm, rv, None, None, True, 0.1, 1e-5)
+    np.testing.assert_array_equal(backend.numpy(rm), 0.0)
+
+
+def test_eps_zero_is_refused_with_batch_statistics_as_in_torch(torch):
+    x = np.random.default_rng(0).normal(size=(4, 2, 3)).astype(np.float32)
+    for ours, theirs in [
+        (lambda: F.batch_norm(x, None, None, training=True, eps=0.0),
+         lambda: torch.nn.functional.batch_norm(torch.tensor(x), None, None, training=True, eps=0.0)),
+        (lambda: npnorm.BatchNorm1d(2, eps=0.0)(x),
+         lambda: torch.nn.BatchNorm1d(2, eps=0.0)(torch.tensor(x))),
+        (lambda: npnorm.BatchNorm1d(2, eps=0.0, track_running_stats=False).eval()(x),
+         lambda: torch.nn.BatchNorm1d(2, eps=0.0, track_running_stats=False).eval()(torch.tensor(x))),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match="eps must be positive during training"):
+            theirs()
+        with pytest.raises(ValueError, match="eps must be positive during training"):
+            ours()
+    m = npnorm.BatchNorm1d(2, eps=0.0)
+    assert int(m.num_batches_tracked) == 0  # the refused forward counted nothing
+    y = m.eval()(x)  # running statistics: eps = 0 is fine, as in PyTorch
+    ref = torch.nn.BatchNorm1d(2, eps=0.0).eval()(torch.tensor(x)).detach().numpy()
+    np.testing.assert_allclose(y, ref, rtol=1e-6)
+    # batch_norm_forward, the pure pair, computes with eps = 0 (as torch.batch_norm, the op)
+    y, *_ = F.batch_norm_forward(x, None, None, training=True, eps=0.0)
+    assert np.isfinite(y).all()

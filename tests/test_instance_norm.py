@@ -160,3 +160,30 @@ def test_no_spatial_values_train_as_in_torch(torch, family):
         np.testing.assert_array_equal(ours.state_dict()[k], v.numpy(), err_msg=k)
     np.testing.assert_array_equal(ours.grads["weight"], ref.weight.grad.numpy())
     np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())
+
+
+def test_a_constant_instance_with_eps_zero_gives_the_bias_as_in_torch(torch, rng):
+    # PyTorch's inverse standard deviation is 0 where var + eps is 0: output the bias, dx 0
+    x = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    x[:, 0], x[1, 2] = 0.3, -7.0
+    w, b = np.array([2.0, 3.0, 4.0], np.float32), np.array([0.5, 0.6, 0.7], np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    ref = torch.nn.InstanceNorm1d(3, eps=0.0, affine=True)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(w))
+        ref.bias.copy_(torch.tensor(b))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = ref(xt)
+    yt.backward(torch.tensor(dy))
+    for family in npnorm.kernels_available():
+        with npnorm.use_kernels(family):
+            m = npnorm.InstanceNorm1d(3, eps=0.0, affine=True)
+            m.weight[...], m.bias[...] = w, b
+            y = m(x)
+            dx = m.backward(dy)
+            np.testing.assert_allclose(y, yt.detach().numpy(), rtol=0, atol=2e-6, err_msg=family)
+            np.testing.assert_array_equal(y[:, 0], 0.5)
+            np.testing.assert_array_equal(dx[:, 0], 0.0)
+            np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=0, atol=2e-6, err_msg=family)
+            y2 = F.instance_norm(x, None, None, None, None, eps=0.0)  # no bias: 0
+            np.testing.assert_array_equal(y2[:, 0], 0.0)

@@ -84,13 +84,13 @@ def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed
 
 def _each_functional(x, eps):
     """Every layer's functional forward on x (N, C, L): LayerNorm over L, GroupNorm with
-    a group per channel."""
+    a group per channel (BatchNorm in training only where eps > 0: PyTorch refuses 0)."""
     c, d = x.shape[1], x.shape[-1]
     w, b = np.full(c, 2.0, dtype=x.dtype), np.full(c, 0.5, dtype=x.dtype)
     rm, rv = np.zeros(c, dtype=x.dtype), np.ones(c, dtype=x.dtype)
     return {
         "layer_norm": F.layer_norm(x, d, np.full(d, 2.0, x.dtype), np.full(d, 0.5, x.dtype), eps),
-        "batch_norm": F.batch_norm(x, rm, rv, w, b, True, 0.1, eps),
+        **({"batch_norm": F.batch_norm(x, rm, rv, w, b, True, 0.1, eps)} if eps > 0 else {}),
         "group_norm": F.group_norm(x, c, w, b, eps),
         "instance_norm": F.instance_norm(x, None, None, w, b, True, 0.1, eps),
     }
@@ -107,19 +107,65 @@ def test_float32_sums_beyond_its_range(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_constant_rows_give_the_bias(family):
-    # a row of one value has mean exactly that value: x - mean is 0 and the output the
-    # bias (the reference's float32 mean left rounding noise, scaled by rstd ~ 316 into
-    # errors of 3e-4)
+@pytest.mark.parametrize("scale", [1e-3, 50.0, 4e5])
+def test_constant_rows_give_the_bias(family, scale):
+    # a row of one value has mean exactly that value: x - mean is 0 and the output exactly
+    # the bias, as PyTorch's (the reference's float32 mean left rounding noise, scaled by
+    # rstd ~ 316 into errors of 3e-4; the "numpy" family's, 1e-6 to 5e-8, and +-1 or inf
+    # with eps=0, where PyTorch gives NaN)
     rng = np.random.default_rng(0)
-    values = rng.uniform(-50, 50, size=(1, 16, 1)).astype(np.float32)  # one per channel
+    values = (scale * rng.uniform(-1, 1, size=(1, 16, 1))).astype(np.float32)  # one per channel
     x = np.ascontiguousarray(np.broadcast_to(values, (5, 16, 777)))
     with npnorm.use_kernels(family):
         for op, y in _each_functional(x, 1e-5).items():
-            np.testing.assert_allclose(y, 0.5, rtol=0, atol=1e-6, err_msg=op)
-        if family != "numpy":  # exactly 0 / 0, as torch: the "numpy" family's float32 mean
-            for op, y in _each_functional(x, 0.0).items():  # is only centred again
+            np.testing.assert_array_equal(y, 0.5, err_msg=op)
+        for op, y in _each_functional(x, 0.0).items():  # exactly 0 / 0: NaN, as in PyTorch
+            if op == "instance_norm":  # PyTorch's rstd is 0 where var + eps is 0: the bias
+                np.testing.assert_array_equal(y, 0.5, err_msg=op)
+            else:  # (BatchNorm in training refuses eps=0, as PyTorch)
                 assert np.isnan(y).all(), op
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_constant_rows_beside_varying_ones(family, torch):
+    # in one block with rows that vary (one with a large offset, which makes the "numpy"
+    # family centre its block again): the constant rows give the bias exactly, the others
+    # what the reference gives, and BatchNorm's running variance takes 0 for a constant
+    # channel (eps=0 too: NaN exactly where PyTorch has it)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 6, 333)).astype(np.float32)
+    x[:, 1] += 1e3
+    x[:, 2] = np.float32(0.3)
+    x[:, 4] = np.float32(-771.7)
+    for eps in (1e-5, 0.0):
+        with npnorm.use_kernels("reference"):
+            ref = _each_functional(x.astype(np.float64), eps)
+        with npnorm.use_kernels(family):
+            ours = _each_functional(x, eps)
+        tf = torch.nn.functional
+        xt = torch.tensor(x)
+        c, d = x.shape[1], x.shape[-1]
+        w, b = torch.full((c,), 2.0), torch.full((c,), 0.5)
+        theirs = {
+            "layer_norm": tf.layer_norm(xt, (d,), torch.full((d,), 2.0), torch.full((d,), 0.5), eps),
+            **({"batch_norm": tf.batch_norm(xt, None, None, w, b, True, 0.1, eps)} if eps > 0 else {}),
+            "group_norm": tf.group_norm(xt, c, w, b, eps),
+            "instance_norm": tf.instance_norm(xt, None, None, w, b, True, 0.1, eps),
+        }
+        for op, y in ours.items():
+            t = theirs[op].numpy()
+            np.testing.assert_array_equal(np.isnan(y), np.isnan(t), err_msg=f"{op} eps={eps}")
+            if op != "layer_norm":  # per channel: the constant channels are exactly the bias
+                for ch in (2, 4):
+                    if eps:
+                        np.testing.assert_array_equal(y[:, ch], 0.5, err_msg=op)
+            ok = ~np.isnan(y)
+            np.testing.assert_allclose(y[ok], ref[op][ok], rtol=0, atol=3e-6, err_msg=f"{op} eps={eps}")
+    rm, rv = np.zeros(6, np.float32), np.ones(6, np.float32)
+    with npnorm.use_kernels(family):
+        F.batch_norm(x, rm, rv, None, None, True, 1.0, 1e-5)
+    np.testing.assert_array_equal(rv[[2, 4]], 0.0)
+    np.testing.assert_array_equal(rm[[2, 4]], x[0, [2, 4], 0])
 
 
 def test_the_reference_on_other_backends(backend):

@@ -8,7 +8,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import Array, Namespace
+from .._backend import Array, Namespace, copy_array
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
@@ -54,10 +54,18 @@ def store_running(
     running_mean: Array | None, running_var: Array | None, new_mean: Array | None, new_var: Array | None
 ) -> None:
     """Write updated running statistics into the caller's buffers, in place (what
-    ``torch.nn.functional.batch_norm``/``instance_norm`` do); no-op without buffers."""
+    ``torch.nn.functional.batch_norm``/``instance_norm`` do); no-op without buffers.
+    Both or neither: where ``running_var`` refuses the write (a read-only NumPy array, a
+    torch leaf that requires grad), ``running_mean`` gets its old values back before the
+    error propagates."""
     if running_mean is not None and running_var is not None:
+        old_mean = copy_array(running_mean)  # C
         running_mean[...] = new_mean
-        running_var[...] = new_var
+        try:
+            running_var[...] = new_var
+        except BaseException:
+            running_mean[...] = old_mean
+            raise
 
 
 def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -> int:
@@ -77,6 +85,13 @@ def check_per_channel(c: int, **arrays: Array | None) -> None:
     for name, a in arrays.items():
         if a is not None and tuple(a.shape) != (c,):
             raise ValueError(f"{name} must have shape ({c},) (one value per channel), got {tuple(a.shape)}")
+
+
+def check_training_eps(eps: float, training: bool) -> None:
+    """PyTorch's ``batch_norm`` refuses ``eps = 0`` with batch statistics (a constant
+    channel would divide 0 by 0)."""
+    if training and eps <= 0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
 
 
 def check_momentum(momentum: Any) -> float:

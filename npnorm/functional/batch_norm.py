@@ -15,6 +15,7 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    check_training_eps,
     empty_backward,
     empty_forward,
     store_running,
@@ -238,7 +239,14 @@ def batch_norm(
     >>> y = F.batch_norm(np.array([[1.0], [3.0]]), rm, rv, training=True)
     >>> rm, rv
     (array([0.2]), array([1.1]))
+
+    Raises
+    ------
+    ValueError
+        As ``batch_norm_forward``, and, as PyTorch's, when ``training`` with
+        ``eps = 0`` (``batch_norm_forward`` itself allows it).
     """
+    check_training_eps(check_eps(eps), training)
     y, _, _, new_mean, new_var = batch_norm_forward(
         input, running_mean, running_var, weight, bias, training, momentum, eps
     )

@@ -119,10 +119,27 @@ def instance_norm_forward(
         # no instances: NaN buffers, PyTorch's average over none (as the kernels give for S > 0)
         nan = [None if a is None else xp.full_like(a, float("nan")) for a in (running_mean, running_var)]
         return y, mean, rstd, nan[0], nan[1]
-    return run(
+    y, mean, rstd, new_mean, new_var = run(
         "instance_norm_forward", xp, input, running_mean, running_var, weight, bias,
         bool(use_input_stats), momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
     )  # fmt: skip
+    if use_input_stats and eps == 0:
+        rstd = _constant_instances(xp, y, rstd, bias)
+    return y, mean, rstd, new_mean, new_var
+
+
+def _constant_instances(xp: Namespace, y: Array, rstd: Array, bias: Array | None) -> Array:
+    """PyTorch's rule for an instance of variance 0 with ``eps = 0`` (its batch-norm
+    kernels' inverse standard deviation is 0 where ``var + eps`` is 0): rstd 0, so that
+    the output is the bias (0 without one) and the gradient of x is 0, where 0/0 would
+    give NaN. ``y`` (N, C, *) is corrected in place; returns the corrected (N, C) rstd."""
+    flat = xp.isinf(rstd)  # N,C  var == 0 (rstd = 1/sqrt(0))
+    if not bool(xp.any(flat)):
+        return rstd
+    spatial = (None,) * (y.ndim - 2)  # N,C -> N,C,1,..  and C -> C,1,..
+    shift = xp.zeros_like(y) if bias is None else xp.astype(bias[(slice(None), *spatial)], y.dtype)
+    y[...] = xp.where(flat[(..., *spatial)], shift, y)  # N,C,*
+    return xp.where(flat, xp.zeros_like(rstd), rstd)  # N,C
 
 
 def instance_norm_backward(

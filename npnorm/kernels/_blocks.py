@@ -330,9 +330,11 @@ def inv_rms(
 
 # A row centred on its mean rounded to float32 is off by that rounding, up to half an ulp
 # of the mean: with a large common offset (1e3 times the spread) that is 3e-5 of the
-# spread in every output. Rows whose mean is more than this many standard deviations from
-# 0 are centred again on what the rounding lost (``recentre``); below it the rounding
-# costs a few ulps, as the reference's float64 statistics do.
+# spread in every output, and a constant row's output is not exactly the bias (its values
+# differ from the rounded mean by that rounding, its "spread"). Rows whose mean is more
+# than this many standard deviations from 0 are centred again on what the rounding lost
+# (``recentre``); below it the rounding costs a few ulps, as the reference's float64
+# statistics do.
 RECENTRE_ABOVE = 4.0
 
 
@@ -340,21 +342,27 @@ def recentre(
     xc: np.ndarray,
     mean: np.ndarray,
     rstd: np.ndarray,
+    var: np.ndarray,
     inv: np.ndarray,
     eps: float,
-    var: np.ndarray | None = None,
 ) -> None:
     """For an (n,L) block ``xc = x - mean`` centred on its rows' means as rounded to the
-    block's dtype, and their ``rstd`` (``inv`` (L,) holds 1/L): where some row's mean is
-    more than ``RECENTRE_ABOVE`` of its standard deviations from 0, take the rows' own
-    means ``d = mean(xc)`` (what the rounding lost; the values are small, so the dot is
-    exact to a few ulps of the spread), subtract them from ``xc`` and add them to
-    ``mean``, and take ``rstd`` (and ``var``) again, about the true means. One more pass
-    over the cached block, with a large common offset only."""
-    if not (np.abs(mean) * rstd > RECENTRE_ABOVE).any():  # (run_chunks silences fp warnings)
-        return
+    block's dtype, their ``rstd`` and ``var`` (float64, the mean square of ``xc``, as
+    ``inv_rms`` gives it; ``inv`` (L,) holds 1/L): where some row's mean is more than
+    ``RECENTRE_ABOVE`` standard deviations (eps left out) from 0, take the rows' own
+    means ``d = mean(xc)`` (what the rounding lost), subtract them from ``xc`` and add
+    them to ``mean``, and take ``rstd`` and ``var`` again, about the true means. ``d`` is
+    taken about each row's first value, ``d = xc[0] + mean(xc - xc[0])``, so that a
+    constant row comes out exactly centred (``xc`` all 0, ``var`` 0, ``mean`` the
+    constant), as PyTorch's: its output is the bias exactly, NaN with ``eps = 0``. Two
+    more passes over the cached block, with a large common offset or a constant row only."""
+    if not (mean.astype(np.float64) ** 2 > RECENTRE_ABOVE**2 * var).any():  # (run_chunks
+        return  # silences fp warnings)
+    first = xc[:, :1].copy()  # n,1
+    np.subtract(xc, first, out=xc)  # n,L  about the first value: a constant row is 0
     d = rowdot(xc, inv, out=np.empty(xc.shape[0], dtype=xc.dtype))  # n
     np.subtract(xc, d[:, None], out=xc)  # n,L  x - true mean
+    np.add(d, first[:, 0], out=d)  # n  what the rounded mean lost
     np.add(mean, d, out=mean, where=np.isfinite(d))  # n  as close to the true mean as the dtype
     # holds (a row holding inf or NaN keeps the mean it had: inf stays inf)
     inv_rms(xc, xc.shape[1], eps, out=rstd, var=var)  # n

@@ -122,6 +122,7 @@ def layer_norm_forward(
         wbuf = scratch(not direct, B, D, ct)  # B,D
         wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
         inv = np.full(D, 1.0 / D, dtype=ct)  # D
+        var = np.empty(B)  # B  the rows' mean squares about their rounded means
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = x.read(a, e, xbuf)  # n,D
@@ -130,8 +131,9 @@ def layer_norm_forward(
             r = rstd[a:e]  # n
             rowmean(xb, ones, out=m)  # mean, rounded to ct
             np.subtract(xb, m[:, None], out=out)  # n,D  x - mean
-            inv_rms(out, D, eps, out=r)  # rstd
-            recentre(out, m, r, inv, eps)  # a large common offset: centred on the true mean
+            inv_rms(out, D, eps, out=r, var=var[:n])  # rstd
+            recentre(out, m, r, var[:n], inv, eps)  # a large common offset, a constant row: centred
+            # on the true mean
             np.multiply(out, r[:, None], out=out)  # n,D  xhat
             if wt is not None:
                 np.multiply(out, wt[:n], out=out)  # n,D

@@ -71,6 +71,7 @@ from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import (
+    RECENTRE_ABOVE,
     Rows,
     block_rows,
     blocks,
@@ -193,19 +194,21 @@ def _channel_forward(
     rstd: np.ndarray,
     weight: np.ndarray | None,
     bias: np.ndarray | None,
+    var: np.ndarray | None = None,
 ) -> None:
     """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
     sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
-    ``_foldable``. ``mean`` may be float64 (batch statistics): the sweep then subtracts
-    its value rounded to ``ct`` and the shift takes what that rounding lost, so that a
-    large common offset costs no accuracy and no pass."""
+    ``_foldable`` and no channel is constant (``var`` 0, where given: its output is then
+    exactly the bias, as PyTorch's). ``mean`` may be float64 (batch statistics): the
+    sweep then subtracts its value rounded to ``ct`` and the shift takes what that
+    rounding lost, so that a large common offset costs no accuracy and no pass."""
     B = block_rows(rows.R, rows.L, ct.itemsize)
     w, b = param(weight, rows.P, ct), param(bias, rows.P, ct)  # C, C
     scale = rstd if w is None else rstd * w  # C, ct
     scale64 = scale.astype(np.float64)  # C
     b64 = 0.0 if b is None else b.astype(np.float64)  # C
     mean64 = mean.astype(np.float64)  # C
-    if _foldable(mean64, rstd):
+    if _foldable(mean64, rstd) and (var is None or bool(np.all(var != 0))):
         shift = (b64 - mean64 * scale64).astype(ct)  # C
         _affine_sweep(rows, y, ct, None, _Ring(scale, B), _Ring(shift, B))
         return
@@ -223,7 +226,10 @@ def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray,
     ``m = sum(x)/S`` as rounded to ``ct``, its residual ``d = sum(x - m)/S`` (what the
     rounding lost: it matters when rows differ little relative to a large common
     offset) and ``M2 = sum((x - m)^2)``. Three (R,) arrays, of ``ct`` but ``M2`` in
-    float64 (``rowsumsq``: finite for any finite row)."""
+    float64 (``rowsumsq``: finite for any finite row). A constant row, whose values all
+    differ from ``m`` by the same rounding, gets exactly that as ``d`` and ``S*d^2`` as
+    ``M2`` (``_constant_rows``): its channel's mean is then the constant and its variance
+    0, exactly, as in PyTorch."""
     R, S = rows.R, rows.L
     mean = np.empty(R, dtype=ct)  # R
     resid = np.empty(R, dtype=ct)  # R
@@ -242,9 +248,25 @@ def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray,
             np.subtract(xb, m[:, None], out=xc)  # n,S
             rowdot(xc, inv, out=resid[a:e])  # n  residual of the mean
             rowsumsq(xc, out=m2[a:e])  # n  M2 about the rounded mean
+            _constant_rows(xc, m, resid[a:e], m2[a:e])
 
     run_chunks(work, R, B, S)
     return mean, resid, m2
+
+
+def _constant_rows(xc: np.ndarray, mean: np.ndarray, resid: np.ndarray, m2: np.ndarray) -> None:
+    """For the (n,S) block ``xc = x - mean`` of ``_row_moments``: a constant row's ``xc`` is
+    the mean's rounding ``d`` in every place, but ``sum(xc)/S`` need not round to ``d``;
+    set ``resid = d`` and ``M2 = S*d^2`` (as ``_merge_rows`` subtracts it: the row's own
+    M2 comes out 0). Only blocks where some row's mean is more than ``RECENTRE_ABOVE``
+    standard deviations from 0 are searched (a constant row's are many)."""
+    S = xc.shape[1]
+    if not (mean.astype(np.float64) ** 2 * S > RECENTRE_ABOVE**2 * m2).any():
+        return
+    flat = np.max(xc, axis=1) == np.min(xc, axis=1)  # n  (NaN rows: False)
+    d = xc[flat, 0].astype(np.float64)  # the rounding of each constant row's mean
+    resid[flat] = xc[flat, 0]
+    m2[flat] = S * (d * d)
 
 
 def _merge_rows(
@@ -482,6 +504,7 @@ def _group_forward(
         xbuf = scratch(rows.staged, B, L, ct)  # B,L
         obuf = scratch(not direct, B, L, ct)  # B,L
         inv = np.full(L, 1.0 / L, dtype=ct)  # L
+        vbuf = np.empty(B)  # B  the rows' variances, where var is not kept
         scale = np.empty((B, k), dtype=ct)  # B,k
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -491,9 +514,10 @@ def _group_forward(
             m, r = mean[a:e], rstd[a:e]  # n, n
             rowdot(xb, inv, out=m)  # mean, rounded to ct
             np.subtract(xb, m[:, None], out=out)  # n,L  xc = x - mean
-            v = None if var is None else var[a:e]  # n
-            inv_rms(out, L, eps, out=r, var=v)  # rstd (and var)
-            recentre(out, m, r, inv, eps, var=v)  # a large common offset: centred on the true mean
+            v = vbuf[:n] if var is None else var[a:e]  # n
+            inv_rms(out, L, eps, out=r, var=v)  # rstd and var
+            recentre(out, m, r, v, inv, eps)  # a large common offset, a constant row: centred on the
+            # true mean
             if w_ring is None:
                 np.multiply(out, r[:, None], out=out)  # n,L  xhat
             else:
@@ -652,7 +676,8 @@ def batch_norm_forward(
         var = cast(xp, running_var, ct)  # C
     rstd = (1.0 / np.sqrt(var + eps)).astype(ct)  # C
     y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
-    _channel_forward(y, rows, ct, mean, rstd, weight, bias)  # mean: float64 when training
+    _channel_forward(y, rows, ct, mean, rstd, weight, bias, var if training else None)  # mean: float64
+    # when training
     return finish(y, out), mean.astype(ct, copy=False), rstd, new_mean, new_var
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._backend import Array
 from .._checks import check_count, check_eps, check_real
-from ..functional._channels import check_channels
+from ..functional._channels import check_channels, check_training_eps
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
 from ._module import DTYPE_XP_DOC, Module, Saved, Updates
 
@@ -96,6 +96,7 @@ class _BatchNorm(_NormBase):
                 factor = 1.0 / float(updates["num_batches_tracked"])
         # batch statistics when training, or when there are no running statistics
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        check_training_eps(self.eps, use_batch_stats)  # as PyTorch's: eps = 0 only in eval
         buffers_in_use = not self.training or self.track_running_stats
         running_mean = self.running_mean if buffers_in_use else None
         running_var = self.running_var if buffers_in_use else None
