@@ -291,6 +291,21 @@ def test_reset_running_stats(rng):
     assert int(m.num_batches_tracked) == 0
 
 
+def test_reset_running_stats_is_in_place_as_in_torch(backend, rng):
+    # PyTorch zeroes and fills its buffers in place: an earlier state_dict(), and a
+    # SyncBatchNorm converted from the module (which shares them), see the reset
+    m = npnorm.BatchNorm1d(2, xp=backend.xp)
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(m)
+    m(backend.asarray(rng.normal(size=(4, 2)), "float32"))
+    state = m.state_dict()
+    sync.reset_running_stats()
+    for held in (state, m.state_dict()):
+        np.testing.assert_array_equal(backend.numpy(held["running_mean"]), 0)
+        np.testing.assert_array_equal(backend.numpy(held["running_var"]), 1)
+        assert int(held["num_batches_tracked"]) == 0
+    assert sync.running_mean is m.running_mean and sync.num_batches_tracked is m.num_batches_tracked
+
+
 @pytest.mark.parametrize("family", npnorm.kernels_available())
 @pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (2, 3, 0)])
 def test_an_empty_batch_trains_as_in_torch(torch, family, shape):

@@ -49,11 +49,17 @@ class _NormBase(Module):
 
     def reset_running_stats(self) -> None:
         """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
-        to 0, as in a new module (nothing to do without ``track_running_stats``)."""
+        to 0, as in a new module (nothing to do without ``track_running_stats``). In
+        place, as PyTorch's ``zero_()``/``fill_(1)``: a ``state_dict()`` taken earlier, or a
+        module sharing the buffers (``SyncBatchNorm.convert_sync_batchnorm``), sees the reset."""
         if self.track_running_stats:
-            self.running_mean = self.xp.zeros((self.num_features,), dtype=self.dtype)
-            self.running_var = self.xp.ones((self.num_features,), dtype=self.dtype)
-            self.num_batches_tracked = self.xp.asarray(0, dtype=self.xp.int64)
+            fresh = {
+                "running_mean": self.xp.zeros((self.num_features,), dtype=self.dtype),
+                "running_var": self.xp.ones((self.num_features,), dtype=self.dtype),
+                "num_batches_tracked": self.xp.asarray(0, dtype=self.xp.int64),
+            }
+            for name, value in fresh.items():
+                self._write(name, value)
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
