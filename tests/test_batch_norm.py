@@ -379,3 +379,27 @@ def test_eps_zero_is_refused_with_batch_statistics_as_in_torch(torch):
     # batch_norm_forward, the pure pair, computes with eps = 0 (as torch.batch_norm, the op)
     y, *_ = F.batch_norm_forward(x, None, None, training=True, eps=0.0)
     assert np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize(
+    "kw,other_channels_run",
+    [
+        (dict(affine=False, track_running_stats=False), True),  # no per-channel array in use
+        (dict(affine=False), False),  # running statistics of 3 channels
+        (dict(track_running_stats=False), False),  # weight and bias of 3 channels
+    ],
+)
+def test_other_channel_counts_run_where_torch_runs_them(torch, rng, mode, kw, other_channels_run):
+    x = rng.normal(size=(3, 5, 4)).astype(np.float32)
+    ours, theirs = npnorm.BatchNorm1d(3, **kw), torch.nn.BatchNorm1d(3, **kw)
+    getattr(ours, mode)()
+    getattr(theirs, mode)()
+    if other_channels_run:
+        np.testing.assert_allclose(ours(x), theirs(torch.tensor(x)).detach().numpy(), rtol=0, atol=1e-6)
+        assert ours.backward(np.ones_like(x)).shape == x.shape
+    else:
+        with pytest.raises(RuntimeError):
+            theirs(torch.tensor(x))
+        with pytest.raises(ValueError, match="expected 3 channels"):
+            ours(x)

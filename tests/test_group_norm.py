@@ -121,3 +121,38 @@ def test_groups_without_values_as_in_torch(torch, family):
     assert mean.shape == rstd.shape == (2, 2) and np.isnan(mean).all() and np.isnan(rstd).all()
     np.testing.assert_array_equal(ours.grads["weight"], ref.weight.grad.numpy())
     np.testing.assert_array_equal(ours.grads["bias"], ref.bias.grad.numpy())
+
+
+@pytest.mark.parametrize("shape,groups", [((1, 4), 4), ((1, 4, 1), 4), ((1, 2), 2), ((1, 3, 1, 1), 3)])
+def test_one_value_in_all_raises_as_in_torch(torch, shape, groups):
+    # PyTorch checks N*C/G times the spatial size (its (N*C/G, G, *) view) like BatchNorm's
+    # batch: 1 raises; npnorm returned zeros (the bias)
+    x = np.ones(shape, np.float32)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as theirs:
+        torch.nn.functional.group_norm(torch.tensor(x), groups)
+    with pytest.raises(ValueError, match="more than 1 value per channel") as ours:
+        F.group_norm(x, groups)
+    assert str(ours.value) == str(theirs.value)
+    m = npnorm.GroupNorm(groups, shape[1])
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        m(x)
+    assert m.grads == {}
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 4), 4), ((1, 4, 2), 4), ((1, 8), 4)])
+def test_one_value_per_group_but_more_in_all_runs_as_in_torch(torch, shape, groups):
+    x = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    ref = torch.nn.functional.group_norm(torch.tensor(x), groups).numpy()
+    np.testing.assert_allclose(F.group_norm(x, groups), ref, rtol=0, atol=1e-6)
+
+
+def test_without_weight_and_bias_any_divisible_channel_count_runs_as_in_torch(torch, rng):
+    x = rng.normal(size=(3, 6, 5)).astype(np.float32)
+    ref = torch.nn.GroupNorm(2, 4, affine=False)(torch.tensor(x)).numpy()
+    m = npnorm.GroupNorm(2, 4, affine=False)
+    np.testing.assert_allclose(m(x), ref, rtol=0, atol=1e-6)
+    assert m.backward(np.ones_like(x)).shape == x.shape
+    with pytest.raises(ValueError, match="divisible"):
+        m(np.ones((3, 5, 5), np.float32))
+    with pytest.raises(ValueError, match="expected 4 channels"):  # with weight: as PyTorch, an error
+        npnorm.GroupNorm(2, 4)(x)

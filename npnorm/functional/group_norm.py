@@ -81,7 +81,9 @@ def group_norm_forward(
     Raises
     ------
     ValueError
-        If C is not divisible by ``num_groups``, or on a wrong shape.
+        If C is not divisible by ``num_groups``, or on a wrong shape; and, as
+        PyTorch's, when the input holds one value per group in all (N*C/G times
+        the spatial size is 1: ``(1, C)`` with ``num_groups = C``).
 
     Examples
     --------
@@ -97,8 +99,14 @@ def group_norm_forward(
     c = check_channels(input, None, "group_norm")
     num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
-    check_out(xp, out, input)
     n = int(input.shape[0])
+    spatial = [int(d) for d in input.shape[2:]]
+    if n * c // num_groups * prod(spatial) == 1:  # PyTorch's check, on its (N*C/G, G, *) view
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{[n * c // num_groups, num_groups, *spatial]}"
+        )
+    check_out(xp, out, input)
     if n * prod(input.shape[1:]) == 0:  # no group holds a value (or there is none)
         return empty_forward(xp, input, (n, num_groups), weight, bias, out)
     return run("group_norm_forward", xp, input, num_groups, weight, bias, eps, out=out, reads=(weight, bias))

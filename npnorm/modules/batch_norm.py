@@ -92,7 +92,16 @@ class _BatchNorm(_NormBase):
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         self._check_input_dim(input)
-        check_channels(input, self.num_features, type(self).__name__)
+        buffers_in_use = not self.training or self.track_running_stats
+        per_channel = (
+            self.weight,
+            self.bias,
+            *((self.running_mean, self.running_var) if buffers_in_use else ()),
+        )
+        # as PyTorch's: a module with no per-channel array in use takes any channel count
+        check_channels(
+            input, self.num_features if any(a is not None for a in per_channel) else None, type(self).__name__
+        )
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -103,7 +112,6 @@ class _BatchNorm(_NormBase):
         # batch statistics when training, or when there are no running statistics
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         check_training_eps(self.eps, use_batch_stats)  # as PyTorch's: eps = 0 only in eval
-        buffers_in_use = not self.training or self.track_running_stats
         running_mean = self.running_mean if buffers_in_use else None
         running_var = self.running_var if buffers_in_use else None
         y, mean, rstd, new_mean, new_var = batch_norm_forward(

@@ -104,7 +104,9 @@ class GroupNorm(Module):
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
-        check_channels(input, self.num_channels, "GroupNorm")
+        # as PyTorch's: without weight and bias, any channel count divisible by num_groups
+        affine = self.weight is not None or self.bias is not None
+        check_channels(input, self.num_channels if affine else None, "GroupNorm")
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
         return y, (input, mean, rstd, self.weight, self.bias), {}
 
