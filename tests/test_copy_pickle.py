@@ -106,3 +106,25 @@ def test_subclass_attributes_survive(rng):
     m = Tagged(3)
     c = copy.deepcopy(m)
     assert c.tag["name"] == "ln" and not np.shares_memory(c.tag["extra"], m.tag["extra"])
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_arrays_shared_between_modules_stay_shared_in_the_copy(torch, rng, how, xp):
+    # as PyTorch's deepcopy and pickle (their memo): a tied weight, and the buffers a
+    # SyncBatchNorm shares with the BatchNorm it was converted from; each copied array
+    # shared with nothing of the originals
+    a, b = npnorm.LayerNorm(3, xp=xp), npnorm.LayerNorm(3, xp=xp)
+    b.weight = a.weight
+    bn = npnorm.BatchNorm1d(3, xp=xp)
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
+    originals = [a, b, bn, sync]
+    copies = pickle.loads(pickle.dumps(originals)) if how == "pickle" else copy.deepcopy(originals)
+    a2, b2, bn2, sync2 = copies
+    assert a2.weight is b2.weight and a2.bias is not b2.bias
+    for name in ("weight", "running_mean", "num_batches_tracked"):
+        assert getattr(bn2, name) is getattr(sync2, name), name
+    bn2(bn2.xp.asarray(rng.normal(size=(4, 3)).astype(np.float32)))
+    assert int(sync2.num_batches_tracked) == 1 and int(bn.num_batches_tracked) == 0
+    a2.weight[...] = 5.0
+    assert float(a.weight[0]) == 1.0

@@ -515,8 +515,11 @@ class Module:
     # --- copies and pickling ---------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle state: the backend and dtype by name, every array as a NumPy copy
-        (restored into the same backend by ``__setstate__``), no saved forward."""
+        """Pickle state: the backend and dtype by name, no saved forward, and every array
+        for ``__setstate__`` to restore into the same backend: NumPy arrays and torch
+        tensors as themselves (pickled as NumPy and torch pickle them: an array that
+        several modules in one pickle share stays shared, as in PyTorch), the arrays of
+        other backends as NumPy copies."""
         state: dict[str, Any] = {}
         for key, value in self.__dict__.items():
             if key == "xp":
@@ -526,7 +529,7 @@ class Module:
             elif key in ("_saved", "_saved_versions"):
                 state[key] = None
             else:
-                state[key] = _map_arrays(value, lambda a: _HostArray(to_host(a)), lambda v: v)
+                state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -536,12 +539,13 @@ class Module:
         restored["dtype"] = resolve_dtype(xp, state["dtype"])
         for key, value in state.items():
             if key not in ("xp", "dtype"):
-                restored[key] = _map_host(value, lambda h: to_namespace(h.array, xp))
+                restored[key] = _map_host(value, lambda h: h.restored(xp))
         self.__dict__.update(restored)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Module:
         """A copy that shares no memory with this module (every array copied on its
-        backend); what the last forward saved is not copied."""
+        backend, once: an array that modules copied together share stays shared among
+        the copies, as in PyTorch); what the last forward saved is not copied."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -552,7 +556,7 @@ class Module:
             else:
                 new.__dict__[key] = _map_arrays(
                     value,
-                    copy_array,
+                    lambda a: _copy_once(a, memo),
                     lambda v: copy.deepcopy(v, memo),
                 )
         return new
@@ -603,10 +607,33 @@ def _into(current: Any, value: Any) -> bool:
     return True
 
 
-class _HostArray(NamedTuple):
-    """A module array in a pickle: a NumPy copy, restored into the module's backend."""
+def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
+    """``a``'s copy in a ``copy.deepcopy`` (one per array and deepcopy call)."""
+    done = memo.get(id(a))
+    if done is None:
+        done = memo[id(a)] = copy_array(a)
+        memo.setdefault(id(memo), []).append(a)  # keep a alive while memo refers to its id
+    return done
 
-    array: np.ndarray
+
+class _HostArray(NamedTuple):
+    """A module array in a pickle: the array itself where pickle keeps its backend (NumPy,
+    torch), else a NumPy copy; restored into the module's backend."""
+
+    array: Any
+
+    @staticmethod
+    def of(a: Array) -> _HostArray:
+        native = isinstance(a, np.ndarray) or array_api_compat.is_torch_array(a)
+        return _HostArray(a if native else to_host(a))
+
+    def restored(self, xp: Namespace) -> Array:
+        """The array in ``xp``: itself where it is of ``xp`` already (so that what one
+        pickle shared stays shared), else a copy."""
+        a = self.array
+        if array_api_compat.is_array_api_obj(a) and array_api_compat.array_namespace(a) is xp:
+            return a
+        return to_namespace(a, xp)
 
 
 def _is_array(value: Any) -> bool:
