@@ -10,6 +10,7 @@ way for every row. torch is imported only when a conversion runs.
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -223,6 +224,10 @@ def to_torch(module: Module) -> Any:
     tdtype = getattr(torch, dtype_name(module.xp, module.dtype))
     ref = getattr(torch.nn, pair.torch_name)(**pair.arguments(module), dtype=tdtype)
     _drop_unset_buffers(module, ref)
-    ref.load_state_dict({k: torch.from_numpy(to_host(v)) for k, v in module.state_dict().items()})
+    state = OrderedDict((k, torch.from_numpy(to_host(v))) for k, v in module.state_dict().items())
+    # the module's own version, as a torch state_dict carries it: a BatchNorm whose counter
+    # is None has no num_batches_tracked key, which torch fills in for an unversioned dict
+    state._metadata = OrderedDict({"": {"version": getattr(ref, "_version", 1)}})  # type: ignore[attr-defined]
+    ref.load_state_dict(state)
     ref.train(module.training)
     return ref
