@@ -10,10 +10,14 @@ switch is thread-local, as ``torch.no_grad`` is: another thread's forwards still
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar, cast
 
 _state = threading.local()
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def is_grad_enabled() -> bool:
@@ -37,14 +41,58 @@ def is_grad_enabled() -> bool:
     return bool(getattr(_state, "enabled", True))
 
 
-@contextlib.contextmanager
-def _grad_mode(enabled: bool) -> Iterator[None]:
-    previous = is_grad_enabled()
-    _state.enabled = enabled
-    try:
-        yield
-    finally:
-        _state.enabled = previous
+class _GradMode(contextlib.ContextDecorator):
+    """Sets whether forwards save, in this thread, for a ``with`` block or a decorated
+    function; the previous setting comes back on exit, also on error. A decorated
+    generator function runs in the mode each time it resumes, and the caller's own
+    setting holds while it is suspended (as with ``torch.no_grad``: a ``with`` around
+    the generator's body would leak the mode into the caller at every ``yield``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._previous: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._previous.append(is_grad_enabled())
+        _state.enabled = self.enabled
+
+    def __exit__(self, *exc: object) -> None:
+        _state.enabled = self._previous.pop()
+
+    def _recreate_cm(self) -> _GradMode:
+        return _GradMode(self.enabled)  # one per call: a decorated function may run in many threads
+
+    def __call__(self, func: _F) -> _F:
+        if not inspect.isgeneratorfunction(func):
+            return super().__call__(func)
+        enabled = self.enabled
+
+        @functools.wraps(func)
+        def generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            with _GradMode(enabled):
+                gen = func(*args, **kwargs)
+                try:
+                    value = next(gen)
+                except StopIteration as stop:
+                    return stop.value
+            while True:
+                try:
+                    sent = yield value
+                except GeneratorExit:
+                    with _GradMode(enabled):
+                        gen.close()
+                    raise
+                except BaseException as err:
+                    method, arg = gen.throw, err
+                else:
+                    method, arg = gen.send, sent
+                with _GradMode(enabled):
+                    try:
+                        value = method(arg)
+                    except StopIteration as stop:
+                        return stop.value
+
+        return cast(_F, generator)
 
 
 def no_grad() -> contextlib.AbstractContextManager[None]:
@@ -62,7 +110,8 @@ def no_grad() -> contextlib.AbstractContextManager[None]:
     Returns
     -------
     context manager
-        Also usable as a decorator: ``@npnorm.no_grad()``.
+        Also usable as a decorator: ``@npnorm.no_grad()``; a decorated generator
+        function runs in it whenever it resumes (not while it waits at a ``yield``).
 
     Examples
     --------
@@ -76,7 +125,7 @@ def no_grad() -> contextlib.AbstractContextManager[None]:
     ...     print("RuntimeError")
     RuntimeError
     """
-    return _grad_mode(False)
+    return _GradMode(False)
 
 
 def enable_grad() -> contextlib.AbstractContextManager[None]:
@@ -95,4 +144,4 @@ def enable_grad() -> contextlib.AbstractContextManager[None]:
     ...         npnorm.is_grad_enabled()
     True
     """
-    return _grad_mode(True)
+    return _GradMode(True)

@@ -81,6 +81,50 @@ def test_decorator(rng):
     assert m._saved is None and npnorm.is_grad_enabled()
 
 
+def test_decorated_generator_runs_in_the_mode_only_while_it_runs(rng, torch):
+    # as @torch.no_grad(): the decorator covers every resumption of the generator, not only
+    # the call that makes it (npnorm's forwards inside saved their input), and the
+    # caller's own setting holds while the generator waits at a yield
+    m = npnorm.LayerNorm(4)
+
+    @npnorm.no_grad()
+    def infer(batches):
+        for x in batches:
+            got = yield m(x), npnorm.is_grad_enabled()
+            assert got in (None, "sent") and not npnorm.is_grad_enabled()
+        return "done"
+
+    @torch.no_grad()
+    def reference():
+        yield torch.is_grad_enabled()
+
+    batches = [rng.normal(size=(2, 4)).astype(np.float32) for _ in range(3)]
+    gen = infer(batches)
+    _, enabled = next(gen)
+    assert enabled is next(reference()) is False and m._saved is None
+    assert npnorm.is_grad_enabled()  # the caller's setting between resumptions
+    m(batches[0])
+    assert m._saved is not None  # the caller's forward saves
+    _, enabled = gen.send("sent")
+    assert not enabled and m._saved is None
+    next(gen)
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value == "done" and npnorm.is_grad_enabled()
+    with npnorm.no_grad():  # a decorated enable_grad generator inside no_grad
+        saving = npnorm.enable_grad()(lambda: (yield npnorm.is_grad_enabled()))()
+        assert next(saving) is True and not npnorm.is_grad_enabled()
+    # throw and close run in the mode too, and leave the caller's setting
+    gen = infer(batches)
+    next(gen)
+    with pytest.raises(ValueError):
+        gen.throw(ValueError("stop"))
+    gen = infer(batches)
+    next(gen)
+    gen.close()
+    assert npnorm.is_grad_enabled()
+
+
 def test_thread_local(rng):
     """Another thread's forwards still save while this thread is in no_grad."""
     m = npnorm.LayerNorm(4)
