@@ -88,6 +88,7 @@ def layer_calls(draw, case: str, *, groups_of_two: bool = False):
         groups = {"1 group": 1, "C groups": draw(st.integers(1, 4)), "middle": draw(st.integers(2, 3))}[mode]
         per = {"1 group": draw(st.integers(1, 4)), "C groups": 1, "middle": draw(st.integers(2, 3))}[mode]
         c = groups * per
+        assume(n * per * int(np.prod(spatial)) > 1)  # one value in all: an error, as in PyTorch
         x = draw(arrays((n, c, *spatial)))
         return name, (x, groups, draw(arrays((c,), params)), draw(arrays((c,), params)), eps), {}
     c = draw(st.integers(1, 3))

@@ -93,6 +93,8 @@ def cases(draw, name: str, min_group: int = 1, max_size: int = 96, affine: bool 
     ):
         reject()
     n = draw(st.integers(1 if name != "BatchNorm" else -(-need // size), min(3, room)))
+    if name == "GroupNorm" and n * per_group_size == 1:
+        reject()  # one value in all: an error, as in PyTorch
     shape = (n, c, *spatial)
     if name == "BatchNorm":
         cls = {2: npnorm.BatchNorm1d, 3: npnorm.BatchNorm1d, 4: npnorm.BatchNorm2d, 5: npnorm.BatchNorm3d}[
