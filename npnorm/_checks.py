@@ -125,7 +125,9 @@ def check_row_stats(x: Array, shape: Shape, **stats: Array) -> None:
 def check_count(value: Any, what: str) -> int:
     """A positive int (of any integer type: NumPy's too, as PyTorch accepts them; not a
     bool) as an int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # PyTorch: TypeError
+        raise TypeError(f"{what} must be a positive int, got {value!r}")
+    if value <= 0:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return int(value)
 
@@ -140,7 +142,9 @@ def check_real(value: Any, what: str) -> float:
 def check_eps(eps: Any) -> float:
     if type(eps) is float and eps >= 0:  # the common call, cheaply (NaN falls through)
         return eps
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not float(eps) >= 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # PyTorch: TypeError
+        raise TypeError(f"eps must be a non-negative number, got {eps!r}")
+    if not float(eps) >= 0:  # negative or NaN (PyTorch lets some through: npnorm refuses all)
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     return float(eps)
 

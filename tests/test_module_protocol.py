@@ -70,9 +70,21 @@ def test_numpy_integers_and_floats_configure_a_layer_as_in_torch():
     x = np.ones((2, 4, 3), np.float32)
     y, _, _ = npnorm.functional.group_norm_forward(x, np.int64(2))
     assert y.shape == x.shape
-    for bad in (2.0, "2", True):
+    for bad in (2.0, "2", True):  # PyTorch raises TypeError on each
+        with pytest.raises(TypeError, match="num_groups must be a positive int"):
+            npnorm.GroupNorm(bad, 4)
+        with pytest.raises(TypeError, match="num_groups must be a positive int"):
+            npnorm.functional.group_norm(x, bad)
+    for bad in (0, -2):
         with pytest.raises(ValueError, match="num_groups must be a positive int"):
             npnorm.GroupNorm(bad, 4)
+    for bad in ("1e-5", None, True):  # PyTorch: TypeError ("must be float"); negative: ValueError
+        with pytest.raises(TypeError, match="eps must be a non-negative number"):
+            npnorm.functional.layer_norm(x, 3, eps=bad)
+        with pytest.raises(TypeError, match="eps must be a non-negative number"):
+            npnorm.BatchNorm1d(4, eps=bad)
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        npnorm.functional.layer_norm(x, 3, eps=-1.0)
     with pytest.raises(TypeError, match="momentum"):
         npnorm.BatchNorm1d(4, momentum="0.1")
 
