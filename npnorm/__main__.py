@@ -24,6 +24,27 @@ from __future__ import annotations
 import argparse
 import sys
 
+PROFILED = ("LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d")  # _bench.FULL's layers
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: a count of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _profiled(name: str) -> str:
+    """argparse type: one of the layers ``profile`` times (argparse's ``choices`` refuses
+    an empty list of them in Python 3.11)."""
+    if name not in PROFILED:
+        raise argparse.ArgumentTypeError(f"unknown layer {name!r} (choose from {', '.join(PROFILED)})")
+    return name
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -39,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="FILE", help="save the figures as JSON")
     bench.add_argument(
         "--reps",
-        type=int,
+        type=_positive_int,
         default=None,
         help="timed rounds per shape, at least (default 3 quick, 5 full; full runs add rounds up to 10 s)",
     )
@@ -56,15 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         "fresh outputs pay page faults: the kernels without the allocator",
     )
     prof = sub.add_parser("profile", help="the fast kernels' time per NumPy call, one thread")
-    prof.add_argument("layers", nargs="*", help="LayerNorm, RMSNorm, BatchNorm2d, GroupNorm, InstanceNorm2d")
-    prof.add_argument("--reps", type=int, default=5, help="forward+backward runs to average")
+    prof.add_argument("layers", nargs="*", type=_profiled, metavar="LAYER", help=", ".join(PROFILED))
+    prof.add_argument("--reps", type=_positive_int, default=5, help="forward+backward runs to average")
     gpu = sub.add_parser("gpu-check", help="cupy tests, main job and GPU benchmark, with a report")
     gpu.add_argument("out_dir", metavar="OUT_DIR", help="folder for the report and logs (created)")
     gpu.add_argument(
         "--stages", default="tests,main,bench", help="comma-separated, of tests,main,bench (default all)"
     )
     gpu.add_argument("--quick", action="store_true", help="benchmark the small shapes of bench --quick")
-    gpu.add_argument("--rounds", type=int, default=10, help="timed benchmark rounds per shape (default 10)")
+    gpu.add_argument(
+        "--rounds", type=_positive_int, default=10, help="timed benchmark rounds per shape (default 10)"
+    )
     for stage in ("tests", "main", "bench"):
         gpu.add_argument(f"--{stage}-timeout", type=float, help=f"seconds the {stage} stage may take")
     gpu.add_argument(

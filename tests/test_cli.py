@@ -1,6 +1,11 @@
 import subprocess
 import sys
 
+import pytest
+
+from npnorm.__main__ import PROFILED
+from npnorm.__main__ import main as cli_main
+
 
 def test_main_job_passes_and_prints_a_table():
     out = subprocess.run(
@@ -34,6 +39,31 @@ def test_profile_command_charges_time_to_kernel_lines():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "GroupNorm (32, 64, 56, 56)" in out.stdout and "in NumPy calls" in out.stdout
     assert "numpy_fast_channels.py:" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["profile", "NoSuchLayer"], "unknown layer 'NoSuchLayer'"),
+        (["profile", "layernorm"], "unknown layer 'layernorm'"),
+        (["profile", "LayerNorm", "--reps", "0"], "expected a positive integer, got 0"),
+        (["profile", "LayerNorm", "--reps", "-1"], "expected a positive integer, got -1"),
+        (["bench", "--reps", "0"], "expected a positive integer, got 0"),
+        (["gpu-check", "out", "--rounds", "0"], "expected a positive integer, got 0"),
+    ],
+)
+def test_bad_counts_and_layer_names_are_usage_errors(argv, message, capsys):
+    # an unknown layer printed nothing and exited 0; --reps 0 was a ZeroDivisionError,
+    # --reps -1 printed negative times
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_profiled_layers_are_the_benchmark_layers():
+    from npnorm._bench import FULL
+
+    assert set(PROFILED) == {spec.layer for spec in FULL}
 
 
 def test_profile_restores_the_kernels_numpy():
