@@ -17,9 +17,11 @@ or a plain pair of functions ``(forward, backward)``.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
+import array_api_compat
 import numpy as np
 
 from ._backend import Array, Namespace, namespace_of, to_host, to_namespace
@@ -114,8 +116,13 @@ def gradcheck(
         and the analytic and numeric values side by side; also when the backward
         returns no gradient for a parameter.
     TypeError
-        When ``target`` is neither a Module nor a (forward, backward) pair, or
-        params are given with a Module.
+        When ``target`` is neither a Module nor a (forward, backward) pair, params
+        are given with a Module, ``x`` is not an array, an option is not a number
+        (``seed``: not an int), or ``forward`` returns neither an array nor a tuple
+        starting with one.
+    ValueError
+        When ``eps`` is not a positive finite number, or ``atol``/``rtol`` is
+        negative or NaN.
 
     Examples
     --------
@@ -129,6 +136,8 @@ def gradcheck(
     >>> npnorm.gradcheck((forward, backward), x, np.full(4, 2.0), np.zeros(4))
     True
     """
+    eps, atol, rtol, seed = _options(eps, atol, rtol, seed)
+    namespace_of(x, what="x")  # an array, before anything runs
     if isinstance(target, Module):
         if params:
             raise TypeError(
@@ -143,6 +152,24 @@ def gradcheck(
     if callable(target):
         what += " (a single function has no backward to check against: pass (forward, backward))"
     raise TypeError(f"{_ACCEPTS}; got {what}")
+
+
+def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, float, int]:
+    """gradcheck's options, checked: ``(eps, atol, rtol, seed)``."""
+    values = {"eps": eps, "atol": atol, "rtol": rtol}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"gradcheck: {name} must be a number, got {value!r}")
+    if not (0 < float(eps) < float("inf")):
+        raise ValueError(
+            f"gradcheck: eps (the finite-difference step) must be positive and finite, got {eps!r}"
+        )
+    for name in ("atol", "rtol"):
+        if not float(values[name]) >= 0:
+            raise ValueError(f"gradcheck: {name} must be a non-negative number, got {values[name]!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"gradcheck: seed must be an int, got {seed!r}")
+    return float(eps), float(atol), float(rtol), int(seed)
 
 
 def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
@@ -189,7 +216,12 @@ def _check_pair(
     x64 = to_namespace(x, xp, xp.float64)
     p64 = [None if p is None else to_namespace(p, xp, xp.float64) for p in params]
     out = forward(x64, *p64)
-    y, saved = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, ())
+    y, saved = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
+    if not array_api_compat.is_array_api_obj(y):
+        raise TypeError(
+            "gradcheck: forward must return the output array, or a tuple (output, *saved); "
+            f"got {type(out).__name__}" + ("" if y is out else f" whose first item is a {type(y).__name__}")
+        )
     u = _projection(xp, y, seed)
     back = backward(u, x64, *p64, *saved)
     dx, dparams = (back[0], tuple(back[1:])) if isinstance(back, tuple) else (back, ())

@@ -245,3 +245,33 @@ def test_rms_norm_default_eps_is_the_modules_dtype_not_float64(rng):
 def test_failure_message_says_it_ran_in_float64(rng):
     with pytest.raises(npnorm.GradcheckError, match="in float64"):
         npnorm.gradcheck(WrongLayerNorm(5), rng.normal(size=(3, 5)).astype(np.float32))
+
+
+PAIR = (lambda x: x * 2, lambda dy, x: dy * 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"eps": 0}, ValueError, r"eps \(the finite-difference step\) must be positive"),
+        ({"eps": float("inf")}, ValueError, "must be positive and finite"),
+        ({"atol": "1e-5"}, TypeError, "atol must be a number"),
+        ({"rtol": None}, TypeError, "rtol must be a number"),
+        ({"atol": -1.0}, ValueError, "atol must be a non-negative number"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, error, match):
+    # they surfaced as ZeroDivisionError, UFuncTypeError or a bare operand TypeError
+    for target in (PAIR, npnorm.LayerNorm(3)):
+        with pytest.raises(error, match=match):
+            npnorm.gradcheck(target, np.arange(6.0).reshape(2, 3), **kwargs)
+
+
+def test_bad_x_or_forward_output_is_a_clear_type_error():
+    with pytest.raises(TypeError, match="x: expected an array"):  # was AttributeError with params
+        npnorm.gradcheck((lambda x, w: x * w, lambda dy, x, w: (dy * w, dy * x)), None, np.ones(()))
+    with pytest.raises(TypeError, match=r"forward must return the output array.*got list"):
+        npnorm.gradcheck((lambda x: [x * 2], lambda dy, x: dy * 2), np.arange(3.0))
+    with pytest.raises(TypeError, match="got tuple whose first item is a list"):
+        npnorm.gradcheck((lambda x: ([x], x), lambda dy, x, s: dy), np.arange(3.0))
