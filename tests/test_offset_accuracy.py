@@ -191,3 +191,29 @@ def test_a_row_holding_inf_keeps_an_inf_mean(family):
         _, gmean, _ = F.group_norm_forward(x.reshape(4, 2, 32), 1)
     assert mean[2] == np.inf and gmean[2, 0] == np.inf
     assert np.isfinite(mean[[0, 1, 3]]).all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_channel_holding_inf_has_an_inf_mean_as_in_torch(family, torch):
+    # the "numpy" family's merge of row means added the residual inf - inf = NaN
+    x = np.array([[[0.5, 1.0]], [[np.inf, 2.0]]])
+    rm_t, rv_t = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    torch.nn.functional.batch_norm(torch.tensor(x), rm_t, rv_t, training=True)
+    with npnorm.use_kernels(family):
+        _, mean, _, rm, _ = F.batch_norm_forward(x, np.zeros(1), np.ones(1), None, None, True)
+    np.testing.assert_array_equal(mean, [np.inf])
+    np.testing.assert_array_equal(rm, rm_t.numpy())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_instance_means_near_the_float32_limit_average_without_overflow(family, torch):
+    # the "numpy" family summed the per-instance means in float32: inf
+    x = np.full((2, 1, 4), 2.975e38, np.float32)
+    x[:, :, :2] = 2.95e38
+    x[:, :, 2:] = 3.0e38
+    rm_t, rv_t = torch.zeros(1), torch.ones(1)
+    torch.nn.functional.instance_norm(torch.tensor(x), rm_t, rv_t, use_input_stats=True)
+    with npnorm.use_kernels(family):
+        _, _, _, rm, _ = F.instance_norm_forward(x, np.zeros(1, np.float32), np.ones(1, np.float32))
+    assert np.isfinite(rm).all()
+    np.testing.assert_allclose(rm, rm_t.numpy(), rtol=1e-6)

@@ -278,6 +278,7 @@ def _merge_rows(
     Returns ``(mean_c, var_c)``, the mean and the (biased) variance, in float64."""
     rm = np.reshape(mean, (N, C)).astype(np.float64)  # N,C
     rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
+    rd[~np.isfinite(rm)] = 0.0  # a row mean of inf is inf (its residual, inf - inf, is NaN)
     mean_c = np.mean(rm + rd, axis=0)  # C
     dev = (rm - mean_c) + rd  # N,C  row mean - channel mean
     m2r = np.reshape(m2, (N, C))  # N,C
@@ -741,7 +742,8 @@ def instance_norm_forward(
         if running_mean is not None and running_var is not None:
             assert var is not None
             # C: the average over the N instances (NaN for an empty batch, as in PyTorch)
-            batch_mean = np.sum(np.reshape(mean, (N, C)), axis=0) / N  # C
+            batch_mean = np.sum(np.reshape(mean, (N, C)), axis=0, dtype=np.float64) / N  # C (float64:
+            # means near the dtype's largest would overflow its sum)
             batch_var = np.sum(np.reshape(var, (N, C)), axis=0) / N * (S / (S - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
