@@ -38,11 +38,14 @@ def _arrays(m):
     return {**{k: v for k, v in m.state_dict().items()}, **{f"grad {k}": v for k, v in m.grads.items()}}
 
 
+COPIES = {"pickle": lambda m: pickle.loads(pickle.dumps(m)), "deepcopy": copy.deepcopy, "copy": copy.copy}
+
+
 @pytest.mark.parametrize("name", list(LAYERS))
-@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize("how", list(COPIES))
 def test_copy_is_equal_and_independent(backend, rng, name, how):
     m, x = _trained(backend, rng, name, dtype="float64")
-    c = pickle.loads(pickle.dumps(m)) if how == "pickle" else copy.deepcopy(m)
+    c = COPIES[how](m)
     assert type(c) is type(m) and repr(c) == repr(m) and c.training == m.training
     assert c.xp is m.xp and c.dtype == m.dtype
     ours, theirs = _arrays(m), _arrays(c)

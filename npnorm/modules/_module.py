@@ -542,6 +542,21 @@ class Module:
                 restored[key] = _map_host(value, lambda h: h.restored(xp))
         self.__dict__.update(restored)
 
+    def __copy__(self) -> Module:
+        """A copy whose arrays share no memory with this module's (each copied once);
+        its other attributes are this module's own objects (a SyncBatchNorm's
+        communicator, say); what the last forward saved is not copied."""
+        new = type(self).__new__(type(self))
+        copied: dict[int, Any] = {}
+        for key, value in self.__dict__.items():
+            if key in ("_saved", "_saved_versions"):
+                new.__dict__[key] = None
+            elif key in ("xp", "dtype"):
+                new.__dict__[key] = value
+            else:
+                new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, copied), lambda v: v)
+        return new
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Module:
         """A copy that shares no memory with this module (every array copied on its
         backend, once: an array that modules copied together share stays shared among

@@ -210,12 +210,6 @@ class SyncBatchNorm(_BatchNorm):
         state["comm"] = None
         return state
 
-    def __copy__(self) -> SyncBatchNorm:
-        new = type(self).__new__(type(self))
-        new.__setstate__(self.__getstate__())
-        new.comm = self.comm
-        return new
-
     def __deepcopy__(self, memo: dict[int, Any]) -> Module:
         if self.comm is not None:  # the same communicator: a handle, not data
             memo.setdefault(id(self.comm), self.comm)
