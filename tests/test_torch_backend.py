@@ -179,3 +179,22 @@ def test_a_strided_input_changed_in_place_as_in_torch(torch, name):
     else:
         y_ref.sum().backward()
         ours.backward(torch.ones(shape, dtype=torch.float64))
+
+
+def test_a_module_made_in_inference_mode_trains_and_loads_outside_it(torch, rng):
+    # torch refuses in-place writes to inference tensors outside inference_mode, after
+    # making them: load_state_dict left the weight written and raised on the bias, and a
+    # forward raised after counting the batch. The module's arrays are replaced instead.
+    with torch.inference_mode():
+        bn = npnorm.BatchNorm1d(3, xp="torch")
+        ln = npnorm.LayerNorm(3, xp="torch")
+    x = torch.tensor(rng.normal(size=(4, 3)), dtype=torch.float32)
+    ref = torch.nn.BatchNorm1d(3)
+    y = bn(x)
+    torch.testing.assert_close(y, ref(x).detach())
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    assert int(bn.num_batches_tracked) == 1
+    bn.backward(torch.ones_like(x))
+    bn.backward(torch.ones_like(x))  # the grads accumulate too
+    ln.load_state_dict({"weight": torch.full((3,), 2.0), "bias": torch.ones(3)})
+    assert ln.weight.tolist() == [2.0] * 3 and ln.bias.tolist() == [1.0] * 3

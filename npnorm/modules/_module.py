@@ -618,8 +618,20 @@ def _into(current: Any, value: Any) -> bool:
     flags = getattr(current, "flags", None)
     if flags is not None and not getattr(flags, "writeable", True):
         return False
+    if _is_inference_tensor_outside_inference_mode(current):  # torch refuses the write, after
+        return False  # making it: a new tensor instead (nothing half-written)
     current[...] = value
     return True
+
+
+def _is_inference_tensor_outside_inference_mode(a: Any) -> bool:
+    """A torch inference tensor (made inside ``torch.inference_mode()``) used outside it,
+    where torch refuses in-place writes to it."""
+    if not array_api_compat.is_torch_array(a) or not a.is_inference():
+        return False
+    import torch
+
+    return not torch.is_inference_mode_enabled()
 
 
 def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
