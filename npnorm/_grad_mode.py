@@ -50,14 +50,15 @@ class _GradMode(contextlib.ContextDecorator):
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._previous: list[bool] = []
+        self._previous = threading.local()  # per thread: one object may be entered by many
 
     def __enter__(self) -> None:
-        self._previous.append(is_grad_enabled())
+        stack = self._previous.__dict__.setdefault("stack", [])
+        stack.append(is_grad_enabled())
         _state.enabled = self.enabled
 
     def __exit__(self, *exc: object) -> None:
-        _state.enabled = self._previous.pop()
+        _state.enabled = self._previous.stack.pop()
 
     def _recreate_cm(self) -> _GradMode:
         return _GradMode(self.enabled)  # one per call: a decorated function may run in many threads

@@ -147,3 +147,33 @@ def test_gradcheck_works_inside_no_grad(rng):
     with npnorm.no_grad():
         assert npnorm.gradcheck(npnorm.LayerNorm(3), rng.normal(size=(2, 3)))
         assert not npnorm.is_grad_enabled()
+
+
+def test_one_no_grad_object_entered_by_two_threads_restores_each_threads_setting():
+    # the object kept one list of previous settings: thread B left it with thread A's
+    # setting (grad on inside B's own outer no_grad), and A left it with B's
+    shared = npnorm.no_grad()
+    b1, b2 = threading.Barrier(2), threading.Barrier(2)
+    seen = {}
+
+    def a() -> None:  # grad on
+        b1.wait()  # B is inside shared first
+        with shared:
+            b2.wait()  # B leaves while A is inside
+            b1.wait()
+        seen["a"] = npnorm.is_grad_enabled()
+
+    def b() -> None:
+        with npnorm.no_grad():  # B's own outer block: grad off
+            with shared:
+                b1.wait()
+                b2.wait()
+            seen["b"] = npnorm.is_grad_enabled()
+            b1.wait()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": True, "b": False}

@@ -217,3 +217,19 @@ def test_instance_means_near_the_float32_limit_average_without_overflow(family, 
         _, _, _, rm, _ = F.instance_norm_forward(x, np.zeros(1, np.float32), np.ones(1, np.float32))
     assert np.isfinite(rm).all()
     np.testing.assert_allclose(rm, rm_t.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_spread_near_the_float32_limit_stays_finite(family):
+    # centring a row about its first value overflowed float32 where the row's spread is
+    # over half its range (a change that made constant rows exact gave NaN here)
+    x = np.full((2, 1000), 1.5e38, np.float32)
+    x[0, 0], x[0, -1] = 3.3e38, -0.3e38
+    x[1] = 5.0  # a constant row in the same block
+    with npnorm.use_kernels("reference"):
+        ref = F.layer_norm(x, 1000)
+    with npnorm.use_kernels(family):
+        for y in (F.layer_norm(x, 1000), F.group_norm(x[:, None], 1)[:, 0]):
+            assert np.isfinite(y).all()
+            np.testing.assert_allclose(y[0, [0, -1]], ref[0, [0, -1]], rtol=1e-5)
+            np.testing.assert_array_equal(y[1], 0.0)

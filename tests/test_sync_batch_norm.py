@@ -728,3 +728,25 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_
     rounding = 2 * float(np.finfo(dtype).eps) * np.abs(ref[2].astype(np.float64))
     atol = tol * 8 * float(np.max(terms)) + rounding
     assert np.all(np.abs(fast[2].astype(np.float64) - ref[2].astype(np.float64)) <= atol), "dx"
+
+
+def test_without_per_channel_arrays_every_rank_takes_another_channel_count():
+    # as BatchNorm (and PyTorch, which checks only those arrays' lengths): the synced path
+    # refused what one rank and eval took
+    x = np.random.default_rng(0).normal(size=(4, 5, 3))
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, affine=False, track_running_stats=False, comm=comm, dtype="float64")
+        return m(x)
+
+    whole = npnorm.BatchNorm1d(3, affine=False, track_running_stats=False, dtype="float64")(
+        np.concatenate([x, x])
+    )
+    for y in run_ranks(2, rank_fn):
+        np.testing.assert_allclose(y, whole[:4], rtol=1e-12, atol=1e-12)
+
+    def with_weight(comm):
+        with pytest.raises(ValueError, match="expected 3 channels"):
+            npnorm.SyncBatchNorm(3, comm=comm)(x)
+
+    run_ranks(2, with_weight)

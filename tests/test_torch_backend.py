@@ -198,3 +198,19 @@ def test_a_module_made_in_inference_mode_trains_and_loads_outside_it(torch, rng)
     bn.backward(torch.ones_like(x))  # the grads accumulate too
     ln.load_state_dict({"weight": torch.full((3,), 2.0), "bias": torch.ones(3)})
     assert ln.weight.tolist() == [2.0] * 3 and ln.bias.tolist() == [1.0] * 3
+
+
+def test_a_buffer_that_requires_grad_is_replaced_not_half_written(torch, rng):
+    # torch refuses in-place writes to a leaf that requires grad: the forward raised after
+    # writing running_mean and the counter, reset_running_stats after zeroing running_mean
+    m = npnorm.BatchNorm1d(3, xp="torch")
+    m.running_var = m.running_var.clone().requires_grad_()
+    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
+    ref = torch.nn.BatchNorm1d(3)
+    torch.testing.assert_close(m(x), ref(x).detach())
+    torch.testing.assert_close(m.running_var, ref.running_var)
+    assert int(m.num_batches_tracked) == 1
+    m.running_mean = m.running_mean.clone().requires_grad_()
+    m.reset_running_stats()
+    assert m.running_mean.tolist() == [0.0] * 3 and m.running_var.tolist() == [1.0] * 3
+    assert int(m.num_batches_tracked) == 0

@@ -350,22 +350,35 @@ def recentre(
     block's dtype, their ``rstd`` and ``var`` (float64, the mean square of ``xc``, as
     ``inv_rms`` gives it; ``inv`` (L,) holds 1/L): where some row's mean is more than
     ``RECENTRE_ABOVE`` standard deviations (eps left out) from 0, take the rows' own
-    means ``d = mean(xc)`` (what the rounding lost), subtract them from ``xc`` and add
-    them to ``mean``, and take ``rstd`` and ``var`` again, about the true means. ``d`` is
-    taken about each row's first value, ``d = xc[0] + mean(xc - xc[0])``, so that a
-    constant row comes out exactly centred (``xc`` all 0, ``var`` 0, ``mean`` the
-    constant), as PyTorch's: its output is the bias exactly, NaN with ``eps = 0``. Two
-    more passes over the cached block, with a large common offset or a constant row only."""
+    means ``d = mean(xc)`` (what the rounding lost; a constant row's is its one value of
+    ``xc``, exactly: ``constant_rows``), subtract them from ``xc`` and add them to
+    ``mean``, and take ``rstd`` and ``var`` again, about the true means. A constant row
+    then comes out exactly centred (``xc`` all 0, ``var`` 0, ``mean`` the constant), as
+    PyTorch's: its output is the bias exactly, NaN with ``eps = 0``. One more pass over
+    the cached block, with a large common offset or a constant row only."""
     if not (mean.astype(np.float64) ** 2 > RECENTRE_ABOVE**2 * var).any():  # (run_chunks
         return  # silences fp warnings)
-    first = xc[:, :1].copy()  # n,1
-    np.subtract(xc, first, out=xc)  # n,L  about the first value: a constant row is 0
     d = rowdot(xc, inv, out=np.empty(xc.shape[0], dtype=xc.dtype))  # n
+    flat = constant_rows(xc, mean, var)
+    d[flat] = xc[flat, 0]
     np.subtract(xc, d[:, None], out=xc)  # n,L  x - true mean
-    np.add(d, first[:, 0], out=d)  # n  what the rounded mean lost
     np.add(mean, d, out=mean, where=np.isfinite(d))  # n  as close to the true mean as the dtype
     # holds (a row holding inf or NaN keeps the mean it had: inf stays inf)
     inv_rms(xc, xc.shape[1], eps, out=rstd, var=var)  # n
+
+
+def constant_rows(xc: np.ndarray, mean: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """The indices of the constant rows of an (n,L) block ``xc = x - mean`` (``mean``
+    rounded to the block's dtype, ``var`` the mean square of ``xc``). Every value of such
+    a row is the mean's rounding ``d``, and ``mean(xc)`` need not round to ``d`` (nor,
+    with a rounded ``1/L``, be taken exactly); the caller uses ``xc[row, 0]``. Only rows
+    whose spread is within a few dozen ulps of their mean are searched (max == min)."""
+    ulps = 64 * float(np.finfo(xc.dtype).eps)
+    rows = np.flatnonzero(var <= (mean.astype(np.float64) * ulps) ** 2)  # near-constant rows
+    if rows.size == 0:
+        return rows
+    near = xc[rows]  # m,L
+    return rows[np.max(near, axis=1) == np.min(near, axis=1)]  # (NaN rows: not constant)
 
 
 # --- loop mode ------------------------------------------------------------------------

@@ -71,10 +71,10 @@ from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import (
-    RECENTRE_ABOVE,
     Rows,
     block_rows,
     blocks,
+    constant_rows,
     finish,
     grad_as,
     inv_rms,
@@ -198,17 +198,22 @@ def _channel_forward(
 ) -> None:
     """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
     sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
-    ``_foldable`` and no channel is constant (``var`` 0, where given: its output is then
-    exactly the bias, as PyTorch's). ``mean`` may be float64 (batch statistics): the
-    sweep then subtracts its value rounded to ``ct`` and the shift takes what that
-    rounding lost, so that a large common offset costs no accuracy and no pass."""
+    ``_foldable``. ``mean`` may be float64 (batch statistics): the sweep then subtracts
+    its value rounded to ``ct`` and the shift takes what that rounding lost, so that a
+    large common offset costs no accuracy and no pass. A channel of variance 0 (``var``,
+    where given; finite rstd) is constant: its output is exactly the bias, as PyTorch's
+    (scale 0, shift the bias, whichever sweep runs)."""
     B = block_rows(rows.R, rows.L, ct.itemsize)
     w, b = param(weight, rows.P, ct), param(bias, rows.P, ct)  # C, C
     scale = rstd if w is None else rstd * w  # C, ct
+    if var is not None:
+        flat = (var == 0) & np.isfinite(rstd)  # C  constant channels (eps > 0)
+        if flat.any():
+            scale = np.where(flat, np.zeros_like(scale), scale)  # C
     scale64 = scale.astype(np.float64)  # C
     b64 = 0.0 if b is None else b.astype(np.float64)  # C
     mean64 = mean.astype(np.float64)  # C
-    if _foldable(mean64, rstd) and (var is None or bool(np.all(var != 0))):
+    if _foldable(mean64, rstd):
         shift = (b64 - mean64 * scale64).astype(ct)  # C
         _affine_sweep(rows, y, ct, None, _Ring(scale, B), _Ring(shift, B))
         return
@@ -258,15 +263,17 @@ def _constant_rows(xc: np.ndarray, mean: np.ndarray, resid: np.ndarray, m2: np.n
     """For the (n,S) block ``xc = x - mean`` of ``_row_moments``: a constant row's ``xc`` is
     the mean's rounding ``d`` in every place, but ``sum(xc)/S`` need not round to ``d``;
     set ``resid = d`` and ``M2 = S*d^2`` (as ``_merge_rows`` subtracts it: the row's own
-    M2 comes out 0). Only blocks where some row's mean is more than ``RECENTRE_ABOVE``
-    standard deviations from 0 are searched (a constant row's are many)."""
+    M2 comes out 0). Rows of one value (S = 1) have ``xc`` 0 already."""
     S = xc.shape[1]
-    if not (mean.astype(np.float64) ** 2 * S > RECENTRE_ABOVE**2 * m2).any():
+    if S == 1:
         return
-    flat = np.max(xc, axis=1) == np.min(xc, axis=1)  # n  (NaN rows: False)
-    d = xc[flat, 0].astype(np.float64)  # the rounding of each constant row's mean
-    resid[flat] = xc[flat, 0]
-    m2[flat] = S * (d * d)
+    flat = constant_rows(xc, mean, m2 / S)
+    if flat.size == 0:
+        return
+    d = xc[flat, 0]  # the rounding of each constant row's mean
+    resid[flat] = d
+    d64 = d.astype(np.float64)
+    m2[flat] = S * (d64 * d64)  # the same rounding as _merge_rows's S * (rd * rd)
 
 
 def _merge_rows(

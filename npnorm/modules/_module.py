@@ -618,20 +618,23 @@ def _into(current: Any, value: Any) -> bool:
     flags = getattr(current, "flags", None)
     if flags is not None and not getattr(flags, "writeable", True):
         return False
-    if _is_inference_tensor_outside_inference_mode(current):  # torch refuses the write, after
-        return False  # making it: a new tensor instead (nothing half-written)
+    if _torch_refuses_in_place(current):  # a new tensor instead: nothing half-written
+        return False
     current[...] = value
     return True
 
 
-def _is_inference_tensor_outside_inference_mode(a: Any) -> bool:
-    """A torch inference tensor (made inside ``torch.inference_mode()``) used outside it,
-    where torch refuses in-place writes to it."""
-    if not array_api_compat.is_torch_array(a) or not a.is_inference():
+def _torch_refuses_in_place(a: Any) -> bool:
+    """Whether torch refuses an in-place write to ``a`` (some refusals come after the
+    write is made): an inference tensor (made inside ``torch.inference_mode()``) outside
+    it, or a leaf that requires grad while grad is enabled."""
+    if not array_api_compat.is_torch_array(a):
         return False
     import torch
 
-    return not torch.is_inference_mode_enabled()
+    if a.is_inference():
+        return not torch.is_inference_mode_enabled()
+    return bool(a.requires_grad and a.is_leaf and torch.is_grad_enabled())
 
 
 def _copy_once(a: Array, memo: dict[int, Any]) -> Array:

@@ -89,19 +89,19 @@ class _BatchNorm(_NormBase):
             dims = " or ".join(f"{d}D" for d in self._expected_ndims)
             raise ValueError(f"expected {dims} input (got {input.ndim}D input of shape {tuple(input.shape)})")
 
+    def _expected_channels(self, buffers_in_use: bool) -> int | None:
+        """The channel count an input must have: ``num_features`` where a per-channel
+        array (weight, bias, or the running statistics when in use) takes part, else any
+        (None), as PyTorch checks only those arrays' lengths."""
+        running = (self.running_mean, self.running_var) if buffers_in_use else ()
+        in_use = any(a is not None for a in (self.weight, self.bias, *running))
+        return self.num_features if in_use else None
+
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         self._check_input_dim(input)
         buffers_in_use = not self.training or self.track_running_stats
-        per_channel = (
-            self.weight,
-            self.bias,
-            *((self.running_mean, self.running_var) if buffers_in_use else ()),
-        )
-        # as PyTorch's: a module with no per-channel array in use takes any channel count
-        check_channels(
-            input, self.num_features if any(a is not None for a in per_channel) else None, type(self).__name__
-        )
+        check_channels(input, self._expected_channels(buffers_in_use), type(self).__name__)
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

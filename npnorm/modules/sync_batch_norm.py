@@ -143,7 +143,7 @@ class SyncBatchNorm(_BatchNorm):
         try:  # this rank's checks, raised collectively by synced_forward
             self._check_backend(input)
             self._check_input_dim(input)
-            check_channels(input, self.num_features, what)
+            check_channels(input, self._expected_channels(self.track_running_stats), what)
         except Exception as err:  # whatever fails here, every rank must hear of it
             error = err
         factor = 0.0 if self.momentum is None else self.momentum
