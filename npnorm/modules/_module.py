@@ -546,21 +546,17 @@ class Module:
         """A copy whose arrays share no memory with this module's (each copied once);
         its other attributes are this module's own objects (a SyncBatchNorm's
         communicator, say); what the last forward saved is not copied."""
-        new = type(self).__new__(type(self))
-        copied: dict[int, Any] = {}
-        for key, value in self.__dict__.items():
-            if key in ("_saved", "_saved_versions"):
-                new.__dict__[key] = None
-            elif key in ("xp", "dtype"):
-                new.__dict__[key] = value
-            else:
-                new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, copied), lambda v: v)
-        return new
+        return self._copy({}, lambda v: v)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Module:
         """A copy that shares no memory with this module (every array copied on its
         backend, once: an array that modules copied together share stays shared among
         the copies, as in PyTorch); what the last forward saved is not copied."""
+        return self._copy(memo, lambda v: copy.deepcopy(v, memo))
+
+    def _copy(self, memo: dict[int, Any], other: Callable[[Any], Any]) -> Module:
+        """A new module of this class: the backend and dtype as they are, no saved
+        forward, every array copied once per ``memo``, and ``other`` applied to the rest."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -569,11 +565,7 @@ class Module:
             elif key in ("_saved", "_saved_versions"):
                 new.__dict__[key] = None
             else:
-                new.__dict__[key] = _map_arrays(
-                    value,
-                    lambda a: _copy_once(a, memo),
-                    lambda v: copy.deepcopy(v, memo),
-                )
+                new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
         return new
 
     def extra_repr(self) -> str:
