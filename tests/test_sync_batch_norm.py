@@ -750,3 +750,64 @@ def test_without_per_channel_arrays_every_rank_takes_another_channel_count():
             npnorm.SyncBatchNorm(3, comm=comm)(x)
 
     run_ranks(2, with_weight)
+
+
+@pytest.mark.parametrize("offset,spread", [(1e3, 1.0), (1e4, 0.1), (1e3, 1e-3)])
+def test_float32_with_a_large_offset_is_as_accurate_as_batch_norm(offset, spread):
+    # the global mean was rounded to float32 before normalizing: 3e-3 off at offset 1e4,
+    # spread 0.1, where BatchNorm on the whole batch is 2e-7 off
+    rng = np.random.default_rng(0)
+    parts = [(rng.normal(size=(n, 3, 4)) * spread + offset).astype(np.float32) for n in (5, 3, 4)]
+    whole = np.concatenate(parts)
+    truth = npnorm.BatchNorm1d(3, dtype="float64")(whole.astype(np.float64))
+    bn = npnorm.BatchNorm1d(3)(whole)
+
+    def rank_fn(comm):
+        return npnorm.SyncBatchNorm(3, comm=comm)(parts[comm.Get_rank()])
+
+    ours = np.concatenate(run_ranks(3, rank_fn))
+    err = np.abs(ours - truth).max()
+    assert err <= max(3e-7, 2 * np.abs(bn - truth).max()), err
+
+
+def test_the_functional_backward_with_other_channel_counts_raises_on_every_rank():
+    # the all-reduce was sized from each rank's channels: ranks of different counts hung
+    # (or MPI aborted the job: "Message truncated")
+    def rank_fn(comm):
+        r = comm.Get_rank()
+        x = np.random.default_rng(r).normal(size=(4, 3))
+        _, mean, rstd, _, _ = F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
+        bad = np.ones((4, 2)) if r == 1 else x
+        with pytest.raises(ValueError, match=r"different numbers of channels \(rank 0: 3, rank 1: 2"):
+            F.sync_batch_norm_backward(np.ones_like(bad), bad, mean, rstd, training=True, comm=comm)
+        return True
+
+    assert run_ranks(3, rank_fn) == [True] * 3
+
+
+def test_eps_zero_is_refused_in_training_on_every_rank_count():
+    # one rank ran BatchNorm's forward (which refuses it, as PyTorch's F.batch_norm); two
+    # or more accepted it and gave NaN for a constant channel
+    x = np.ones((4, 3))
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, eps=0.0, comm=comm)
+        with pytest.raises(ValueError, match="eps must be positive during training"):
+            m(x)
+        return int(m.num_batches_tracked)
+
+    for ranks in (1, 2):
+        assert run_ranks(ranks, rank_fn) == [0] * ranks
+
+
+def test_bfloat16_torch_input_syncs_as_batch_norm_takes_it(torch):
+    x = torch.randn(6, 3, dtype=torch.bfloat16)
+
+    def rank_fn(comm):
+        r = comm.Get_rank()
+        return npnorm.SyncBatchNorm(3, comm=comm, xp="torch")(x[3 * r : 3 * r + 3])
+
+    ours = torch.cat(run_ranks(2, rank_fn))
+    ref = npnorm.BatchNorm1d(3, xp="torch")(x)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, ref)

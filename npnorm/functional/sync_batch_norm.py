@@ -189,7 +189,9 @@ def sync_batch_norm_backward(
     comm = resolve_comm(comm)
     if int(comm.Get_size()) == 1:
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
-    return synced_backward(comm, grad_output, input, mean, rstd, weight, bias, _WHAT)
+    return synced_backward(
+        comm, grad_output, input, mean, rstd, weight, bias, _WHAT, check_channels_across=True
+    )
 
 
 # --- the synchronized paths (also the module's) ------------------------------------------
@@ -247,8 +249,17 @@ def synced_forward(
 
     mean = to_namespace(mean64, xp, ct)  # C
     var = to_namespace(m2 / n, xp, ct)  # C, biased: what normalizes
-    # the global statistics as constants: BatchNorm's inference path on the local slice
-    y, mean, _, _, _ = batch_norm_forward(input, mean, var, weight, bias, False, momentum, eps)
+    # the global statistics as constants: BatchNorm's inference path on the local slice.
+    # Where a channel's mean is many standard deviations from 0, its rounding to float32
+    # would cost the output accuracy (3e-3 at offset 1e4, spread 0.1) that BatchNorm's
+    # float64 batch mean keeps: normalize with the float64 statistics there.
+    offset = bool(np.any(mean64 * mean64 > _OFFSET_ABOVE**2 * (m2 / n)))
+    stats = (
+        (to_namespace(mean64, xp, xp.float64), to_namespace(m2 / n, xp, xp.float64))
+        if offset
+        else (mean, var)
+    )
+    y, _, _, _, _ = batch_norm_forward(input, *stats, weight, bias, False, momentum, eps)
     # rstd as saved for backward, computed here the same way on every rank: the kernel that
     # normalized may differ between ranks (an empty rank runs the generic one)
     rstd = rstd_of(xp, var, eps, ct)  # C
@@ -269,14 +280,27 @@ def synced_backward(
     weight: Array | None,
     bias: Array | None,
     what: str,
+    check_channels_across: bool = False,
 ) -> tuple[Array, Array | None, Array | None]:
     """The training backward over a communicator of several ranks: one all-reduce of
-    ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C)]`` in float64."""
+    ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C)]`` in float64; with
+    ``check_channels_across`` (a functional call, which no forward checked), an
+    all-gather of each rank's channel count first, so that ranks of different counts
+    raise together instead of meeting in all-reduces of different sizes."""
     error = None
     # the payload's C, which must be the same on every rank for the all-reduce: the input's
-    # channels (the forward checked them equal across ranks), so that a rank whose mean
-    # or rstd has another length fails its checks below instead of the exchange
+    # channels (the forward checked them equal across ranks; a call of the functional
+    # backward is checked by a header exchange first), so that a rank whose mean or rstd
+    # has another length fails its checks below instead of the exchange
     c = _channel_count(input, mean)
+    if check_channels_across:
+        table = allgather(comm, np.array([1, c, 0, 0], dtype=np.int64))  # P,4
+        if len(set(table[:, 1].tolist())) > 1:
+            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
+            raise ValueError(
+                f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
+                "every rank must pass (N, C, *) with the same C"
+            )
     try:
         xp = float_inputs(
             grad_output, input, mean, rstd, weight, bias,
@@ -370,7 +394,7 @@ def _check_across_ranks(table: np.ndarray, what: str) -> None:
             "every rank must pass (N, C, *) with the same C"
         )
     if len(set(codes.tolist())) > 1:
-        listed = per_rank(f"rank {r}: {FLOAT_NAMES[int(v)]}" for r, v in enumerate(codes))
+        listed = per_rank(f"rank {r}: {_DTYPE_NAMES[int(v)]}" for r, v in enumerate(codes))
         raise ValueError(
             f"{what}: the ranks' inputs have different dtypes ({listed}); every rank must pass one dtype"
         )
@@ -382,11 +406,20 @@ def _check_across_ranks(table: np.ndarray, what: str) -> None:
         )
 
 
+# a channel whose mean is more than this many (biased) standard deviations from 0 is
+# normalized with the float64 statistics (the kernels' RECENTRE_ABOVE, for the same reason)
+_OFFSET_ABOVE = 4.0
+
+# the input dtypes the ranks compare by code: NumPy's floats and a backend's bfloat16
+# (torch's), which float_inputs accepts too
+_DTYPE_NAMES = (*FLOAT_NAMES, "bfloat16")
+
+
 def _dtype_code(xp: Namespace, dtype: Any) -> int:
-    for code, name in enumerate(FLOAT_NAMES):
+    for code, name in enumerate(_DTYPE_NAMES):
         if getattr(xp, name, None) == dtype:
             return code
-    raise TypeError(f"input must have a floating dtype (float16/32/64), got {dtype}")
+    raise TypeError(f"input must have a floating dtype (float16/32/64, or bfloat16), got {dtype}")
 
 
 # --- generic Array API kernels ---

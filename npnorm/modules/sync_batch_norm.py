@@ -7,7 +7,7 @@ from typing import Any
 
 from .._backend import Array
 from .._mpi import Comm, check_comm, resolve_comm
-from ..functional._channels import check_channels
+from ..functional._channels import check_channels, check_training_eps
 from ..functional.sync_batch_norm import synced_backward, synced_forward
 from ._module import DTYPE_XP_DOC, Module, Saved, Updates
 from .batch_norm import _BatchNorm
@@ -144,6 +144,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_backend(input)
             self._check_input_dim(input)
             check_channels(input, self._expected_channels(self.track_running_stats), what)
+            check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
         except Exception as err:  # whatever fails here, every rank must hear of it
             error = err
         factor = 0.0 if self.momentum is None else self.momentum
