@@ -147,8 +147,10 @@ def conditioning(case: Case, x: np.ndarray, eps: float) -> tuple[np.ndarray, np.
 
 def assert_within(actual, expected, tol, what: str) -> None:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    err = np.abs(actual - expected)
-    bad = err > tol
+    with np.errstate(invalid="ignore"):  # inf - inf
+        err = np.abs(actual - expected)
+        # NaN fails unless expected there too (err > tol would let a NaN result through)
+        bad = ~((err <= tol) | (actual == expected) | (np.isnan(actual) & np.isnan(expected)))
     assert not bad.any(), (
         f"{what}: {int(bad.sum())} of {bad.size} differ; worst {err.max():.3e} "
         f"(tolerance there {np.broadcast_to(tol, err.shape).flat[int(np.argmax(err - tol))]:.3e})"
