@@ -294,9 +294,9 @@ def synced_backward(
     # has another length fails its checks below instead of the exchange
     c = _channel_count(input, mean)
     if check_channels_across:
-        table = allgather(comm, np.array([1, c, 0, 0], dtype=np.int64))  # P,4
-        if len(set(table[:, 1].tolist())) > 1:
-            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
+        counts = allgather(comm, np.array([c], dtype=np.int64))[:, 0]  # P
+        if len(set(counts.tolist())) > 1:
+            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(counts))
             raise ValueError(
                 f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
                 "every rank must pass (N, C, *) with the same C"

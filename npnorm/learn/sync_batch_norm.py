@@ -158,8 +158,8 @@ def simulate_sync_batch_norm(
     >>> dx, _, _ = F.batch_norm_backward(dy, x, mean, rstd)
     >>> np.allclose(run.output, y), np.allclose(run.grad_input, dx)
     (True, True)
-    >>> [e.kind for e in run.log]               # header, statistics, backward sums
-    ['Allgather', 'Allgather', 'Allreduce']
+    >>> [e.kind for e in run.log]               # header, statistics, channel counts, backward sums
+    ['Allgather', 'Allgather', 'Allgather', 'Allreduce']
     """
     split = tuple(int(k) for k in split)
     if len(split) < 2:
