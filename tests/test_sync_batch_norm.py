@@ -39,6 +39,7 @@ import npnorm.functional as F
 from npnorm._backend import to_host
 from npnorm._threadcomm import ThreadComm, run_ranks
 from npnorm.functional._dispatch import family_kernel, generic_kernel
+from npnorm.functional.sync_batch_norm import merge_moments
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MPIEXEC = pathlib.Path(sys.executable).parent / "mpiexec"
@@ -778,11 +779,25 @@ def test_the_functional_backward_with_other_channel_counts_raises_on_every_rank(
         x = np.random.default_rng(r).normal(size=(4, 3))
         _, mean, rstd, _, _ = F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
         bad = np.ones((4, 2)) if r == 1 else x
-        with pytest.raises(ValueError, match=r"different numbers of channels \(rank 0: 3, rank 1: 2"):
+        # rank 1's own check fails first (its mean has 3 values for 2 channels)
+        with pytest.raises(ValueError, match="failed on rank 1 of 3: mean must have shape"):
             F.sync_batch_norm_backward(np.ones_like(bad), bad, mean, rstd, training=True, comm=comm)
-        return True
+        bad_stats = (mean[:2], rstd[:2]) if r == 1 else (mean, rstd)
+        with pytest.raises(ValueError, match=r"different numbers of channels \(rank 0: 3, rank 1: 2"):
+            F.sync_batch_norm_backward(np.ones_like(bad), bad, *bad_stats, training=True, comm=comm)
+        with pytest.raises(TypeError, match="failed on rank 1 of 3"):  # not "0 channels"
+            F.sync_batch_norm_backward(*((None, None, None) if r == 1 else (x, x, mean)), rstd, comm=comm)
+        dx, _, _ = F.sync_batch_norm_backward(np.ones_like(x), x, mean, rstd, training=True, comm=comm)
+        return dx.shape
 
-    assert run_ranks(3, rank_fn) == [True] * 3
+    assert run_ranks(3, rank_fn) == [(4, 3)] * 3
+
+
+def test_a_mean_beyond_1e154_merges_without_nan():
+    # the first rank's delta*delta*0 was inf*0 = NaN (and an overflow warning)
+    table = np.array([[0, 0.0, 0.0], [2, 3e200, 0.0], [2, 3e200, 0.0]])
+    n, mean, m2 = merge_moments(table)
+    assert n == 4 and mean.tolist() == [3e200] and m2.tolist() == [0.0]
 
 
 def test_eps_zero_is_refused_in_training_on_every_rank_count():

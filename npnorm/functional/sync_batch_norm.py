@@ -10,8 +10,9 @@ the rank's count, mean and M2 (sum of squared deviations, two-pass), exchanges t
 normalizes with the same global statistics, bitwise. The normalization itself is
 BatchNorm's with those statistics as constants (``batch_norm_forward`` with
 ``training=False``, so the fast NumPy kernels serve it). The backward sums
-``[sum(dy), sum(dy*(x - mean))]`` over ranks (one all-reduce) and takes ``dx`` with
-the global count; ``dweight``/``dbias`` stay the rank's own sums. See the README's
+``[sum(dy), sum(dy*(x - mean))]`` over ranks (one all-reduce; a call of the functional
+backward exchanges the ranks' channel counts first) and takes ``dx`` with the global
+count; ``dweight``/``dbias`` stay the rank's own sums. See the README's
 "SyncBatchNorm" math section for the derivation.
 
 Errors are collective: a training step starts with one small fixed-size exchange
@@ -28,7 +29,7 @@ import numpy as np
 from .._backend import FLOAT_NAMES, Array, Namespace, to_host, to_namespace
 from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
-from .._stats import moments, rstd_of, xhat_from
+from .._stats import moments, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -139,7 +140,8 @@ def sync_batch_norm_backward(
 
     With xhat = (x - mean_c) * rstd_c and dxhat = dy * weight_c, and sums over the
     n values of channel c on *every* rank (one all-reduce of [sum(dy),
-    sum(dy * (x - mean_c))] per channel, means taken with the global count n):
+    sum(dy * (x - mean_c))] per channel, means taken with the global count n, after
+    an allgather of the ranks' channel counts):
 
         dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 
@@ -247,22 +249,25 @@ def synced_forward(
         payload[1 + c :] = to_host(var_r).astype(np.float64) * n_local  # M2 = n * var
     n, mean64, m2 = merge_moments(allgather(comm, payload))  # (), C, C: identical on every rank
 
+    var64 = m2 / n  # C, biased: what normalizes
     mean = to_namespace(mean64, xp, ct)  # C
-    var = to_namespace(m2 / n, xp, ct)  # C, biased: what normalizes
-    # the global statistics as constants: BatchNorm's inference path on the local slice.
-    # Where a channel's mean is many standard deviations from 0, its rounding to float32
-    # would cost the output accuracy (3e-3 at offset 1e4, spread 0.1) that BatchNorm's
-    # float64 batch mean keeps: normalize with the float64 statistics there.
-    offset = bool(np.any(mean64 * mean64 > _OFFSET_ABOVE**2 * (m2 / n)))
-    stats = (
-        (to_namespace(mean64, xp, xp.float64), to_namespace(m2 / n, xp, xp.float64))
-        if offset
-        else (mean, var)
-    )
-    y, _, _, _, _ = batch_norm_forward(input, *stats, weight, bias, False, momentum, eps)
-    # rstd as saved for backward, computed here the same way on every rank: the kernel that
-    # normalized may differ between ranks (an empty rank runs the generic one)
-    rstd = rstd_of(xp, var, eps, ct)  # C
+    var = to_namespace(var64, xp, ct)  # C
+    # The global statistics as constants: BatchNorm's inference path on the local slice.
+    # Where some channel's mean is many standard deviations from 0, its rounding to a
+    # float32 computation would cost the output accuracy (3e-3 at offset 1e4, spread 0.1)
+    # that BatchNorm's float64 batch mean keeps, and a variance beyond float32's range
+    # would overflow: the whole slice is then normalized with the float64 statistics.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        offset = bool(np.any(mean64 * mean64 > _OFFSET_ABOVE**2 * var64))
+        overflow = bool(np.any(np.isinf(to_host(var)) & np.isfinite(var64)))
+        # rstd as saved for backward: from the float64 variance, as BatchNorm's, the same
+        # on every rank (the kernel that normalized may differ between ranks)
+        rstd = to_namespace(1.0 / np.sqrt(var64 + eps), xp, ct)  # C
+    if offset or overflow:  # C, C
+        mean_n, var_n = to_namespace(mean64, xp, xp.float64), to_namespace(var64, xp, xp.float64)
+    else:
+        mean_n, var_n = mean, var
+    y, _, _, _, _ = batch_norm_forward(input, mean_n, var_n, weight, bias, False, momentum, eps)
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:
         unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
@@ -293,14 +298,6 @@ def synced_backward(
     # backward is checked by a header exchange first), so that a rank whose mean or rstd
     # has another length fails its checks below instead of the exchange
     c = _channel_count(input, mean)
-    if check_channels_across:
-        counts = allgather(comm, np.array([c], dtype=np.int64))[:, 0]  # P
-        if len(set(counts.tolist())) > 1:
-            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(counts))
-            raise ValueError(
-                f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
-                "every rank must pass (N, C, *) with the same C"
-            )
     try:
         xp = float_inputs(
             grad_output, input, mean, rstd, weight, bias,
@@ -310,6 +307,16 @@ def synced_backward(
         check_grad_output(grad_output, input)
     except Exception as err:  # whatever fails here, every rank must hear of it
         error = err
+    if check_channels_across:
+        table = allgather(comm, np.array([error is None, c], dtype=np.int64))  # P,2: ok, C
+        if not table[:, 0].all():  # some rank failed its checks: every rank raises its error
+            raise_collectively(comm, error, what)
+        if len(set(table[:, 1].tolist())) > 1:
+            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
+            raise ValueError(
+                f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
+                "every rank must pass (N, C, *) with the same C"
+            )
     payload = np.zeros(2 + 2 * c, dtype=np.float64)  # failed, n, sum dy (C), sum dy*(x - mean) (C)
     if error is not None:
         payload[0] = 1.0
@@ -321,7 +328,7 @@ def synced_backward(
         payload[1] = int(input.shape[0]) * prod(input.shape[2:])
         payload[2 : 2 + c] = to_host(sum_dy)  # staged through host memory
         payload[2 + c :] = to_host(sum_dyxc)
-    total = allreduce_sum(comm, payload)  # the one collective of the backward
+    total = allreduce_sum(comm, payload)  # the backward's one exchange of numbers
     if total[0] > 0:  # some rank failed its checks: every rank knows, every rank raises
         raise_collectively(comm, error, what)
     n = total[1]
@@ -360,10 +367,13 @@ def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
         if n_b == 0:
             continue
         mean_b, m2_b = row[1 : 1 + c], row[1 + c :]  # C, C
+        if n == 0:  # the first non-empty rank: its statistics as they are (delta*delta*0 would
+            n, mean, m2 = n_b, mean_b.copy(), m2_b.copy()  # be NaN for |mean| beyond 1e154)
+            continue
         total = n + n_b
         delta = mean_b - mean  # C
-        mean = mean + delta * (n_b / total)  # C (the first rank: mean_b exactly)
-        m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C (the first rank: M2_b exactly)
+        mean = mean + delta * (n_b / total)  # C
+        m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C
         n = total  # the merged count
     return n, mean, m2
 

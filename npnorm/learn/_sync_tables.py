@@ -199,7 +199,7 @@ def _cost(run: S.SyncRun, x: np.ndarray) -> None:
     what = [
         "forward:  ok flag, C, n_r, dtype (errors raised on every rank)",
         "forward:  n_r, mean_r (C), M2_r (C)",
-        "backward: C (the ranks' channel counts, compared before the sums)",
+        "backward: ok flag, C (the ranks' checks and channel counts, before the sums)",
         "backward: failed flag, n_r, Σ dy (C), Σ dy · (x - mean) (C)",
     ]
     for e, text in zip(run.log, what, strict=True):
