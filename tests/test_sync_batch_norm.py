@@ -826,3 +826,26 @@ def test_bfloat16_torch_input_syncs_as_batch_norm_takes_it(torch):
     ref = npnorm.BatchNorm1d(3, xp="torch")(x)
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours, ref)
+
+
+@pytest.mark.parametrize("other", [0.0, 1e3])  # another channel near 0, or far from it
+def test_a_variance_beyond_float32_normalizes_and_saves_rstd_as_batch_norm(other):
+    # channel 1 (+-3e38) has a variance beyond float32's range: its output was 0 or +-1
+    # depending on the other channel, and the saved rstd 0 (so dx 0) where y was +-1
+    x = np.array([[other, 3e38], [other + 1, -3e38], [other + 2, 3e38], [other + 3, -3e38]], np.float32)
+    dy = np.array([[1, 1], [0, 0], [0, 0], [0, 0]], np.float32)
+
+    def rank_fn(comm):
+        r = comm.Get_rank()
+        part, d = x[2 * r : 2 * r + 2], dy[2 * r : 2 * r + 2]
+        y, mean, rstd, _, _ = F.sync_batch_norm_forward(part, None, None, training=True, comm=comm)
+        dx, _, _ = F.sync_batch_norm_backward(d, part, mean, rstd, training=True, comm=comm)
+        return y, dx, rstd
+
+    out = run_ranks(2, rank_fn)
+    y, dx = np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
+    y_bn, mean_bn, rstd_bn, _, _ = F.batch_norm_forward(x, None, None, training=True)
+    dx_bn, _, _ = F.batch_norm_backward(dy, x, mean_bn, rstd_bn)
+    np.testing.assert_allclose(y, y_bn, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(out[0][2], rstd_bn, rtol=1e-6)
+    np.testing.assert_allclose(dx, dx_bn, rtol=1e-5, atol=1e-44)

@@ -251,7 +251,8 @@ def synced_forward(
 
     var64 = m2 / n  # C, biased: what normalizes
     mean = to_namespace(mean64, xp, ct)  # C
-    var = to_namespace(var64, xp, ct)  # C
+    with np.errstate(over="ignore"):  # a variance beyond the dtype's range: inf (see below)
+        var = to_namespace(var64, xp, ct)  # C
     # The global statistics as constants: BatchNorm's inference path on the local slice.
     # Where some channel's mean is many standard deviations from 0, its rounding to a
     # float32 computation would cost the output accuracy (3e-3 at offset 1e4, spread 0.1)
@@ -270,7 +271,8 @@ def synced_forward(
     y, _, _, _, _ = batch_norm_forward(input, mean_n, var_n, weight, bias, False, momentum, eps)
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:
-        unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
+        with np.errstate(over="ignore"):  # (inf beyond the dtype's range, as BatchNorm's)
+            unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
         new_mean = running_update(xp, running_mean, mean, momentum)  # C
         new_var = running_update(xp, running_var, unbiased, momentum)  # C
     return y, mean, rstd, new_mean, new_var
