@@ -25,6 +25,7 @@ import array_api_compat
 import numpy as np
 
 from ._backend import Array, Namespace, namespace_of, to_host, to_namespace
+from ._checks import check_real
 from ._grad_mode import enable_grad
 from .modules._module import Module
 
@@ -156,20 +157,18 @@ def gradcheck(
 
 def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, float, int]:
     """gradcheck's options, checked: ``(eps, atol, rtol, seed)``."""
-    values = {"eps": eps, "atol": atol, "rtol": rtol}
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"gradcheck: {name} must be a number, got {value!r}")
-    if not (0 < float(eps) < float("inf")):
+    given = {"eps": eps, "atol": atol, "rtol": rtol}
+    values = {name: check_real(v, f"gradcheck: {name}") for name, v in given.items()}
+    if not (0 < values["eps"] < float("inf")):
         raise ValueError(
             f"gradcheck: eps (the finite-difference step) must be positive and finite, got {eps!r}"
         )
     for name in ("atol", "rtol"):
-        if not float(values[name]) >= 0:
-            raise ValueError(f"gradcheck: {name} must be a non-negative number, got {values[name]!r}")
+        if not values[name] >= 0:
+            raise ValueError(f"gradcheck: {name} must be a non-negative number, got {given[name]!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"gradcheck: seed must be an int, got {seed!r}")
-    return float(eps), float(atol), float(rtol), int(seed)
+    return values["eps"], values["atol"], values["rtol"], int(seed)
 
 
 def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
