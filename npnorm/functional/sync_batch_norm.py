@@ -251,14 +251,13 @@ def synced_forward(
 
     var64 = m2 / n  # C, biased: what normalizes
     mean = to_namespace(mean64, xp, ct)  # C
-    with np.errstate(over="ignore"):  # a variance beyond the dtype's range: inf (see below)
-        var = to_namespace(var64, xp, ct)  # C
     # The global statistics as constants: BatchNorm's inference path on the local slice.
     # Where some channel's mean is many standard deviations from 0, its rounding to a
     # float32 computation would cost the output accuracy (3e-3 at offset 1e4, spread 0.1)
     # that BatchNorm's float64 batch mean keeps, and a variance beyond float32's range
     # would overflow: the whole slice is then normalized with the float64 statistics.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        var = to_namespace(var64, xp, ct)  # C (inf beyond the dtype's range)
         offset = bool(np.any(mean64 * mean64 > _OFFSET_ABOVE**2 * var64))
         overflow = bool(np.any(np.isinf(to_host(var)) & np.isfinite(var64)))
         # rstd as saved for backward: from the float64 variance, as BatchNorm's, the same
@@ -313,12 +312,7 @@ def synced_backward(
         table = allgather(comm, np.array([error is None, c], dtype=np.int64))  # P,2: ok, C
         if not table[:, 0].all():  # some rank failed its checks: every rank raises its error
             raise_collectively(comm, error, what)
-        if len(set(table[:, 1].tolist())) > 1:
-            listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(table[:, 1]))
-            raise ValueError(
-                f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
-                "every rank must pass (N, C, *) with the same C"
-            )
+        _check_same_channels(table[:, 1], what)
     payload = np.zeros(2 + 2 * c, dtype=np.float64)  # failed, n, sum dy (C), sum dy*(x - mean) (C)
     if error is not None:
         payload[0] = 1.0
@@ -398,13 +392,8 @@ def raise_collectively(comm: Comm, error: Exception | None, what: str) -> NoRetu
 def _check_across_ranks(table: np.ndarray, what: str) -> None:
     """The checks that need every rank's header: same C, same dtype, n > 1 overall."""
     per_rank = ", ".join
-    channels, counts, codes = table[:, 1], table[:, 2], table[:, 3]
-    if len(set(channels.tolist())) > 1:
-        listed = per_rank(f"rank {r}: {int(v)}" for r, v in enumerate(channels))
-        raise ValueError(
-            f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
-            "every rank must pass (N, C, *) with the same C"
-        )
+    counts, codes = table[:, 2], table[:, 3]
+    _check_same_channels(table[:, 1], what)
     if len(set(codes.tolist())) > 1:
         listed = per_rank(f"rank {r}: {_DTYPE_NAMES[int(v)]}" for r, v in enumerate(codes))
         raise ValueError(
@@ -415,6 +404,16 @@ def _check_across_ranks(table: np.ndarray, what: str) -> None:
         raise ValueError(
             f"{what}: expected more than 1 value per channel when training, got {total} over the "
             f"{len(counts)} ranks (values per channel on each rank: {per_rank(str(int(v)) for v in counts)})"
+        )
+
+
+def _check_same_channels(channels: np.ndarray, what: str) -> None:
+    """Every rank's channel count (one per rank, in rank order) the same."""
+    if len(set(channels.tolist())) > 1:
+        listed = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(channels))
+        raise ValueError(
+            f"{what}: the ranks' inputs have different numbers of channels ({listed}); "
+            "every rank must pass (N, C, *) with the same C"
         )
 
 
