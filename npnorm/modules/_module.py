@@ -630,7 +630,8 @@ def _torch_refuses_in_place(a: Any) -> bool:
 
 
 def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
-    """``a``'s copy in a ``copy.deepcopy`` (one per array and deepcopy call)."""
+    """``a``'s copy in one ``copy.copy`` or ``copy.deepcopy`` call (one per array and
+    ``memo``: arrays that the copied modules share stay shared)."""
     done = memo.get(id(a))
     if done is None:
         done = memo[id(a)] = copy_array(a)
