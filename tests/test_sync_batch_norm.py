@@ -29,7 +29,7 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import randomize
+from helpers import draw_state, randomize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
@@ -139,13 +139,13 @@ def _train_step(m, x, dy):
 
 
 @settings(max_examples=60)
-@given(case=sync_cases(), seed=st.integers(0, 2**16))
-def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, seed):
+@given(case=sync_cases(), data=st.data())
+def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, data):
     splits, x, dy, dtype, flags = case
     n, c = x.shape[:2]
     flat = (n, c, -1)
     ref = npnorm.BatchNorm1d(c, 1e-5, flags["momentum"], flags["affine"], flags["track"], dtype=dtype)
-    randomize(ref, np.random.default_rng(seed))
+    draw_state(data, ref)
     start = {k: np.array(v, copy=True) for k, v in ref.state_dict().items()}  # ref trains in place
     want = [_train_step(ref, x.reshape(flat), dy.reshape(flat)) for _ in range(2)]  # two steps, same data
     ends = np.cumsum([0, *splits])
@@ -682,18 +682,20 @@ def test_thread_comm_is_a_faithful_stand_in():
     offset=st.sampled_from([0.0, 1e3]),  # 1e3: the mean is not folded into the sums
     block_bytes=st.sampled_from([None, 64]),
     threads=st.sampled_from([1, 2]),
-    seed=st.integers(0, 2**16),
+    data=st.data(),
 )
-def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_bytes, threads, seed):
-    rng = np.random.default_rng(seed)
+def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_bytes, threads, data):
     c = shape[1]
     ct = np.dtype(np.result_type(np.float32, dtype))
-    x = laid_out((rng.normal(size=shape) + offset).astype(dtype), layout)
-    dy = laid_out(rng.normal(size=shape).astype(dtype), layout)
-    w = rng.uniform(0.5, 1.5, c).astype(dtype) if weight else None
+    values = st.floats(-4, 4, width=16)  # exact in every dtype
+    x = data.draw(hnp.arrays(np.float64, shape, elements=values), label="x")
+    x = laid_out((x + offset).astype(dtype), layout)
+    dy = laid_out(data.draw(hnp.arrays(dtype, shape, elements=values), label="dy"), layout)
+    w = data.draw(hnp.arrays(dtype, c, elements=st.floats(0.5, 1.5, width=16)), label="w") if weight else None
     mean, var = generic_kernel("sync_batch_norm_moments")(xp, x, ct)
     rstd = (1.0 / np.sqrt(var + 1e-5)).astype(ct)
-    mean_dy, mean_dyxc = rng.normal(size=c).astype(ct), rng.normal(size=c).astype(ct)
+    mean_dy = data.draw(hnp.arrays(ct, c, elements=values), label="mean_dy")
+    mean_dyxc = data.draw(hnp.arrays(ct, c, elements=values), label="mean_dyxc")
     tol = {"float64": 1e-11, "float32": 2e-5}[ct.name]
     with config(threads, block_bytes):
         fast = (
