@@ -22,10 +22,12 @@ the number of CPUs this process may run on.
 
 from __future__ import annotations
 
+import contextvars
 import numbers
 import os
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -208,7 +210,8 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     in any task is raised here, the first in task order, after all of them have run.
     While another call holds the pool (another thread's, or the one whose task this
     is), the tasks run one after another in the calling thread, and the first exception
-    stops them.
+    stops them. Every task runs in the caller's context (``contextvars``): an
+    ``np.errstate`` the caller set holds in the pool's threads too.
     """
     n = get_num_threads()
     threads = min(len(tasks), n)
@@ -217,7 +220,9 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     try:
         workers = _workers(n - 1)[: threads - 1]
         for k, w in enumerate(workers, start=1):
-            w.start(list(tasks[k::threads]))
+            # each in a copy of the caller's context: NumPy's errstate is a context
+            # variable, which a pool thread would otherwise see at its defaults
+            w.start([partial(contextvars.copy_context().run, t) for t in tasks[k::threads]])
         try:
             mine = [_outcome(t) for t in tasks[::threads]]
         finally:

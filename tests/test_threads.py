@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from npnorm import _threads
@@ -41,6 +42,18 @@ def test_fewer_tasks_than_threads_and_one_thread():
     _threads.set_num_threads(1)
     caller = threading.current_thread().name
     assert [name for _, name in _threads.run_parallel([_where(i) for i in range(3)])] == [caller] * 3
+
+
+def test_tasks_on_the_pool_see_the_callers_errstate():
+    """NumPy's errstate is a context variable: the pool's threads saw the defaults, so a
+    kernel's quiet cast to float16 (inf, as the reference gives) warned there."""
+    _threads.set_num_threads(2)
+    with np.errstate(over="ignore", invalid="raise"):
+        states = _threads.run_parallel([np.geterr for _ in range(4)])
+        casts = _threads.run_parallel([lambda: np.array([1e6]).astype(np.float16) for _ in range(4)])
+    assert all(s["over"] == "ignore" and s["invalid"] == "raise" for s in states)
+    assert all(np.isinf(c[0]) for c in casts)  # and no RuntimeWarning (an error in pytest)
+    assert all(s["over"] == np.geterr()["over"] for s in _threads.run_parallel([np.geterr] * 2))
 
 
 def test_pool_recreated_when_the_count_changes():
