@@ -159,6 +159,13 @@ def work_dtype(xp: Namespace, *arrays: Array | None) -> Any:
     return compute_dtype(xp, *(a.dtype for a in arrays if a is not None))
 
 
+def default_eps(xp: Namespace, input: Array) -> float:
+    """RMSNorm's ``eps=None``, as PyTorch's: the machine epsilon of the dtype the input
+    is computed in (float32 for float16, bfloat16 and float32 input; float64 for
+    float64), whatever the weight's dtype."""
+    return float(xp.finfo(work_dtype(xp, input)).eps)
+
+
 def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") -> None:
     """``out`` (when given) must be a writable array of ``xp`` with ``like``'s shape and
     dtype (as torch's ``out=``: no broadcasting, no casting)."""

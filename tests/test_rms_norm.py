@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import draw_state, grid_arrays, load_into_torch, randomize, step_and_compare
@@ -67,6 +69,38 @@ def test_float16_uses_float32_epsilon():
     _, rstd = F.rms_norm_forward(x, 4)
     assert rstd.dtype == np.float32
     np.testing.assert_allclose(rstd[0], 1 / np.sqrt(np.finfo(np.float32).eps), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize(
+    "x_dtype,w_dtype", [("float16", "float64"), ("float32", "float64"), ("float64", "float32")]
+)
+def test_eps_none_follows_the_input_not_the_weight_as_torch(torch, family, x_dtype, w_dtype):
+    """torch's default eps is the machine epsilon of the input's computation dtype; a
+    float64 weight made it float64's (2.2e-16 instead of 1.2e-7: rstd 6.7e7 on a row of
+    zeros, dx inf in float16)."""
+    x = np.zeros((2, 3), dtype=x_dtype)
+    x[1] = [1e-4, -2e-4, 3e-4]  # mean square ~ float32's eps: rstd shows which eps
+    dy = np.ones((2, 3), dtype=x_dtype)
+    w = np.array([0.5, 1.0, 1.5], dtype=w_dtype)
+    xt = torch.tensor(x, requires_grad=True)
+    with warnings.catch_warnings():  # torch: "Mismatch dtype between input and weight"
+        warnings.simplefilter("ignore", UserWarning)
+        yt = torch.nn.functional.rms_norm(xt, (3,), torch.tensor(w))
+    yt.backward(torch.tensor(dy))
+    want_eps = np.finfo(np.result_type(np.float32, x_dtype)).eps
+    with npnorm.use_kernels(family):
+        y, rstd = F.rms_norm_forward(x, 3, w)
+        dx, _, _ = F.rms_norm_backward(dy, x, 3, rstd, w)
+        m = npnorm.RMSNorm(3, dtype=w_dtype)
+        m.load_state_dict({"weight": w})
+        my, mdx = m(x), m.backward(dy)
+    ms = (x.astype(np.float64) ** 2).mean(axis=1)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(ms + want_eps), rtol=1e-6)
+    rtol = 2e-3 if x_dtype == "float16" else 1e-5
+    for a, b in ((y, yt), (dx, xt.grad), (my, yt), (mdx, xt.grad)):
+        assert a.dtype == np.dtype(x_dtype)
+        np.testing.assert_allclose(a.astype(np.float64), b.detach().double().numpy(), rtol=rtol, atol=rtol)
 
 
 def test_state_dict_keys_match_torch(torch):

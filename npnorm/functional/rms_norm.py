@@ -19,6 +19,7 @@ from .._checks import (
     check_param,
     check_row_stats,
     check_trailing,
+    default_eps,
     float_inputs,
     prod,
     work_dtype,
@@ -54,7 +55,8 @@ def rms_norm_forward(
     weight : array of shape normalized_shape, optional
     eps : float or None, default None
         Added to the mean square; ``None`` (as in PyTorch) means the machine
-        epsilon of the computation dtype (float32 for float16 and float32 input).
+        epsilon of the dtype the input is computed in (float32 for float16 and
+        float32 input, float64 for float64, whatever the weight's dtype).
     out : array, keyword-only, optional
         Where to write the output: an array of the input's backend, shape and
         dtype (any layout), written in place and returned in its place.
@@ -175,7 +177,7 @@ def rms_norm(
         The trailing axes to normalize over.
     weight : array of shape normalized_shape, optional
     eps : float or None, default None
-        ``None`` means the machine epsilon of the computation dtype.
+        ``None`` means the machine epsilon of the dtype the input is computed in.
 
     Returns
     -------
@@ -207,7 +209,7 @@ def rms_norm_forward_generic(
 ) -> tuple[Array, Array]:
     ct = work_dtype(xp, input, weight)  # float32 at least
     if eps is None:
-        eps = float(xp.finfo(ct).eps)
+        eps = default_eps(xp, input)
     batch = tuple(input.shape[: input.ndim - len(shape)])
     D = prod(shape)
     x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._backend import Namespace, no_fp_warnings
-from .._checks import Shape, prod, work_dtype
+from .._checks import Shape, default_eps, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, output, per_row, row_layout
@@ -203,7 +203,7 @@ def rms_norm_forward(
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
     if input.size == 0 or not compiled(ct):
         return _fallback("rms_norm_forward", xp, input, shape, weight, eps, out)
-    eps_value = float(np.finfo(ct).eps) if eps is None else eps
+    eps_value = default_eps(xp, input) if eps is None else eps
     D = prod(shape)
     R = input.size // D
     w = param_or(weight, D, ct, 1.0)  # D

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._backend import Namespace, no_fp_warnings
-from .._checks import Shape, prod, work_dtype
+from .._checks import Shape, default_eps, prod, work_dtype
 from ..functional._dispatch import specialized
 from ._blocks import (
     Rows,
@@ -261,7 +261,7 @@ def rms_norm_forward(
     then ``y = x * rstd * w`` in the output block (or a scratch block converted on
     the way out)."""
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
-    eps_value = float(np.finfo(ct).eps) if eps is None else eps
+    eps_value = default_eps(xp, input) if eps is None else eps
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
     R = x.R

@@ -6,7 +6,7 @@ import array_api_compat
 import numpy as np
 
 from .._backend import Array
-from .._checks import float_inputs, work_dtype
+from .._checks import default_eps, float_inputs
 
 
 def float64_leaves(**arrays: Array | None) -> list[np.ndarray | None]:
@@ -25,8 +25,7 @@ def float64_leaves(**arrays: Array | None) -> list[np.ndarray | None]:
     return [None if a is None else np.array(a, dtype=np.float64) for a in arrays.values()]
 
 
-def machine_eps(*arrays: Array | None) -> float:
-    """RMSNorm's default eps: the machine epsilon of the dtype the library computes these in."""
-    present = [a for a in arrays if a is not None]
-    xp = array_api_compat.array_namespace(*present)
-    return float(xp.finfo(work_dtype(xp, *present)).eps)
+def machine_eps(input: Array) -> float:
+    """RMSNorm's default eps: the machine epsilon of the dtype the library computes the
+    input in (the weight's dtype aside, as in PyTorch)."""
+    return default_eps(array_api_compat.array_namespace(input), input)

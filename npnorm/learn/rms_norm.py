@@ -26,10 +26,11 @@ def rms_norm(
     """Staged RMSNorm forward; the arguments of ``npnorm.functional.rms_norm_forward``.
 
     ``eps=None`` is the machine epsilon of the dtype the library computes the input in
-    (float32 for float16/float32 input), as in PyTorch, even though the tape is float64.
+    (float32 for float16/float32 input, whatever the weight's dtype), as in PyTorch, even
+    though the tape is float64.
     """
     shape = as_shape(normalized_shape)
-    eps = machine_eps(input, weight) if eps is None else check_eps(eps)
+    eps = machine_eps(input) if eps is None else check_eps(eps)
     x, w = float64_leaves(input=input, weight=weight)
     assert x is not None
     check_trailing(x, shape)

@@ -7,7 +7,7 @@ from types import ModuleType
 from typing import Any
 
 from .._backend import Array
-from .._checks import as_shape, check_eps, work_dtype
+from .._checks import as_shape, check_eps, default_eps
 from ..functional.rms_norm import rms_norm_backward, rms_norm_forward
 from ._module import Module, Saved, Updates
 
@@ -22,9 +22,9 @@ class RMSNorm(Module):
         y  = x / sqrt(ms + eps) * weight
 
     ``weight`` (ones) has shape ``normalized_shape``. ``eps=None`` (the default,
-    as in PyTorch) is the machine epsilon of the computation dtype (float32 for
-    float16 and float32 input). Same arguments, defaults and ``state_dict`` keys
-    as ``torch.nn.RMSNorm``.
+    as in PyTorch) is the machine epsilon of the dtype the input is computed in
+    (float32 for float16 and float32 input, whatever the weight's dtype). Same
+    arguments, defaults and ``state_dict`` keys as ``torch.nn.RMSNorm``.
 
     Backward, with ``rstd = 1 / sqrt(ms + eps)``, ``xhat = x * rstd``,
     ``dxhat = dy * weight`` and means over the row (LayerNorm's formula without
@@ -40,7 +40,7 @@ class RMSNorm(Module):
         (*, *normalized_shape).
     eps : float or None, default None
         Added to the mean square before the square root; ``None`` means the
-        machine epsilon of the computation dtype.
+        machine epsilon of the dtype the input is computed in.
     elementwise_affine : bool, default True
         Learn ``weight``; without it the output is xhat.
     dtype : str or dtype, keyword-only, default "float32"
@@ -97,8 +97,8 @@ class RMSNorm(Module):
         return y, (input, rstd, self.weight), {}
 
     def _pin_for_float64(self, input: Array) -> None:
-        if self.eps is None:  # the machine epsilon of the dtype the forward computes in
-            self.eps = float(self.xp.finfo(work_dtype(self.xp, input, self.weight)).eps)
+        if self.eps is None:  # the machine epsilon of the dtype the forward computes the input in
+            self.eps = default_eps(self.xp, input)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, rstd, weight = saved
