@@ -159,26 +159,51 @@ def test_inference_tensors_run_as_in_torch(torch, make, shape):
     assert tuple(m.backward(torch.ones_like(y)).shape) == shape
 
 
-@pytest.mark.parametrize("name", ["GroupNorm", "InstanceNorm1d", "LayerNorm"])
-def test_a_strided_input_changed_in_place_as_in_torch(torch, name):
-    # GroupNorm's and InstanceNorm's backward in torch keep input.contiguous(): a copy of a
-    # strided input, which the caller's in-place change does not reach
-    make, shape = {"GroupNorm": LAYERS[3], "InstanceNorm1d": LAYERS[4], "LayerNorm": LAYERS[0]}[name]
-    ours = make(xp="torch", dtype="float64")
+@pytest.mark.parametrize("layout", ["strided", "channels_last", "contiguous"])
+@pytest.mark.parametrize("name", ["GroupNorm", "InstanceNorm2d", "LayerNorm"])
+def test_an_input_changed_in_place_after_forward_as_in_torch(torch, name, layout):
+    """torch's GroupNorm keeps input.contiguous(memory_format=suggested), InstanceNorm
+    input.contiguous(), LayerNorm the input: where that is a copy, an in-place change of
+    the caller's tensor after the forward leaves the gradient of the forward as it ran;
+    where it is the tensor itself, backward raises. npnorm kept the strided input itself
+    unchecked: a silently wrong gradient (dx off by 13)."""
+    make = {
+        "GroupNorm": lambda: npnorm.GroupNorm(2, 4, xp="torch", dtype="float64"),
+        "InstanceNorm2d": lambda: npnorm.InstanceNorm2d(4, affine=True, xp="torch", dtype="float64"),
+        "LayerNorm": lambda: npnorm.LayerNorm(3, xp="torch", dtype="float64"),
+    }[name]
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn((2, 4, 3, 6), dtype=torch.float64, generator=gen)
+    dy = torch.randn((2, 4, 3, 3), dtype=torch.float64, generator=gen)
+
+    def laid_out(t):
+        if layout == "strided":
+            return t[..., ::2]
+        fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+        return t[..., :3].contiguous(memory_format=fmt)
+
+    ours = make()
     ref = npnorm.to_torch(ours)
-    base = torch.randn((*shape[:-1], 2 * shape[-1]), dtype=torch.float64)
-    strided = base[..., ::2]
-    y_ref = ref(strided)
-    ours(strided)
-    strided.add_(1.0)
-    if name == "LayerNorm":
-        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            y_ref.sum().backward()
+    leaf = base.clone().requires_grad_()
+    x_ref = laid_out(leaf * 1)
+    y_ref = ref(x_ref)
+    x = laid_out(base.clone())
+    ours(x)
+    with torch.no_grad():
+        x_ref.mul_(2).add_(1)
+    x.mul_(2).add_(1)
+    try:
+        y_ref.backward(dy)
+    except RuntimeError as err:
+        assert "modified by an inplace operation" in str(err)
         with pytest.raises(RuntimeError, match=r"input.*modified in place"):
-            ours.backward(torch.ones(shape, dtype=torch.float64))
-    else:
-        y_ref.sum().backward()
-        ours.backward(torch.ones(shape, dtype=torch.float64))
+            ours.backward(dy)
+        return
+    assert layout == "strided" or (name == "InstanceNorm2d" and layout == "channels_last")
+    dx_ref = leaf.grad[..., ::2] if layout == "strided" else leaf.grad[..., :3]
+    torch.testing.assert_close(ours.backward(dy), dx_ref, rtol=1e-10, atol=1e-10)
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(ours.grads[k], p.grad, rtol=1e-10, atol=1e-10)
 
 
 def test_a_module_made_in_inference_mode_trains_and_loads_outside_it(torch, rng):

@@ -139,10 +139,6 @@ class Module:
     # makes backward raise: those PyTorch's backward of the layer keeps, or (None) those the
     # saved context holds.
     _kept_for_backward: tuple[str, ...] | None = None
-    # Whether PyTorch's backward keeps a contiguous copy of a strided input (GroupNorm's and
-    # InstanceNorm's ``input.contiguous()``), so that an in-place change of the caller's
-    # tensor does not reach (nor fail) it
-    _input_copied_if_strided: bool = False
 
     def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -192,7 +188,7 @@ class Module:
         if _version_of(input) is None:  # NumPy, CuPy, ...: no counters (the module's arrays
             return None  # are of the input's backend)
         kept = self._kept_for_backward
-        named = [] if self._input_copied_if_strided and not input.is_contiguous() else [("input", input)]
+        named = [("input", input)] if self._keeps_input(input) else []
         if kept is None:
             named += [("saved array", a) for a in saved if _is_array(a)]
         else:
@@ -260,6 +256,22 @@ class Module:
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
+
+    def _keeps_input(self, input: Array) -> bool:
+        """Whether PyTorch's backward of this layer keeps the caller's tensor ``input``
+        (a torch tensor) itself, so that an in-place change of it before backward raises
+        there; else it keeps a copy (GroupNorm's and InstanceNorm's ``input.contiguous()``
+        of a strided input), which the change does not reach."""
+        return True
+
+    def _input_for_backward(self, input: Array) -> Array:
+        """What the forward saves of ``input``: the input itself, or a copy where
+        ``_keeps_input`` says PyTorch's backward keeps one (a tensor changed in place
+        after the forward then gives the forward's gradient, as in PyTorch). Backends
+        without change counters keep the input itself: nothing there could tell."""
+        if _version_of(input) is None or self._keeps_input(input):
+            return input
+        return copy_array(input)
 
     def _pin_for_float64(self, input: Array) -> None:
         """Before ``gradcheck`` moves the module to float64 for ``input`` (an array of the
@@ -614,6 +626,16 @@ def _into(current: Any, value: Any) -> bool:
         return False
     current[...] = value
     return True
+
+
+def channels_last(a: Any) -> bool:
+    """Whether the torch tensor ``a`` is a 4-D or 5-D tensor laid out channels-last and
+    dense (``torch.channels_last`` / ``channels_last_3d``), as torch keeps it without a
+    copy where a layer asks for the input's suggested memory format."""
+    import torch
+
+    layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(a.ndim)
+    return layout is not None and bool(a.is_contiguous(memory_format=layout))
 
 
 def _torch_refuses_in_place(a: Any) -> bool:

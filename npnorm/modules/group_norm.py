@@ -9,7 +9,7 @@ from .._backend import Array
 from .._checks import check_count, check_eps
 from ..functional._channels import check_channels
 from ..functional.group_norm import check_groups, group_norm_backward, group_norm_forward
-from ._module import Module, Saved, Updates
+from ._module import Module, Saved, Updates, channels_last
 
 
 class GroupNorm(Module):
@@ -78,7 +78,6 @@ class GroupNorm(Module):
 
     _parameter_names = ("weight", "bias")
     _kept_for_backward = ("weight",)  # as torch's native_group_norm_backward
-    _input_copied_if_strided = True
 
     def __init__(
         self,
@@ -108,7 +107,12 @@ class GroupNorm(Module):
         affine = self.weight is not None or self.bias is not None
         check_channels(input, self.num_channels if affine else None, "GroupNorm")
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
-        return y, (input, mean, rstd, self.weight, self.bias), {}
+        return y, (self._input_for_backward(input), mean, rstd, self.weight, self.bias), {}
+
+    def _keeps_input(self, input: Array) -> bool:
+        # torch's native_group_norm keeps input.contiguous(memory_format=suggested): the
+        # tensor itself when contiguous or channels-last, else a copy
+        return bool(input.is_contiguous()) or channels_last(input)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, weight, bias = saved

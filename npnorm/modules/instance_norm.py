@@ -17,7 +17,6 @@ class _InstanceNorm(_NormBase):
 
     # torch's backward keeps copies (the weight repeated per sample): a load changes nothing
     _kept_for_backward = ()
-    _input_copied_if_strided = True
 
     _no_batch_ndim = 0
 
@@ -69,7 +68,8 @@ class _InstanceNorm(_NormBase):
                 f"(input shape {tuple(input.shape)})"
             )
         unbatched = input.ndim == nb
-        x = xp.expand_dims(input, axis=0) if unbatched else input
+        kept = self._input_for_backward(input)  # x, or the copy PyTorch's backward keeps
+        x = xp.expand_dims(kept, axis=0) if unbatched else kept
         use_input_stats = self.training or not self.track_running_stats
         momentum = self.momentum if self.momentum is not None else 0.0
         y, mean, rstd, new_mean, new_var = instance_norm_forward(
@@ -91,6 +91,11 @@ class _InstanceNorm(_NormBase):
         # into them does not change this forward's gradient
         weight, bias = (None if a is None else copy_array(a) for a in (self.weight, self.bias))
         return y, (x, mean, rstd, use_input_stats, unbatched, weight, bias), updates
+
+    def _keeps_input(self, input: Array) -> bool:
+        # torch's instance_norm normalizes input.contiguous() viewed as (1, N*C, *): the
+        # tensor itself when contiguous, else a copy
+        return bool(input.is_contiguous())
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         x, mean, rstd, use_input_stats, unbatched, weight, bias = saved
