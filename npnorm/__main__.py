@@ -22,7 +22,10 @@ every norm, print a table and write figures (see ``npnorm.demo``; needs the ``de
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
+from typing import Any
 
 PROFILED = ("LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d")  # _bench.FULL's layers
 
@@ -38,6 +41,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0 (a seed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def _profiled(name: str) -> str:
     """argparse type: one of the layers ``profile`` times (argparse's ``choices`` refuses
     an empty list of them in Python 3.11)."""
@@ -46,14 +60,26 @@ def _profiled(name: str) -> str:
     return name
 
 
+def _silenced(quiet: bool) -> contextlib.AbstractContextManager[Any]:
+    """``--quiet``: standard output discarded (errors still reach standard error)."""
+    return contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["learn"]:  # its own options (python -m npnorm learn --help)
+    skip = 1 if argv[:1] == ["--quiet"] else 0
+    if argv[skip : skip + 1] == ["learn"]:  # its own options (python -m npnorm learn --help)
         from .learn._cli import main as run_learn
 
-        return run_learn(argv[1:])
+        with _silenced(skip == 1):
+            return run_learn(argv[skip + 1 :])
     parser = argparse.ArgumentParser(prog="python -m npnorm", description=__doc__)
-    parser.add_argument("--quiet", action="store_true", help="print nothing; exit status only")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print nothing on standard output, whatever the command; the exit status tells "
+        "(errors still go to standard error)",
+    )
     sub = parser.add_subparsers(dest="command")
     bench = sub.add_parser("bench", help="time every layer against textbook NumPy and PyTorch")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
@@ -103,10 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=("none", "batch", "layer", "rms", "group", "instance"),
         help="norms to train (default all; the sweeps always include none)",
     )
-    demo.add_argument("--seed", type=int, default=0, help="all random state comes from it (default 0)")
+    demo.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="all random state comes from it (default 0)"
+    )
     warm = sub.add_parser("warmup", help="compile every numba kernel (float32, float64) into numba's cache")
     warm.add_argument("--json", metavar="FILE", help="save the times as JSON")
     args = parser.parse_args(argv)
+    with _silenced(args.quiet):
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The command ``args`` names (the main job without one)."""
     if args.command == "warmup":
         from ._warmup import run as run_warmup
 

@@ -77,3 +77,45 @@ def test_profile_restores_the_kernels_numpy():
     sites = result["sites"]
     assert sites and all(s["file"] != "_blocks.py" for s in sites)  # charged to kernel lines
     assert {s["function"] for s in sites} >= {"subtract", "multiply", "vecdot"}
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["demo", "--seed", "-3"], "expected a non-negative integer, got -3"),
+        (["demo", "--seed", "x"], "expected a non-negative integer, got 'x'"),
+    ],
+)
+def test_bad_demo_seed_is_a_usage_error(argv, message, capsys):
+    # a negative seed was a numpy traceback, after the output folder was made
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_out_that_is_a_file_is_refused(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the demo needs the 'demo' extra")
+    pytest.importorskip("sklearn", reason="the demo needs the 'demo' extra")
+    pytest.importorskip("tqdm", reason="the demo needs the 'demo' extra")
+    path = tmp_path / "a_file"
+    path.write_text("")
+    assert cli_main(["demo", "--quick", "--out", str(path)]) == 2  # was FileExistsError
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--quiet", "learn", "layer_norm"], ["--quiet", "profile", "LayerNorm", "--reps", "1"]]
+)
+def test_quiet_prints_nothing_for_any_command(argv, capsys):
+    # --quiet reached the main job and warmup only; before learn it was a usage error
+    assert cli_main(argv) == 0
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("epochs", ["0", "-2"])
+def test_training_script_refuses_no_epochs(epochs, capsys):
+    from npnorm.demo import train_digits
+
+    with pytest.raises(SystemExit) as exit_:  # 0 trained the default 15, -2 an IndexError
+        train_digits.main(["--epochs", epochs])
+    assert exit_.value.code == 2 and f"expected at least 1, got {epochs}" in capsys.readouterr().err

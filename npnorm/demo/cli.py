@@ -61,6 +61,9 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int)
     norms = list(NORMS) if not norms else list(dict.fromkeys(norms))
     settings = ex.QUICK if quick else ex.FULL
     out_dir = pathlib.Path(out or DEFAULT_OUT).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        print(f"python -m npnorm demo: --out {out_dir} is a file, not a folder", file=sys.stderr)
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     data = load_data(seed)
     print(

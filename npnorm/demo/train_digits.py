@@ -625,7 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help="MLP epochs (default 15, 5 with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="all random state comes from it")
     args = parser.parse_args(argv)
-    epochs = args.epochs or (5 if args.quick else 15)
+    if args.epochs is not None and args.epochs < 1:
+        parser.error(f"--epochs: expected at least 1, got {args.epochs}")
+    if args.seed < 0:
+        parser.error(f"--seed: expected a non-negative integer, got {args.seed}")
+    epochs = args.epochs if args.epochs is not None else (5 if args.quick else 15)
 
     print("gradient checks (npnorm.gradcheck, float64 central differences):")
     for name, ok in check_layers(args.seed).items():
