@@ -3,9 +3,9 @@
 A small regression network, Linear(8, 16) -> SyncBatchNorm(16) -> ReLU -> Linear(16, 1),
 trained with plain SGD on a NumPy-generated batch of 32 samples. Each rank holds a slice
 of the batch (11, 11 and 10 samples on 3 ranks); SyncBatchNorm normalizes with the
-statistics of the whole batch, and the ranks sum their parameter gradients (one
-all-reduce per step), so every rank takes the step one process would take on the whole
-batch. Run it on one process or on three:
+statistics of the whole batch, and the ranks sum their parameter gradients (an
+all-reduce per gradient, and one for the loss), so every rank takes the step one process
+would take on the whole batch. Run it on one process or on three:
 
     python examples/sync_batchnorm_data_parallel.py
     mpiexec -n 3 python -m mpi4py examples/sync_batchnorm_data_parallel.py

@@ -96,10 +96,12 @@ CASES: list[Case] = [
 
 
 def available_backends() -> list[str]:
-    """numpy, plus array_api_strict and cupy (with a GPU) where installed."""
+    """numpy, plus array_api_strict, torch (its tensors) and cupy (with a GPU) where
+    installed."""
     found = ["numpy"]
-    if importlib.util.find_spec("array_api_strict") is not None:
-        found.append("array_api_strict")
+    for name in ("array_api_strict", "torch"):
+        if importlib.util.find_spec(name) is not None:
+            found.append(name)
     if importlib.util.find_spec("cupy") is not None:
         try:
             import cupy

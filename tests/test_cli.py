@@ -1,3 +1,4 @@
+import importlib.util
 import subprocess
 import sys
 
@@ -26,6 +27,8 @@ def test_main_job_passes_and_prints_a_table():
     ):
         assert layer in out.stdout
     assert "array_api_strict" in out.stdout
+    if importlib.util.find_spec("torch") is not None:  # its tensors as a backend
+        assert any(line.split()[1:2] == ["torch"] for line in out.stdout.splitlines())
 
 
 def test_profile_command_charges_time_to_kernel_lines():

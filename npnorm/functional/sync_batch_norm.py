@@ -61,7 +61,7 @@ def sync_batch_norm_forward(
 
     Training. Rank r holds n_r values of channel c (N * prod(spatial)) with mean
     mean_r and M2_r = sum((x - mean_r)**2) (two passes). The ranks' triples are
-    merged in rank order (Chan et al.), empty ranks skipped; merging a into b:
+    merged in rank order (Chan et al.), empty ranks skipped; merging b into a:
 
         n     = n_a + n_b
         delta = mean_b - mean_a

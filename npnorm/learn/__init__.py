@@ -64,8 +64,8 @@ def staged_forward(name: str, *args: Any, **kwargs: Any) -> Tape:
     name : {"batch_norm", "layer_norm", "rms_norm", "group_norm", "instance_norm"}
         The layer.
     *args, **kwargs : any
-        Exactly the arguments of ``npnorm.functional.<name>_forward`` (same names,
-        defaults and errors); NumPy arrays, computed in float64.
+        The arguments of ``npnorm.functional.<name>_forward`` (same names, defaults
+        and errors) but ``out=``; NumPy arrays, computed in float64.
 
     Returns
     -------
