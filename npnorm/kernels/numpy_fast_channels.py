@@ -41,9 +41,12 @@ The passes ("sweep": one read of the inputs from memory):
   with the sums for dweight/dbias in the same sweep.
 
 When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
-the subtraction of the mean is folded into the constant terms (``y = x*s + t``;
-``sum(dy*x) - mean*sum(dy)``), one pass fewer for the same accuracy to a few ulps;
-otherwise (a large common offset) the kernels centre first.
+the subtraction of the mean is folded into the constant term of an elementwise map
+(``y = x*s + t``, ``dx = a*dy + b*x + (c - b*mean)``), one pass fewer for the same
+accuracy to a few ulps; otherwise (a large common offset) the kernels centre first.
+The backward's sums always take ``dy*(x - mean)``: ``sum(dy*x) - mean*sum(dy)`` sums
+terms of one sign when dy has a common part (``loss = y.sum() + ...``), whose float32
+partial sums lost up to ~sqrt(N*S)*|mean|/std ulps (dweight 15 times torch's error).
 
 Per-row results are written to their slot of an (R,) array and reduced per channel
 at the end in a fixed order, so that results are the same whatever the number of
@@ -445,8 +448,8 @@ def _channel_backward(
     m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
     r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
     w = param(weight, C, ct)  # C
-    fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
-    center = None if fold else _Ring(m, B)
+    fold = _foldable(m, r)  # dx = b*x + (c - b*mean), one pass fewer
+    center = _Ring(m, B)  # the sums take dy*(x - mean) (see the module's docstring)
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
     need_dot = batch_stats or weight is not None
     if batch_stats:
@@ -455,11 +458,7 @@ def _channel_backward(
         dx_coef = _Ring(r if w is None else r * w, B)  # C
         sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
     sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
-    sum_dyxc = None  # C: sum(dy * (x - mean))
-    if sdx is not None:
-        sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
-        if fold:
-            sum_dyxc = sum_dyxc - m * sum_dy
+    sum_dyxc = None if sdx is None else np.sum(np.reshape(sdx, (N, C)), axis=0)  # C: sum(dy*(x - mean))
     if batch_stats:
         assert sum_dyxc is not None
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
@@ -553,12 +552,14 @@ def _group_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """Backward of ``_group_forward`` (batch statistics), one sweep.
 
-    Per block of group rows, with ``xs = x - mean`` (or ``x`` itself when
-    ``_foldable``, the mean then corrected for in the sums and the constant):
+    Per block of group rows, with ``xs = x - mean`` (centred first: see the module's
+    docstring on the backward's sums) and ``d = mean(xs)`` over the group row (what the
+    float32 mean's rounding lost, up to an ulp of it: a dy of common part 1 would
+    multiply it by the row's length):
 
-    * per channel row ``sum(dy)`` and ``sum(dy*xs)``;
+    * per channel row ``sum(dy)`` and ``sum(dy*(xs - d))``;
     * per group row, with ``g = dy*w``: ``sg = sum(g)``, ``sgx = sum(g*(x - mean))``;
-    * ``dx = (rstd*w_c)*dy + b*(x - mean) + c``, ``b = -rstd^3*sgx/L``, ``c = -rstd*sg/L``.
+    * ``dx = (rstd*w_c)*dy + b*(xs - d) + c``, ``b = -rstd^3*sgx/L``, ``c = -rstd*sg/L``.
 
     The per-row factors are computed for all rows before the sweep. dweight and
     dbias are the per-channel sums over samples of ``rstd*sum(dy*(x - mean))`` and
@@ -571,7 +572,6 @@ def _group_backward(
     S = L // k
     m_all = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
     r_all = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
-    fold = _foldable(m_all, r_all)
     r64 = r_all.astype(np.float64)  # R
     nb_all = (r64 * r64) / -L  # R: b = nb * (rstd * sgx) (float64; rstd * sgx is O(1))
     nc_all = r_all / -L  # R: c = nc * sg
@@ -593,18 +593,21 @@ def _group_backward(
         tbuf = np.empty((B, L), dtype=ct)  # B,L
         obuf = scratch(not direct, B, L, ct)  # B,L
         ones = np.ones(S, dtype=ct)  # S
-        sg_buf, sgx_buf, b_buf, c_buf = (np.empty(B, dtype=ct) for _ in range(4))  # B each
+        inv_l = np.full(L, 1.0 / L, dtype=ct)  # L
+        sg_buf, sgx_buf, b_buf, c_buf, d_buf = (np.empty(B, dtype=ct) for _ in range(5))  # B each
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = rows_x.read(a, e, xbuf)  # n,L
             dyb = rows_dy.read(a, e, dybuf)  # n,L
             m = m_all[a:e]  # n
             t = tbuf[:n]  # n,L
-            xs = xb if fold else np.subtract(xb, m[:, None], out=t)  # n,L
+            xs = np.subtract(xb, m[:, None], out=t)  # n,L  x - mean
             dy_c = dyb.reshape(n * k, S)  # n*k,S  channel rows
             sdy, sdx = sdy_all[a * k : e * k], sdx_all[a * k : e * k]  # n*k, n*k
+            d = rowdot(xs, inv_l, out=d_buf[:n])  # n  mean(xs): the true mean's excess
             rowsum(dy_c, ones, out=sdy)  # sum(dy)
             rowdot(dy_c, xs.reshape(n * k, S), out=sdx)  # sum(dy * xs)
+            sdx -= np.repeat(d, k) * sdy  # n*k  sum(dy * (xs - d)): about the true mean
             sg, sgx, b_, c_ = sg_buf[:n], sgx_buf[:n], b_buf[:n], c_buf[:n]  # n each
             if w_ring is not None:
                 wb = w_ring.rows(a, n)  # n,k
@@ -613,13 +616,10 @@ def _group_backward(
             else:
                 np.add.reduce(sdy.reshape(n, k), axis=1, out=sg)
                 np.add.reduce(sdx.reshape(n, k), axis=1, out=sgx)
-            if fold:  # sum(g * (x - mean)) = sum(g * x) - mean * sum(g)
-                np.subtract(sgx, np.multiply(m, sg, out=b_), out=sgx)
             np.multiply(r_all[a:e], sgx, out=b_)
             np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
-            if fold:  # b*(x - mean) + c = b*x + (c - b*mean)
-                np.subtract(c_, np.multiply(b_, m, out=sg), out=c_)
+            np.subtract(c_, np.multiply(b_, d, out=sg), out=c_)  # b*(xs - d) + c = b*xs + (c - b*d)
             out = dx2[a:e] if obuf is None else obuf[:n]  # n,L
             if a_all is not None:
                 out_c = out.reshape(n * k, S)  # n*k,S
@@ -635,9 +635,7 @@ def _group_backward(
     run_chunks(work, R, B, S)
     dweight = dbias = None
     if weight is not None:
-        sdx3 = np.reshape(sdx_all, (N, G, k))  # N,G,k
-        if fold:  # sum(dy * (x - mean)) = sum(dy * x) - mean * sum(dy)
-            sdx3 = sdx3 - np.reshape(m_all, (N, G, 1)) * np.reshape(sdy_all, (N, G, k))
+        sdx3 = np.reshape(sdx_all, (N, G, k))  # N,G,k  sum(dy * (x - mean))
         dxhat = sdx3 * np.reshape(r_all, (N, G, 1))  # N,G,k  sum(dy * xhat)
         dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
     if bias is not None:

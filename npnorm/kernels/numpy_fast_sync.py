@@ -8,7 +8,7 @@ BatchNorm kernels of ``numpy_fast_channels`` cut where the ranks communicate:
   M2, merged per channel with Chan et al.'s formula in float64): the rank's mean and
   biased variance per channel.
 * ``sync_batch_norm_grad_sums``: BatchNorm's backward sums sweep: per channel
-  ``sum(dy)`` and ``sum(dy*(x - mean))`` (the mean folded in when ``_foldable``).
+  ``sum(dy)`` and ``sum(dy*(x - mean))`` (x centred first, as there).
 * ``sync_batch_norm_dx``: BatchNorm's dx sweep ``dx = a_c*dy + b_c*(x - mean_c) + c_c``
   with coefficients from the *global* means of ``dy`` and ``dy*(x - mean)``.
 
@@ -61,16 +61,13 @@ def sync_batch_norm_grad_sums(
         return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
-    m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
-    fold = _foldable(m, r)  # sum dy*x, then subtract mean*sum(dy)
+    m = _per_channel(mean, C, ct)  # C
     rows_x = _rows(input, C, ct)
-    center = None if fold else _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))
+    center = _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))  # dy*(x - mean), never folded
     sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True)  # R, R
     assert sdx is not None
     sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
     sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
-    if fold:
-        sum_dyxc = sum_dyxc - m * sum_dy  # C
     return sum_dy, sum_dyxc
 
 
