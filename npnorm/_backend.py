@@ -169,9 +169,15 @@ def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
     if type(x) is np.ndarray and x.dtype.char in _FLOAT_CHARS:
         return
-    if not xp.isdtype(x.dtype, "real floating"):
+    try:
+        floating = xp.isdtype(x.dtype, "real floating")
+    except TypeError:  # a dtype the namespace does not know: NumPy's ml_dtypes.bfloat16, ...
+        floating = False
+    if not floating:
         raise TypeError(
-            f"{what} must have a floating dtype (float16/32/64, or a backend's bfloat16), got {x.dtype}"
+            f"{what} must have a floating dtype (float16/32/64, or a backend's bfloat16, such as "
+            f"torch's; NumPy arrays of ml_dtypes' bfloat16 are not taken: cast them to float32), "
+            f"got {x.dtype}"
         )
 
 

@@ -468,3 +468,17 @@ def test_tiny_shapes():
         y, _mean, _rstd = F.group_norm_forward(x, 1)
         y_ref = generic_kernel("group_norm_forward")(xp, x, 1, None, None, 1e-5)[0]
         np.testing.assert_allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_an_infinite_gradient_gives_the_references_infinities():
+    # sum(dy*x) - mean*sum(dy) made inf - inf: dweight NaN where the reference (and torch)
+    # give -inf, and dx all NaN
+    x = np.array([[[0.5, -1.0]], [[2.0, 1.5]]], np.float32)
+    dy = np.array([[[np.inf, 1.0]], [[1.0, 1.0]]], np.float32)
+    w, b = np.ones(1, np.float32), np.zeros(1, np.float32)
+    mean, rstd = generic_kernel("batch_norm_forward")(xp, x, None, None, w, b, True, 0.1, 1e-5)[1:3]
+    with np.errstate(all="ignore"):
+        ref = generic_kernel("batch_norm_backward")(xp, dy, x, mean, rstd, w, b, True)
+        ours = fast.batch_norm_backward(xp, dy, x, mean, rstd, w, b, True)
+    same_results(ours, ref, "batch_norm_backward")
+    assert np.isneginf(ours[1][0])

@@ -128,6 +128,16 @@ def test_non_float_input_is_a_type_error(dtype):
         npnorm.LayerNorm(3)(np.ones((2, 3), dtype=dtype))
 
 
+def test_numpy_bfloat16_input_gets_our_message():
+    # ml_dtypes' bfloat16 made NumPy's isdtype raise "dtype argument must be a NumPy dtype"
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.ones((2, 3), dtype=ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"must have a floating dtype.*cast them to float32"):
+        npnorm.LayerNorm(3)(x)
+    with pytest.raises(TypeError, match="must have a floating dtype"):
+        F.batch_norm(x.reshape(2, 3, 1), None, None, training=True)
+
+
 def test_non_array_input_is_a_type_error():
     with pytest.raises(TypeError, match="expected an array"):
         npnorm.LayerNorm(3)([[1.0, 2.0, 3.0]])
