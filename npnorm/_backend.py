@@ -228,6 +228,18 @@ def copy_array(a: Array) -> Array:
     return array_api_compat.array_namespace(a).asarray(a, copy=True)
 
 
+def write_uncounted(current: Array, value: Array) -> None:
+    """``current[...] = value`` as PyTorch's kernels write a layer's running statistics:
+    for a torch tensor through ``.data``, which leaves its in-place change counter
+    (``_version``) alone and takes an inference tensor or a leaf that requires grad as
+    torch's batch_norm does (a plain write bumped the counter, failing the backward of a
+    module that shares the buffer, and refused those two)."""
+    if array_api_compat.is_torch_array(current):
+        current.data[...] = value
+    else:
+        current[...] = value
+
+
 def on_device_of(like: Array, a: Array) -> Array:
     """``a`` (an array of ``like``'s backend) on ``like``'s device: itself where it is
     there already, else a copy (as PyTorch's ``copy_`` loads a checkpoint across devices)."""

@@ -7,6 +7,7 @@ import pytest
 from helpers import randomize
 
 import npnorm
+import npnorm.functional as F
 
 LAYERS = [
     (lambda **kw: npnorm.LayerNorm((2, 3), **kw), (4, 2, 3)),
@@ -225,17 +226,64 @@ def test_a_module_made_in_inference_mode_trains_and_loads_outside_it(torch, rng)
     assert ln.weight.tolist() == [2.0] * 3 and ln.bias.tolist() == [1.0] * 3
 
 
-def test_a_buffer_that_requires_grad_is_replaced_not_half_written(torch, rng):
-    # torch refuses in-place writes to a leaf that requires grad: the forward raised after
-    # writing running_mean and the counter, reset_running_stats after zeroing running_mean
+def test_a_buffer_that_requires_grad_is_refused_as_in_torch(torch, rng):
+    # torch's batch_norm refuses running statistics that require grad; npnorm's forward
+    # wrote running_mean and the counter, then raised on running_var (later: replaced it)
     m = npnorm.BatchNorm1d(3, xp="torch")
-    m.running_var = m.running_var.clone().requires_grad_()
-    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
     ref = torch.nn.BatchNorm1d(3)
-    torch.testing.assert_close(m(x), ref(x).detach())
-    torch.testing.assert_close(m.running_var, ref.running_var)
-    assert int(m.num_batches_tracked) == 1
-    m.running_mean = m.running_mean.clone().requires_grad_()
-    m.reset_running_stats()
-    assert m.running_mean.tolist() == [0.0] * 3 and m.running_var.tolist() == [1.0] * 3
-    assert int(m.num_batches_tracked) == 0
+    m.running_var = m.running_var.clone().requires_grad_()
+    ref.running_var.requires_grad_()
+    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        ref(x)
+    before = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    with pytest.raises(RuntimeError, match="running_var requires grad"):
+        m(x)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v.detach(), before[k]), k
+    with torch.no_grad():  # where torch takes them
+        torch.testing.assert_close(m(x), ref(x))
+    torch.testing.assert_close(m.running_var.detach(), ref.running_var.detach())
+
+
+def test_training_leaves_the_buffers_change_counters_as_torch(torch, rng):
+    """torch's kernels write the running statistics without an in-place change count;
+    npnorm's write counted one, so that F.batch_norm on a torch layer's buffers failed
+    that layer's pending backward, and a module sharing buffers with another
+    (convert_sync_batchnorm) failed after the other's forward."""
+    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
+    ref = torch.nn.BatchNorm1d(3).eval()
+    xt = x.clone().requires_grad_()
+    yt = ref(xt)
+    F.batch_norm(x, ref.running_mean, ref.running_var, training=True)
+    yt.sum().backward()  # raised "modified by an inplace operation"
+    bn = npnorm.BatchNorm1d(3, xp="torch")
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
+    versions = (bn.running_mean._version, bn.running_var._version)
+    bn.eval()
+    bn(x)
+    sync(x)  # trains the shared buffers
+    assert (bn.running_mean._version, bn.running_var._version) == versions
+    bn.backward(torch.ones_like(x))
+
+
+def test_load_state_dict_writes_into_a_parameter_that_requires_grad(torch):
+    # as torch's load_state_dict (a copy under no_grad): an optimizer holding the tensor
+    # sees the loaded values; npnorm bound a new tensor
+    m = npnorm.LayerNorm(3, xp="torch")
+    w = m.weight.requires_grad_()
+    m.load_state_dict({"weight": torch.full((3,), 2.0), "bias": torch.ones(3)})
+    assert m.weight is w and w.tolist() == [2.0] * 3 and w.requires_grad
+
+
+def test_functional_running_buffers_made_in_inference_mode(torch, rng):
+    # torch's batch_norm updates them outside inference_mode; npnorm's write raised
+    # "Inplace update to inference tensor outside InferenceMode"
+    with torch.inference_mode():
+        rm, rv = torch.zeros(3), torch.ones(3)
+    x = torch.tensor(rng.normal(size=(8, 3)), dtype=torch.float32)
+    want_m, want_v = torch.zeros(3), torch.ones(3)
+    torch.nn.functional.batch_norm(x, want_m, want_v, training=True)
+    F.batch_norm(x, rm, rv, training=True)
+    torch.testing.assert_close(rm, want_m)
+    torch.testing.assert_close(rv, want_v)

@@ -8,7 +8,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import Array, Namespace, copy_array
+from .._backend import Array, Namespace, copy_array, write_uncounted
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
@@ -53,18 +53,18 @@ def running_update(xp: Namespace, running: Array, batch: Array, momentum: float)
 def store_running(
     running_mean: Array | None, running_var: Array | None, new_mean: Array | None, new_var: Array | None
 ) -> None:
-    """Write updated running statistics into the caller's buffers, in place (what
-    ``torch.nn.functional.batch_norm``/``instance_norm`` do); no-op without buffers.
-    Both or neither: where ``running_var`` refuses the write (a read-only NumPy array, a
-    torch leaf that requires grad), ``running_mean`` gets its old values back before the
-    error propagates."""
+    """Write updated running statistics into the caller's buffers, in place, as
+    ``torch.nn.functional.batch_norm``/``instance_norm`` do (a torch tensor's change
+    counter left alone: ``write_uncounted``); no-op without buffers. Both or neither:
+    where ``running_var`` refuses the write (a read-only NumPy array), ``running_mean``
+    gets its old values back before the error propagates."""
     if running_mean is not None and running_var is not None:
         old_mean = copy_array(running_mean)  # C
-        running_mean[...] = new_mean
+        write_uncounted(running_mean, new_mean)
         try:
-            running_var[...] = new_var
+            write_uncounted(running_var, new_var)
         except BaseException:
-            running_mean[...] = old_mean
+            write_uncounted(running_mean, old_mean)
             raise
 
 
@@ -136,8 +136,20 @@ def empty_backward(
 
 
 def check_buffers_paired(running_mean: Array | None, running_var: Array | None) -> None:
+    """Both running buffers or neither; and, as PyTorch's batch_norm, none a torch tensor
+    that requires grad while grad is enabled (torch: "not differentiable with respect to
+    argument 'running_var'"), refused before anything is written."""
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together (or both None)")
+    for name, a in (("running_mean", running_mean), ("running_var", running_var)):
+        if getattr(a, "requires_grad", False) and array_api_compat.is_torch_array(a):
+            import torch
+
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    f"{name} requires grad: the running statistics are not differentiable (PyTorch's "
+                    "batch_norm refuses them too); pass a tensor that does not require grad"
+                )
 
 
 def channel_norm_forward(

@@ -27,6 +27,7 @@ from .._backend import (
     resolve_namespace,
     to_host,
     to_namespace,
+    write_uncounted,
 )
 from .._grad_mode import is_grad_enabled
 
@@ -175,8 +176,8 @@ class Module:
             The output, of the shape and dtype of ``input``.
         """
         output, saved, updates = self._forward(input)
-        for name, value in updates.items():
-            self._write(name, value)
+        for name, value in updates.items():  # the statistics as torch's kernels write them
+            self._write(name, value, uncounted=name in _RUNNING_STATISTICS)
         self._saved = saved if is_grad_enabled() else None
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         return output
@@ -449,14 +450,15 @@ class Module:
                 self._saved = _Overwritten(hit)
         return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
 
-    def _write(self, name: str, value: Any) -> bool:
+    def _write(self, name: str, value: Any, *, uncounted: bool = False) -> bool:
         """Set parameter or buffer ``name`` to ``value`` (of the module's backend):
         into the module's own array, in place, where shape and dtype match (True), or
-        as a new array (False: none yet, another shape or dtype, or read-only)."""
+        as a new array (False: none yet, another shape or dtype, or read-only).
+        ``uncounted``: a torch tensor's change counter stays (``write_uncounted``)."""
         current = getattr(self, name)
         if isinstance(value, np.generic):  # a NumPy scalar from 0-d arithmetic
             value = self.xp.asarray(value)
-        if current is not None and _into(current, value):
+        if current is not None and _into(current, value, uncounted=uncounted):
             return True
         setattr(self, name, value)
         return False
@@ -612,9 +614,15 @@ class _Overwritten(NamedTuple):
     names: list[str]
 
 
-def _into(current: Any, value: Any) -> bool:
+_RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     """Write ``value`` into ``current`` in place where it fits (same backend, shape and
-    dtype, and ``current`` writable); whether it did."""
+    dtype, and ``current`` writable); whether it did. A torch leaf that requires grad is
+    written under ``torch.no_grad()``, as PyTorch's ``load_state_dict`` copies into a
+    Parameter; ``uncounted``: through ``write_uncounted``, as torch's kernels write the
+    running statistics."""
     if not _is_array(value) or type(value) is not type(current):
         return False
     if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
@@ -622,8 +630,17 @@ def _into(current: Any, value: Any) -> bool:
     flags = getattr(current, "flags", None)
     if flags is not None and not getattr(flags, "writeable", True):
         return False
+    if uncounted:
+        write_uncounted(current, value)
+        return True
     if _torch_refuses_in_place(current):  # a new tensor instead: nothing half-written
         return False
+    if array_api_compat.is_torch_array(current) and current.requires_grad:
+        import torch
+
+        with torch.no_grad():
+            current[...] = value
+        return True
     current[...] = value
     return True
 
@@ -639,16 +656,13 @@ def channels_last(a: Any) -> bool:
 
 
 def _torch_refuses_in_place(a: Any) -> bool:
-    """Whether torch refuses an in-place write to ``a`` (some refusals come after the
-    write is made): an inference tensor (made inside ``torch.inference_mode()``) outside
-    it, or a leaf that requires grad while grad is enabled."""
+    """Whether torch refuses an in-place write to ``a`` (after making it, for some
+    writes): an inference tensor (made inside ``torch.inference_mode()``) outside it."""
     if not array_api_compat.is_torch_array(a):
         return False
     import torch
 
-    if a.is_inference():
-        return not torch.is_inference_mode_enabled()
-    return bool(a.requires_grad and a.is_leaf and torch.is_grad_enabled())
+    return bool(a.is_inference() and not torch.is_inference_mode_enabled())
 
 
 def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
