@@ -214,7 +214,11 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
         out = copy_array(value)
     else:
-        out = xp.asarray(_to_host(value), copy=True)
+        host = _to_host(value)
+        if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
+            # a reversed view, a big-endian .npz: torch (and DLPack) take neither
+            host = np.ascontiguousarray(host, dtype=host.dtype.newbyteorder("="))
+        out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
     return out

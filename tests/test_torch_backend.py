@@ -287,3 +287,19 @@ def test_functional_running_buffers_made_in_inference_mode(torch, rng):
     F.batch_norm(x, rm, rv, training=True)
     torch.testing.assert_close(rm, want_m)
     torch.testing.assert_close(rv, want_v)
+
+
+def test_numpy_arrays_of_any_layout_and_byte_order_load_into_torch(torch, tmp_path):
+    # torch refuses NumPy arrays with negative strides or big-endian data: such a
+    # checkpoint (a reversed view, an .npz written big-endian) failed to load
+    w = np.arange(4.0, dtype=np.float32)
+    np.savez(tmp_path / "be.npz", weight=w.astype(">f4"), bias=np.zeros(4, ">f4"))
+    for state in (dict(np.load(tmp_path / "be.npz")), {"weight": w[::-1], "bias": np.zeros(4, np.float32)}):
+        on_numpy = npnorm.LayerNorm(4)
+        on_numpy.load_state_dict(state)
+        m = npnorm.LayerNorm(4, xp="torch")
+        m.load_state_dict(state)
+        assert m.weight.tolist() == on_numpy.weight.tolist() and m.weight.dtype == torch.float32
+    on_numpy = npnorm.LayerNorm(4)
+    on_numpy.weight = w[::-1]  # held as given, a reversed view
+    assert on_numpy.to("torch").weight.tolist() == [3.0, 2.0, 1.0, 0.0]
