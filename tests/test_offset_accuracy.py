@@ -137,6 +137,43 @@ def test_float32_sums_beyond_its_range(family):
             np.testing.assert_allclose(y.reshape(-1), [2.5, 2.5, -1.5, -1.5], rtol=1e-6, err_msg=op)
 
 
+def _each_backward(x, dy):
+    """Every layer's forward then backward on x (N, C, L), as the tests above; dx and the
+    parameter gradients of each."""
+    c, d = x.shape[1], x.shape[-1]
+    w, b = np.full(c, 2.0, dtype=x.dtype), np.full(c, 0.5, dtype=x.dtype)
+    wd, bd = np.full(d, 2.0, dtype=x.dtype), np.full(d, 0.5, dtype=x.dtype)
+    _, m, r = F.layer_norm_forward(x, d, wd, bd)
+    _, rr = F.rms_norm_forward(x, d, wd)
+    _, bm, br, _, _ = F.batch_norm_forward(x, None, None, w, b, training=True)
+    _, gm, gr = F.group_norm_forward(x, c, w, b)
+    _, im, ir, _, _ = F.instance_norm_forward(x, None, None, w, b, True)
+    return {
+        "layer_norm": F.layer_norm_backward(dy, x, d, m, r, wd, bd),
+        "rms_norm": F.rms_norm_backward(dy, x, d, rr, wd)[:2],
+        "batch_norm": F.batch_norm_backward(dy, x, bm, br, w, b, training=True),
+        "group_norm": F.group_norm_backward(dy, x, c, gm, gr, w, b),
+        "instance_norm": F.instance_norm_backward(dy, x, im, ir, w, b, True),
+    }
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "reference"])
+def test_float32_rows_near_its_range_have_the_references_finite_gradients(family):
+    # dy * (x - mean) overflowed float32 in the fast kernels' sums: dx NaN, dweight +-inf,
+    # where the reference (xhat first) gives finite gradients (torch float64's)
+    dy = np.array([[1.0, -2.0, 0.5, 3.0], [0.5, 1.0, -1.0, 2.0]], np.float32).reshape(2, 1, 4)
+    for rows in ([[3e38, -3e38, 3e38, -3e38], [-3e38, 3e38, -3e38, 3e38]], [[3e38, 3e38, 2e38, 2e38]] * 2):
+        x = np.array(rows, np.float32).reshape(2, 1, 4)
+        with npnorm.use_kernels("reference"):
+            want = _each_backward(x, dy)
+        with npnorm.use_kernels(family):
+            got = _each_backward(x, dy)
+        for op, results in want.items():
+            for a, b in zip(got[op], results, strict=True):
+                assert np.isfinite(b).all(), op
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-45, err_msg=op)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("scale", [1e-3, 50.0, 4e5])
 def test_constant_rows_give_the_bias(family, scale):

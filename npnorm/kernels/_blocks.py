@@ -338,6 +338,15 @@ def inv_rms(
 RECENTRE_ABOVE = 4.0
 
 
+def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """Whether some statistic has so small an rstd (a spread beyond ~1e15 in float32) that
+    a fast backward's coefficients (``rstd^3 * sum(...)``, about ``rstd^2``) underflow
+    ``ct``, or its products ``dy * (x - mean)`` overflow it; the generic kernels, which
+    form ``xhat = (x - mean) * rstd`` first, then run instead (finite input, finite and
+    accurate gradients)."""
+    return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
+
+
 def recentre(
     xc: np.ndarray,
     mean: np.ndarray,

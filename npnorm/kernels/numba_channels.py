@@ -40,7 +40,7 @@ from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
-from ._blocks import finish, grad_as, output
+from ._blocks import finish, grad_as, huge_spread, output
 from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
@@ -355,7 +355,7 @@ def batch_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm backward: each channel read once for its sums and ``dx``."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct):
+    if input.size == 0 or not compiled(ct) or (training and huge_spread(np.asarray(rstd), ct)):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, training, ct, out)
@@ -415,7 +415,7 @@ def instance_norm_backward(
     """InstanceNorm backward: GroupNorm's with one channel per group, or the affine map's
     with running statistics."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct):
+    if input.size == 0 or not compiled(ct) or (use_input_stats and huge_spread(np.asarray(rstd), ct)):
         args = (xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out)
         return _fallback("instance_norm_backward", *args)
     if use_input_stats:
@@ -462,7 +462,7 @@ def group_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """GroupNorm backward: each (sample, group) row read once."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct):
+    if input.size == 0 or not compiled(ct) or huge_spread(np.asarray(rstd), ct):
         args = (xp, grad_output, input, num_groups, mean, rstd, weight, bias, out)
         return _fallback("group_norm_backward", *args)
     return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)

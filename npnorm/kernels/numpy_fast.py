@@ -38,7 +38,7 @@ import numpy as np
 
 from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, default_eps, prod, work_dtype
-from ..functional._dispatch import specialized
+from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import (
     Rows,
     block_rows,
@@ -46,6 +46,7 @@ from ._blocks import (
     colsum,
     finish,
     grad_as,
+    huge_spread,
     inv_rms,
     output,
     param,
@@ -182,6 +183,9 @@ def layer_norm_backward(
     R = x.R
     mean_c = per_row(mean, R, ct, "mean")  # R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    if huge_spread(rstd_c, ct):  # dy * (x - mean) would overflow ct: the generic kernel
+        args = (xp, grad_output, input, shape, mean, rstd, weight, bias, out)
+        return generic_kernel("layer_norm_backward")(*args)
     r64 = rstd_c.astype(np.float64)  # R
     rr = r64 * r64 / D  # R  rstd^2 / D, in float64: it underflows float32 for huge rows
     w = param(weight, D, ct)  # D
@@ -319,6 +323,8 @@ def rms_norm_backward(
     dy = _rows(grad_output, shape, ct)  # R rows of D values
     R = x.R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    if huge_spread(rstd_c, ct):  # dy * x would overflow ct: the generic kernel
+        return generic_kernel("rms_norm_backward")(xp, grad_output, input, shape, rstd, weight, out)
     r64 = rstd_c.astype(np.float64)  # R
     rr = r64 * r64 / D  # R  rstd^2 / D, in float64 (see layer_norm_backward)
     w = param(weight, D, ct)  # D

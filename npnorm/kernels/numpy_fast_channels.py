@@ -58,7 +58,7 @@ block into scratch of the computation dtype, and the result converted on the way
 out. Inputs that cannot be viewed as rows (Fortran order, some slicings) are copied
 block by block, one sample at a time (small ones whole). Empty inputs go to the
 generic kernels, and so does a backward whose rstd is so small (a spread beyond ~1e15
-in float32) that the sweeps' coefficients would underflow (``_huge``). A single row
+in float32) that the sweeps' coefficients would underflow (``huge_spread``). A single row
 longer than a block (GroupNorm with few, large groups) is one block: memory then grows
 to a few such rows per thread.
 """
@@ -80,6 +80,7 @@ from ._blocks import (
     constant_rows,
     finish,
     grad_as,
+    huge_spread,
     inv_rms,
     output,
     param,
@@ -129,14 +130,6 @@ class _Ring:
 
 def _ring(v: np.ndarray | None, B: int) -> _Ring | None:
     return None if v is None else _Ring(v, B)
-
-
-def _huge(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
-    """Whether some statistic has so small an rstd (a spread beyond ~1e15 in float32) that
-    the backward sweeps' coefficient ``rstd^3 * sum(...)``, about ``rstd^2``, underflows
-    ``ct``; the generic kernels, which form ``xhat = (x - mean) * rstd`` first, then run
-    instead (finite input, finite and accurate gradients)."""
-    return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
 
 
 def _foldable(mean: np.ndarray, rstd: np.ndarray) -> bool:
@@ -707,7 +700,7 @@ def batch_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if training and _huge(rstd, ct):
+    if training and huge_spread(rstd, ct):
         return generic_kernel("batch_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
@@ -782,7 +775,7 @@ def instance_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if use_input_stats and _huge(rstd, ct):
+    if use_input_stats and huge_spread(rstd, ct):
         return generic_kernel("instance_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
@@ -834,7 +827,7 @@ def group_norm_backward(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if _huge(rstd, ct):
+    if huge_spread(rstd, ct):
         return generic_kernel("group_norm_backward")(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
