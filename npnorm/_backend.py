@@ -217,7 +217,7 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         host = _to_host(value)
         if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither
-            host = np.ascontiguousarray(host, dtype=host.dtype.newbyteorder("="))
+            host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
         out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
         out = xp.astype(out, dtype)
@@ -230,6 +230,16 @@ def copy_array(a: Array) -> Array:
     if array_api_compat.is_torch_array(a):
         a = a.detach()
     return array_api_compat.array_namespace(a).asarray(a, copy=True)
+
+
+def torch_refuses_in_place(a: Any) -> bool:
+    """Whether torch refuses an in-place write to ``a`` (after making it, for some
+    writes): an inference tensor (made inside ``torch.inference_mode()``) outside it."""
+    if not array_api_compat.is_torch_array(a):
+        return False
+    import torch
+
+    return bool(a.is_inference() and not torch.is_inference_mode_enabled())
 
 
 def write_uncounted(current: Array, value: Array) -> None:

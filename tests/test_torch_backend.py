@@ -303,3 +303,33 @@ def test_numpy_arrays_of_any_layout_and_byte_order_load_into_torch(torch, tmp_pa
     on_numpy = npnorm.LayerNorm(4)
     on_numpy.weight = w[::-1]  # held as given, a reversed view
     assert on_numpy.to("torch").weight.tolist() == [3.0, 2.0, 1.0, 0.0]
+
+
+def test_instance_norm_counts_its_running_statistics_writes_as_torch(torch, rng):
+    # torch's instance_norm copies into the buffers (copy_: counted, refused for inference
+    # tensors outside inference mode), unlike batch_norm's kernel
+    x = torch.tensor(rng.normal(size=(2, 3, 5)), dtype=torch.float32)
+    ours, theirs = torch.zeros(3), torch.zeros(3)
+    F.instance_norm(x, ours, torch.ones(3), use_input_stats=True)
+    torch.nn.functional.instance_norm(x, theirs, torch.ones(3), use_input_stats=True)
+    assert ours._version == theirs._version == 1
+    m = npnorm.InstanceNorm1d(3, track_running_stats=True, xp="torch")
+    ref = torch.nn.InstanceNorm1d(3, track_running_stats=True)
+    versions = (m.running_mean._version, ref.running_mean._version)
+    m(x)
+    ref(x)
+    assert (m.running_mean._version - versions[0], ref.running_mean._version - versions[1]) == (1, 1)
+    with torch.inference_mode():
+        rm, rv, trm, trv = torch.zeros(3), torch.ones(3), torch.zeros(3), torch.ones(3)
+    with pytest.raises(RuntimeError, match="nference"):
+        torch.nn.functional.instance_norm(x, trm, trv, use_input_stats=True)
+    with pytest.raises(RuntimeError, match="nference"):
+        F.instance_norm(x, rm, rv, use_input_stats=True)
+    assert rm.tolist() == [0.0] * 3 and rv.tolist() == [1.0] * 3  # (torch's wrote trm first)
+
+
+def test_a_big_endian_counter_keeps_its_shape(torch):
+    from npnorm._backend import resolve_namespace, to_namespace
+
+    for xp in ("torch", "array_api_strict", "numpy"):
+        assert tuple(to_namespace(np.array(5, ">i8"), resolve_namespace(xp)).shape) == ()

@@ -8,7 +8,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import Array, Namespace, copy_array, write_uncounted
+from .._backend import Array, Namespace, copy_array, torch_refuses_in_place, write_uncounted
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
@@ -51,21 +51,39 @@ def running_update(xp: Namespace, running: Array, batch: Array, momentum: float)
 
 
 def store_running(
-    running_mean: Array | None, running_var: Array | None, new_mean: Array | None, new_var: Array | None
+    running_mean: Array | None,
+    running_var: Array | None,
+    new_mean: Array | None,
+    new_var: Array | None,
+    *,
+    counted: bool,
 ) -> None:
     """Write updated running statistics into the caller's buffers, in place, as
-    ``torch.nn.functional.batch_norm``/``instance_norm`` do (a torch tensor's change
-    counter left alone: ``write_uncounted``); no-op without buffers. Both or neither:
-    where ``running_var`` refuses the write (a read-only NumPy array), ``running_mean``
-    gets its old values back before the error propagates."""
+    ``torch.nn.functional.batch_norm``/``instance_norm`` do; no-op without buffers.
+    ``counted``: a plain in-place write, as torch's instance_norm (``copy_``: a torch
+    tensor's change counter moves, an inference tensor is refused outside inference
+    mode); else as torch's batch_norm kernel writes them (``write_uncounted``). Both or
+    neither: where ``running_var`` refuses the write (a read-only NumPy array),
+    ``running_mean`` gets its old values back before the error propagates."""
     if running_mean is not None and running_var is not None:
+        if counted and (torch_refuses_in_place(running_mean) or torch_refuses_in_place(running_var)):
+            # torch raises this after writing running_mean: refused here before any write
+            raise RuntimeError(
+                "Inplace update to inference tensor outside InferenceMode is not allowed: the running "
+                "statistics were made inside torch.inference_mode() (nothing was written)"
+            )
+        write = _write_counted if counted else write_uncounted
         old_mean = copy_array(running_mean)  # C
-        write_uncounted(running_mean, new_mean)
+        write(running_mean, new_mean)
         try:
-            write_uncounted(running_var, new_var)
+            write(running_var, new_var)
         except BaseException:
-            write_uncounted(running_mean, old_mean)
+            write(running_mean, old_mean)
             raise
+
+
+def _write_counted(current: Array, value: Array) -> None:
+    current[...] = value
 
 
 def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -> int:

@@ -251,7 +251,7 @@ def batch_norm(
         input, running_mean, running_var, weight, bias, training, momentum, eps
     )
     if training:
-        store_running(running_mean, running_var, new_mean, new_var)
+        store_running(running_mean, running_var, new_mean, new_var, counted=False)
     return y
 
 

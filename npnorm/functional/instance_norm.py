@@ -261,7 +261,7 @@ def instance_norm(
         input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
     )
     if use_input_stats:
-        store_running(running_mean, running_var, new_mean, new_var)
+        store_running(running_mean, running_var, new_mean, new_var, counted=True)
     return y
 
 

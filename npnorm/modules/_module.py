@@ -27,6 +27,7 @@ from .._backend import (
     resolve_namespace,
     to_host,
     to_namespace,
+    torch_refuses_in_place,
     write_uncounted,
 )
 from .._grad_mode import is_grad_enabled
@@ -140,6 +141,9 @@ class Module:
     # makes backward raise: those PyTorch's backward of the layer keeps, or (None) those the
     # saved context holds.
     _kept_for_backward: tuple[str, ...] | None = None
+    # The buffers the forward updates as PyTorch's kernels do, without counting an in-place
+    # change on a torch tensor (BatchNorm's running statistics; InstanceNorm's copy_ counts)
+    _written_uncounted: tuple[str, ...] = ()
 
     def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -176,8 +180,8 @@ class Module:
             The output, of the shape and dtype of ``input``.
         """
         output, saved, updates = self._forward(input)
-        for name, value in updates.items():  # the statistics as torch's kernels write them
-            self._write(name, value, uncounted=name in _RUNNING_STATISTICS)
+        for name, value in updates.items():
+            self._write(name, value, uncounted=name in self._written_uncounted)
         self._saved = saved if is_grad_enabled() else None
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         return output
@@ -614,9 +618,6 @@ class _Overwritten(NamedTuple):
     names: list[str]
 
 
-_RUNNING_STATISTICS = ("running_mean", "running_var")
-
-
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     """Write ``value`` into ``current`` in place where it fits (same backend, shape and
     dtype, and ``current`` writable); whether it did. A torch leaf that requires grad is
@@ -633,7 +634,7 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     if uncounted:
         write_uncounted(current, value)
         return True
-    if _torch_refuses_in_place(current):  # a new tensor instead: nothing half-written
+    if torch_refuses_in_place(current):  # a new tensor instead: nothing half-written
         return False
     if array_api_compat.is_torch_array(current) and current.requires_grad:
         import torch
@@ -653,16 +654,6 @@ def channels_last(a: Any) -> bool:
 
     layout = {4: torch.channels_last, 5: torch.channels_last_3d}.get(a.ndim)
     return layout is not None and bool(a.is_contiguous(memory_format=layout))
-
-
-def _torch_refuses_in_place(a: Any) -> bool:
-    """Whether torch refuses an in-place write to ``a`` (after making it, for some
-    writes): an inference tensor (made inside ``torch.inference_mode()``) outside it."""
-    if not array_api_compat.is_torch_array(a):
-        return False
-    import torch
-
-    return bool(a.is_inference() and not torch.is_inference_mode_enabled())
 
 
 def _copy_once(a: Array, memo: dict[int, Any]) -> Array:

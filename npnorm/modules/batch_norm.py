@@ -81,6 +81,7 @@ class _BatchNorm(_NormBase):
     statistics (the public classes' docstrings describe it)."""
 
     _kept_for_backward = ("weight", "running_mean", "running_var")  # as torch's batch_norm_backward
+    _written_uncounted = ("running_mean", "running_var")  # as torch's batch_norm kernel
 
     _expected_ndims: tuple[int, ...] = ()
 
