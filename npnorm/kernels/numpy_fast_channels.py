@@ -295,13 +295,13 @@ def _grad_sums_sweep(
     rows_dy: Rows,
     rows_x: Rows,
     ct: np.dtype[Any],
-    center: _Ring | None,
+    center: _Ring,
     need_dot: bool,
     dx: np.ndarray | None = None,
     a_coef: _Ring | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per row (N*C rows of S values): ``sum(dy)`` and, if ``need_dot``,
-    ``sum(dy * (x - center_c))`` (``sum(dy * x)`` without ``center``); (R,) arrays.
+    ``sum(dy * (x - center_c))``; (R,) arrays.
 
     With ``dx`` and ``a_coef``, the same sweep writes ``dx = a_c * dy`` (the backward
     with running statistics).
@@ -316,7 +316,7 @@ def _grad_sums_sweep(
     def work(start: int, stop: int) -> None:
         dybuf = scratch(rows_dy.staged, B, S, ct)  # B,S
         xbuf = scratch(need_dot and rows_x.staged, B, S, ct)  # B,S
-        xcbuf = scratch(need_dot and center is not None, B, S, ct)  # B,S
+        xcbuf = scratch(need_dot, B, S, ct)  # B,S
         obuf = scratch(dx2 is not None and not direct, B, S, ct)  # B,S
         ones = np.ones(S, dtype=ct)  # S
         for a, e in blocks(start, stop, B):
@@ -324,9 +324,8 @@ def _grad_sums_sweep(
             dyb = rows_dy.read(a, e, dybuf)  # n,S
             rowsum(dyb, ones, out=sdy[a:e])  # n  sum(dy)
             if sdx is not None:
-                xs = rows_x.read(a, e, xbuf)  # n,S
-                if center is not None and xcbuf is not None:
-                    xs = np.subtract(xs, center.col(a, n), out=xcbuf[:n])  # n,S  x - mean
+                assert xcbuf is not None
+                xs = np.subtract(rows_x.read(a, e, xbuf), center.col(a, n), out=xcbuf[:n])  # n,S  x - mean
                 rowdot(dyb, xs, out=sdx[a:e])  # n
             if dx2 is not None and a_coef is not None:
                 out = dx2[a:e] if obuf is None else obuf[:n]  # n,S
@@ -441,7 +440,6 @@ def _channel_backward(
     m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
     r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
     w = param(weight, C, ct)  # C
-    fold = _foldable(m, r)  # dx = b*x + (c - b*mean), one pass fewer
     center = _Ring(m, B)  # the sums take dy*(x - mean) (see the module's docstring)
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
     need_dot = batch_stats or weight is not None
@@ -454,6 +452,7 @@ def _channel_backward(
     sum_dyxc = None if sdx is None else np.sum(np.reshape(sdx, (N, C)), axis=0)  # C: sum(dy*(x - mean))
     if batch_stats:
         assert sum_dyxc is not None
+        fold = _foldable(m, r)  # dx = b*x + (c - b*mean), one pass fewer
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
     dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
     dbias = None if bias is None else sum_dy  # C
