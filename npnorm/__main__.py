@@ -30,26 +30,23 @@ from typing import Any
 PROFILED = ("LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d")  # _bench.FULL's layers
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: a count of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(least: int, what: str) -> Any:
+    """argparse type: an integer of at least ``least``, called ``what`` in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    """argparse type: an integer of at least 0 (a seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")  # a count
+_non_negative_int = _int_at_least(0, "a non-negative integer")  # a seed
 
 
 def _profiled(name: str) -> str:

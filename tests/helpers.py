@@ -129,6 +129,16 @@ def gains(module, x: np.ndarray, dtype: str) -> np.ndarray:
     return np.broadcast_to(weight / np.sqrt(var + eps), x.shape)
 
 
+def train_then_eval(torch, backend, ours, ref, data, shape, steps: int, dtype: str) -> None:
+    """``steps`` training steps of both modules on drawn data, then one in eval."""
+    for step in [*range(steps), "eval"]:
+        if step == "eval":
+            ours.eval()
+            ref.eval()
+        x, dy = data.draw(grid_arrays(shape), label="x"), data.draw(grid_arrays(shape), label="dy")
+        step_and_compare(torch, backend, ours, ref, x, dy, dtype)
+
+
 def step_and_compare(torch, backend, ours, ref, x_np, dy_np, dtype: str) -> None:
     """One forward+backward of both modules on the same data; compare all results.
 

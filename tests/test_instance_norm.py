@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import draw_state, grid_arrays, load_into_torch, randomize, step_and_compare
+from helpers import draw_state, load_into_torch, randomize, train_then_eval
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,12 +35,7 @@ def test_parity_over_training_steps_then_eval(
     draw_state(data, ours)
     load_into_torch(torch, ours, ref)
     shape = ((n,) if n else ()) + (c, *spatial)
-    for step in [*range(steps), "eval"]:
-        if step == "eval":
-            ours.eval()
-            ref.eval()
-        x, dy = data.draw(grid_arrays(shape), label="x"), data.draw(grid_arrays(shape), label="dy")
-        step_and_compare(torch, backend, ours, ref, x, dy, dtype)
+    train_then_eval(torch, backend, ours, ref, data, shape, steps, dtype)
 
 
 @pytest.mark.parametrize("training", [True, False])
