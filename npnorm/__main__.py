@@ -25,12 +25,13 @@ import argparse
 import contextlib
 import io
 import sys
+from collections.abc import Callable
 from typing import Any
 
 PROFILED = ("LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d")  # _bench.FULL's layers
 
 
-def _int_at_least(least: int, what: str) -> Any:
+def _int_at_least(least: int, what: str) -> Callable[[str], int]:
     """argparse type: an integer of at least ``least``, called ``what`` in the error."""
 
     def parse(text: str) -> int:

@@ -101,7 +101,9 @@ def gains(module, x: np.ndarray, dtype: str) -> np.ndarray:
     operations or in npnorm's; the other groups keep their own, smaller, factor."""
     name = type(module).__name__
     eps = module.eps if module.eps is not None else float(np.finfo(dtype).eps)  # RMSNorm(eps=None)
-    channel = 1  # the channel axis of the layers with per-channel weights
+    # the channel axis of the layers with per-channel weights (InstanceNorm: batched or not)
+    channel = x.ndim - _SPATIAL[name[-2:]] - 1 if name.startswith("InstanceNorm") else 1
+    per_channel = tuple(x.shape[a] if a == channel else 1 for a in range(x.ndim))
     if name == "LayerNorm" or name == "RMSNorm":
         axes = tuple(range(x.ndim - len(module.normalized_shape), x.ndim))
         centred = x - x.mean(axis=axes, keepdims=True) if name == "LayerNorm" else x
@@ -110,22 +112,15 @@ def gains(module, x: np.ndarray, dtype: str) -> np.ndarray:
         var = x.reshape(x.shape[0], module.num_groups, -1).var(axis=-1, keepdims=True)
         var = np.broadcast_to(var, (x.shape[0], module.num_groups, x[0].size // module.num_groups))
         var = var.reshape(x.shape)
-    else:
-        if name.startswith("InstanceNorm"):
-            channel = x.ndim - _SPATIAL[name[-2:]] - 1  # batched or not
-        shape = [1] * x.ndim
-        shape[channel] = x.shape[channel]
-        if module.track_running_stats and not module.training:
-            var = to_host(module.running_var).reshape(shape)
-        elif name.startswith("BatchNorm"):
-            var = x.var(axis=tuple(a for a in range(x.ndim) if a != channel), keepdims=True)
-        else:  # InstanceNorm: the axes after the channel axis
-            var = x.var(axis=tuple(range(channel + 1, x.ndim)), keepdims=True)
+    elif module.track_running_stats and not module.training:
+        var = to_host(module.running_var).reshape(per_channel)
+    elif name.startswith("BatchNorm"):
+        var = x.var(axis=tuple(a for a in range(x.ndim) if a != channel), keepdims=True)
+    else:  # InstanceNorm: the axes after the channel axis
+        var = x.var(axis=tuple(range(channel + 1, x.ndim)), keepdims=True)
     weight = np.ones(1) if module.weight is None else np.abs(to_host(module.weight))
     if module.weight is not None and name not in ("LayerNorm", "RMSNorm"):
-        shape = [1] * x.ndim
-        shape[channel] = x.shape[channel]
-        weight = weight.reshape(shape)
+        weight = weight.reshape(per_channel)
     return np.broadcast_to(weight / np.sqrt(var + eps), x.shape)
 
 
