@@ -17,6 +17,8 @@ every norm, print a table and write figures (see ``npnorm.demo``; needs the ``de
 
 ``python -m npnorm warmup [--json FILE]``: compile every numba kernel once (see
 ``npnorm._warmup``).
+
+``--quiet``, before or after the command: nothing on standard output; the exit status tells.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ def _silenced(quiet: bool) -> contextlib.AbstractContextManager[Any]:
     return contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext()
 
 
+class _Command(argparse.ArgumentParser):
+    """A command's parser, which takes ``--quiet`` after the command too (``bench --quiet``),
+    set only where given (before the command, the main parser's sets it)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_argument(
+            "--quiet", action="store_true", default=argparse.SUPPRESS, help="as --quiet before the command"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     skip = 1 if argv[:1] == ["--quiet"] else 0
@@ -78,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         help="print nothing on standard output, whatever the command; the exit status tells "
         "(errors still go to standard error)",
     )
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", parser_class=_Command)
     bench = sub.add_parser("bench", help="time every layer against textbook NumPy and PyTorch")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
     bench.add_argument("--json", metavar="FILE", help="save the figures as JSON")

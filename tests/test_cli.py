@@ -107,7 +107,13 @@ def test_demo_out_that_is_a_file_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--quiet", "learn", "layer_norm"], ["--quiet", "profile", "LayerNorm", "--reps", "1"]]
+    "argv",
+    [
+        ["--quiet", "learn", "layer_norm"],
+        ["--quiet", "profile", "LayerNorm", "--reps", "1"],
+        ["learn", "layer_norm", "--quiet"],  # after the command: was a usage error
+        ["profile", "LayerNorm", "--reps", "1", "--quiet"],
+    ],
 )
 def test_quiet_prints_nothing_for_any_command(argv, capsys):
     # --quiet reached the main job and warmup only; before learn it was a usage error

@@ -16,6 +16,8 @@ Exit status 0 when every check passes.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -318,7 +320,16 @@ def main(argv: list[str]) -> int:
         + ",".join(map(str, SPLIT))
         + ")",
     )
+    parser.add_argument(
+        "--quiet", action="store_true", help="print nothing on standard output; the exit status tells"
+    )
     args = parser.parse_args(argv)
+    with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():
+        return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The topic ``args`` names (the overview without one); usage errors through ``parser``."""
     kw: dict[str, Any] = {"eval": args.eval, "groups": 3 if args.groups is None else args.groups}
     if args.topic is None:
         overview()
