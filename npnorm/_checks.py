@@ -168,7 +168,8 @@ def default_eps(xp: Namespace, input: Array) -> float:
 
 def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") -> None:
     """``out`` (when given) must be a writable array of ``xp`` with ``like``'s shape and
-    dtype (as torch's ``out=``: no broadcasting, no casting)."""
+    dtype (as torch's ``out=``: no broadcasting, no casting), and, while torch's grad mode
+    is on, not a torch tensor that requires grad."""
     if out is None:
         return
     if namespace_of(out, what=what) is not xp:
@@ -179,6 +180,14 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{what} is read-only")
+    if getattr(out, "requires_grad", False) and array_api_compat.is_torch_array(out):
+        import torch
+
+        if torch.is_grad_enabled():  # torch's out= refuses it too: the write would bypass autograd
+            raise RuntimeError(
+                f"{what} requires grad: npnorm writes it outside autograd, as torch's out= functions "
+                "refuse to; pass a tensor that does not require grad, or call under torch.no_grad()"
+            )
 
 
 def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:

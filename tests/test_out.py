@@ -179,3 +179,20 @@ def test_out_is_keyword_only():
     x = np.ones((2, 4), np.float32)
     with pytest.raises(TypeError):
         F.layer_norm_forward(x, 4, None, None, 1e-5, np.empty_like(x))  # type: ignore[misc]
+
+
+def test_out_that_requires_grad_is_refused_as_torchs_out_refuses_it():
+    torch = pytest.importorskip("torch")
+    x = torch.ones((2, 4))
+    out = torch.full((2, 4), 7.0, requires_grad=True)  # e.g. a parameter: was written silently
+    with pytest.raises(RuntimeError, match="out requires grad"):
+        F.layer_norm_forward(x, 4, out=out)
+    with pytest.raises(RuntimeError, match="out requires grad"):
+        F.batch_norm_forward(x, None, None, training=True, out=out)
+    with pytest.raises(RuntimeError):  # torch's own
+        torch.add(x, x, out=out)
+    assert bool((out == 7).all())
+    with torch.no_grad():  # torch allows it there, and so does npnorm
+        y = F.layer_norm_forward(x, 4, out=out)[0]
+        torch.add(x, x, out=torch.zeros((2, 4), requires_grad=True))
+    assert y is out and bool((out == 0).all())
