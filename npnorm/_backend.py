@@ -215,12 +215,17 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         out = copy_array(value)
     else:
         host = _to_host(value)
+        if isinstance(host, np.ndarray) and host.dtype.kind in "OUSV":  # None, "7", a record
+            raise TypeError(
+                f"expected an array, a tensor or numbers, got {type(value).__name__} {value!r:.60}"
+            )
         if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
         out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
-        out = xp.astype(out, dtype)
+        with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
+            out = xp.astype(out, dtype)
     return out
 
 

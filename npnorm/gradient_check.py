@@ -24,7 +24,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, namespace_of, to_host, to_namespace
+from ._backend import Array, Namespace, copy_array, namespace_of, to_host, to_namespace
 from ._checks import check_real
 from ._grad_mode import enable_grad
 from .modules._module import Module
@@ -178,6 +178,8 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
         module.to(xp=xp)  # the input's backend: the module's settings are read against it
         module._pin_for_float64(x)
         module.to(dtype="float64")
+        for name, value in {**module.parameters(), **module.buffers()}.items():  # the check's own
+            setattr(module, name, copy_array(value))  # arrays (to() keeps those already float64)
         x64 = to_namespace(x, xp, xp.float64)
         module.zero_grad()
         y = module(x64)

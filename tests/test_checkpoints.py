@@ -160,6 +160,66 @@ def test_running_stats_into_an_untracked_instance_norm_as_in_torch(torch):
     assert ours.load_state_dict(versioned, strict=False).unexpected_keys == want
 
 
+def test_npnorm_state_carries_torchs_version_so_it_loads_as_a_current_checkpoint(torch):
+    """npnorm's state_dict records the layer's version in ``_metadata`` as torch's does:
+    a tracking InstanceNorm's state into one that does not track is then unexpected keys
+    under strict=False, in npnorm and in torch (without a version both refused it as a
+    checkpoint of torch < 0.4)."""
+    src = npnorm.InstanceNorm1d(3, track_running_stats=True).state_dict()
+    ref_src = torch.nn.InstanceNorm1d(3, track_running_stats=True).state_dict()
+    assert list(src) == list(ref_src) and src._metadata == ref_src._metadata  # {"": {"version": 2}}
+    got = npnorm.InstanceNorm1d(3).load_state_dict(src, strict=False)
+    assert got == torch.nn.InstanceNorm1d(3).load_state_dict(ref_src, strict=False)
+    as_tensors = type(src)((k, torch.as_tensor(v)) for k, v in src.items())
+    as_tensors._metadata = src._metadata
+    assert torch.nn.InstanceNorm1d(3).load_state_dict(as_tensors, strict=False).unexpected_keys == list(src)
+    for make in (lambda m: m.LayerNorm(3), lambda m: m.RMSNorm(3), lambda m: m.GroupNorm(1, 3)):
+        assert make(npnorm).state_dict()._metadata == make(torch.nn).state_dict()._metadata
+
+
+def test_state_dict_takes_torchs_prefix_destination_and_keep_vars(torch):
+    ours, ref = npnorm.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    got, want = ours.state_dict(prefix="1."), ref.state_dict(prefix="1.")
+    assert list(got) == list(want) and got._metadata == want._metadata  # {"1": {"version": 2}}
+    model = ours.state_dict(destination=npnorm.LayerNorm(3).state_dict(prefix="0."), prefix="1.")
+    assert list(model) == ["0.weight", "0.bias", *want] and model._metadata == {
+        "0": {"version": 1},
+        "1": {"version": 2},
+    }
+    assert npnorm.LayerNorm(3).load_state_dict(model, prefix="0") == ([], [])
+    plain: dict = {}
+    assert ours.state_dict(destination=plain) is plain and list(plain) == list(ref.state_dict())
+    t = npnorm.LayerNorm(3, xp="torch")
+    t.weight.requires_grad_(True)  # e.g. assigned by hand: torch's state_dict detaches it
+    assert not t.state_dict()["weight"].requires_grad and t.state_dict(keep_vars=True)["weight"] is t.weight
+    assert ours.state_dict(keep_vars=True)["weight"] is ours.weight is ours.state_dict()["weight"]
+    with pytest.raises(TypeError):
+        ours.state_dict(None, "1.")  # keyword-only, as torch deprecates them positional
+
+
+@pytest.mark.parametrize("value", [None, "7", b"7", [None]])
+def test_a_value_that_is_no_array_is_a_listed_error_as_in_torch(torch, value):
+    # None was "size mismatch ... shape ()", and "7" loaded as a counter of 7
+    for key in ("bias", "num_batches_tracked"):
+        m = npnorm.BatchNorm1d(3)
+        before = snapshot(m)
+        with pytest.raises(RuntimeError, match=rf"'{key}': cannot convert .*expected an array"):
+            m.load_state_dict({**m.state_dict(), key: value})
+        assert_state_equal(m, *before)
+        with pytest.raises(RuntimeError, match=r"expected torch\.Tensor"):
+            torch.nn.BatchNorm1d(3).load_state_dict({**torch.nn.BatchNorm1d(3).state_dict(), key: value})
+
+
+def test_a_value_beyond_float16_loads_as_inf_without_a_warning_as_in_torch(torch):
+    # pytest turns warnings into errors: the overflow warning of the cast refused the load
+    sd = torch.nn.BatchNorm1d(3).state_dict()
+    sd["running_var"] = torch.tensor([7e4, 1.0, 1.0])
+    ref, ours = torch.nn.BatchNorm1d(3, dtype=torch.float16), npnorm.BatchNorm1d(3, dtype="float16")
+    ref.load_state_dict(sd)
+    ours.load_state_dict(sd)
+    np.testing.assert_array_equal(ours.running_var, ref.running_var.numpy())  # [inf, 1, 1]
+
+
 def test_a_value_too_big_for_its_dtype_is_a_listed_error():
     m = npnorm.BatchNorm1d(3)
     with pytest.raises(RuntimeError, match="'num_batches_tracked': cannot convert"):

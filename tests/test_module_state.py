@@ -164,3 +164,27 @@ def test_a_failed_forward_changes_no_held_buffer():
         m(np.ones((4, 5)))  # 5 channels, not 3
     for k, v in m.state_dict().items():
         np.testing.assert_array_equal(v, held[k], err_msg=k)
+
+
+def test_to_where_the_module_already_is_keeps_its_arrays_as_torch(torch, rng):
+    """torch's ``to()`` returns a tensor that needs no move or cast as it is: a held
+    state_dict, a SyncBatchNorm's shared buffers and the saved forward stay valid. It
+    replaced every array."""
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    m = npnorm.BatchNorm1d(3)
+    held = m.state_dict()
+    m.to("numpy").to(dtype="float32")
+    m(x)
+    m.backward(np.ones_like(x))  # the saved forward survived a no-op move
+    assert all(held[k] is v for k, v in m.state_dict().items()) and int(held["num_batches_tracked"]) == 1
+    counter = m.num_batches_tracked
+    m.to(dtype="float64")  # a cast: new float arrays, the same int64 counter, as torch
+    ref = torch.nn.BatchNorm1d(3)
+    ref_counter = ref.num_batches_tracked
+    ref.to(torch.float64)
+    assert (m.num_batches_tracked is counter) == (ref.num_batches_tracked is ref_counter) is True
+    assert held["running_mean"] is not m.running_mean and m.running_mean.dtype == np.float64
+    bn = npnorm.BatchNorm1d(3)
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
+    sync.to("numpy")
+    assert sync.running_mean is bn.running_mean

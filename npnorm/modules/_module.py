@@ -8,7 +8,8 @@ saved for backward. All math lives in :mod:`npnorm.functional`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -144,6 +145,9 @@ class Module:
     # The buffers the forward updates as PyTorch's kernels do, without counting an in-place
     # change on a torch tensor (BatchNorm's running statistics; InstanceNorm's copy_ counts)
     _written_uncounted: tuple[str, ...] = ()
+    # PyTorch's version of the same layer's state (torch's ``_version``): what state_dict
+    # records in its ``_metadata`` and load_state_dict reads back (BatchNorm/InstanceNorm: 2)
+    _version: int = 1
 
     def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -324,16 +328,57 @@ class Module:
 
     # --- state_dict ----------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Array]:
+    def state_dict(
+        self,
+        *,
+        destination: MutableMapping[str, Any] | None = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> MutableMapping[str, Any]:
         """Parameters then buffers, under PyTorch's key names for the same layer.
 
         As in PyTorch, the values are the module's own arrays, not copies: an
         in-place change to them changes the module, and a training step or a
         ``load_state_dict`` (which write in place) changes them. Copy them
         (``np.array(v)``) to keep a snapshot. ``num_batches_tracked`` is a 0-d int64
-        array.
+        array. As PyTorch's, the result is an ``OrderedDict`` whose ``_metadata``
+        records the layer's version under ``prefix`` (without its last character),
+        so that ``load_state_dict``, npnorm's or PyTorch's, reads it as a current
+        checkpoint, not as one saved before PyTorch 0.4.
+
+        Parameters
+        ----------
+        destination : mutable mapping, keyword-only, optional
+            Where to put the entries (and the version, if it has a ``_metadata``
+            mapping); returned. By default a new ``OrderedDict``.
+        prefix : str, keyword-only, default ""
+            Put before every key, as given (``"1."`` gives ``"1.weight"``): the
+            layer's place in a whole model's state_dict.
+        keep_vars : bool, keyword-only, default False
+            As PyTorch's: a torch tensor that requires grad is returned detached
+            (the same memory, without autograd history) unless ``keep_vars``.
+
+        Examples
+        --------
+        >>> import npnorm
+        >>> list(npnorm.LayerNorm(4).state_dict(prefix="encoder.norm."))
+        ['encoder.norm.weight', 'encoder.norm.bias']
         """
-        return {**self.parameters(), **self.buffers()}
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()  # type: ignore[attr-defined]
+        metadata = getattr(destination, "_metadata", None)
+        if isinstance(metadata, MutableMapping):
+            metadata[prefix[:-1]] = {"version": self._version}
+        for name, value in {**self.parameters(), **self.buffers()}.items():
+            if (
+                not keep_vars
+                and getattr(value, "requires_grad", False)
+                and array_api_compat.is_torch_array(value)
+            ):
+                value = value.detach()
+            destination[prefix + name] = value
+        return destination
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, *, prefix: str = ""
@@ -404,7 +449,7 @@ class Module:
             }
         else:
             source = {k: state_dict[k] for k in state_dict.keys()}
-        own = self.state_dict()
+        own = {**self.parameters(), **self.buffers()}
         # PyTorch's state_dict carries each module's version (torch's ``_metadata``);
         # a plain dict has none, as a checkpoint of an old PyTorch
         metadata = getattr(state_dict, "_metadata", None)
@@ -484,7 +529,10 @@ class Module:
         """Move parameters, buffers and grads to another backend and/or cast the
         floating ones to ``dtype``; returns the module.
 
-        The saved forward context is dropped: run forward again before backward.
+        As PyTorch's, an array already of that backend and dtype stays as it is (the
+        same object: ``int64`` counters, a cast to the dtype it has, a move to where it
+        is); the others are replaced by new arrays. Where anything changed, the saved
+        forward context is dropped: run forward again before backward.
 
         Parameters
         ----------
@@ -509,17 +557,26 @@ class Module:
             if value is not None:
                 moved[name] = self._moved(value, new_xp, new_dtype)
         grads = {n: self._moved(g, new_xp, new_dtype) for n, g in self.grads.items()}
+        changed = (new_xp, new_dtype) != (self.xp, self.dtype) or any(
+            value is not getattr(self, name) for name, value in moved.items()
+        )
         for name, value in moved.items():
             setattr(self, name, value)
         self.grads.clear()
         self.grads.update(grads)
         self.xp, self.dtype = new_xp, new_dtype
-        self._saved = None
+        if changed:
+            self._saved = None
         return self
 
     def _moved(self, value: Array, new_xp: Namespace, new_dtype: Any) -> Array:
+        """``value`` on ``new_xp``, its floating dtype ``new_dtype``: the array itself where
+        it already is (as torch's ``to()``: a ``state_dict()`` taken before still follows
+        the module), else a new one."""
         name = dtype_name(self.xp, value.dtype)
         target = new_dtype if name in FLOAT_NAMES else getattr(new_xp, name)
+        if namespace_of(value) is new_xp and value.dtype == target:
+            return value
         return to_namespace(value, new_xp, target)
 
     def _check_backend(self, input: Array) -> Namespace:

@@ -17,6 +17,7 @@ class _NormBase(Module):
 
     _parameter_names = ("weight", "bias")
     _buffer_names = ("running_mean", "running_var", "num_batches_tracked")
+    _version = 2  # PyTorch's _NormBase: a checkpoint of version 2 has num_batches_tracked
 
     def __init__(
         self,
