@@ -24,9 +24,11 @@ the input is float32 (where the backend has float64), then rounded once:
   ``x - mean`` passes on to every output: at a common offset of 1e3 times the spread
   that is ~3e-5 of the spread, more than torch's float32 kernels lose; in float64
   the output is as exact as float32 can hold it;
-* a constant row's float64 mean is the constant exactly, so ``x - mean`` is exactly 0
-  (the output is the bias; with ``eps=0``, NaN as in torch), not rounding noise
-  scaled up by ``rstd``.
+* a constant float32 row's float64 mean is the constant exactly, so ``x - mean`` is
+  exactly 0 (the output is the bias; with ``eps=0``, NaN as in torch), not rounding
+  noise scaled up by ``rstd``. (A float64 row has no wider dtype: its mean may be off by
+  a rounding, which ``eps`` makes harmless; with ``eps=0`` such a constant row gives
+  ±1 where torch gives NaN.)
 
 docs/derivations/ derives :func:`standardize_backward` from the chain rule, node by
 node; ``npnorm.learn`` runs that staged backward and checks each step of it.

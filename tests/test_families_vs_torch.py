@@ -77,3 +77,32 @@ def test_each_family_passes_gradcheck(name, family):
         for mode in (True, False):
             m.train(mode)
             assert npnorm.gradcheck(m, x)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=hnp.arrays(np.float64, (3, 8), elements=st.floats(-8, 8, allow_subnormal=False, width=32)),
+    exponent=st.integers(-30, -20),
+)
+def test_tiny_float32_rows_with_eps_0_are_normalized_as_in_float64(family, rows, exponent):
+    """Rows of float32 values around 1e-25 (squares below float32's normal range) with
+    eps = 0: every family gives the float64 math's result. The "numpy" family summed the
+    squares in float32, to 0: inf outputs (InstanceNorm: its bias, as a constant row)."""
+    x = (rows * 10.0**exponent).astype(np.float32)
+    x64 = x.astype(np.float64)
+    centred = x64 - x64.mean(axis=1, keepdims=True)
+    if not (centred**2).sum(axis=1).all() or not (x64**2).sum(axis=1).all():
+        return  # a constant row (or all 0): NaN by definition with eps = 0
+    ln = centred / np.sqrt((centred**2).mean(axis=1, keepdims=True))
+    rms = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True))
+    with npnorm.use_kernels(family):
+        got = {
+            "LayerNorm": npnorm.functional.layer_norm(x, 8, eps=0.0),
+            "RMSNorm": npnorm.functional.rms_norm(x, 8, eps=0.0),
+            "GroupNorm": npnorm.functional.group_norm(x[:, :, None], 1, eps=0.0)[:, :, 0],
+            "InstanceNorm": npnorm.functional.instance_norm(x[None], eps=0.0)[0],
+        }
+    for name, y in got.items():
+        want = rms if name == "RMSNorm" else ln
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -298,17 +298,22 @@ def scaled_rowdot(a: np.ndarray, b: np.ndarray, scale: np.ndarray, out: np.ndarr
     return out
 
 
-def rowsumsq(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+def rowsumsq(a: np.ndarray, out: np.ndarray, small: bool = False) -> np.ndarray:
     """``out[i] = sum_j a[i, j]**2`` for an (n,L) block: a BLAS dot in the block's dtype,
     summed again in ``out``'s dtype (float64) for the rows where that overflows (float32
-    values beyond ~1.8e19), so that a finite block has finite sums."""
+    values beyond ~1.8e19), so that a finite block has finite sums; with ``small``, also
+    for the rows whose sum is so small that squares below the dtype's normal range may
+    have lost digits (float32 values below ~1e-19: a row of 1e-25s sums to 0 in float32)."""
     tmp = out if out.dtype == a.dtype else np.empty(out.shape, dtype=a.dtype)  # n
     rowdot(a, a, out=tmp)
-    big = np.isinf(tmp)  # n
+    redo = np.isinf(tmp)  # n
     if tmp is not out:
         out[...] = tmp
-    if big.any():
-        out[big] = _wide_rowdot(a, a, big, out.dtype)
+        if small:
+            info = np.finfo(a.dtype)
+            redo |= tmp < a.shape[1] * float(info.tiny) / float(info.eps)  # lost digits > eps
+    if redo.any():
+        out[redo] = _wide_rowdot(a, a, redo, out.dtype)
     return out
 
 
@@ -317,8 +322,12 @@ def inv_rms(
 ) -> np.ndarray:
     """``out[i] = 1 / sqrt(sum_j a[i, j]**2 / count + eps)`` for an (n,L) block (``a``
     centred: the rstd of LayerNorm and GroupNorm; ``a = x``: RMSNorm's), the mean square
-    in float64 (``rowsumsq``); ``var`` (optional) receives the mean square itself."""
-    ms = rowsumsq(a, np.empty(a.shape[0], dtype=np.float64))  # n
+    in float64 (``rowsumsq``); ``var`` (optional) receives the mean square itself. Where
+    ``eps`` is so small (below ~1e-24, 0 say) that a mean square below float32's normal
+    range still counts, the rows of tiny values are summed in float64 from the start."""
+    info = np.finfo(a.dtype)
+    small = eps < float(info.tiny) / float(info.eps) ** 2  # ~8e-25 for float32
+    ms = rowsumsq(a, np.empty(a.shape[0], dtype=np.float64), small)  # n
     np.divide(ms, count, out=ms)  # mean square
     if var is not None:
         var[...] = ms
