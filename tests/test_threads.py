@@ -170,3 +170,126 @@ def test_an_interrupted_wait_still_waits_for_the_workers():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert _threads.run_parallel([lambda: "a", lambda: "b"]) == ["a", "b"]
+
+
+def _within(seconds: float, fn):
+    """``fn()`` in a helper thread; its result, or a failure if it is still running after
+    ``seconds`` (a hung pool) or raised."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(_threads._outcome(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: the pool hangs"
+    result, err = box[0]
+    if err is not None:
+        raise err
+    return result
+
+
+class _GetThenInterrupt:
+    """A worker's outbox whose first ``get`` takes its token and then raises, as a signal
+    handler does when it runs right after the call returns."""
+
+    def __init__(self, queue, shot: list):
+        self.queue, self.shot = queue, shot  # one shot for all the workers
+
+    def get(self):
+        token = self.queue.get()
+        if self.shot:
+            self.shot.clear()
+            raise KeyboardInterrupt
+        return token
+
+    def put(self, item):
+        self.queue.put(item)
+
+
+def _one_call_then_good_calls(threads: int) -> list:
+    tasks = [lambda k=k: k * k for k in range(2 * threads)]
+    # the workers' tasks outlast the caller's, so that the caller waits (takes a token)
+    slow = [t if k % threads == 0 else (lambda t=t: time.sleep(0.1) or t()) for k, t in enumerate(tasks)]
+    with pytest.raises(KeyboardInterrupt):
+        _threads.run_parallel(slow)
+    return [_threads.run_parallel(tasks) for _ in range(20)]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_an_interruption_right_after_a_wait_took_its_token_leaves_the_pool_working(threads):
+    """The probe's case 1: with two bare locks the interrupted wait acquired its lock a
+    second time and hung for good (and Ctrl-C could no longer end the process)."""
+    _threads.set_num_threads(threads)
+    _threads.run_parallel([lambda: 0] * threads)
+    shot = [True]
+    for w in _threads._workers_list:
+        w._outbox = _GetThenInterrupt(w._outbox, shot)
+    squares = [k * k for k in range(2 * threads)]
+    assert _within(30, lambda: _one_call_then_good_calls(threads)) == [squares] * 20
+
+
+@pytest.mark.parametrize("after_put", [False, True])
+def test_an_interruption_between_two_workers_starts_leaves_the_pool_working(after_put):
+    """The probe's cases 2 and 3 (3 threads): a worker started before the interruption
+    was not waited for, so the next call took its stale "done" (and returned before its
+    own tasks ran), and the worker died on "release unlocked lock"."""
+    _threads.set_num_threads(3)
+    _threads.run_parallel([lambda: 0] * 3)
+    second = _threads._workers_list[1]
+    real_start = second.start
+
+    def start_then_interrupt(ticket, tasks):
+        second.start = real_start  # once
+        if after_put:
+            real_start(ticket, tasks)
+        raise KeyboardInterrupt
+
+    second.start = start_then_interrupt
+    slow = [lambda: time.sleep(0.2) or 0, lambda: time.sleep(0.2) or 1, lambda: 2]
+    with pytest.raises(KeyboardInterrupt):
+        _within(30, lambda: _threads.run_parallel(slow))
+    got = _within(30, lambda: [_threads.run_parallel([_where(i) for i in range(6)]) for _ in range(20)])
+    assert all([i for i, _ in out] == list(range(6)) for out in got)
+    assert all(w.thread.is_alive() for w in _threads._workers_list)
+
+
+def test_ctrl_c_at_random_moments_of_pooled_calls_leaves_them_working(tmp_path):
+    """Real SIGINTs at random moments of LayerNorm calls that use the pool (the probe's
+    reproduction, shortened): each call raises KeyboardInterrupt or gives the right
+    result, and the process neither hangs nor loses a worker."""
+    script = tmp_path / "sigint.py"
+    script.write_text(
+        """
+import os, signal, sys, threading, time
+import numpy as np
+import npnorm, npnorm.functional as F
+
+npnorm.set_num_threads(int(sys.argv[1]))
+x = np.random.default_rng(0).standard_normal((96, 4096)).astype(np.float32)
+ref = F.layer_norm_forward(x, 4096)[0]
+rng = np.random.default_rng(0)
+for _ in range(60):
+    t = threading.Timer(rng.uniform(0, 2e-3), os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        t.start()
+        while t.is_alive():
+            y = np.zeros_like(x)
+            F.layer_norm_forward(x, 4096, out=y)
+            assert np.array_equal(y, ref)
+        t.join()
+        time.sleep(0.005)
+    except KeyboardInterrupt:
+        pass
+    t.join()
+y = np.zeros_like(x)
+F.layer_norm_forward(x, 4096, out=y)
+assert np.array_equal(y, ref)
+print("ok")
+"""
+    )
+    import subprocess
+    import sys
+
+    for threads in ("2", "3"):
+        done = subprocess.run(
+            [sys.executable, str(script), threads], capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
