@@ -211,14 +211,14 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     Nor does it share autograd history: a torch tensor that requires grad (an
     ``nn.Parameter``) gives a plain tensor.
     """
+    if _not_numbers(value):
+        raise TypeError(f"expected an array, a tensor or numbers, got {type(value).__name__}")
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
         out = copy_array(value)
     else:
         host = _to_host(value)
-        if isinstance(host, np.ndarray) and host.dtype.kind in "OUSV":  # None, "7", a record
-            raise TypeError(
-                f"expected an array, a tensor or numbers, got {type(value).__name__} {value!r:.60}"
-            )
+        if _not_numbers(host):  # a list of None, say
+            raise TypeError(f"expected an array, a tensor or numbers, got {type(value).__name__}")
         if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
@@ -227,6 +227,17 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)
     return out
+
+
+def _not_numbers(value: Any) -> bool:
+    """Whether ``value`` is None, a string, or a NumPy array (or scalar) of strings,
+    objects or records, which torch refuses as a tensor's values (an extension dtype such
+    as ml_dtypes' bfloat16, kind "V" too, holds numbers)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return True
+    if not isinstance(value, (np.ndarray, np.generic)):
+        return False
+    return value.dtype.kind in "OUSV" and value.dtype.isbuiltin != 2
 
 
 def copy_array(a: Array) -> Array:

@@ -195,9 +195,14 @@ def _workers(count: int) -> list[_Worker]:
     is running on it)."""
     global _workers_list
     if len(_workers_list) != count:
-        for w in _workers_list:
+        # the list is emptied first and filled one worker at a time, so that an
+        # interruption leaves it short (recreated by the next call), never holding a
+        # stopped worker (a hand-off to it was waited for forever)
+        old, _workers_list = _workers_list, []
+        for w in old:
             w.stop()
-        _workers_list = [_Worker(f"npnorm-{k}") for k in range(count)]
+        while len(_workers_list) < count:
+            _workers_list.append(_Worker(f"npnorm-{len(_workers_list)}"))
     return _workers_list
 
 
@@ -214,24 +219,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _wait_all(workers: list[_Worker], ticket: int) -> None:
-    """Wait for every worker of ``workers`` to run its tasks of ``ticket``, whatever
-    interrupts the waits (each wait is only left once its worker has finished); the
-    first interruption is raised after."""
-    interrupted: BaseException | None = None
-    pending = list(workers)
-    while True:
-        try:
-            while pending:
-                pending[0].wait(ticket)  # returns at once if already waited for
-                pending.pop(0)
-            break
-        except BaseException as e:  # re-raised below, once every worker has finished
-            interrupted = interrupted or e
-    if interrupted is not None:
-        raise interrupted
-
-
 def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     """Run the tasks, the first in the calling thread, the others on the pool.
 
@@ -241,30 +228,48 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     in any task is raised here, the first in task order, after all of them have run.
     While another call holds the pool (another thread's, or the one whose task this
     is), the tasks run one after another in the calling thread, and the first exception
-    stops them. Every task runs in the caller's context (``contextvars``): an
-    ``np.errstate`` the caller set holds in the pool's threads too.
+    stops them (a call that finds the pool free but loses the race for it to another
+    thread's waits for that call instead). Every task runs in the caller's context
+    (``contextvars``): an ``np.errstate`` the caller set holds in the pool's threads too.
+    An interruption (Ctrl-C) is raised once every worker has finished its share.
     """
     n = get_num_threads()
     threads = min(len(tasks), n)
-    if threads <= 1 or not _busy.acquire(blocking=False):
+    if threads <= 1 or _busy.locked():
         return [t() for t in tasks]
-    started: list[_Worker] = []  # the workers whose start returned: each is waited for
-    try:
+    # ``with``: released even if an interruption comes right after it is taken (a
+    # non-blocking acquire before a ``try`` left it held, the pool off for good); a caller
+    # that lost the race for it since the check above waits for the other call
+    with _busy:
         ticket = next(_tickets)
         workers = _workers(n - 1)[: threads - 1]
+        handed = 0  # workers[:handed] certainly have their tasks
         try:
             for k, w in enumerate(workers, start=1):
                 # each in a copy of the caller's context: NumPy's errstate is a context
                 # variable, which a pool thread would otherwise see at its defaults
                 w.start(ticket, [partial(contextvars.copy_context().run, t) for t in tasks[k::threads]])
-                started.append(w)
+                handed = k
             mine = [_outcome(t) for t in tasks[::threads]]
         finally:
-            _wait_all(started, ticket)
+            # every worker finishes this ticket before the call ends, whatever interrupts
+            # it: one whose start was interrupted may hold its tasks or not, so it is
+            # handed nothing under the same ticket too; each step is safe to repeat
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    for w in workers[handed:]:
+                        w.start(ticket, [])
+                    handed = len(workers)
+                    for w in workers:
+                        w.wait(ticket)  # returns at once where already waited for
+                    break
+                except BaseException as e:  # raised below, once every worker has finished
+                    interrupted = interrupted or e
+            if interrupted is not None:
+                raise interrupted
         per_thread = [mine, *(w.take(ticket) for w in workers)]
         outcomes = [per_thread[i % threads][i // threads] for i in range(len(tasks))]
-    finally:
-        _busy.release()
     for _, err in outcomes:
         if err is not None:
             raise err

@@ -210,6 +210,23 @@ def test_a_value_that_is_no_array_is_a_listed_error_as_in_torch(torch, value):
             torch.nn.BatchNorm1d(3).load_state_dict({**torch.nn.BatchNorm1d(3).state_dict(), key: value})
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_batches_tracked", np.array("7")),
+        ("weight", np.array(["1", "2", "3"])),
+        ("weight", np.array([None] * 3, dtype=object)),
+    ],
+)
+def test_numpy_arrays_of_strings_or_objects_are_refused_on_the_numpy_backend_too(key, value):
+    # they went by the same-backend copy, unchecked: "7" loaded as a counter, None as NaN
+    m = npnorm.BatchNorm1d(3)
+    before = snapshot(m)
+    with pytest.raises(RuntimeError, match=rf"'{key}': cannot convert .*expected an array"):
+        m.load_state_dict({**m.state_dict(), key: value})
+    assert_state_equal(m, *before)
+
+
 def test_a_value_beyond_float16_loads_as_inf_without_a_warning_as_in_torch(torch):
     # pytest turns warnings into errors: the overflow warning of the cast refused the load
     sd = torch.nn.BatchNorm1d(3).state_dict()

@@ -282,6 +282,11 @@ for _ in range(60):
 y = np.zeros_like(x)
 F.layer_norm_forward(x, 4096, out=y)
 assert np.array_equal(y, ref)
+from npnorm import _threads
+assert not _threads._busy.locked(), "the pool was left taken: every call runs inline"
+assert all(w.thread.is_alive() for w in _threads._workers_list)
+names = _threads.run_parallel([lambda: threading.current_thread().name] * 2)
+assert len(set(names)) == 2, names
 print("ok")
 """
     )
@@ -293,3 +298,76 @@ print("ok")
             [sys.executable, str(script), threads], capture_output=True, text=True, timeout=180
         )
         assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_interruption_after_a_put_waits_for_that_workers_tasks():
+    """A worker whose start was interrupted after its tasks went in: the call raises only
+    once they have run (they write the caller's outputs; they ran on after it returned)."""
+    _threads.set_num_threads(3)
+    _threads.run_parallel([lambda: 0] * 3)
+    second = _threads._workers_list[1]
+    real_start = second.start
+    done = []
+
+    def put_then_interrupt(ticket, tasks):
+        second.start = real_start  # once: the settling hand-off goes through
+        real_start(ticket, tasks)
+        raise KeyboardInterrupt
+
+    second.start = put_then_interrupt
+
+    def late():
+        time.sleep(0.2)
+        done.append(True)
+
+    def call():
+        with pytest.raises(KeyboardInterrupt):
+            _threads.run_parallel([lambda: 0, lambda: 1, late])
+        return list(done)
+
+    assert _within(30, call) == [True]
+    assert _threads.run_parallel([lambda k=k: k for k in range(3)]) == [0, 1, 2]
+
+
+def test_an_interruption_as_the_pool_is_taken_releases_it():
+    """The first step with the pool taken is interrupted: the pool is free afterwards. (It
+    is taken by a ``with``, released even if an interruption comes right after the lock is
+    acquired, which a test cannot stage: a non-blocking acquire before a ``try`` left it
+    taken for good there, every later call inline; the SIGINT test below checks it.)"""
+    _threads.set_num_threads(2)
+    real = _threads._tickets
+
+    class Interrupting:
+        def __next__(self):
+            _threads._tickets = real
+            raise KeyboardInterrupt
+
+    _threads._tickets = Interrupting()
+    with pytest.raises(KeyboardInterrupt):
+        _threads.run_parallel([lambda: 0, lambda: 1])
+    assert not _threads._busy.locked()
+    names = [name for _, name in _threads.run_parallel([_where(i) for i in range(2)])]
+    assert len(set(names)) == 2  # the pool's worker again, not the caller alone
+
+
+def test_an_interruption_while_the_pool_is_recreated_leaves_no_stopped_worker():
+    """Resizing stopped the old workers before the new list was in place: interrupted
+    there, the old list (stopped threads) stayed, and a call at that size waited for them
+    forever."""
+    _threads.set_num_threads(3)
+    _threads.run_parallel([lambda: 0] * 3)
+    first = _threads._workers_list[0]
+    real_stop = first.stop
+
+    def stop_then_interrupt():
+        real_stop()
+        raise KeyboardInterrupt
+
+    first.stop = stop_then_interrupt
+    _threads.set_num_threads(2)
+    with pytest.raises(KeyboardInterrupt):
+        _threads.run_parallel([lambda: 0, lambda: 1])
+    first.thread.join(10)
+    _threads.set_num_threads(3)
+    assert _within(30, lambda: _threads.run_parallel([lambda k=k: k for k in range(3)])) == [0, 1, 2]
+    assert all(w.thread.is_alive() for w in _threads._workers_list)
