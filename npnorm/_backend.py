@@ -248,6 +248,22 @@ def copy_array(a: Array) -> Array:
     return array_api_compat.array_namespace(a).asarray(a, copy=True)
 
 
+def requires_grad(a: Any) -> bool:
+    """Whether ``a`` is a torch tensor that requires grad."""
+    return bool(getattr(a, "requires_grad", False)) and array_api_compat.is_torch_array(a)
+
+
+def grad_tracked(a: Any) -> bool:
+    """Whether ``a`` is a torch tensor that requires grad while torch's grad mode is on:
+    where torch refuses it as an ``out=`` or as running statistics, since npnorm would
+    write it outside autograd."""
+    if not requires_grad(a):
+        return False
+    import torch
+
+    return bool(torch.is_grad_enabled())
+
+
 def torch_refuses_in_place(a: Any) -> bool:
     """Whether torch refuses an in-place write to ``a`` (after making it, for some
     writes): an inference tensor (made inside ``torch.inference_mode()``) outside it."""

@@ -15,7 +15,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, check_floating, compute_dtype, namespace_of
+from ._backend import Array, Namespace, check_floating, compute_dtype, grad_tracked, namespace_of
 
 Shape = tuple[int, ...]
 
@@ -180,14 +180,11 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{what} is read-only")
-    if getattr(out, "requires_grad", False) and array_api_compat.is_torch_array(out):
-        import torch
-
-        if torch.is_grad_enabled():  # torch's out= refuses it too: the write would bypass autograd
-            raise RuntimeError(
-                f"{what} requires grad: npnorm writes it outside autograd, as torch's out= functions "
-                "refuse to; pass a tensor that does not require grad, or call under torch.no_grad()"
-            )
+    if grad_tracked(out):  # torch's out= refuses it too: the write would bypass autograd
+        raise RuntimeError(
+            f"{what} requires grad: npnorm writes it outside autograd, as torch's out= functions "
+            "refuse to; pass a tensor that does not require grad, or call under torch.no_grad()"
+        )
 
 
 def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:

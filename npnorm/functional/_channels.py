@@ -8,7 +8,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import Array, Namespace, copy_array, torch_refuses_in_place, write_uncounted
+from .._backend import Array, Namespace, copy_array, grad_tracked, torch_refuses_in_place, write_uncounted
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
@@ -160,14 +160,11 @@ def check_buffers_paired(running_mean: Array | None, running_var: Array | None) 
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must be given together (or both None)")
     for name, a in (("running_mean", running_mean), ("running_var", running_var)):
-        if getattr(a, "requires_grad", False) and array_api_compat.is_torch_array(a):
-            import torch
-
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    f"{name} requires grad: the running statistics are not differentiable (PyTorch's "
-                    "batch_norm refuses them too); pass a tensor that does not require grad"
-                )
+        if grad_tracked(a):
+            raise RuntimeError(
+                f"{name} requires grad: the running statistics are not differentiable (PyTorch's "
+                "batch_norm refuses them too); pass a tensor that does not require grad"
+            )
 
 
 def channel_norm_forward(

@@ -24,6 +24,7 @@ from .._backend import (
     copy_array,
     namespace_of,
     on_device_of,
+    requires_grad,
     resolve_dtype,
     resolve_namespace,
     to_host,
@@ -371,11 +372,7 @@ class Module:
         if isinstance(metadata, MutableMapping):
             metadata[prefix[:-1]] = {"version": self._version}
         for name, value in {**self.parameters(), **self.buffers()}.items():
-            if (
-                not keep_vars
-                and getattr(value, "requires_grad", False)
-                and array_api_compat.is_torch_array(value)
-            ):
+            if not keep_vars and requires_grad(value):
                 value = value.detach()
             destination[prefix + name] = value
         return destination
@@ -693,7 +690,7 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
         return True
     if torch_refuses_in_place(current):  # a new tensor instead: nothing half-written
         return False
-    if array_api_compat.is_torch_array(current) and current.requires_grad:
+    if requires_grad(current):
         import torch
 
         with torch.no_grad():
