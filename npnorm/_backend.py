@@ -138,8 +138,9 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
 def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     """The floating dtype object of ``xp`` named by ``dtype`` (``None`` means float32).
 
-    ``dtype`` may be a name (``"float64"``), a NumPy dtype or scalar type, or a dtype
-    of ``xp`` itself.
+    ``dtype`` may be a name (``"float64"``), a NumPy dtype or scalar type, a dtype of
+    ``xp`` itself, or another backend's float dtype (``torch.float64`` on NumPy: the
+    dtype of the same name, as ported ``dtype=`` arguments pass it).
     """
     if dtype is None:
         return xp.float32
@@ -152,8 +153,8 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     else:
         try:
             name = np.dtype(dtype).name
-        except TypeError:
-            name = str(dtype)
+        except TypeError:  # another backend's dtype, by its name ("torch.float32": float32)
+            name = str(dtype).rpartition(".")[2]
     if name not in FLOAT_NAMES:
         raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {dtype!r}")
     resolved = getattr(xp, name, None)
@@ -163,6 +164,21 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
 
 
 _FLOAT_CHARS = "efd"  # NumPy's float16, float32, float64: checked without isdtype
+
+
+def check_device(xp: Namespace, device: Any) -> Any:
+    """``device`` if ``xp`` can create arrays there (``None``: the backend's default
+    device), else a ``ValueError`` that says which backend refused it and why."""
+    if device is None:
+        return None
+    try:
+        xp.empty((0,), device=device)
+    except Exception as err:  # torch: RuntimeError or AssertionError; NumPy: ValueError
+        raise ValueError(
+            f"device {device!r} is not a device of backend {backend_name(xp)} ({err}); None means "
+            f"the backend's default device, and xp= chooses the backend"
+        ) from err
+    return device
 
 
 def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:

@@ -118,7 +118,7 @@ def _drop_unset_buffers(source: Any, target: Any) -> None:
             setattr(target, name, None)
 
 
-def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
+def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any = None) -> Module:
     """The npnorm layer equivalent to a ``torch.nn`` normalization layer.
 
     The result has the same class, constructor arguments (eps, momentum, affine
@@ -137,6 +137,10 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
         as they are; bfloat16 (which npnorm does not have) becomes float32, exactly.
     xp : str or namespace module, keyword-only, default "numpy"
         Backend of the new module's arrays ("numpy", "cupy", "torch", ...).
+    device : device, keyword-only, default None
+        Device of the new module's arrays, one of that backend's (``None``: its
+        default device). ``from_torch(m, xp="torch", device=m.weight.device)``
+        keeps a layer on its GPU.
 
     Returns
     -------
@@ -153,7 +157,7 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
     >>> ref = torch.nn.LayerNorm(384, eps=1e-12, dtype=torch.float64)
     >>> ln = npnorm.from_torch(ref)
     >>> ln
-    LayerNorm((384,), eps=1e-12, elementwise_affine=True)
+    LayerNorm((384,), eps=1e-12, elementwise_affine=True, bias=True)
     >>> ln.weight.dtype
     dtype('float64')
     """
@@ -170,7 +174,7 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None) -> Module:
     tdtype = floating[0] if floating else torch.get_default_dtype()
     name = str(tdtype).removeprefix("torch.")
     ours = pair.npnorm_class(
-        **pair.arguments(module), dtype=name if name in FLOAT_NAMES else "float32", xp=xp
+        **pair.arguments(module), device=device, dtype=name if name in FLOAT_NAMES else "float32", xp=xp
     )
     _drop_unset_buffers(module, ours)
     ours.load_state_dict(module.state_dict())

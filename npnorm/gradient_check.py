@@ -259,7 +259,9 @@ def _projection(xp: Namespace, y: Array, seed: int) -> Array:
     input's scale (LayerNorm, RMSNorm) would have ``dx = J.T @ x ~ 0``, and a wrong
     scale of dx would pass."""
     rng = np.random.default_rng([seed, _PROJECTION_STREAM])
-    return xp.asarray(rng.standard_normal(tuple(y.shape)), dtype=xp.float64)
+    return xp.asarray(
+        rng.standard_normal(tuple(y.shape)), dtype=xp.float64, device=array_api_compat.device(y)
+    )
 
 
 def _compare(

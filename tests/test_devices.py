@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+import npnorm
 import npnorm.functional as F
 
 xs = pytest.importorskip("array_api_strict")
@@ -41,3 +43,83 @@ def test_row_layers_keep_the_inputs_device():
     assert _on_device1(y, mean, rstd, *F.layer_norm_backward(x, x, 5, mean, rstd, w, w))
     y, rstd = F.rms_norm_forward(x, 5, w)
     assert _on_device1(y, rstd, *F.rms_norm_backward(x, x, 5, rstd, w))
+
+
+# --- modules built on, or moved to, the second device ------------------------------
+MODULES = {
+    "BatchNorm1d": (lambda **kw: npnorm.BatchNorm1d(3, **kw), (4, 3, 5)),
+    "BatchNorm2d, momentum=None": (lambda **kw: npnorm.BatchNorm2d(3, momentum=None, **kw), (2, 3, 2, 2)),
+    "SyncBatchNorm (one rank)": (lambda **kw: npnorm.SyncBatchNorm(3, **kw), (4, 3)),
+    "InstanceNorm1d, tracked": (
+        lambda **kw: npnorm.InstanceNorm1d(3, affine=True, track_running_stats=True, **kw),
+        (2, 3, 5),
+    ),
+    "LayerNorm": (lambda **kw: npnorm.LayerNorm((2, 5), **kw), (3, 2, 5)),
+    "RMSNorm": (lambda **kw: npnorm.RMSNorm(5, **kw), (3, 5)),
+    "GroupNorm": (lambda **kw: npnorm.GroupNorm(3, 6, **kw), (2, 6, 4)),
+}
+
+
+def _arrays(m):
+    return {**m.parameters(), **m.buffers(), **m.grads}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", MODULES)
+def test_a_module_built_on_a_device_stays_there(name, training):
+    """``device=`` puts every parameter and buffer there; forward, backward, the
+    running-statistics updates, both resets and gradcheck keep them there, with the
+    results of the default device."""
+    make, shape = MODULES[name]
+    m = make(device=D1, dtype="float64", xp="array_api_strict").train(training)
+    ref = make(dtype="float64", xp="array_api_strict").train(training)
+    assert all(a.device == D1 for a in _arrays(m).values())
+    x = np.random.default_rng(0).normal(size=shape)
+    y = m(xs.asarray(x, device=D1))
+    dx = m.backward(xs.ones_like(y))
+    y_ref = ref(xs.asarray(x))
+    dx_ref = ref.backward(xs.ones_like(y_ref))
+    assert y.device == D1 and dx.device == D1
+    assert all(a.device == D1 for a in _arrays(m).values())
+    np.testing.assert_array_equal(np.asarray(y.to_device(xs.Device("CPU_DEVICE"))), np.asarray(y_ref))
+    np.testing.assert_array_equal(np.asarray(dx.to_device(xs.Device("CPU_DEVICE"))), np.asarray(dx_ref))
+    m.reset_parameters()  # (and the running statistics, where the layer has them)
+    assert all(a.device == D1 for a in _arrays(m).values())
+    assert npnorm.gradcheck(m, xs.asarray(x, device=D1))
+
+
+def test_to_moves_a_module_to_a_device_and_keeps_what_is_there():
+    m = npnorm.BatchNorm1d(3, xp="array_api_strict")
+    m(xs.ones((2, 3)))
+    m.backward(xs.ones((2, 3)))
+    here = m.to(device=xs.Device("CPU_DEVICE")).weight  # already there: the same arrays
+    assert here is m.weight
+    assert m.to(device=D1) is m
+    assert all(a.device == D1 for a in _arrays(m).values())
+    assert m.weight is not here
+    with pytest.raises(RuntimeError, match="forward"):  # the move dropped the saved forward
+        m.backward(xs.ones((2, 3), device=D1))
+    y = m(xs.ones((2, 3), device=D1))
+    assert y.device == D1
+
+
+@pytest.mark.parametrize(
+    "module", [npnorm.InstanceNorm1d(3), npnorm.LayerNorm(4, elementwise_affine=False)], ids=repr
+)
+def test_gradcheck_on_the_inputs_device(module):
+    """gradcheck's projection ``u`` is made on the output's device (it was made on the
+    default device: a torch CUDA or second-GPU input failed to combine with it)."""
+    x = xs.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), device=D1)
+    assert npnorm.gradcheck(module, x)
+
+
+def test_from_torch_onto_a_device():
+    torch = pytest.importorskip("torch")
+    ref = torch.nn.BatchNorm1d(3, momentum=None)
+    ref(torch.randn(5, 3))
+    ours = npnorm.from_torch(ref, xp="array_api_strict", device=D1)
+    assert all(a.device == D1 for a in _arrays(ours).values())
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(
+            np.asarray(getattr(ours, k).to_device(xs.Device("CPU_DEVICE"))), v.numpy()
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import numpy as np
@@ -184,8 +185,95 @@ def test_to_unknown_backend_is_a_clear_error():
         npnorm.LayerNorm(3).to("no_such_backend_xyz")
 
 
+# every layer in a few configurations, as npnorm(...) and torch.nn(...) build it
+TORCH_TWINS = [
+    lambda m: m.LayerNorm(4),
+    lambda m: m.LayerNorm((2, 4), eps=1e-12, bias=False),
+    lambda m: m.LayerNorm(4, elementwise_affine=False),
+    lambda m: m.RMSNorm(4),
+    lambda m: m.RMSNorm(4, eps=1e-6, elementwise_affine=False),
+    lambda m: m.GroupNorm(2, 4),
+    lambda m: m.GroupNorm(2, 4, affine=False),
+    lambda m: m.GroupNorm(2, 4, bias=False),
+    lambda m: m.BatchNorm1d(4),
+    lambda m: m.BatchNorm2d(4, momentum=None, affine=False),
+    lambda m: m.BatchNorm3d(4, bias=False, track_running_stats=False),
+    lambda m: m.InstanceNorm1d(4),
+    lambda m: m.InstanceNorm2d(4, affine=True, track_running_stats=True),
+    lambda m: m.InstanceNorm3d(4, affine=True, bias=False),
+    lambda m: m.SyncBatchNorm(4),
+]
+
+
 def test_repr():
-    assert repr(npnorm.LayerNorm(4)) == "LayerNorm((4,), eps=1e-05, elementwise_affine=True)"
+    assert repr(npnorm.LayerNorm(4)) == "LayerNorm((4,), eps=1e-05, elementwise_affine=True, bias=True)"
+
+
+@pytest.mark.parametrize("make", TORCH_TWINS)
+def test_repr_is_torchs(torch, make):
+    """PyTorch 2.13 prints ``bias=`` on every layer but RMSNorm (npnorm printed it
+    only for ``bias=False`` with affine, and never on LayerNorm)."""
+    assert repr(make(npnorm)) == repr(make(torch.nn))
+
+
+@pytest.mark.parametrize("name", [p.npnorm_class.__name__ for p in npnorm.convert.PAIRS])
+def test_constructor_takes_torchs_positional_arguments(torch, name):
+    """torch's positional arguments, device and dtype included, in torch's order and
+    with its defaults (a ported ``LayerNorm(d, eps, True, True, None, None)`` or
+    ``**factory_kwargs`` call works); SyncBatchNorm's ``process_group`` is ``comm``."""
+    ours = inspect.signature(getattr(npnorm, name)).parameters.values()
+    theirs = inspect.signature(getattr(torch.nn, name)).parameters.values()
+    positional = (inspect.Parameter.POSITIONAL_OR_KEYWORD,)
+    ours_pos = [(p.name, p.default) for p in ours if p.kind in positional]
+    theirs_pos = [(p.name, p.default) for p in theirs if p.kind in positional]
+    assert ours_pos == [("comm" if n == "process_group" else n, d) for n, d in theirs_pos]
+    theirs_kw = {p.name: p.default for p in theirs if p.kind == inspect.Parameter.KEYWORD_ONLY}
+    assert theirs_kw.items() <= {p.name: p.default for p in ours}.items()
+
+
+def test_factory_kwargs_and_torch_dtypes(torch):
+    """torch's ``factory_kwargs``: ``device=None`` or "cpu" on NumPy, and a torch dtype
+    naming the dtype of the same name on any backend."""
+    ln = npnorm.LayerNorm(8, 1e-12, True, True, None, torch.float64)
+    assert ln.weight.dtype == np.float64 and isinstance(ln.weight, np.ndarray)
+    gn = npnorm.GroupNorm(2, 4, device="cpu", dtype=torch.float16)
+    assert gn.weight.dtype == np.float16
+    bn = npnorm.BatchNorm1d(3).to(dtype=torch.float64)
+    assert bn.running_var.dtype == np.float64 and bn.num_batches_tracked.dtype == np.int64
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        npnorm.BatchNorm1d(3, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("device", ["cuda", "gpu:0", 0])
+def test_a_device_numpy_lacks_is_a_clear_error(device):
+    with pytest.raises(ValueError, match=r"not a device of backend numpy.*xp= chooses the backend"):
+        npnorm.BatchNorm2d(3, device=device)
+    m = npnorm.LayerNorm(3)
+    before = {k: v.copy() for k, v in m.state_dict().items()}
+    w = m.weight
+    with pytest.raises(ValueError, match="not a device of backend numpy"):
+        m.to(device=device)
+    assert m.weight is w and all(np.array_equal(before[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("make", TORCH_TWINS)
+def test_reset_parameters_is_torchs(torch, make, rng):
+    """``reset_parameters``: running statistics reset (where tracked), weight ones and
+    bias zeros, in place (a state_dict taken before sees it), as torch's."""
+    ours, ref = make(npnorm), make(torch.nn)
+    ours.load_state_dict(
+        {
+            k: rng.normal(size=v.shape).astype(np.float32) if v.is_floating_point() else v.numpy() + 5
+            for k, v in ref.state_dict().items()
+        }
+    )
+    ref.load_state_dict({k: torch.as_tensor(v) for k, v in ours.state_dict().items()})
+    held = ours.state_dict()
+    ours.reset_parameters()
+    ref.reset_parameters()
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(held[k], v.numpy(), err_msg=k)
+        assert held[k] is getattr(ours, k)
 
 
 @pytest.mark.parametrize("source", ["torch", "numpy"])

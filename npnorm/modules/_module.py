@@ -21,6 +21,7 @@ from .._backend import (
     Array,
     Namespace,
     backend_name,
+    check_device,
     copy_array,
     namespace_of,
     on_device_of,
@@ -37,12 +38,19 @@ from .._grad_mode import is_grad_enabled
 Saved = tuple[Any, ...]
 Updates = dict[str, Array]
 
-# The two keyword-only constructor arguments every layer takes, as its docstring lists them.
-DTYPE_XP_DOC = """dtype : str or dtype, keyword-only, default "float32"
-        Floating dtype of the parameters and running statistics: "float16",
-        "float32" or "float64" (or a NumPy or backend dtype). Input of another
-        float dtype is computed at the wider of the two precisions (float16 input
-        in float32) and returned in its own dtype.
+# The constructor arguments every layer takes last (device and dtype where PyTorch has
+# them, xp keyword-only), as its docstring lists them.
+DEVICE_DTYPE_XP_DOC = """device : device, default None
+        Where the parameters (and buffers) are created: a device of the backend
+        ``xp`` ("cpu" for NumPy; a ``torch.device`` or "cuda:0" with
+        ``xp="torch"``); ``None`` is the backend's default device, and a device
+        the backend does not have raises ``ValueError``.
+    dtype : str or dtype, default "float32"
+        Floating dtype of the parameters (and running statistics): "float16",
+        "float32" or "float64" (or a NumPy or backend dtype; another backend's,
+        such as ``torch.float64``, names the dtype of the same name). Input of
+        another float dtype is computed at the wider of the two precisions
+        (float16 input in float32) and returned in its own dtype.
     xp : str or namespace module, keyword-only, default "numpy"
         Array backend of the parameters and buffers: "numpy", "cupy", "torch",
         "array_api_strict" or an Array API namespace module. The input must be
@@ -110,8 +118,11 @@ class Module:
 
     Parameters
     ----------
+    device : device, keyword-only, default None
+        A device of the backend ``xp``, checked here (``ValueError`` for one it does
+        not have); the layer creates its arrays there (``device=device``).
     dtype : float dtype or its name, keyword-only, default float32
-        Floating dtype of the parameters and running statistics: "float16",
+        Floating dtype of the parameters (and running statistics): "float16",
         "float32" or "float64", a NumPy dtype, or a dtype of the backend.
     xp : str or namespace module, keyword-only, default "numpy"
         Array backend of the parameters and buffers: "numpy", "cupy", "torch",
@@ -150,9 +161,10 @@ class Module:
     # records in its ``_metadata`` and load_state_dict reads back (BatchNorm/InstanceNorm: 2)
     _version: int = 1
 
-    def __init__(self, *, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
+    def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
         self.dtype: Any = resolve_dtype(self.xp, dtype)
+        check_device(self.xp, device)  # the layer creates its arrays there
         self.training: bool = True
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
@@ -509,6 +521,13 @@ class Module:
         setattr(self, name, value)
         return False
 
+    def _refill(self, name: str, fill: float) -> None:
+        """Set every value of parameter or buffer ``name`` (where it exists) to ``fill``,
+        in place where it can be (as PyTorch's ``fill_``): on its device, in its dtype."""
+        current = getattr(self, name)
+        if current is not None:
+            self._write(name, self.xp.full_like(current, fill))
+
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         """Values ``load_state_dict`` uses for keys a checkpoint of PyTorch module
         version ``version`` (None: unknown, a plain dict) may lack; none by default."""
@@ -522,13 +541,13 @@ class Module:
 
     # --- backends ------------------------------------------------------------
 
-    def to(self, xp: str | ModuleType | None = None, *, dtype: Any = None) -> Module:
-        """Move parameters, buffers and grads to another backend and/or cast the
-        floating ones to ``dtype``; returns the module.
+    def to(self, xp: str | ModuleType | None = None, *, device: Any = None, dtype: Any = None) -> Module:
+        """Move parameters, buffers and grads to another backend and/or device, and/or
+        cast the floating ones to ``dtype``; returns the module.
 
-        As PyTorch's, an array already of that backend and dtype stays as it is (the
-        same object: ``int64`` counters, a cast to the dtype it has, a move to where it
-        is); the others are replaced by new arrays. Where anything changed, the saved
+        As PyTorch's, an array already of that backend, device and dtype stays as it is
+        (the same object: ``int64`` counters, a cast to the dtype it has, a move to where
+        it is); the others are replaced by new arrays. Where anything changed, the saved
         forward context is dropped: run forward again before backward.
 
         Parameters
@@ -536,6 +555,10 @@ class Module:
         xp : str or namespace module, optional
             "numpy", "cupy", "torch", "array_api_strict" or a namespace module;
             ``None`` keeps the current backend.
+        device : device, keyword-only, optional
+            A device of that backend (``"cuda:0"`` with torch, say: ``ValueError`` for
+            one it does not have); ``None`` keeps each array on its device (a move to
+            another backend puts them on its default device).
         dtype : float dtype or its name, keyword-only, optional
             ``None`` keeps the current dtype. ``num_batches_tracked`` stays int64.
 
@@ -548,12 +571,13 @@ class Module:
         """
         new_xp = self.xp if xp is None else resolve_namespace(xp)
         new_dtype = resolve_dtype(new_xp, dtype_name(self.xp, self.dtype) if dtype is None else dtype)
+        check_device(new_xp, device)
         moved: dict[str, Array] = {}
         for name in (*self._parameter_names, *self._buffer_names):
             value = getattr(self, name)
             if value is not None:
-                moved[name] = self._moved(value, new_xp, new_dtype)
-        grads = {n: self._moved(g, new_xp, new_dtype) for n, g in self.grads.items()}
+                moved[name] = self._moved(value, new_xp, new_dtype, device)
+        grads = {n: self._moved(g, new_xp, new_dtype, device) for n, g in self.grads.items()}
         changed = (new_xp, new_dtype) != (self.xp, self.dtype) or any(
             value is not getattr(self, name) for name, value in moved.items()
         )
@@ -566,15 +590,17 @@ class Module:
             self._saved = None
         return self
 
-    def _moved(self, value: Array, new_xp: Namespace, new_dtype: Any) -> Array:
-        """``value`` on ``new_xp``, its floating dtype ``new_dtype``: the array itself where
-        it already is (as torch's ``to()``: a ``state_dict()`` taken before still follows
-        the module), else a new one."""
+    def _moved(self, value: Array, new_xp: Namespace, new_dtype: Any, device: Any) -> Array:
+        """``value`` on ``new_xp`` (and ``device``, unless None), its floating dtype
+        ``new_dtype``: the array itself where it already is (as torch's ``to()``: a
+        ``state_dict()`` taken before still follows the module), else a new one."""
         name = dtype_name(self.xp, value.dtype)
         target = new_dtype if name in FLOAT_NAMES else getattr(new_xp, name)
-        if namespace_of(value) is new_xp and value.dtype == target:
-            return value
-        return to_namespace(value, new_xp, target)
+        if namespace_of(value) is not new_xp or value.dtype != target:
+            value = to_namespace(value, new_xp, target)
+        if device is not None:  # the backend's to_device keeps an array already there
+            value = array_api_compat.to_device(value, device)
+        return value
 
     def _check_backend(self, input: Array) -> Namespace:
         """Namespace of ``input``, which must match the module's arrays."""

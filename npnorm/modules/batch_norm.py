@@ -9,7 +9,7 @@ from .._backend import Array
 from .._checks import check_count, check_eps, check_real
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
-from ._module import DTYPE_XP_DOC, Module, Saved, Updates
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 
 
 class _NormBase(Module):
@@ -26,27 +26,28 @@ class _NormBase(Module):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
+        device: Any = None,
+        dtype: Any = None,
         *,
         bias: bool = True,
-        dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(dtype=dtype, xp=xp)
+        super().__init__(device=device, dtype=dtype, xp=xp)
         self.num_features = check_count(num_features, "num_features")
         self.eps = check_eps(eps)
         self.momentum = None if momentum is None else check_real(momentum, "momentum (or None)")
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
-        xp_, c = self.xp, num_features
-        self.weight: Array | None = xp_.ones((c,), dtype=self.dtype) if affine else None
-        self.bias: Array | None = xp_.zeros((c,), dtype=self.dtype) if affine and bias else None
+        xp_, c, on = self.xp, num_features, {"dtype": self.dtype, "device": device}
+        self.weight: Array | None = xp_.ones((c,), **on) if affine else None
+        self.bias: Array | None = xp_.zeros((c,), **on) if affine and bias else None
         self.running_mean: Array | None = None
         self.running_var: Array | None = None
         self.num_batches_tracked: Array | None = None
         if self.track_running_stats:
-            self.running_mean = xp_.zeros((c,), dtype=self.dtype)
-            self.running_var = xp_.ones((c,), dtype=self.dtype)
-            self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64)
+            self.running_mean = xp_.zeros((c,), **on)
+            self.running_var = xp_.ones((c,), **on)
+            self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64, device=device)
 
     def reset_running_stats(self) -> None:
         """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
@@ -54,13 +55,16 @@ class _NormBase(Module):
         place, as PyTorch's ``zero_()``/``fill_(1)``: a ``state_dict()`` taken earlier, or a
         module sharing the buffers (``SyncBatchNorm.convert_sync_batchnorm``), sees the reset."""
         if self.track_running_stats:
-            fresh = {
-                "running_mean": self.xp.zeros((self.num_features,), dtype=self.dtype),
-                "running_var": self.xp.ones((self.num_features,), dtype=self.dtype),
-                "num_batches_tracked": self.xp.asarray(0, dtype=self.xp.int64),
-            }
-            for name, value in fresh.items():
-                self._write(name, value)
+            self._refill("running_mean", 0)
+            self._refill("running_var", 1)
+            self._refill("num_batches_tracked", 0)
+
+    def reset_parameters(self) -> None:
+        """``reset_running_stats()``, then ``weight`` back to ones and ``bias`` to zeros
+        (where the layer has them), in place as PyTorch's ``reset_parameters``."""
+        self.reset_running_stats()
+        self._refill("weight", 1)
+        self._refill("bias", 0)
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
@@ -72,8 +76,7 @@ class _NormBase(Module):
     def extra_repr(self) -> str:
         return (
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-            + ("bias=False, " if self.affine and self.bias is None else "")
-            + f"track_running_stats={self.track_running_stats}"
+            f"bias={self.bias is not None}, track_running_stats={self.track_running_stats}"
         )
 
 
@@ -192,7 +195,7 @@ _BATCH_NORM_DOC = """Batch normalization over {input} input
     bias : bool, keyword-only, default True
         With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
         keyword of the same name).
-    {dtype_xp}
+    {device_dtype_xp}
 
     Attributes
     ----------
@@ -217,7 +220,11 @@ _BATCH_NORM_DOC = """Batch normalization over {input} input
 
 class BatchNorm1d(_BatchNorm):
     __doc__ = _BATCH_NORM_DOC.format(
-        name="BatchNorm1d", input="(N, C) or (N, C, L)", n="N or N*L", shape=(4, 3, 5), dtype_xp=DTYPE_XP_DOC
+        name="BatchNorm1d",
+        input="(N, C) or (N, C, L)",
+        n="N or N*L",
+        shape=(4, 3, 5),
+        device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )
 
     _expected_ndims = (2, 3)
@@ -225,7 +232,11 @@ class BatchNorm1d(_BatchNorm):
 
 class BatchNorm2d(_BatchNorm):
     __doc__ = _BATCH_NORM_DOC.format(
-        name="BatchNorm2d", input="(N, C, H, W)", n="N*H*W", shape=(4, 3, 2, 2), dtype_xp=DTYPE_XP_DOC
+        name="BatchNorm2d",
+        input="(N, C, H, W)",
+        n="N*H*W",
+        shape=(4, 3, 2, 2),
+        device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )
 
     _expected_ndims = (4,)
@@ -233,7 +244,11 @@ class BatchNorm2d(_BatchNorm):
 
 class BatchNorm3d(_BatchNorm):
     __doc__ = _BATCH_NORM_DOC.format(
-        name="BatchNorm3d", input="(N, C, D, H, W)", n="N*D*H*W", shape=(2, 3, 2, 2, 2), dtype_xp=DTYPE_XP_DOC
+        name="BatchNorm3d",
+        input="(N, C, D, H, W)",
+        n="N*D*H*W",
+        shape=(2, 3, 2, 2, 2),
+        device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )
 
     _expected_ndims = (5,)

@@ -9,11 +9,9 @@ from .._backend import Array
 from .._checks import check_count, check_eps
 from ..functional._channels import check_channels
 from ..functional.group_norm import check_groups, group_norm_backward, group_norm_forward
-from ._module import Module, Saved, Updates, channels_last
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates, channels_last
 
-
-class GroupNorm(Module):
-    """Group normalization (Wu & He 2018, https://arxiv.org/abs/1803.08494).
+_GROUP_NORM_DOC = """Group normalization (Wu & He 2018, https://arxiv.org/abs/1803.08494).
 
     The C channels of an (N, C, *) input are split into ``num_groups`` groups of
     C/G consecutive channels; each (sample n, group g) is normalized over its
@@ -49,15 +47,7 @@ class GroupNorm(Module):
     bias : bool, keyword-only, default True
         With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
         keyword of the same name).
-    dtype : str or dtype, keyword-only, default "float32"
-        Floating dtype of the parameters: "float16", "float32" or "float64" (or
-        a NumPy or backend dtype). Input of another float dtype is computed at
-        the wider of the two precisions (float16 input in float32) and returned
-        in its own dtype.
-    xp : str or namespace module, keyword-only, default "numpy"
-        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
-        "array_api_strict" or an Array API namespace module. The input must be
-        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+    {device_dtype_xp}
 
     Attributes
     ----------
@@ -74,7 +64,11 @@ class GroupNorm(Module):
     >>> dx = gn.backward(np.ones_like(y))
     >>> y.shape, sorted(gn.grads)
     ((3, 4, 5), ['bias', 'weight'])
-    """
+"""
+
+
+class GroupNorm(Module):
+    __doc__ = _GROUP_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     _parameter_names = ("weight", "bias")
     _kept_for_backward = ("weight",)  # as torch's native_group_norm_backward
@@ -85,21 +79,21 @@ class GroupNorm(Module):
         num_channels: int,
         eps: float = 1e-5,
         affine: bool = True,
+        device: Any = None,
+        dtype: Any = None,
         *,
         bias: bool = True,
-        dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(dtype=dtype, xp=xp)
+        super().__init__(device=device, dtype=dtype, xp=xp)
         num_channels = check_count(num_channels, "num_channels")
         num_groups = check_groups(num_groups, num_channels)
         self.num_groups, self.num_channels = num_groups, num_channels
         self.eps = check_eps(eps)
         self.affine = bool(affine)
-        self.weight: Array | None = self.xp.ones((num_channels,), dtype=self.dtype) if affine else None
-        self.bias: Array | None = (
-            self.xp.zeros((num_channels,), dtype=self.dtype) if affine and bias else None
-        )
+        on = {"dtype": self.dtype, "device": device}
+        self.weight: Array | None = self.xp.ones((num_channels,), **on) if affine else None
+        self.bias: Array | None = self.xp.zeros((num_channels,), **on) if affine and bias else None
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -121,6 +115,14 @@ class GroupNorm(Module):
         )
         return dx, {"weight": dweight, "bias": dbias}
 
+    def reset_parameters(self) -> None:
+        """``weight`` back to ones and ``bias`` to zeros (where the layer has them), in
+        place as PyTorch's ``reset_parameters``."""
+        self._refill("weight", 1)
+        self._refill("bias", 0)
+
     def extra_repr(self) -> str:
-        bias = ", bias=False" if self.affine and self.bias is None else ""
-        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}{bias}"
+        return (
+            f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}, "
+            f"bias={self.bias is not None}"
+        )

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._backend import Array, copy_array
 from ..functional.instance_norm import instance_norm_backward, instance_norm_forward
-from ._module import DTYPE_XP_DOC, Saved, Updates
+from ._module import DEVICE_DTYPE_XP_DOC, Saved, Updates
 from .batch_norm import _NormBase
 
 
@@ -27,13 +27,14 @@ class _InstanceNorm(_NormBase):
         momentum: float | None = 0.1,
         affine: bool = False,
         track_running_stats: bool = False,
+        device: Any = None,
+        dtype: Any = None,
         *,
         bias: bool = True,
-        dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, bias=bias, dtype=dtype, xp=xp
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias, xp=xp
         )
 
     def _legacy_keys(self, source: dict[str, Any], version: int | None, prefix: str) -> list[str]:
@@ -168,7 +169,7 @@ _INSTANCE_NORM_DOC = """Instance normalization over {input} input, or unbatched
     bias : bool, keyword-only, default True
         With ``affine``, learn ``bias`` as well as ``weight`` (PyTorch 2.13's
         keyword of the same name).
-    {dtype_xp}
+    {device_dtype_xp}
 
     Attributes
     ----------
@@ -193,7 +194,7 @@ _INSTANCE_NORM_DOC = """Instance normalization over {input} input, or unbatched
 class InstanceNorm1d(_InstanceNorm):
     __doc__ = _INSTANCE_NORM_DOC.format(
         name="InstanceNorm1d", input="(N, C, L)", unbatched="(C, L)", s="L", shape=(2, 3, 5),
-        unbatched_shape=(3, 5), dtype_xp=DTYPE_XP_DOC,
+        unbatched_shape=(3, 5), device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )  # fmt: skip
 
     _no_batch_ndim = 2
@@ -202,7 +203,7 @@ class InstanceNorm1d(_InstanceNorm):
 class InstanceNorm2d(_InstanceNorm):
     __doc__ = _INSTANCE_NORM_DOC.format(
         name="InstanceNorm2d", input="(N, C, H, W)", unbatched="(C, H, W)", s="H*W", shape=(2, 3, 4, 4),
-        unbatched_shape=(3, 4, 4), dtype_xp=DTYPE_XP_DOC,
+        unbatched_shape=(3, 4, 4), device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )  # fmt: skip
 
     _no_batch_ndim = 3
@@ -211,7 +212,7 @@ class InstanceNorm2d(_InstanceNorm):
 class InstanceNorm3d(_InstanceNorm):
     __doc__ = _INSTANCE_NORM_DOC.format(
         name="InstanceNorm3d", input="(N, C, D, H, W)", unbatched="(C, D, H, W)", s="D*H*W",
-        shape=(2, 3, 2, 2, 2), unbatched_shape=(3, 2, 2, 2), dtype_xp=DTYPE_XP_DOC,
+        shape=(2, 3, 2, 2, 2), unbatched_shape=(3, 2, 2, 2), device_dtype_xp=DEVICE_DTYPE_XP_DOC,
     )  # fmt: skip
 
     _no_batch_ndim = 4

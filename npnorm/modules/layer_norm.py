@@ -9,11 +9,9 @@ from typing import Any
 from .._backend import Array
 from .._checks import as_shape, check_eps
 from ..functional.layer_norm import layer_norm_backward, layer_norm_forward
-from ._module import Module, Saved, Updates
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 
-
-class LayerNorm(Module):
-    """Layer normalization (Ba, Kiros & Hinton 2016, https://arxiv.org/abs/1607.06450).
+_LAYER_NORM_DOC = """Layer normalization (Ba, Kiros & Hinton 2016, https://arxiv.org/abs/1607.06450).
 
     Each row (the trailing ``normalized_shape`` axes of the input, D values) is
     normalized on its own:
@@ -50,15 +48,7 @@ class LayerNorm(Module):
         output is xhat.
     bias : bool, default True
         Learn ``bias`` as well as ``weight`` (with ``elementwise_affine``).
-    dtype : str or dtype, keyword-only, default "float32"
-        Floating dtype of the parameters: "float16", "float32" or "float64" (or
-        a NumPy or backend dtype). Input of another float dtype is computed at
-        the wider of the two precisions (float16 input in float32) and returned
-        in its own dtype.
-    xp : str or namespace module, keyword-only, default "numpy"
-        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
-        "array_api_strict" or an Array API namespace module. The input must be
-        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+    {device_dtype_xp}
 
     Attributes
     ----------
@@ -77,7 +67,11 @@ class LayerNorm(Module):
     >>> dx = ln.backward(np.ones_like(y))
     >>> sorted(ln.grads)
     ['bias', 'weight']
-    """
+"""
+
+
+class LayerNorm(Module):
+    __doc__ = _LAYER_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     _parameter_names = ("weight", "bias")
     _kept_for_backward = ("weight", "bias")  # as torch's native_layer_norm_backward
@@ -88,20 +82,21 @@ class LayerNorm(Module):
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
-        *,
+        device: Any = None,
         dtype: Any = None,
+        *,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(dtype=dtype, xp=xp)
+        super().__init__(device=device, dtype=dtype, xp=xp)
         self.normalized_shape = as_shape(normalized_shape)
         self.eps = check_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         self.weight: Array | None = None
         self.bias: Array | None = None
         if self.elementwise_affine:
-            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype)
+            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype, device=device)
             if bias:
-                self.bias = self.xp.zeros(self.normalized_shape, dtype=self.dtype)
+                self.bias = self.xp.zeros(self.normalized_shape, dtype=self.dtype, device=device)
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -115,5 +110,14 @@ class LayerNorm(Module):
         )
         return dx, {"weight": dweight, "bias": dbias}
 
+    def reset_parameters(self) -> None:
+        """``weight`` back to ones and ``bias`` to zeros (where the layer has them), in
+        place as PyTorch's ``reset_parameters``."""
+        self._refill("weight", 1)
+        self._refill("bias", 0)
+
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"bias={self.bias is not None}"
+        )

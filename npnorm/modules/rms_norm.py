@@ -9,11 +9,9 @@ from typing import Any
 from .._backend import Array
 from .._checks import as_shape, check_eps, default_eps
 from ..functional.rms_norm import rms_norm_backward, rms_norm_forward
-from ._module import Module, Saved, Updates
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 
-
-class RMSNorm(Module):
-    """Root-mean-square normalization (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
+_RMS_NORM_DOC = """Root-mean-square normalization (Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467).
 
     Each row (the trailing ``normalized_shape`` axes of the input, D values) is
     scaled by its root mean square; no mean is subtracted and there is no bias:
@@ -43,15 +41,7 @@ class RMSNorm(Module):
         machine epsilon of the dtype the input is computed in.
     elementwise_affine : bool, default True
         Learn ``weight``; without it the output is xhat.
-    dtype : str or dtype, keyword-only, default "float32"
-        Floating dtype of the parameters: "float16", "float32" or "float64" (or
-        a NumPy or backend dtype). Input of another float dtype is computed at
-        the wider of the two precisions (float16 input in float32) and returned
-        in its own dtype.
-    xp : str or namespace module, keyword-only, default "numpy"
-        Array backend of the parameters and buffers: "numpy", "cupy", "torch",
-        "array_api_strict" or an Array API namespace module. The input must be
-        of the same backend (``TypeError`` otherwise; ``to()`` moves a module).
+    {device_dtype_xp}
 
     Attributes
     ----------
@@ -69,7 +59,11 @@ class RMSNorm(Module):
     >>> dx = rms.backward(np.ones_like(y))
     >>> sorted(rms.grads)
     ['weight']
-    """
+"""
+
+
+class RMSNorm(Module):
+    __doc__ = _RMS_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     _parameter_names = ("weight",)
     _kept_for_backward = ("weight",)
@@ -79,17 +73,18 @@ class RMSNorm(Module):
         normalized_shape: int | Sequence[int],
         eps: float | None = None,
         elementwise_affine: bool = True,
-        *,
+        device: Any = None,
         dtype: Any = None,
+        *,
         xp: str | ModuleType | None = None,
     ) -> None:
-        super().__init__(dtype=dtype, xp=xp)
+        super().__init__(device=device, dtype=dtype, xp=xp)
         self.normalized_shape = as_shape(normalized_shape)
         self.eps = None if eps is None else check_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         self.weight: Array | None = None
         if self.elementwise_affine:
-            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype)
+            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype, device=device)
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -104,6 +99,11 @@ class RMSNorm(Module):
         input, rstd, weight = saved
         dx, dweight, _ = rms_norm_backward(grad_output, input, self.normalized_shape, rstd, weight)
         return dx, {"weight": dweight}
+
+    def reset_parameters(self) -> None:
+        """``weight`` back to ones (where the layer has it), in place as PyTorch's
+        ``reset_parameters``."""
+        self._refill("weight", 1)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -9,7 +9,7 @@ from .._backend import Array
 from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.sync_batch_norm import synced_backward, synced_forward
-from ._module import DTYPE_XP_DOC, Module, Saved, Updates
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 from .batch_norm import _BatchNorm
 
 _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI job
@@ -85,7 +85,7 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
         process's MPI state, shared, never copied); a pickled module comes back with
         ``comm=None`` (communicators cannot be pickled): set ``m.comm`` again if it
         used another one.
-    {dtype_xp}
+    {device_dtype_xp}
 
     Examples
     --------
@@ -101,7 +101,7 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
 
 
 class SyncBatchNorm(_BatchNorm):
-    __doc__ = _SYNC_BATCH_NORM_DOC.format(dtype_xp=DTYPE_XP_DOC)
+    __doc__ = _SYNC_BATCH_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     def __init__(
         self,
@@ -110,14 +110,15 @@ class SyncBatchNorm(_BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
+        comm: Comm | None = None,
+        device: Any = None,
+        dtype: Any = None,
         *,
         bias: bool = True,
-        comm: Comm | None = None,
-        dtype: Any = None,
         xp: str | ModuleType | None = None,
     ) -> None:
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, bias=bias, dtype=dtype, xp=xp
+            num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias, xp=xp
         )
         self.comm: Comm | None = check_comm(comm)
 
