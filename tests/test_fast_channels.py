@@ -254,18 +254,6 @@ def test_group_norm_matches_generic(case):
     check_group_norm(case)
 
 
-@settings(max_examples=60)
-@given(batch=cases("batch"), group=cases("group"))
-def test_einsum_reductions_for_older_numpy_match_generic(batch, group):
-    """The einsum fallbacks of ``_blocks`` (NumPy without vecdot / vecmat)."""
-    # a patch per drawn example (hypothesis and function-scoped fixtures do not mix)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_blocks, "_HAS_VECDOT", False)
-        mp.setattr(_blocks, "_HAS_VECMAT", False)
-        check_batch_norm(batch)
-        check_group_norm(group)
-
-
 def check_group_norm(case):
     x, dy, w, b, _, _ = make_inputs(case)
     g = case["groups"]

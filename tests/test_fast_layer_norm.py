@@ -208,17 +208,6 @@ def test_rms_norm_matches_generic_many_blocks_and_threads(small_blocks, p):
     check_rms_norm(p)
 
 
-@settings(max_examples=40, suppress_health_check=FIXTURES_OK)
-@given(p=problems)
-def test_einsum_reductions_for_older_numpy_match_generic(small_blocks, monkeypatch, p):
-    """The einsum fallbacks of ``_blocks`` (NumPy without vecdot / vecmat)."""
-    monkeypatch.setattr(_blocks, "_HAS_VECDOT", False)
-    monkeypatch.setattr(_blocks, "_HAS_VECMAT", False)
-    _threads.set_num_threads(2)
-    check_layer_norm(p, eps=p["eps"] or 1e-5)
-    check_rms_norm(p)
-
-
 @settings(suppress_health_check=FIXTURES_OK)
 @given(p=problems)
 def test_layer_norm_matches_generic_default_blocks_one_thread(p):

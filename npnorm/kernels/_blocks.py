@@ -51,9 +51,6 @@ def view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
         return np.reshape(a, shape, copy=False)
     except ValueError:
         return None
-    except TypeError:  # NumPy < 2.1: no copy argument
-        r = np.reshape(a, shape)
-        return r if np.may_share_memory(r, a) else None
 
 
 class Rows:
@@ -230,18 +227,12 @@ def sum_in_order(partials: list[np.ndarray | None]) -> np.ndarray | None:
 # vecdot and vecmat are BLAS dot / gemv loops: one read of the block at full speed, with
 # the GIL released, and they keep their speed when two threads run them at once (an
 # axis-0 ``add.reduce`` or an ``einsum`` over a block ran 2-3x slower with two threads
-# than with one on the development machine). einsum is the fallback for NumPy < 2.0
-# (no vecdot) and < 2.2 (no vecmat).
-
-_HAS_VECDOT = hasattr(np, "vecdot")
-_HAS_VECMAT = hasattr(np, "vecmat")
+# than with one on the development machine).
 
 
 def rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks (``b`` may be one (D,) row)."""
-    if _HAS_VECDOT:
-        return np.vecdot(a, b, out=out)  # n
-    return np.einsum("ij,ij->i" if b.ndim == 2 else "ij,j->i", a, b, out=out)  # n
+    return np.vecdot(a, b, out=out)  # n
 
 
 def rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -251,9 +242,7 @@ def rowsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def vecmat(v: np.ndarray, a: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[j] = sum_i v[i] * a[i, j]`` for an (n,) vector and an (n,D) block."""
-    if _HAS_VECMAT:
-        return np.vecmat(v, a, out=out)  # D
-    return np.einsum("i,ij->j", v, a, out=out)  # D
+    return np.vecmat(v, a, out=out)  # D
 
 
 def colsum(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
