@@ -126,11 +126,17 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
         try:
             module = importlib.import_module(xp)
         except ImportError as err:
-            raise ValueError(f"array backend {xp!r} is not installed") from err
+            raise ValueError(
+                f"array backend {xp!r} is not installed (xp names a backend: numpy, torch, cupy, "
+                f"array_api_strict, ...; a device such as 'cuda' goes in device=)"
+            ) from err
     elif isinstance(xp, ModuleType):
         module = xp
     else:
-        raise TypeError(f"xp must be None, a backend name or a namespace module, got {xp!r}")
+        raise TypeError(
+            f"xp must be None, a backend name or a namespace module, got {xp!r} (a dtype goes in dtype=, "
+            f"a device in device=)"
+        )
     probe = module.empty((0,))
     return array_api_compat.array_namespace(probe)
 

@@ -73,7 +73,7 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
     if "numba" not in kernels_available():  # imports numba where it is installed
         if verbose:
             print("numba is not installed: nothing to compile (pip install 'npnorm[fast]')")
-        return {"numba": False}
+        return _written({"numba": False}, json_path)
 
     result: dict[str, Any] = {"numba": True, "import_s": time.perf_counter() - t0, "seconds": {}}
     with use_kernels("numba"):
@@ -91,6 +91,12 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
         per_dtype = result["compiled_loops"] // len(DTYPES)
         loops = f"{result['compiled_loops']} compiled loops ({per_dtype} x {len(DTYPES)} dtypes)"
         print(f"{loops} ready in {result['total_s']:.2f} s")
+    return _written(result, json_path)
+
+
+def _written(result: dict[str, Any], json_path: str | None) -> dict[str, Any]:
+    """``result``, written to ``json_path`` too where one is given (also without numba:
+    a script reading the file learns that nothing was compiled)."""
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

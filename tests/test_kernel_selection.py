@@ -4,6 +4,7 @@ and NPNORM_KERNELS; and the NumPy path without numba."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -170,10 +171,13 @@ def test_without_numba_the_environment_cannot_ask_for_it():
     assert out.returncode != 0 and "NPNORM_KERNELS" in out.stderr and "npnorm[fast]" in out.stderr
 
 
-def test_warmup_command_without_numba_says_so():
-    out = _run(NO_NUMBA + "from npnorm.__main__ import main\nmain(['warmup'])")
+def test_warmup_command_without_numba_says_so(tmp_path):
+    """It says so, and ``--json`` writes the file all the same (it wrote none)."""
+    path = tmp_path / "w.json"
+    out = _run(NO_NUMBA + f"from npnorm.__main__ import main\nmain(['warmup', '--json', {str(path)!r}])")
     assert out.returncode == 0, out.stderr
     assert "numba is not installed" in out.stdout
+    assert json.loads(path.read_text()) == {"numba": False}
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")

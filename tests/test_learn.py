@@ -543,6 +543,12 @@ def test_the_learn_command_refuses_bad_arguments(capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
+        # options check does not take were ignored (--solution with a file graded the file)
+        (["check", "exercises/layer_norm.py", "--solution"], "--solution takes an exercise name"),
+        (["check", "layer_norm", "--eval"], "check takes an exercise and --solution only"),
+        (["layer_norm", "--solution"], "--solution applies to check"),
+        # a copy under another name was refused without saying why
+        (["check", __file__], "a file is graded as the exercise its name names"),
         # a number of groups that does not divide the 6 channels printed a traceback
         (["group_norm", "--groups", "4"], "--groups must divide the 6 channels: 1, 2, 3 or 6 (got 4)"),
         (["group_norm", "--groups", "0"], "--groups must divide the 6 channels"),
@@ -557,6 +563,17 @@ def test_the_learn_command_checks_groups(capsys, argv, message):
 
 
 # --- the exercises ---
+
+
+def test_an_exercise_outside_a_checkout_says_where_the_exercises_are(tmp_path, monkeypatch):
+    """Installed from a wheel, npnorm has no exercises/ beside it: the error says that they
+    come with the source repository (it named two paths that could not exist)."""
+    from npnorm.learn import exercises
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(exercises, "__file__", str(tmp_path / "site-packages" / "npnorm" / "learn" / "x.py"))
+    with pytest.raises(FileNotFoundError, match="come with npnorm's source repository"):
+        exercises.find("batch_norm_staged")
 
 
 @pytest.mark.parametrize("name", list(EXERCISES))

@@ -185,6 +185,15 @@ def test_to_unknown_backend_is_a_clear_error():
         npnorm.LayerNorm(3).to("no_such_backend_xyz")
 
 
+def test_torch_style_to_arguments_say_where_they_go(torch):
+    """``m.to("cuda")`` and ``m.to(torch.float64)``, as torch's ``to`` takes them: the
+    errors point at device= and dtype= (they only said the backend was unknown)."""
+    with pytest.raises(ValueError, match="goes in device="):
+        npnorm.LayerNorm(3).to("cuda")
+    with pytest.raises(TypeError, match="a dtype goes in dtype="):
+        npnorm.LayerNorm(3).to(torch.float64)
+
+
 # every layer in a few configurations, as npnorm(...) and torch.nn(...) build it
 TORCH_TWINS = [
     lambda m: m.LayerNorm(4),

@@ -337,6 +337,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.topic == "check":
         if args.exercise is None:
             parser.error(f"check needs an exercise: one of {', '.join(EXERCISES)}")
+        if args.eval or args.staged_vs_closed or args.matrix or args.groups is not None or args.split:
+            parser.error("check takes an exercise and --solution only")
         try:
             exercise, path = find(args.exercise, solution=args.solution)
         except (FileNotFoundError, ValueError) as err:
@@ -344,6 +346,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0 if check_exercise(exercise, path) else 1
     if args.exercise is not None:
         parser.error(f"unexpected argument {args.exercise!r}")
+    if args.solution:
+        parser.error("--solution applies to check")
     if args.split is not None and args.topic != "sync_batch_norm":
         parser.error("--split applies to sync_batch_norm")
     if args.topic == "bessel":

@@ -103,6 +103,11 @@ def find(name_or_path: str, *, solution: bool = False) -> tuple[Exercise, Path]:
     beside the npnorm package (a source checkout)."""
     path = Path(name_or_path)
     if path.suffix == ".py":
+        if solution:
+            raise ValueError(
+                f"--solution takes an exercise name (it grades exercises/solutions/NAME.py), not a file: "
+                f"{path}"
+            )
         if not path.is_file():
             raise FileNotFoundError(f"no file {path}")
         name = path.stem
@@ -115,10 +120,15 @@ def find(name_or_path: str, *, solution: bool = False) -> tuple[Exercise, Path]:
         ]
         found = [c for c in candidates if c.is_file()]
         if name in EXERCISES and not found:
-            raise FileNotFoundError(f"exercise {name!r} not found at {' or '.join(map(str, candidates))}")
+            raise FileNotFoundError(
+                f"exercise {name!r} not found at {' or '.join(map(str, candidates))}: the exercises "
+                f"come with npnorm's source repository (its exercises/ folder), not with the installed "
+                f"package; run from a checkout, or give the path of your copy (named {name}.py)"
+            )
         path = found[0] if found else path
     if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; one of {', '.join(EXERCISES)}")
+        named = " (a file is graded as the exercise its name names)" if path.suffix == ".py" else ""
+        raise ValueError(f"unknown exercise {name!r}{named}; one of {', '.join(EXERCISES)}")
     return EXERCISES[name], path
 
 
