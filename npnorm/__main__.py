@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -78,6 +79,14 @@ class _Command(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from .functional._dispatch import ENV_VAR, get_kernels
+
+    if os.environ.get(ENV_VAR):  # a wrong value is a usage error, said in one line (not a traceback)
+        try:
+            get_kernels()
+        except ValueError as err:
+            print(f"python -m npnorm: {err}", file=sys.stderr)
+            return 2
     skip = 1 if argv[:1] == ["--quiet"] else 0
     if argv[skip : skip + 1] == ["learn"]:  # its own options (python -m npnorm learn --help)
         from .learn._cli import main as run_learn

@@ -150,7 +150,12 @@ def stage_tests(out: Path, timeout: float) -> dict[str, Any]:
             res.update(parse_junit(junit))
     if res["timed_out"] or "passed" not in res:
         res["status"] = FAILED
-        res["note"] = "timed out" if res["timed_out"] else "pytest wrote no report"
+        last = _tail(out / res["log"], 1).strip()  # "No module named pytest", say
+        res["note"] = (
+            "timed out"
+            if res["timed_out"]
+            else f"pytest wrote no report (exit status {res['returncode']}: {last or 'no output'})"
+        )
     elif res["failed"] or res["errors"]:
         res["status"] = FAILED
         res["note"] = f"{res['failed']} failed, {res['errors']} errors"

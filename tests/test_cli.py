@@ -1,4 +1,5 @@
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -128,3 +129,18 @@ def test_training_script_refuses_no_epochs(epochs, capsys):
     with pytest.raises(SystemExit) as exit_:  # 0 trained the default 15, -2 an IndexError
         train_digits.main(["--epochs", epochs])
     assert exit_.value.code == 2 and f"expected at least 1, got {epochs}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["learn", "bessel"]])
+def test_a_wrong_kernels_variable_is_a_one_line_usage_error(argv):
+    """``NPNORM_KERNELS=nope python -m npnorm`` ended in a traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "NPNORM_KERNELS": "nope"},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("python -m npnorm: NPNORM_KERNELS: unknown or unavailable kernels 'nope'")

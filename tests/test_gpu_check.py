@@ -228,3 +228,16 @@ def test_gpu_check_stand_in_runs_every_stage_and_claims_no_gpu(tmp_path):
     assert md.startswith("# npnorm gpu-check: CPU STAND-IN, no GPU")
     assert (out / "pytest_cupy.log").exists() and (out / "main_job.log").exists()
     _device_limits_hold(out)
+
+
+def test_tests_stage_without_pytest_says_why(tmp_path, monkeypatch):
+    """A python without pytest: the report said only "pytest wrote no report", the reason
+    was in the log."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$0: No module named pytest"\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(_gpu_check.sys, "executable", str(fake))
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the repository root (tests/)
+    res = _gpu_check.stage_tests(tmp_path, timeout=60)
+    assert res["status"] == _gpu_check.FAILED
+    assert "exit status 1" in res["note"] and "No module named pytest" in res["note"]
