@@ -109,6 +109,29 @@ def test_one_spatial_element_fine_in_eval_with_running_stats():
 
 
 @pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_no_spatial_axis_in_eval_with_running_stats_as_torch(torch, family, rng):
+    """F.instance_norm on (N, C) input with the running statistics: torch normalizes it
+    (npnorm refused anything under 3 dims); with input statistics both refuse it."""
+    x, dy = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+    rm, rv, w, b = rng.normal(size=5), rng.uniform(0.5, 2, 5), rng.normal(size=5), rng.normal(size=5)
+    tx = torch.tensor(x, requires_grad=True)
+    tw, tb = torch.tensor(w, requires_grad=True), torch.tensor(b, requires_grad=True)
+    ref = torch.nn.functional.instance_norm(
+        tx, torch.tensor(rm), torch.tensor(rv), tw, tb, use_input_stats=False
+    )
+    ref.backward(torch.tensor(dy))
+    with npnorm.use_kernels(family):
+        y, mean, rstd, _, _ = F.instance_norm_forward(x, rm, rv, w, b, False)
+        dx, dw, db = F.instance_norm_backward(dy, x, mean, rstd, w, b, False)
+        np.testing.assert_allclose(F.instance_norm(x, rm, rv, w, b, use_input_stats=False), ref.detach())
+        with pytest.raises(ValueError, match="Expected more than 1 spatial element when training"):
+            F.instance_norm(x, rm, rv, use_input_stats=True)
+    np.testing.assert_allclose(y, ref.detach().numpy(), rtol=1e-12, atol=1e-12)
+    for ours, theirs in ((dx, tx), (dw, tw), (db, tb)):
+        np.testing.assert_allclose(ours, theirs.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
 def test_empty_batch_with_running_stats_as_torch(family):
     """An empty batch in training with running statistics: an empty output, and the
     buffers become NaN (the average of no instances), as in PyTorch; no NumPy warning

@@ -56,6 +56,8 @@ def instance_norm_forward(
     Parameters
     ----------
     input : array, shape (N, C, *spatial)
+        No spatial axis, (N, C), only with ``use_input_stats=False``, as in PyTorch
+        (statistics over one value per instance are refused).
     running_mean, running_var : arrays of shape (C,), or None
         Required when ``use_input_stats`` is False.
     weight, bias : arrays of shape (C,), optional
@@ -100,7 +102,7 @@ def instance_norm_forward(
         input, running_mean, running_var, weight, bias,
         names=("input", "running_mean", "running_var", "weight", "bias"),
     )  # fmt: skip
-    c = check_channels(input, None, "instance_norm", min_ndim=3)
+    c = check_channels(input, None, "instance_norm", min_ndim=2)
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     check_buffers_paired(running_mean, running_var)
     s = prod(input.shape[2:])  # spatial values per instance
@@ -200,7 +202,7 @@ def instance_norm_backward(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
     )  # fmt: skip
-    c = check_channels(input, None, "instance_norm", min_ndim=3)
+    c = check_channels(input, None, "instance_norm", min_ndim=2)
     check_grad_output(grad_output, input)
     check_per_channel(c, weight=weight, bias=bias)
     stats_shape = (int(input.shape[0]), c) if use_input_stats else (c,)
