@@ -137,8 +137,10 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
             f"xp must be None, a backend name or a namespace module, got {xp!r} (a dtype goes in dtype=, "
             f"a device in device=)"
         )
-    probe = module.empty((0,))
-    return array_api_compat.array_namespace(probe)
+    try:
+        return array_api_compat.array_namespace(module.empty((0,)))
+    except (AttributeError, TypeError) as err:  # xp="json": a module, but no array library
+        raise ValueError(f"xp={module.__name__!r} is not an array backend ({err})") from err
 
 
 def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
@@ -150,17 +152,19 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     """
     if dtype is None:
         return xp.float32
-    for name in FLOAT_NAMES:
-        candidate = getattr(xp, name, None)
-        if candidate is not None and dtype == candidate:
+    for name in FLOAT_NAMES:  # a dtype of xp's own library (compared with no other: a
+        candidate = getattr(xp, name, None)  # NumPy dtype against array_api_strict's warns)
+        if candidate is not None and _library(dtype) == _library(candidate) and dtype == candidate:
             return candidate
     if isinstance(dtype, str):
         name = dtype
     else:
         try:
             name = np.dtype(dtype).name
-        except TypeError:  # another backend's dtype, by its name ("torch.float32": float32)
-            name = str(dtype).rpartition(".")[2]
+        except TypeError:  # another library's dtype object, by the name it gives itself
+            library, _, name = str(dtype).rpartition(".")  # ("torch", "float32")
+            if library != _library(dtype):  # not a dtype that names itself: an enum, a config
+                name = ""
     if name not in FLOAT_NAMES:
         raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {dtype!r}")
     resolved = getattr(xp, name, None)
@@ -169,22 +173,41 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     return resolved
 
 
+def _library(obj: Any) -> str:
+    """The top-level module of ``obj``'s type: "torch" for ``torch.float32``."""
+    return type(obj).__module__.partition(".")[0]
+
+
 _FLOAT_CHARS = "efd"  # NumPy's float16, float32, float64: checked without isdtype
 
 
 def check_device(xp: Namespace, device: Any) -> Any:
-    """``device`` if ``xp`` can create arrays there (``None``: the backend's default
-    device), else a ``ValueError`` that says which backend refused it and why."""
+    """The device of ``xp`` that ``device`` names: itself where ``xp`` can create arrays
+    there, the backend's default device where ``device`` is another library's object of
+    the same name (``torch.device("cpu")`` on NumPy), ``None`` for ``None``; else a
+    ``ValueError`` that says which backend refused it and why."""
     if device is None:
         return None
     try:
         xp.empty((0,), device=device)
+        return device
     except Exception as err:  # torch: RuntimeError or AssertionError; NumPy: ValueError
+        default = _default_device(xp)
+        if default is not None and str(device) == str(default):
+            return default
         raise ValueError(
             f"device {device!r} is not a device of backend {backend_name(xp)} ({err}); None means "
             f"the backend's default device, and xp= chooses the backend"
         ) from err
-    return device
+
+
+def _default_device(xp: Namespace) -> Any:
+    """``xp``'s default device (the Array API's inspection), or None where it has none."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    try:
+        return None if info is None else info().default_device()
+    except Exception:  # an older namespace without the inspection API
+        return None
 
 
 def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:

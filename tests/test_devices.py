@@ -123,3 +123,17 @@ def test_from_torch_onto_a_device():
         np.testing.assert_array_equal(
             np.asarray(getattr(ours, k).to_device(xs.Device("CPU_DEVICE"))), v.numpy()
         )
+
+
+def test_a_pickled_module_comes_back_on_its_device():
+    """A module on a second device, pickled and loaded: its arrays on that device (they
+    came back on the default device, and its own device's input was refused)."""
+    import pickle
+
+    m = npnorm.BatchNorm1d(3, device=D1, xp="array_api_strict")
+    m(xs.ones((4, 3), device=D1))
+    back = pickle.loads(pickle.dumps(m))
+    assert all(a.device == D1 for a in _arrays(back).values())
+    assert back(xs.ones((4, 3), device=D1)).device == D1
+    here = pickle.loads(pickle.dumps(npnorm.BatchNorm1d(3, xp="array_api_strict")))
+    assert here.weight.device == xs.Device("CPU_DEVICE")

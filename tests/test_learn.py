@@ -546,6 +546,7 @@ def test_the_learn_command_refuses_bad_arguments(capsys):
         # options check does not take were ignored (--solution with a file graded the file)
         (["check", "exercises/layer_norm.py", "--solution"], "--solution takes an exercise name"),
         (["check", "layer_norm", "--eval"], "check takes an exercise and --solution only"),
+        (["check", "layer_norm", "--split", ""], "check takes an exercise and --solution only"),
         (["layer_norm", "--solution"], "--solution applies to check"),
         # a copy under another name was refused without saying why
         (["check", __file__], "a file is graded as the exercise its name names"),

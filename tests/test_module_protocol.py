@@ -253,6 +253,76 @@ def test_factory_kwargs_and_torch_dtypes(torch):
         npnorm.BatchNorm1d(3, dtype=torch.int64)
 
 
+RESETS = [
+    (m, r) for m in TORCH_TWINS for r in ("reset_parameters", "reset_running_stats") if hasattr(m(npnorm), r)
+]
+
+
+@pytest.mark.parametrize("make,reset", RESETS)
+def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, make, reset, rng):
+    """A reset writes in place: where torch's backward keeps the array it overwrote, torch
+    raises, and so does npnorm (on NumPy the backward used the reset weight: a wrong dx)."""
+    ours, ref = make(npnorm), make(torch.nn)
+    name = type(ref).__name__
+    if name in ("LayerNorm", "RMSNorm"):
+        shape = (3, *ref.normalized_shape)
+    else:
+        shape = {"2d": (3, 4, 3, 3), "3d": (3, 4, 2, 2, 2)}.get(name[-2:], (3, 4, 5))
+    x = rng.normal(size=shape).astype(np.float32)
+    y = ref(torch.tensor(x, requires_grad=True))
+    getattr(ref, reset)()
+    try:
+        y.backward(torch.ones_like(y))
+        torch_raised = False
+    except RuntimeError:
+        torch_raised = True
+    ours(x)
+    getattr(ours, reset)()
+    if torch_raised:
+        with pytest.raises(RuntimeError, match=f"overwritten in place by {reset}"):
+            ours.backward(np.ones(shape, np.float32))
+    else:
+        ours.backward(np.ones(shape, np.float32))
+
+
+def test_a_torch_device_naming_the_cpu_is_numpys_cpu(torch):
+    """``torch.device("cpu")`` (a ported ``factory_kwargs``, or ``from_torch(m,
+    device=m.weight.device)``) names NumPy's one device."""
+    m = npnorm.BatchNorm1d(3, device=torch.device("cpu"))
+    assert isinstance(m.running_mean, np.ndarray)
+    ref = torch.nn.LayerNorm(3)
+    assert isinstance(npnorm.from_torch(ref, device=ref.weight.device).weight, np.ndarray)
+
+
+def test_a_dtype_is_read_by_name_only_from_a_library_dtype(torch):
+    """Another library's dtype names the dtype of the same name; an object that merely
+    prints like one (an enum member, a config value) is refused."""
+    import enum
+
+    class Precision(enum.Enum):
+        float32 = "half, please"
+
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        npnorm.LayerNorm(3, dtype=Precision.float32)
+    aas = pytest.importorskip("array_api_strict")
+    assert npnorm.LayerNorm(3, dtype=aas.float64).weight.dtype == np.float64  # (it warned)
+    assert npnorm.LayerNorm(3, dtype=torch.float16).weight.dtype == np.float16
+
+
+def test_to_a_device_leaves_plain_arrays(torch):
+    """A torch weight that requires grad, moved to another device, is a plain leaf tensor,
+    as a cast leaves it (it kept the move's autograd history)."""
+    m = npnorm.LayerNorm(3, xp="torch")
+    m.weight.requires_grad_(True)
+    m.to(device="meta")
+    assert m.weight.device.type == "meta" and m.weight.is_leaf and m.weight.grad_fn is None
+
+
+def test_xp_that_is_no_array_library_is_a_clear_error():
+    with pytest.raises(ValueError, match="xp='json' is not an array backend"):
+        npnorm.LayerNorm(3).to("json")
+
+
 @pytest.mark.parametrize("device", ["cuda", "gpu:0", 0])
 def test_a_device_numpy_lacks_is_a_clear_error(device):
     with pytest.raises(ValueError, match=r"not a device of backend numpy.*xp= chooses the backend"):

@@ -337,7 +337,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.topic == "check":
         if args.exercise is None:
             parser.error(f"check needs an exercise: one of {', '.join(EXERCISES)}")
-        if args.eval or args.staged_vs_closed or args.matrix or args.groups is not None or args.split:
+        if (
+            args.eval
+            or args.staged_vs_closed
+            or args.matrix
+            or args.groups is not None
+            or args.split is not None
+        ):
             parser.error("check takes an exercise and --solution only")
         try:
             exercise, path = find(args.exercise, solution=args.solution)

@@ -20,6 +20,7 @@ from .._backend import (
     FLOAT_NAMES,
     Array,
     Namespace,
+    _default_device,
     backend_name,
     check_device,
     copy_array,
@@ -164,7 +165,7 @@ class Module:
     def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
         self.dtype: Any = resolve_dtype(self.xp, dtype)
-        check_device(self.xp, device)  # the layer creates its arrays there
+        self._where(device)  # checked here: the layer creates its arrays there
         self.training: bool = True
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
@@ -251,7 +252,7 @@ class Module:
         if isinstance(self._saved, _Overwritten):
             raise RuntimeError(
                 f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
-                "forward used was overwritten in place by load_state_dict since (PyTorch's backward "
+                f"forward used was overwritten in place by {self._saved.by} since (PyTorch's backward "
                 "raises there too): run forward again"
             )
         versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
@@ -497,16 +498,20 @@ class Module:
                 f"Error(s) in loading state_dict for {type(self).__name__} (nothing was changed):\n\t"
                 + "\n\t".join(errors)
             )
-        overwritten = [key for key, value in staged.items() if self._write(key, value)]
+        self._overwrote([key for key, value in staged.items() if self._write(key, value)], "load_state_dict")
+        return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
+
+    def _overwrote(self, names: list[str], by: str) -> None:
+        """The arrays ``names`` were overwritten in place by ``by``: where the saved forward
+        used one (one that PyTorch's backward of the layer keeps), ``backward`` raises, as
+        PyTorch's version check does."""
         saved = self._saved
         if saved is not None and not isinstance(saved, _Overwritten):
             kept = self._kept_for_backward
-            hit = [
-                k for k in overwritten if (k in kept if kept is not None else any(v is own[k] for v in saved))
-            ]
-            if hit:  # as PyTorch's version check on what its backward keeps
-                self._saved = _Overwritten(hit)
-        return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
+            own = {k: getattr(self, k) for k in names}
+            hit = [k for k in names if (k in kept if kept is not None else any(v is own[k] for v in saved))]
+            if hit:
+                self._saved = _Overwritten(hit, by)
 
     def _write(self, name: str, value: Any, *, uncounted: bool = False) -> bool:
         """Set parameter or buffer ``name`` to ``value`` (of the module's backend):
@@ -521,12 +526,23 @@ class Module:
         setattr(self, name, value)
         return False
 
-    def _refill(self, name: str, fill: float) -> None:
-        """Set every value of parameter or buffer ``name`` (where it exists) to ``fill``,
-        in place where it can be (as PyTorch's ``fill_``): on its device, in its dtype."""
-        current = getattr(self, name)
-        if current is not None:
-            self._write(name, self.xp.full_like(current, fill))
+    def _where(self, device: Any) -> dict[str, Any]:
+        """The ``dtype`` and ``device`` keywords of the layer's new arrays: the module's
+        dtype, and the backend's device that ``device`` names (``ValueError`` for one it
+        does not have)."""
+        return {"dtype": self.dtype, "device": check_device(self.xp, device)}
+
+    def _refill(self, fills: Mapping[str, float], by: str) -> None:
+        """Set every value of each parameter or buffer named in ``fills`` (that exists)
+        to its fill value, in place where it can be (as PyTorch's ``fill_``: on its
+        device, in its dtype). A backward of the forward before then raises where it
+        used one of them (``by`` names the method in its message), as in PyTorch."""
+        written = []
+        for name, fill in fills.items():
+            current = getattr(self, name)
+            if current is not None and self._write(name, self.xp.full_like(current, fill)):
+                written.append(name)
+        self._overwrote(written, by)
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         """Values ``load_state_dict`` uses for keys a checkpoint of PyTorch module
@@ -599,7 +615,10 @@ class Module:
         if namespace_of(value) is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there
-            value = array_api_compat.to_device(value, device)
+            moved = array_api_compat.to_device(value, device)
+            # a copy is a plain array, as one cast to another dtype (a torch tensor that
+            # required grad came back with the move's autograd history)
+            value = moved if moved is value else copy_array(moved)
         return value
 
     def _check_backend(self, input: Array) -> Namespace:
@@ -692,10 +711,11 @@ class _Versions(NamedTuple):
 
 
 class _Overwritten(NamedTuple):
-    """In place of the saved forward: the names of the saved arrays that
-    ``load_state_dict`` overwrote since (``backward`` raises)."""
+    """In place of the saved forward: the names of the saved arrays that ``by``
+    (``load_state_dict``, ``reset_parameters``, ...) overwrote since (``backward`` raises)."""
 
     names: list[str]
+    by: str
 
 
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
@@ -751,19 +771,25 @@ class _HostArray(NamedTuple):
     torch), else a NumPy copy; restored into the module's backend."""
 
     array: Any
+    device: Any = None  # a copy's device where it is not its backend's default one
 
     @staticmethod
     def of(a: Array) -> _HostArray:
         native = isinstance(a, np.ndarray) or array_api_compat.is_torch_array(a)
-        return _HostArray(a if native else to_host(a))
+        if native:
+            return _HostArray(a)
+        device = array_api_compat.device(a)
+        default = _default_device(array_api_compat.array_namespace(a))
+        return _HostArray(to_host(a), None if default is None or device == default else device)
 
     def restored(self, xp: Namespace) -> Array:
         """The array in ``xp``: itself where it is of ``xp`` already (so that what one
-        pickle shared stays shared), else a copy."""
+        pickle shared stays shared), else a copy, on the device it was pickled from."""
         a = self.array
         if array_api_compat.is_array_api_obj(a) and array_api_compat.array_namespace(a) is xp:
             return a
-        return to_namespace(a, xp)
+        out = to_namespace(a, xp)
+        return out if self.device is None else array_api_compat.to_device(out, self.device)
 
 
 def _is_array(value: Any) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 from .._backend import Array
@@ -18,6 +18,7 @@ class _NormBase(Module):
     _parameter_names = ("weight", "bias")
     _buffer_names = ("running_mean", "running_var", "num_batches_tracked")
     _version = 2  # PyTorch's _NormBase: a checkpoint of version 2 has num_batches_tracked
+    _RUNNING_FILLS = MappingProxyType({"running_mean": 0, "running_var": 1, "num_batches_tracked": 0})
 
     def __init__(
         self,
@@ -38,7 +39,7 @@ class _NormBase(Module):
         self.momentum = None if momentum is None else check_real(momentum, "momentum (or None)")
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
-        xp_, c, on = self.xp, num_features, {"dtype": self.dtype, "device": device}
+        xp_, c, on = self.xp, num_features, self._where(device)
         self.weight: Array | None = xp_.ones((c,), **on) if affine else None
         self.bias: Array | None = xp_.zeros((c,), **on) if affine and bias else None
         self.running_mean: Array | None = None
@@ -47,7 +48,7 @@ class _NormBase(Module):
         if self.track_running_stats:
             self.running_mean = xp_.zeros((c,), **on)
             self.running_var = xp_.ones((c,), **on)
-            self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64, device=device)
+            self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64, device=on["device"])
 
     def reset_running_stats(self) -> None:
         """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
@@ -55,16 +56,13 @@ class _NormBase(Module):
         place, as PyTorch's ``zero_()``/``fill_(1)``: a ``state_dict()`` taken earlier, or a
         module sharing the buffers (``SyncBatchNorm.convert_sync_batchnorm``), sees the reset."""
         if self.track_running_stats:
-            self._refill("running_mean", 0)
-            self._refill("running_var", 1)
-            self._refill("num_batches_tracked", 0)
+            self._refill(self._RUNNING_FILLS, "reset_running_stats")
 
     def reset_parameters(self) -> None:
         """``reset_running_stats()``, then ``weight`` back to ones and ``bias`` to zeros
         (where the layer has them), in place as PyTorch's ``reset_parameters``."""
-        self.reset_running_stats()
-        self._refill("weight", 1)
-        self._refill("bias", 0)
+        running = self._RUNNING_FILLS if self.track_running_stats else {}
+        self._refill({**running, "weight": 1, "bias": 0}, "reset_parameters")
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed

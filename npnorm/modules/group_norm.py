@@ -91,7 +91,7 @@ class GroupNorm(Module):
         self.num_groups, self.num_channels = num_groups, num_channels
         self.eps = check_eps(eps)
         self.affine = bool(affine)
-        on = {"dtype": self.dtype, "device": device}
+        on = self._where(device)
         self.weight: Array | None = self.xp.ones((num_channels,), **on) if affine else None
         self.bias: Array | None = self.xp.zeros((num_channels,), **on) if affine and bias else None
 
@@ -118,8 +118,7 @@ class GroupNorm(Module):
     def reset_parameters(self) -> None:
         """``weight`` back to ones and ``bias`` to zeros (where the layer has them), in
         place as PyTorch's ``reset_parameters``."""
-        self._refill("weight", 1)
-        self._refill("bias", 0)
+        self._refill({"weight": 1, "bias": 0}, "reset_parameters")
 
     def extra_repr(self) -> str:
         return (

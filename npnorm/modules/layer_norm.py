@@ -94,9 +94,10 @@ class LayerNorm(Module):
         self.weight: Array | None = None
         self.bias: Array | None = None
         if self.elementwise_affine:
-            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype, device=device)
+            on = self._where(device)
+            self.weight = self.xp.ones(self.normalized_shape, **on)
             if bias:
-                self.bias = self.xp.zeros(self.normalized_shape, dtype=self.dtype, device=device)
+                self.bias = self.xp.zeros(self.normalized_shape, **on)
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -113,8 +114,7 @@ class LayerNorm(Module):
     def reset_parameters(self) -> None:
         """``weight`` back to ones and ``bias`` to zeros (where the layer has them), in
         place as PyTorch's ``reset_parameters``."""
-        self._refill("weight", 1)
-        self._refill("bias", 0)
+        self._refill({"weight": 1, "bias": 0}, "reset_parameters")
 
     def extra_repr(self) -> str:
         return (

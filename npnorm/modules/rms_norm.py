@@ -84,7 +84,7 @@ class RMSNorm(Module):
         self.elementwise_affine = bool(elementwise_affine)
         self.weight: Array | None = None
         if self.elementwise_affine:
-            self.weight = self.xp.ones(self.normalized_shape, dtype=self.dtype, device=device)
+            self.weight = self.xp.ones(self.normalized_shape, **self._where(device))
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
@@ -103,7 +103,7 @@ class RMSNorm(Module):
     def reset_parameters(self) -> None:
         """``weight`` back to ones (where the layer has it), in place as PyTorch's
         ``reset_parameters``."""
-        self._refill("weight", 1)
+        self._refill({"weight": 1}, "reset_parameters")
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
