@@ -168,9 +168,27 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     if name not in FLOAT_NAMES:
         raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {dtype!r}")
     resolved = getattr(xp, name, None)
-    if resolved is None:
-        raise TypeError(f"backend {xp.__name__} has no {name} dtype")
+    if resolved is None or name not in _standard_floats(xp):
+        raise TypeError(
+            f"backend {backend_name(xp)} has no {name} arrays"
+            + (
+                " (JAX makes them after jax.config.update('jax_enable_x64', True))"
+                if resolved is not None
+                else ""
+            )
+        )
     return resolved
+
+
+def _standard_floats(xp: Namespace) -> tuple[str, ...]:
+    """The float dtypes ``xp`` can make now, as its Array API inspection lists them (JAX
+    leaves float64 out until x64 is enabled: its float64 arrays would be float32);
+    float16, outside the standard, as any backend that names it."""
+    try:
+        listed = tuple(xp.__array_namespace_info__().dtypes(kind="real floating"))
+    except Exception:  # an older namespace without the inspection API
+        return FLOAT_NAMES
+    return ("float16", *listed)
 
 
 def _library(obj: Any) -> str:
@@ -317,6 +335,12 @@ def torch_refuses_in_place(a: Any) -> bool:
     import torch
 
     return bool(a.is_inference() and not torch.is_inference_mode_enabled())
+
+
+def writable(a: Any) -> bool:
+    """Whether ``a``'s values can be written in place (not a read-only NumPy array, nor
+    an array of an immutable library such as JAX)."""
+    return bool(array_api_compat.is_writeable_array(a))
 
 
 def write_uncounted(current: Array, value: Array) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, check_floating, compute_dtype, grad_tracked, namespace_of
+from ._backend import Array, Namespace, check_floating, compute_dtype, grad_tracked, namespace_of, writable
 
 Shape = tuple[int, ...]
 
@@ -178,8 +178,8 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
         raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
     if out.dtype != like.dtype:
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise ValueError(f"{what} is read-only")
+    if not writable(out):
+        raise ValueError(f"{what} is read-only (an immutable array, such as JAX's, cannot take out=)")
     if grad_tracked(out):  # torch's out= refuses it too: the write would bypass autograd
         raise RuntimeError(
             f"{what} requires grad: npnorm writes it outside autograd, as torch's out= functions "

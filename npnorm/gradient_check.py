@@ -16,7 +16,9 @@ or a plain pair of functions ``(forward, backward)``.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, copy_array, namespace_of, to_host, to_namespace
+from ._backend import Array, Namespace, copy_array, namespace_of, to_host, to_namespace, writable
 from ._checks import check_real
 from ._grad_mode import enable_grad
 from .modules._module import Module
@@ -187,12 +189,23 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
         analytic: dict[str, Array] = {"input": module.backward(u)}
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})
 
-        def loss() -> float:
-            return float(xp.sum(module(x64) * u))
+        def loss(at: Array) -> float:
+            return float(xp.sum(module(at) * u))
+
+        def loss_at(name: str) -> Callable[[Array], float]:
+            def of_param(p: Array) -> float:  # the module's parameter ``name`` set to p
+                own = getattr(module, name)
+                setattr(module, name, p)
+                try:
+                    return loss(x64)
+                finally:
+                    setattr(module, name, own)
+
+            return of_param
 
         numeric: dict[str, np.ndarray] = {"input": _numeric(loss, x64, eps)}
         for name, p in module.parameters().items():
-            numeric[f"grad {name}"] = _numeric(loss, p, eps)
+            numeric[f"grad {name}"] = _numeric(loss_at(name), p, eps)
         where = (
             f"{type(module).__name__} ({'train' if module.training else 'eval'} mode, "
             f"input shape {tuple(x.shape)}, in float64)"
@@ -237,14 +250,15 @@ def _check_pair(
         if g is not None:
             analytic[f"params[{i}]"] = g
 
-    def loss() -> float:
-        result = forward(x64, *p64)
+    def loss(at: Array, i: int | None = None) -> float:  # at: the input, or params[i]
+        args = [at, *p64] if i is None else [x64, *p64[:i], at, *p64[i + 1 :]]
+        result = forward(*args)
         return float(xp.sum((result[0] if isinstance(result, tuple) else result) * u))
 
     numeric: dict[str, np.ndarray] = {"input": _numeric(loss, x64, eps)}
     for i, p in enumerate(p64):
         if p is not None:
-            numeric[f"params[{i}]"] = _numeric(loss, p, eps)
+            numeric[f"params[{i}]"] = _numeric(functools.partial(loss, i=i), p, eps)
     names = [getattr(f, "__name__", type(f).__name__) for f in (forward, backward)]
     where = f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}, in float64"
     _compare(where, analytic, numeric, atol, rtol)
@@ -276,17 +290,27 @@ def _compare(
         raise GradcheckError(f"gradcheck failed for {where}:\n" + "\n".join(failures))
 
 
-def _numeric(f: Callable[[], float], t: Array, eps: float) -> np.ndarray:
-    """Central differences of ``f()`` w.r.t. each element of ``t`` (perturbed in place)."""
+def _numeric(f: Callable[[Array], float], t: Array, eps: float) -> np.ndarray:
+    """Central differences of ``f(t)`` w.r.t. each element of ``t``: perturbed in place,
+    or, where ``t`` cannot be written (JAX's arrays), in a new array with that element
+    changed."""
+    xp = namespace_of(t)
     out = np.empty(tuple(t.shape))
-    for idx in itertools.product(*(range(int(n)) for n in t.shape)):
+    in_place = writable(t)
+    device = array_api_compat.device(t)
+    position = xp.reshape(xp.arange(math.prod(t.shape), device=device), t.shape)
+    for k, idx in enumerate(itertools.product(*(range(int(n)) for n in t.shape))):
         orig = float(t[idx])
-        t[idx] = orig + eps
-        f_plus = f()
-        t[idx] = orig - eps
-        f_minus = f()
-        t[idx] = orig
-        out[idx] = (f_plus - f_minus) / (2 * eps)
+        f_at = []
+        for value in (orig + eps, orig - eps):
+            if in_place:
+                t[idx] = value
+                f_at.append(f(t))
+            else:
+                f_at.append(f(xp.where(position == k, xp.asarray(value, dtype=t.dtype, device=device), t)))
+        if in_place:
+            t[idx] = orig
+        out[idx] = (f_at[0] - f_at[1]) / (2 * eps)
     return out
 
 

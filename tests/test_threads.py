@@ -132,6 +132,8 @@ def test_callers_in_several_threads_each_get_their_results():
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+# JAX (imported by an earlier test module) warns at any fork once its backend is up
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_pool_works_in_a_forked_child():
     _threads.set_num_threads(2)
     assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]  # the parent's pool exists

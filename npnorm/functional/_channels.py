@@ -8,7 +8,15 @@ from typing import Any
 
 import array_api_compat
 
-from .._backend import Array, Namespace, copy_array, grad_tracked, torch_refuses_in_place, write_uncounted
+from .._backend import (
+    Array,
+    Namespace,
+    copy_array,
+    grad_tracked,
+    torch_refuses_in_place,
+    writable,
+    write_uncounted,
+)
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
 
@@ -71,6 +79,17 @@ def store_running(
             raise RuntimeError(
                 "Inplace update to inference tensor outside InferenceMode is not allowed: the running "
                 "statistics were made inside torch.inference_mode() (nothing was written)"
+            )
+        fixed = [
+            name
+            for name, a in (("running_mean", running_mean), ("running_var", running_var))
+            if not writable(a)
+        ]
+        if fixed:  # a read-only NumPy array, or an immutable one (JAX's): refused before any write
+            raise ValueError(
+                f"{' and '.join(fixed)} cannot be written in place (read-only or immutable), as this call "
+                "updates the running statistics; batch_norm_forward / instance_norm_forward return them "
+                "instead (nothing was written)"
             )
         write = _write_counted if counted else write_uncounted
         old_mean = copy_array(running_mean)  # C

@@ -6,7 +6,7 @@ for Fast Stylization", https://arxiv.org/abs/1607.08022.
 
 from __future__ import annotations
 
-from .._backend import Array, Namespace, no_fp_warnings
+from .._backend import Array, Namespace, no_fp_warnings, writable
 from .._checks import check_eps, check_grad_output, check_out, float_inputs, prod
 from ._channels import (
     channel_norm_backward,
@@ -126,22 +126,25 @@ def instance_norm_forward(
         bool(use_input_stats), momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
     )  # fmt: skip
     if use_input_stats and eps == 0:
-        rstd = _constant_instances(xp, y, rstd, bias)
+        y, rstd = _constant_instances(xp, y, rstd, bias)
     return y, mean, rstd, new_mean, new_var
 
 
-def _constant_instances(xp: Namespace, y: Array, rstd: Array, bias: Array | None) -> Array:
+def _constant_instances(xp: Namespace, y: Array, rstd: Array, bias: Array | None) -> tuple[Array, Array]:
     """PyTorch's rule for an instance of variance 0 with ``eps = 0`` (its batch-norm
     kernels' inverse standard deviation is 0 where ``var + eps`` is 0): rstd 0, so that
     the output is the bias (0 without one) and the gradient of x is 0, where 0/0 would
-    give NaN. ``y`` (N, C, *) is corrected in place; returns the corrected (N, C) rstd."""
-    flat = xp.isinf(rstd)  # N,C  var == 0 (rstd = 1/sqrt(0))
-    if not bool(xp.any(flat)):
-        return rstd
+    give NaN. Returns ``y`` (N, C, *) corrected (in place where it can be written: it
+    may be the caller's ``out=``; else a new array, as on JAX) and the (N, C) rstd."""
+    flat = xp.isinf(rstd)  # N,C  var == 0 (rstd = 1/sqrt(0)), unchecked: jax.jit traces it
     spatial = (None,) * (y.ndim - 2)  # N,C -> N,C,1,..  and C -> C,1,..
     shift = xp.zeros_like(y) if bias is None else xp.astype(bias[(slice(None), *spatial)], y.dtype)
-    y[...] = xp.where(flat[(..., *spatial)], shift, y)  # N,C,*
-    return xp.where(flat, xp.zeros_like(rstd), rstd)  # N,C
+    fixed = xp.where(flat[(..., *spatial)], shift, y)  # N,C,*
+    if writable(y):
+        y[...] = fixed
+    else:
+        y = fixed
+    return y, xp.where(flat, xp.zeros_like(rstd), rstd)  # N,C
 
 
 def instance_norm_backward(

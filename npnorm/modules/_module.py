@@ -32,6 +32,7 @@ from .._backend import (
     to_host,
     to_namespace,
     torch_refuses_in_place,
+    writable,
     write_uncounted,
 )
 from .._grad_mode import is_grad_enabled
@@ -728,8 +729,7 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
         return False
     if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
         return False
-    flags = getattr(current, "flags", None)
-    if flags is not None and not getattr(flags, "writeable", True):
+    if not writable(current):  # read-only, or immutable (JAX): a new array instead
         return False
     if uncounted:
         write_uncounted(current, value)

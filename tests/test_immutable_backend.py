@@ -1,0 +1,142 @@
+"""An Array API library whose arrays are immutable (JAX): the modules write a new array
+where they would write in place (running statistics, accumulated grads, loads, resets),
+gradcheck perturbs copies, and what cannot be done without a write (a torch-style call
+that updates the caller's running statistics, ``out=``) is refused before any work.
+
+JAX comes with the ``test`` extra; float64 needs its x64 mode, which the fixture turns
+on for a test and off again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npnorm
+import npnorm.functional as F
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+
+@pytest.fixture
+def x64():
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", False)
+
+
+LAYERS = {
+    "LayerNorm": (lambda **kw: npnorm.LayerNorm((2, 5), **kw), (3, 2, 5)),
+    "RMSNorm": (lambda **kw: npnorm.RMSNorm(5, **kw), (3, 5)),
+    "GroupNorm": (lambda **kw: npnorm.GroupNorm(2, 4, **kw), (3, 4, 5)),
+    "BatchNorm1d": (lambda **kw: npnorm.BatchNorm1d(4, **kw), (6, 4, 3)),
+    "BatchNorm2d, momentum=None": (lambda **kw: npnorm.BatchNorm2d(4, momentum=None, **kw), (3, 4, 2, 2)),
+    "InstanceNorm1d, tracked": (
+        lambda **kw: npnorm.InstanceNorm1d(4, affine=True, track_running_stats=True, **kw),
+        (3, 4, 5),
+    ),
+    "SyncBatchNorm (one rank)": (lambda **kw: npnorm.SyncBatchNorm(4, **kw), (6, 4)),
+}
+
+
+def _state(m) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in {**m.state_dict(), **m.grads}.items()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_module_on_jax_does_what_it_does_on_numpy(x64, name, training):
+    """Two training steps (running statistics, grads accumulated over two backwards), a
+    load, a reset and gradcheck: the same values as the NumPy module (JAX refused the
+    first in-place write)."""
+    make, shape = LAYERS[name]
+    ours, ref = make(dtype="float64", xp=jnp).train(training), make(dtype="float64").train(training)
+    rng = np.random.default_rng(0)
+    state = {
+        k: rng.uniform(0.5, 1.5, size=v.shape) if k != "num_batches_tracked" else np.asarray(3)
+        for k, v in ref.state_dict().items()
+    }
+    for m in (ours, ref):
+        m.load_state_dict(state)
+    for _ in range(2):
+        x, dy = rng.normal(size=shape), rng.normal(size=shape)
+        y, y_ref = ours(jnp.asarray(x)), ref(x)
+        dx, dx_ref = ours.backward(jnp.asarray(dy)), ref.backward(dy)
+        assert isinstance(y, jax.Array) and isinstance(dx, jax.Array)
+        np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-12, atol=1e-12)
+    got, want = _state(ours), _state(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    ours.reset_parameters()
+    ref.reset_parameters()
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
+    assert npnorm.gradcheck(ours, jnp.asarray(rng.normal(size=shape)))
+
+
+def test_gradcheck_of_a_function_pair_on_jax(x64):
+    x, w, b = (jnp.asarray(np.random.default_rng(1).normal(size=s)) for s in ((3, 5), (5,), (5,)))
+    forward = lambda x, w, b: F.layer_norm_forward(x, 5, w, b)  # noqa: E731
+    backward = lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 5, mean, rstd, w, b)  # noqa: E731
+    assert npnorm.gradcheck((forward, backward), x, w, b)
+
+
+@pytest.mark.parametrize("call", [F.batch_norm, F.instance_norm])
+def test_a_torch_style_call_that_updates_running_stats_is_refused(call):
+    """F.batch_norm / F.instance_norm write the caller's running statistics in place,
+    which JAX's arrays refuse: a clear error that points at the *_forward functions."""
+    x = jnp.ones((2, 3, 4), dtype=jnp.float32)
+    rm, rv = jnp.zeros(3, dtype=jnp.float32), jnp.ones(3, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"cannot be written in place.*return them"):
+        call(x, rm, rv, None, None, True, 0.1, 1e-5)
+    assert np.asarray(rm).tolist() == [0, 0, 0] and np.asarray(rv).tolist() == [1, 1, 1]
+    y = call(x, rm, rv, None, None, False, 0.1, 1e-5)  # eval reads them only
+    assert isinstance(y, jax.Array)
+
+
+def test_out_that_cannot_be_written_is_refused_before_the_work():
+    x = jnp.ones((3, 5), dtype=jnp.float32)
+    with pytest.raises(ValueError, match="out is read-only"):
+        F.layer_norm_forward(x, 5, out=jnp.zeros((3, 5), dtype=jnp.float32))
+
+
+def test_a_constant_instance_with_eps_0_on_jax(x64):
+    """InstanceNorm's rule for a constant instance with eps = 0 (the bias) wrote y in
+    place: the pure function failed on JAX."""
+    x = np.concatenate([np.ones((1, 2, 4)), np.random.default_rng(2).normal(size=(1, 2, 4))])
+    b = np.array([0.5, -1.0])
+    y, _, rstd, _, _ = F.instance_norm_forward(jnp.asarray(x), bias=jnp.asarray(b), eps=0.0)
+    want, _, want_rstd, _, _ = F.instance_norm_forward(x, bias=b, eps=0.0)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(rstd), want_rstd, rtol=1e-12)
+    np.testing.assert_array_equal(np.asarray(y)[0], np.broadcast_to(b[:, None], (2, 4)))  # the bias
+
+
+def test_float64_without_jax_x64_is_refused():
+    """With JAX's x64 mode off its float64 arrays are float32: the module said float64
+    and held float32 (and gradcheck failed on float32 rounding, 'in float64')."""
+    with pytest.raises(TypeError, match="jax_enable_x64"):
+        npnorm.LayerNorm(5, dtype="float64", xp=jnp)
+    assert npnorm.LayerNorm(5, xp=jnp).weight.dtype == jnp.float32
+
+
+def test_the_pure_functions_run_under_jit():
+    """``jax.jit`` over the functional forwards and backwards (the eps = 0 rule of
+    InstanceNorm tested ``any`` of a traced array: it raised under jit)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(4, 3, 5)).astype(np.float32))
+    w, b, rm, rv = jnp.ones(3), jnp.zeros(3), jnp.zeros(3), jnp.ones(3)
+    calls = {
+        "layer_norm": lambda x: F.layer_norm_backward(x, x, 5, *F.layer_norm_forward(x, 5)[1:], None, None),
+        "rms_norm": lambda x: F.rms_norm_forward(x, 5),
+        "batch_norm": lambda x: F.batch_norm_forward(x, rm, rv, w, b, True),
+        "group_norm": lambda x: F.group_norm_forward(x, 3, w, b),
+        "instance_norm, eps=0": lambda x: F.instance_norm_forward(x, eps=0.0),
+        "F.layer_norm": lambda x: F.layer_norm(x, 5),
+    }
+    for name, call in calls.items():
+        jitted, plain = jax.jit(call)(x), call(x)
+        for a, b_ in zip(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(plain), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6, err_msg=name)
