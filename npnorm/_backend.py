@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
@@ -140,7 +141,9 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
     try:
         return array_api_compat.array_namespace(module.empty((0,)))
     except (AttributeError, TypeError) as err:  # xp="json": a module, but no array library
-        raise ValueError(f"xp={module.__name__!r} is not an array backend ({err})") from err
+        sub = f"{module.__name__}.numpy"  # "jax": its arrays come from jax.numpy
+        hint = f"; did you mean {sub!r}?" if importlib.util.find_spec(sub) is not None else ""
+        raise ValueError(f"xp={module.__name__!r} is not an array backend ({err}){hint}") from err
 
 
 def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
@@ -152,11 +155,10 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
     """
     if dtype is None:
         return xp.float32
-    for name in FLOAT_NAMES:  # a dtype of xp's own library (compared with no other: a
-        candidate = getattr(xp, name, None)  # NumPy dtype against array_api_strict's warns)
-        if candidate is not None and _library(dtype) == _library(candidate) and dtype == candidate:
-            return candidate
-    if isinstance(dtype, str):
+    own = [n for n in FLOAT_NAMES if _library(dtype) == _library(c := getattr(xp, n, None)) and dtype == c]
+    if own:  # a dtype of xp's own library (compared with no other: a NumPy dtype against
+        name = own[0]  # array_api_strict's warns)
+    elif isinstance(dtype, str):
         name = dtype
     else:
         try:
@@ -189,6 +191,20 @@ def _standard_floats(xp: Namespace) -> tuple[str, ...]:
     except Exception:  # an older namespace without the inspection API
         return FLOAT_NAMES
     return ("float16", *listed)
+
+
+def counter_dtype(xp: Namespace) -> Any:
+    """The dtype of ``num_batches_tracked``: int64, as in PyTorch, where ``xp`` makes
+    int64 arrays (its inspection lists them), else its widest signed integer (JAX without
+    x64: int32, where an int64 request warns and gives int32 anyway)."""
+    try:
+        listed = xp.__array_namespace_info__().dtypes(kind="signed integer")
+    except Exception:  # an older namespace without the inspection API
+        return xp.int64
+    for name in ("int64", "int32"):
+        if name in listed:
+            return getattr(xp, name)
+    return xp.int64
 
 
 def _library(obj: Any) -> str:

@@ -117,9 +117,30 @@ def test_a_constant_instance_with_eps_0_on_jax(x64):
 def test_float64_without_jax_x64_is_refused():
     """With JAX's x64 mode off its float64 arrays are float32: the module said float64
     and held float32 (and gradcheck failed on float32 rounding, 'in float64')."""
-    with pytest.raises(TypeError, match="jax_enable_x64"):
-        npnorm.LayerNorm(5, dtype="float64", xp=jnp)
+    for dtype in ("float64", jnp.float64):  # (JAX's own float64 got past the check)
+        with pytest.raises(TypeError, match="jax_enable_x64"):
+            npnorm.LayerNorm(5, dtype=dtype, xp=jnp)
+        with pytest.raises(TypeError, match="jax_enable_x64"):
+            npnorm.LayerNorm(5, xp=jnp).to(dtype=dtype)
     assert npnorm.LayerNorm(5, xp=jnp).weight.dtype == jnp.float32
+
+
+def test_the_counter_without_jax_x64_is_int32_and_quiet():
+    """Without x64 JAX has no int64: BatchNorm's counter asked for one (a warning, an
+    error under this suite) and got int32 anyway; it is int32 from the start now."""
+    bn = npnorm.BatchNorm1d(3, xp=jnp)
+    moved = npnorm.BatchNorm1d(3).to(jnp)
+    for m in (bn, moved):
+        assert m.num_batches_tracked.dtype == jnp.int32
+        m(jnp.ones((4, 3), dtype=jnp.float32))
+        assert int(m.num_batches_tracked) == 1
+    back = moved.to("numpy")
+    assert back.num_batches_tracked.dtype == np.int64 and int(back.num_batches_tracked) == 1
+
+
+def test_xp_jax_points_at_jax_numpy():
+    with pytest.raises(ValueError, match=r"did you mean 'jax\.numpy'"):
+        npnorm.LayerNorm(3, xp="jax")
 
 
 def test_the_pure_functions_run_under_jit():

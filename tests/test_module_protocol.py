@@ -279,7 +279,8 @@ def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, ma
     ours(x)
     getattr(ours, reset)()
     if torch_raised:
-        with pytest.raises(RuntimeError, match=f"overwritten in place by {reset}"):
+        with pytest.raises(RuntimeError, match="overwritten in place by reset_"):  # (reset_running_stats
+            # for reset_parameters where that wrote first, as torch's calls it first too)
             ours.backward(np.ones(shape, np.float32))
     else:
         ours.backward(np.ones(shape, np.float32))
@@ -292,6 +293,23 @@ def test_a_torch_device_naming_the_cpu_is_numpys_cpu(torch):
     assert isinstance(m.running_mean, np.ndarray)
     ref = torch.nn.LayerNorm(3)
     assert isinstance(npnorm.from_torch(ref, device=ref.weight.device).weight, np.ndarray)
+    ln = npnorm.LayerNorm(3)
+    w = ln.weight
+    assert ln.to(device=torch.device("cpu")).weight is w  # (to() refused what the constructor took)
+
+
+def test_reset_parameters_calls_reset_running_stats(torch):
+    """As torch's: a subclass that overrides reset_running_stats sees reset_parameters
+    call it."""
+    calls = []
+
+    class Counted(npnorm.BatchNorm1d):
+        def reset_running_stats(self):
+            calls.append("reset_running_stats")
+            super().reset_running_stats()
+
+    Counted(3).reset_parameters()
+    assert calls == ["reset_running_stats"]
 
 
 def test_a_dtype_is_read_by_name_only_from_a_library_dtype(torch):

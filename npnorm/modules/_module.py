@@ -24,6 +24,7 @@ from .._backend import (
     backend_name,
     check_device,
     copy_array,
+    counter_dtype,
     namespace_of,
     on_device_of,
     requires_grad,
@@ -84,7 +85,7 @@ class IncompatibleKeys(NamedTuple):
 
 
 def dtype_name(xp: Namespace, dtype: Any) -> str:
-    for name in (*FLOAT_NAMES, "int64"):
+    for name in (*FLOAT_NAMES, "int64", "int32"):  # int32: a counter on JAX without x64
         if getattr(xp, name, None) == dtype:
             return name
     raise TypeError(f"unsupported dtype {dtype!r}")
@@ -505,10 +506,12 @@ class Module:
     def _overwrote(self, names: list[str], by: str) -> None:
         """The arrays ``names`` were overwritten in place by ``by``: where the saved forward
         used one (one that PyTorch's backward of the layer keeps), ``backward`` raises, as
-        PyTorch's version check does."""
-        saved = self._saved
-        if saved is not None and not isinstance(saved, _Overwritten):
-            kept = self._kept_for_backward
+        PyTorch's version check does (an earlier overwrite's names are kept, with theirs)."""
+        saved, kept = self._saved, self._kept_for_backward
+        if isinstance(saved, _Overwritten):
+            more = [k for k in names if kept is not None and k in kept and k not in saved.names]
+            self._saved = _Overwritten(saved.names + more, saved.by)
+        elif saved is not None:
             own = {k: getattr(self, k) for k in names}
             hit = [k for k in names if (k in kept if kept is not None else any(v is own[k] for v in saved))]
             if hit:
@@ -588,7 +591,7 @@ class Module:
         """
         new_xp = self.xp if xp is None else resolve_namespace(xp)
         new_dtype = resolve_dtype(new_xp, dtype_name(self.xp, self.dtype) if dtype is None else dtype)
-        check_device(new_xp, device)
+        device = check_device(new_xp, device)  # (torch.device("cpu") names NumPy's "cpu")
         moved: dict[str, Array] = {}
         for name in (*self._parameter_names, *self._buffer_names):
             value = getattr(self, name)
@@ -612,7 +615,7 @@ class Module:
         ``new_dtype``: the array itself where it already is (as torch's ``to()``: a
         ``state_dict()`` taken before still follows the module), else a new one."""
         name = dtype_name(self.xp, value.dtype)
-        target = new_dtype if name in FLOAT_NAMES else getattr(new_xp, name)
+        target = new_dtype if name in FLOAT_NAMES else counter_dtype(new_xp)  # the counter
         if namespace_of(value) is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from types import MappingProxyType, ModuleType
+from types import ModuleType
 from typing import Any
 
-from .._backend import Array
+from .._backend import Array, counter_dtype
 from .._checks import check_count, check_eps, check_real
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
@@ -18,7 +18,6 @@ class _NormBase(Module):
     _parameter_names = ("weight", "bias")
     _buffer_names = ("running_mean", "running_var", "num_batches_tracked")
     _version = 2  # PyTorch's _NormBase: a checkpoint of version 2 has num_batches_tracked
-    _RUNNING_FILLS = MappingProxyType({"running_mean": 0, "running_var": 1, "num_batches_tracked": 0})
 
     def __init__(
         self,
@@ -48,7 +47,7 @@ class _NormBase(Module):
         if self.track_running_stats:
             self.running_mean = xp_.zeros((c,), **on)
             self.running_var = xp_.ones((c,), **on)
-            self.num_batches_tracked = xp_.asarray(0, dtype=xp_.int64, device=on["device"])
+            self.num_batches_tracked = xp_.asarray(0, dtype=counter_dtype(xp_), device=on["device"])
 
     def reset_running_stats(self) -> None:
         """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
@@ -56,13 +55,15 @@ class _NormBase(Module):
         place, as PyTorch's ``zero_()``/``fill_(1)``: a ``state_dict()`` taken earlier, or a
         module sharing the buffers (``SyncBatchNorm.convert_sync_batchnorm``), sees the reset."""
         if self.track_running_stats:
-            self._refill(self._RUNNING_FILLS, "reset_running_stats")
+            self._refill(
+                {"running_mean": 0, "running_var": 1, "num_batches_tracked": 0}, "reset_running_stats"
+            )
 
     def reset_parameters(self) -> None:
         """``reset_running_stats()``, then ``weight`` back to ones and ``bias`` to zeros
         (where the layer has them), in place as PyTorch's ``reset_parameters``."""
-        running = self._RUNNING_FILLS if self.track_running_stats else {}
-        self._refill({**running, "weight": 1, "bias": 0}, "reset_parameters")
+        self.reset_running_stats()  # a subclass's override included, as in PyTorch
+        self._refill({"weight": 1, "bias": 0}, "reset_parameters")
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
