@@ -652,3 +652,10 @@ def test_an_exercise_that_writes_into_the_tape_cannot_fool_the_grader():
 
     result = grade(exercise, vandal)
     assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "weight"
+
+
+def test_the_overview_says_where_the_pages_and_exercises_are(capsys):
+    """The overview names docs/ and exercises/ paths, which an installed package lacks:
+    it says they are the source repository's."""
+    assert _cli.main([]) == 0
+    assert "in npnorm's source repository, not in an installed package" in capsys.readouterr().out

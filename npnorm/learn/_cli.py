@@ -280,7 +280,9 @@ def overview() -> None:
     print(__doc__)
     print("layers:", ", ".join(LAYERS), "(and sync_batch_norm, over simulated ranks)")
     print("exercises:", ", ".join(EXERCISES))
-    print("the derivations: docs/derivations/README.md")
+    # paths of the source repository: an installed package has no docs/ or exercises/
+    print("the derivations: docs/derivations/README.md and the exercises: exercises/")
+    print("(both in npnorm's source repository, not in an installed package)")
 
 
 def _split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]:
