@@ -580,7 +580,8 @@ class Module:
             one it does not have); ``None`` keeps each array on its device (a move to
             another backend puts them on its default device).
         dtype : float dtype or its name, keyword-only, optional
-            ``None`` keeps the current dtype. ``num_batches_tracked`` stays int64.
+            ``None`` keeps the current dtype. ``num_batches_tracked`` stays int64 (int32
+            on JAX without x64, which has no int64).
 
         Examples
         --------
