@@ -24,6 +24,7 @@ Namespace = Any  # an Array API namespace module
 FLOAT_NAMES = ("float16", "float32", "float64")
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def no_fp_warnings(fn: F) -> F:
@@ -186,25 +187,25 @@ def _standard_floats(xp: Namespace) -> tuple[str, ...]:
     """The float dtypes ``xp`` can make now, as its Array API inspection lists them (JAX
     leaves float64 out until x64 is enabled: its float64 arrays would be float32);
     float16, outside the standard, as any backend that names it."""
-    try:
-        listed = tuple(xp.__array_namespace_info__().dtypes(kind="real floating"))
-    except Exception:  # an older namespace without the inspection API
-        return FLOAT_NAMES
-    return ("float16", *listed)
+    listed = _inspected(xp, lambda info: tuple(info.dtypes(kind="real floating")), None)
+    return FLOAT_NAMES if listed is None else ("float16", *listed)
 
 
 def counter_dtype(xp: Namespace) -> Any:
     """The dtype of ``num_batches_tracked``: int64, as in PyTorch, where ``xp`` makes
     int64 arrays (its inspection lists them), else its widest signed integer (JAX without
     x64: int32, where an int64 request warns and gives int32 anyway)."""
+    listed = _inspected(xp, lambda info: info.dtypes(kind="signed integer"), ("int64",))
+    return getattr(xp, next((n for n in ("int64", "int32") if n in listed), "int64"))
+
+
+def _inspected(xp: Namespace, ask: Callable[[Any], T], fallback: T) -> T:
+    """``ask`` of ``xp``'s Array API inspection (``__array_namespace_info__()``), or
+    ``fallback`` for an older namespace without it."""
     try:
-        listed = xp.__array_namespace_info__().dtypes(kind="signed integer")
-    except Exception:  # an older namespace without the inspection API
-        return xp.int64
-    for name in ("int64", "int32"):
-        if name in listed:
-            return getattr(xp, name)
-    return xp.int64
+        return ask(xp.__array_namespace_info__())
+    except Exception:
+        return fallback
 
 
 def _library(obj: Any) -> str:
@@ -237,11 +238,7 @@ def check_device(xp: Namespace, device: Any) -> Any:
 
 def _default_device(xp: Namespace) -> Any:
     """``xp``'s default device (the Array API's inspection), or None where it has none."""
-    info = getattr(xp, "__array_namespace_info__", None)
-    try:
-        return None if info is None else info().default_device()
-    except Exception:  # an older namespace without the inspection API
-        return None
+    return _inspected(xp, lambda info: info.default_device(), None)
 
 
 def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:

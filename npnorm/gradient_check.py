@@ -298,7 +298,8 @@ def _numeric(f: Callable[[Array], float], t: Array, eps: float) -> np.ndarray:
     out = np.empty(tuple(t.shape))
     in_place = writable(t)
     device = array_api_compat.device(t)
-    position = xp.reshape(xp.arange(math.prod(t.shape), device=device), t.shape)
+    if not in_place:  # each element's flat index, to pick it out with xp.where
+        position = xp.reshape(xp.arange(math.prod(t.shape), device=device), t.shape)
     for k, idx in enumerate(itertools.product(*(range(int(n)) for n in t.shape))):
         orig = float(t[idx])
         f_at = []

@@ -621,9 +621,9 @@ class Module:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there
             moved = array_api_compat.to_device(value, device)
-            # a copy is a plain array, as one cast to another dtype (a torch tensor that
-            # required grad came back with the move's autograd history)
-            value = moved if moved is value else copy_array(moved)
+            # a moved array is a plain one, as one cast to another dtype (a torch tensor
+            # that required grad came back with the move's autograd history)
+            value = moved.detach() if moved is not value and requires_grad(moved) else moved
         return value
 
     def _check_backend(self, input: Array) -> Namespace:
