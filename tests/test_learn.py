@@ -659,3 +659,23 @@ def test_the_overview_says_where_the_pages_and_exercises_are(capsys):
     it says they are the source repository's."""
     assert _cli.main([]) == 0
     assert "in npnorm's source repository, not in an installed package" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("topic", [["layer_norm"], ["batch_norm", "--eval"], ["sync_batch_norm"]])
+def test_a_topic_names_its_page_where_it_can_be_opened(topic, tmp_path, monkeypatch, capsys):
+    """Each topic ends with the derivation page it follows. From a checkout the line is a path
+    that opens from the working directory; installed, npnorm has no docs/, and the line says the
+    page is the source repository's (it named a docs/ path that did not exist)."""
+    from npnorm.learn import _pages
+
+    assert _cli.main(topic) == 0
+    shown = capsys.readouterr().out.splitlines()[-1].removeprefix("the derivation: ")
+    assert (ROOT / shown).is_file() or Path(shown).is_file(), shown
+    monkeypatch.chdir(tmp_path)
+    assert _cli.main(topic) == 0
+    shown = capsys.readouterr().out.splitlines()[-1].removeprefix("the derivation: ")
+    assert Path(shown).is_absolute() and Path(shown).is_file(), shown
+    monkeypatch.setattr(_pages, "CHECKOUT", tmp_path / "site-packages")
+    assert _cli.main(topic) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("the derivation: docs/derivations/") and "source repository" in last, last

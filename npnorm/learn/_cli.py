@@ -26,6 +26,7 @@ import numpy as np
 
 from . import LAYERS, check_steps, check_terms, closed_form, jacobian, staged_backward, staged_forward
 from ._library import closed
+from ._pages import PAGE, derivation
 from ._tape import Tape
 from .check import ATOL, RTOL, TERM_NAMES, CheckRow
 from .examples import SPLIT, example, upstream
@@ -39,13 +40,6 @@ TITLE = {
     "rms_norm": "RMSNorm",
     "group_norm": "GroupNorm",
     "instance_norm": "InstanceNorm",
-}
-PAGE = {
-    "batch_norm": "docs/derivations/batch_norm_training.md",
-    "layer_norm": "docs/derivations/layer_norm.md",
-    "rms_norm": "docs/derivations/rms_norm.md",
-    "group_norm": "docs/derivations/group_norm_instance_norm.md",
-    "instance_norm": "docs/derivations/group_norm_instance_norm.md",
 }
 
 
@@ -101,8 +95,7 @@ def show_layer(name: str, *, eval: bool, groups: int) -> bool:
         print(f"all {len(rows)} gradients match finite differences ({tol})")
     else:
         print(f"WRONG: {', '.join(r.name for r in rows if not r.ok)} ({tol})")
-    page = "docs/derivations/batch_norm_eval.md" if name == "batch_norm" and eval else PAGE[name]
-    print(f"the derivation: {page}")
+    print(derivation("batch_norm_eval.md" if name == "batch_norm" and eval else PAGE[name]))
     return ok
 
 
@@ -253,14 +246,14 @@ def bessel() -> bool:
     print(f"   term 3 with / (n-1): {'ok' if right[-1].ok else 'WRONG'}")
     print(f"   term 3 with / n (the biased closed form on the n-1 graph): {'ok' if wrong.ok else 'WRONG'}, ")
     print(f"   max |term - finite differences| = {wrong.max_abs:.2e}")
-    print("the derivation: docs/derivations/batch_norm_eval.md")
+    print(derivation("batch_norm_eval.md"))
     return all(r.ok for r in rows) and all(r.ok for r in right) and not wrong.ok
 
 
 def check_exercise(exercise: Exercise, path: Path) -> bool:
     print(f"exercise {exercise.name}: {exercise.title}")
     shown = os.path.relpath(path) if path.resolve().is_relative_to(Path.cwd()) else path
-    print(f"file: {shown}   (the derivation: docs/derivations/{exercise.page})")
+    print(f"file: {shown}   ({derivation(exercise.page)})")
     try:
         fn = load(path, exercise.function)
     except Exception as err:  # a syntax error in the learner's file, a missing function

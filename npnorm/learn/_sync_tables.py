@@ -14,6 +14,7 @@ import numpy as np
 from .. import functional as F
 from ..functional._dispatch import generic_only
 from . import sync_batch_norm as S
+from ._pages import derivation
 from .examples import example, upstream
 
 TOL = 1e-12  # max |difference| <= TOL · (1 + max |BatchNorm's|), float64
@@ -73,7 +74,7 @@ def show_sync_batch_norm(split: tuple[int, ...]) -> bool:
         else "WRONG: " + ", ".join(check.failed)
     )
     print(f"\n{verdict} (max |difference| <= {TOL:g} · (1 + max |BatchNorm's|))")
-    print("the derivation: docs/derivations/sync_batch_norm.md")
+    print(derivation("sync_batch_norm.md"))
     return ok
 
 
