@@ -70,7 +70,18 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
     for name, a in zip(names, arrays, strict=True):
         if a is not None:
             check_floating(xp, a, name)
+            check_known_shape(a, name)
     return xp
+
+
+def check_known_shape(a: Array, what: str) -> None:
+    """Raise ``ValueError`` when a size of ``a`` is unknown: the Array API's ``None``, or
+    dask's NaN after boolean indexing (the checks and the reductions need every size)."""
+    if any(d is None or d != d for d in a.shape):
+        raise ValueError(
+            f"{what}: every size must be known, got shape {tuple(a.shape)} (a size computed "
+            "lazily, as after boolean indexing; on dask, call x.compute_chunk_sizes() first)"
+        )
 
 
 def _float_numpy_namespace(arrays: tuple[Array | None, ...], required: int) -> Namespace | None:

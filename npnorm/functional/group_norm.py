@@ -243,8 +243,8 @@ def group_norm_forward_generic(
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     x = as_ncs(xp, input, ct)  # N,C,S
     n, c, s = (int(d) for d in x.shape)
-    xg = xp.reshape(x, (n, num_groups, (c // num_groups) * s))  # N,G,C/G*S
-    xhat, mean, rstd = standardize(xp, xg, (2,), eps)  # N,G,C/G*S  N,G,1  N,G,1
+    xg = xp.reshape(x, (n, num_groups, c // num_groups, s))  # N,G,C/G,S (splits C only)
+    xhat, mean, rstd = standardize(xp, xg, (2, 3), eps)  # N,G,C/G,S  N,G,1,1  N,G,1,1
     assert mean is not None
     y = channel_affine(xp, xp.reshape(xhat, (n, c, s)), weight, bias, ct)  # N,C,S
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
@@ -268,12 +268,12 @@ def group_norm_backward_generic(
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     n, c, s = (int(d) for d in x.shape)
-    group = (n, num_groups, (c // num_groups) * s)
-    mean = xp.reshape(cast(xp, mean, ct), (n, num_groups, 1))  # N,G,1
-    rstd = xp.reshape(cast(xp, rstd, ct), (n, num_groups, 1))  # N,G,1
-    xhat = xhat_from(xp.reshape(x, group), mean, rstd)  # N,G,C/G*S
+    group = (n, num_groups, c // num_groups, s)  # splits C only
+    mean = xp.reshape(cast(xp, mean, ct), (n, num_groups, 1, 1))  # N,G,1,1
+    rstd = xp.reshape(cast(xp, rstd, ct), (n, num_groups, 1, 1))  # N,G,1,1
+    xhat = xhat_from(xp.reshape(x, group), mean, rstd)  # N,G,C/G,S
     dxhat, dweight, dbias = channel_affine_backward(
         xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
     )  # N,C,S  C  C
-    dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2,))  # N,G,C/G*S
+    dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2, 3))  # N,G,C/G,S
     return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

@@ -1,0 +1,81 @@
+"""An Array API library that computes lazily (dask): every layer gives NumPy's values
+through the module API (running statistics, grads accumulated over two backwards, a load,
+a reset, gradcheck), results stay lazy, and an input whose sizes are not known yet (dask
+after boolean indexing) gets a clear error. dask comes with the ``test`` extra."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import npnorm
+import npnorm.functional as F
+
+da = pytest.importorskip("dask.array")
+
+LAYERS = {
+    "LayerNorm": (lambda **kw: npnorm.LayerNorm((2, 5), **kw), (3, 2, 5)),
+    "RMSNorm": (lambda **kw: npnorm.RMSNorm(5, **kw), (3, 5)),
+    "GroupNorm": (lambda **kw: npnorm.GroupNorm(2, 4, **kw), (3, 4, 5)),
+    "BatchNorm2d, momentum=None": (lambda **kw: npnorm.BatchNorm2d(4, momentum=None, **kw), (3, 4, 2, 2)),
+    "InstanceNorm1d, tracked": (
+        lambda **kw: npnorm.InstanceNorm1d(4, affine=True, track_running_stats=True, **kw),
+        (3, 4, 5),
+    ),
+}
+
+
+def _state(m) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in {**m.state_dict(), **m.grads}.items()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", LAYERS)
+def test_a_module_on_dask_does_what_it_does_on_numpy(name, training):
+    make, shape = LAYERS[name]
+    ours, ref = make(xp=da, dtype="float64").train(training), make(dtype="float64").train(training)
+    rng = np.random.default_rng(0)
+    state = {
+        k: rng.uniform(0.5, 1.5, size=v.shape) if k != "num_batches_tracked" else np.asarray(3)
+        for k, v in ref.state_dict().items()
+    }
+    for m in (ours, ref):
+        m.load_state_dict(state)
+    for _ in range(2):
+        x, dy = rng.normal(size=shape), rng.normal(size=shape)
+        y, y_ref = ours(da.from_array(x, chunks=2)), ref(x)
+        dx, dx_ref = ours.backward(da.from_array(dy, chunks=2)), ref.backward(dy)
+        assert isinstance(y, da.Array) and isinstance(dx, da.Array)  # still lazy
+        np.testing.assert_allclose(y.compute(), y_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(dx.compute(), dx_ref, rtol=1e-12, atol=1e-12)
+    got, want = _state(ours), _state(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    ours.reset_parameters()
+    ref.reset_parameters()
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
+    if training and "running_mean" not in want:
+        # (a layer with running statistics takes ~25 s here: each of gradcheck's forwards adds
+        # its update to the buffers' task graphs, the growth the README tells users to persist)
+        assert npnorm.gradcheck(ours, da.from_array(rng.normal(size=shape)))
+
+
+def test_an_input_of_unknown_size_is_a_clear_error_that_changes_nothing():
+    """dask's boolean indexing leaves the number of rows unknown (NaN): npnorm failed inside
+    a reshape with "cannot convert float NaN to integer"; it says what is missing and what to
+    do, before any work."""
+    x = np.random.default_rng(1).normal(size=(6, 4))
+    lazy = da.from_array(x, chunks=3)
+    lazy = lazy[lazy[:, 0] > 0]
+    assert np.isnan(lazy.shape[0])
+    bn = npnorm.BatchNorm1d(4, xp=da)
+    before = _state(bn)
+    for call in (lambda: F.layer_norm(lazy, (4,)), lambda: bn(lazy), lambda: F.rms_norm_forward(lazy, 4)):
+        with pytest.raises(ValueError, match=r"every size must be known.*compute_chunk_sizes"):
+            call()
+    after = _state(bn)
+    assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
+    known = lazy.compute_chunk_sizes()
+    np.testing.assert_allclose(F.layer_norm(known, (4,)).compute(), F.layer_norm(x[x[:, 0] > 0], (4,)))
