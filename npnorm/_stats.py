@@ -41,6 +41,16 @@ from ._checks import cast
 
 Axes = tuple[int, ...]
 
+# A row centred on its mean rounded to float32 is off by that rounding, up to half an ulp
+# of the mean: with a large common offset (1e3 times the spread) that is 3e-5 of the
+# spread in every output, and a constant row's output is not exactly the bias (its values
+# differ from the rounded mean by that rounding, its "spread"). Rows (channels, in
+# SyncBatchNorm) whose mean is more than this many standard deviations from 0 are centred
+# again on what the rounding lost (the numpy family's ``recentre``) or normalized with the
+# float64 statistics (SyncBatchNorm); below it the rounding costs a few ulps, as the
+# reference's float64 statistics do.
+RECENTRE_ABOVE = 4.0
+
 
 def square_dtype(xp: Namespace, dtype: object) -> object:
     """The dtype squares of ``dtype`` values are summed in: float64 where the backend

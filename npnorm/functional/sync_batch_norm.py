@@ -29,7 +29,7 @@ import numpy as np
 from .._backend import FLOAT_NAMES, Array, Namespace, to_host, to_namespace
 from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
-from .._stats import moments, xhat_from
+from .._stats import RECENTRE_ABOVE, moments, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -258,7 +258,7 @@ def synced_forward(
     # would overflow: the whole slice is then normalized with the float64 statistics.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         var = to_namespace(var64, xp, ct)  # C (inf beyond the dtype's range)
-        offset = bool(np.any(mean64 * mean64 > _OFFSET_ABOVE**2 * var64))
+        offset = bool(np.any(mean64 * mean64 > RECENTRE_ABOVE**2 * var64))
         overflow = bool(np.any(np.isinf(to_host(var)) & np.isfinite(var64)))
         # rstd as saved for backward: from the float64 variance, as BatchNorm's, the same
         # on every rank (the kernel that normalized may differ between ranks)
@@ -416,10 +416,6 @@ def _check_same_channels(channels: np.ndarray, what: str) -> None:
             "every rank must pass (N, C, *) with the same C"
         )
 
-
-# a channel whose mean is more than this many (biased) standard deviations from 0 is
-# normalized with the float64 statistics (the kernels' RECENTRE_ABOVE, for the same reason)
-_OFFSET_ABOVE = 4.0
 
 # the input dtypes the ranks compare by code: NumPy's floats and a backend's bfloat16
 # (torch's), which float_inputs accepts too

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .._checks import prod
+from .._stats import RECENTRE_ABOVE
 from .._threads import get_num_threads, run_parallel
 
 T = TypeVar("T")
@@ -324,16 +325,6 @@ def inv_rms(
     np.sqrt(ms, out=ms)
     np.divide(1.0, ms, out=out)  # rstd
     return out
-
-
-# A row centred on its mean rounded to float32 is off by that rounding, up to half an ulp
-# of the mean: with a large common offset (1e3 times the spread) that is 3e-5 of the
-# spread in every output, and a constant row's output is not exactly the bias (its values
-# differ from the rounded mean by that rounding, its "spread"). Rows whose mean is more
-# than this many standard deviations from 0 are centred again on what the rounding lost
-# (``recentre``); below it the rounding costs a few ulps, as the reference's float64
-# statistics do.
-RECENTRE_ABOVE = 4.0
 
 
 def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
