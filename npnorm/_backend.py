@@ -249,11 +249,13 @@ def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
         floating = xp.isdtype(x.dtype, "real floating")
     except TypeError:  # a dtype the namespace does not know: NumPy's ml_dtypes.bfloat16, ...
         floating = False
+    if floating and isinstance(x, np.ndarray) and x.dtype.char not in _FLOAT_CHARS:
+        floating = False  # NumPy's longdouble: torch has none, and the kernels compute float64
     if not floating:
         raise TypeError(
             f"{what} must have a floating dtype (float16/32/64, or a backend's bfloat16, such as "
-            f"torch's; NumPy arrays of ml_dtypes' bfloat16 are not taken: cast them to float32), "
-            f"got {x.dtype}"
+            f"torch's; NumPy arrays of ml_dtypes' bfloat16 or of longdouble are not taken: cast "
+            f"them to float32 or float64), got {x.dtype}"
         )
 
 
@@ -288,13 +290,17 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     ``nn.Parameter``) gives a plain tensor.
     """
     if _not_numbers(value):
-        raise TypeError(f"expected an array, a tensor or numbers, got {type(value).__name__}")
+        raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}")
+    if isinstance(value, np.ma.MaskedArray):  # its masked values would load as numbers
+        raise TypeError(
+            "masked arrays are not supported (a norm layer's state has no mask): pass a.filled(value)"
+        )
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
         out = copy_array(value)
     else:
         host = _to_host(value)
         if _not_numbers(host):  # a list of None, say
-            raise TypeError(f"expected an array, a tensor or numbers, got {type(value).__name__}")
+            raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}")
         if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
@@ -305,15 +311,21 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     return out
 
 
+def _kind(value: Any) -> str:
+    """``value``'s class, and its dtype where it has one (``ndarray of datetime64[D]``)."""
+    dtype = getattr(value, "dtype", None)
+    return type(value).__name__ + ("" if dtype is None else f" of {dtype}")
+
+
 def _not_numbers(value: Any) -> bool:
     """Whether ``value`` is None, a string, or a NumPy array (or scalar) of strings,
-    objects or records, which torch refuses as a tensor's values (an extension dtype such
-    as ml_dtypes' bfloat16, kind "V" too, holds numbers)."""
+    objects, records, dates or time spans, which torch refuses as a tensor's values (an
+    extension dtype such as ml_dtypes' bfloat16, kind "V" too, holds numbers)."""
     if value is None or isinstance(value, (str, bytes)):
         return True
     if not isinstance(value, (np.ndarray, np.generic)):
         return False
-    return value.dtype.kind in "OUSV" and value.dtype.isbuiltin != 2
+    return value.dtype.kind in "OUSVMm" and value.dtype.isbuiltin != 2
 
 
 def copy_array(a: Array) -> Array:

@@ -55,6 +55,10 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
     if xp is not None:
         return xp
     for i, (name, a) in enumerate(zip(names, arrays, strict=True)):
+        if isinstance(a, np.matrix):
+            raise TypeError(
+                f"{name}: np.matrix is not supported (its * is a matrix product): pass np.asarray(a)"
+            )
         if (a is None and i < required) or (a is not None and not array_api_compat.is_array_api_obj(a)):
             raise TypeError(
                 f"{name}: expected an array (numpy, cupy or another Array API namespace), "
@@ -179,16 +183,24 @@ def default_eps(xp: Namespace, input: Array) -> float:
 
 def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") -> None:
     """``out`` (when given) must be a writable array of ``xp`` with ``like``'s shape and
-    dtype (as torch's ``out=``: no broadcasting, no casting), and, while torch's grad mode
-    is on, not a torch tensor that requires grad."""
+    dtype (as torch's ``out=``: no broadcasting, no casting; NumPy's byte order aside),
+    each element at its own memory location (no zero stride), not masked, and, while
+    torch's grad mode is on, not a torch tensor that requires grad."""
     if out is None:
         return
+    if isinstance(out, np.ma.MaskedArray):  # the families would disagree on its mask
+        raise TypeError(f"{what}: masked arrays are not supported: pass a plain array (out.data)")
     if namespace_of(out, what=what) is not xp:
         raise TypeError(f"{what} must be an array of the input's backend ({xp.__name__}), got {type(out)}")
     if tuple(out.shape) != tuple(like.shape):
         raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
-    if out.dtype != like.dtype:
+    if out.dtype != like.dtype and not _same_but_byte_order(out.dtype, like.dtype):
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
+    if any(st == 0 and n > 1 for st, n in zip(getattr(out, "strides", ()), out.shape, strict=False)):
+        raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
+            f"{what} has more than one element at one memory location (a zero stride, from "
+            "broadcasting): each element needs its own; pass a copy (out.copy())"
+        )
     if not writable(out):
         raise ValueError(f"{what} is read-only (an immutable array, such as JAX's, cannot take out=)")
     if grad_tracked(out):  # torch's out= refuses it too: the write would bypass autograd
@@ -196,6 +208,11 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
             f"{what} requires grad: npnorm writes it outside autograd, as torch's out= functions "
             "refuse to; pass a tensor that does not require grad, or call under torch.no_grad()"
         )
+
+
+def _same_but_byte_order(a: Any, b: Any) -> bool:
+    """Whether NumPy dtypes ``a`` and ``b`` differ in byte order only (``>f4``, float32)."""
+    return isinstance(a, np.dtype) and isinstance(b, np.dtype) and a.newbyteorder("=") == b.newbyteorder("=")
 
 
 def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:

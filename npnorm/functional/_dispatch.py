@@ -329,8 +329,26 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
     ):
         result = fn(xp, *args, None)
         out[...] = result[0]
-        return (out, *result[1:])
-    return fn(xp, *args, out)
+        result = (out, *result[1:])
+    else:
+        result = fn(xp, *args, out)
+    if xp.__name__ == NUMPY:
+        for a in result:
+            if a is not None and (type(a) is not np.ndarray or not a.dtype.isnative):
+                return tuple(a if a is out else _as_plain(a) for a in result)
+    return result
+
+
+def _as_plain(a: Any) -> Any:
+    """``a`` as every family returns it: a plain ``ndarray`` (not a memmap or another
+    subclass the reference's operations carried over) in native byte order (NumPy's own
+    results are native; a ``>f4`` input gave a ``>f4`` output)."""
+    if isinstance(a, np.ndarray):
+        if not a.dtype.isnative:
+            a = a.astype(a.dtype.newbyteorder("="))
+        if type(a) is not np.ndarray:
+            a = a.view(np.ndarray)
+    return a
 
 
 def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], out: Any) -> Any:

@@ -81,14 +81,16 @@ def compiled(ct: np.dtype[Any]) -> bool:
 
 def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
     """Whether a call can skip staging: the inputs C-ordered in the computation dtype, and
-    no ``out`` or a C-ordered one (its shape and dtype checked by the caller) that shares
-    no memory with them. (Against the staging objects, which see the same arrays through a
-    few layers of Python, this saves 15-40 us a call; with 2 threads, LayerNorm's forward
-    at (2, 128, 384) took 50 against 67 us, GroupNorm's backward at (8, 64, 14, 14) 120
-    against 154 us.)"""
+    no ``out`` or a C-ordered one in that dtype (the caller lets the other byte order
+    through) that shares no memory with them. (Against the staging objects, which see
+    the same arrays through a few layers of Python, this saves 15-40 us a call; with 2
+    threads, LayerNorm's forward at (2, 128, 384) took 50 against 67 us, GroupNorm's
+    backward at (8, 64, 14, 14) 120 against 154 us.)"""
     if any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
         return False
-    return out is None or (out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs))
+    if out is None:
+        return True
+    return out.dtype == ct and out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs)
 
 
 class Source:

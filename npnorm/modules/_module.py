@@ -724,12 +724,13 @@ class _Overwritten(NamedTuple):
 
 
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
-    """Write ``value`` into ``current`` in place where it fits (same backend, shape and
-    dtype, and ``current`` writable); whether it did. A torch leaf that requires grad is
+    """Write ``value`` into ``current`` in place where it fits (same backend, ``current``
+    of ``value``'s class or a subclass, same shape and dtype, ``current`` writable);
+    whether it did. A torch leaf that requires grad is
     written under ``torch.no_grad()``, as PyTorch's ``load_state_dict`` copies into a
     Parameter; ``uncounted``: through ``write_uncounted``, as torch's kernels write the
     running statistics."""
-    if not _is_array(value) or type(value) is not type(current):
+    if not _is_array(value) or not isinstance(current, type(value)):  # (a memmap takes an ndarray)
         return False
     if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
         return False

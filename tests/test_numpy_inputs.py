@@ -1,0 +1,156 @@
+"""The NumPy arrays a pipeline hands over, in every kernel family: another byte order
+(a file written elsewhere), ndarray subclasses (memmap, a user's), and what is refused
+clearly (longdouble, np.matrix, a masked or self-overlapping ``out``, dates and masked
+values in a checkpoint). Each family returns what the others return: plain, native
+``ndarray`` results, buffers and grads updated in place."""
+
+from __future__ import annotations
+
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+from tests.helpers import op_calls, same_results
+
+FAMILIES = npnorm.kernels_available()
+
+
+class Tagged(np.ndarray):
+    """A user's ndarray subclass."""
+
+
+def _native(a):
+    return None if a is None else np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("="))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@settings(max_examples=15, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([">f2", ">f4", ">f8", "<f4"]),
+    shape=hnp.array_shapes(min_dims=3, max_dims=4, min_side=2, max_side=5).filter(lambda s: s[1] % 2 == 0),
+)
+def test_any_byte_order_in_gives_native_results_equal_to_a_native_copy(family, data, dtype, shape):
+    """A ``>f4`` input gave ``>f4`` outputs and dx (and ``dweight`` from a ``>f4`` weight)
+    while the statistics came back native: ``y.dtype == np.float32`` was False."""
+    values = hnp.arrays(dtype, shape, elements=st.floats(-100, 100, width=16))
+    x, dy = data.draw(values), data.draw(values)
+    w = data.draw(hnp.arrays(dtype, shape[-1:], elements=st.floats(0.5, 2, width=16)))
+    with npnorm.use_kernels(family):
+        for op, args, back in op_calls(x, dy, w, None, groups=2):
+            fwd = getattr(F, f"{op}_forward")
+            native_args = tuple(_native(a) if isinstance(a, np.ndarray) else a for a in args)
+            got, want = fwd(*args), fwd(*native_args)
+            same_results(got, want, f"{family} {op} forward")
+            same_results(
+                getattr(F, f"{op}_backward")(*back(got)),
+                getattr(F, f"{op}_backward")(*back(want)),
+                f"{family} {op} backward",
+            )
+            for r in got:
+                assert r is None or (type(r) is np.ndarray and r.dtype.isnative), (op, r.dtype)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("out_order", ["=", ">"])
+def test_out_of_either_byte_order(family, out_order):
+    """``out=`` takes the input's dtype in either byte order (it is written, not viewed);
+    the compiled kernels wrote a ``>f4`` out directly and failed to compile."""
+    x = np.random.default_rng(0).normal(size=(6, 5)).astype(np.float32)
+    for given_x in (x, x.astype(">f4")):
+        out = np.zeros(x.shape, np.dtype(np.float32).newbyteorder(out_order))
+        with npnorm.use_kernels(family):
+            y = F.layer_norm_forward(given_x, 5, out=out)[0]
+        assert y is out
+        np.testing.assert_allclose(out, F.layer_norm(x, 5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_subclass_input_gives_plain_results_and_buffers_updated_in_place(family):
+    """The reference family carried a subclass (memmap, a user's) into its results: a
+    module's running statistics and grads were then new arrays of that class, not the
+    module's own updated in place (a ``state_dict()`` taken before went stale)."""
+    x = np.random.default_rng(1).normal(size=(8, 3)).astype(np.float32).view(Tagged)
+    with npnorm.use_kernels(family):
+        assert type(F.layer_norm(x, 3)) is np.ndarray
+        bn = npnorm.BatchNorm1d(3)
+        state = bn.state_dict()
+        y = bn(x)
+        bn.backward(np.ones_like(x))
+        grad = bn.grads["weight"]
+        bn(x)
+        bn.backward(np.ones_like(x))
+    assert type(y) is np.ndarray
+    assert state["running_mean"] is bn.running_mean and state["running_var"] is bn.running_var
+    assert grad is bn.grads["weight"] and type(grad) is np.ndarray
+    assert int(bn.num_batches_tracked) == 2 and np.any(bn.running_mean != 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_memmap_buffer_is_written_in_place(family, tmp_path):
+    """A running mean the user set to a ``np.memmap`` was replaced by a new array at the
+    first step, and the file was never written."""
+    mm = np.memmap(tmp_path / "running_mean.bin", dtype=np.float32, mode="w+", shape=(3,))
+    bn = npnorm.BatchNorm1d(3)
+    bn.running_mean = mm
+    with npnorm.use_kernels(family):
+        bn(np.random.default_rng(2).normal(3.0, 1.0, size=(8, 3)).astype(np.float32))
+    assert bn.running_mean is mm and np.all(np.asarray(mm) > 0.1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_out_masked_or_self_overlapping_is_refused(family):
+    """A masked ``out``: one family cleared its mask, one kept it, numba failed to compile
+    on a first call. A zero-stride ``out`` (``np.broadcast_arrays``) took every row's
+    result at one place: the last row's result, wrong everywhere (torch refuses it)."""
+    x = np.random.default_rng(3).normal(size=(4, 5)).astype(np.float32)
+    masked = np.ma.array(np.zeros((4, 5), np.float32), mask=np.eye(4, 5, dtype=bool))
+    overlapping = np.broadcast_arrays(np.zeros(5, np.float32), x)[0]
+    with npnorm.use_kernels(family):
+        with pytest.raises(TypeError, match="out: masked arrays are not supported"):
+            F.layer_norm_forward(x, 5, out=masked)
+        with pytest.raises(ValueError, match="more than one element at one memory location"):
+            F.layer_norm_forward(x, 5, out=overlapping)
+        _, mean, rstd = F.layer_norm_forward(x, 5)
+        with pytest.raises(ValueError, match="more than one element at one memory location"):
+            F.layer_norm_backward(x, x, 5, mean, rstd, out=overlapping)
+    assert masked.mask.sum() == 4 and not np.any(masked.data)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_longdouble_and_matrix_are_refused(family):
+    """longdouble was accepted and computed in float128 by the reference and in float64 by
+    the others (BatchNorm of values 1e-17 apart: a ramp in one, zeros in the other)."""
+    with npnorm.use_kernels(family):
+        with pytest.raises(TypeError, match="longdouble are not taken"):
+            F.layer_norm(np.ones((2, 3), np.longdouble), 3)
+        with pytest.raises(TypeError, match="longdouble are not taken"):
+            npnorm.BatchNorm1d(3)(np.ones((4, 3), np.longdouble))
+        with pytest.warns(PendingDeprecationWarning):
+            m = np.matrix(np.ones((2, 3), np.float32))
+        with pytest.raises(TypeError, match=r"np.matrix is not supported.*np.asarray"):
+            F.layer_norm(m, 3)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0]), "masked arrays are not supported"),
+        (np.array(["2020-01-01"] * 3, "datetime64[D]"), r"ndarray of datetime64\[D\]"),
+        (np.array([1, 2, 3], "timedelta64[s]"), r"ndarray of timedelta64\[s\]"),
+    ],
+)
+def test_a_checkpoint_of_masked_values_or_dates_is_refused(value, message):
+    """Loaded silently before: a masked value as a number, dates as days since 1970."""
+    bn = npnorm.BatchNorm1d(3)
+    before = {k: np.copy(v) for k, v in bn.state_dict().items()}
+    with pytest.raises(RuntimeError, match=message):
+        bn.load_state_dict({**bn.state_dict(), "running_mean": value})
+    with pytest.raises(RuntimeError, match="cannot convert"):
+        bn.load_state_dict({**bn.state_dict(), "num_batches_tracked": np.array(5, "timedelta64[s]")})
+    for k, v in bn.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
