@@ -164,8 +164,8 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "warmup":
         from ._warmup import run as run_warmup
 
-        run_warmup(verbose=not args.quiet, json_path=args.json)
-        return 0
+        result = run_warmup(verbose=not args.quiet, json_path=args.json)
+        return 1 if result.get("cached") is False else 0  # compiled, but nothing kept
     if args.command == "gpu-check":
         from ._gpu_check import STAGES
         from ._gpu_check import run as run_gpu_check

@@ -5,7 +5,9 @@ few seconds each on a cold start, about a second for all of them once numba's on
 cache holds them (``cache=True``: next to the kernels' source, or in
 ``NUMBA_CACHE_DIR``). Running this once after installing (in a Docker image build, a CI
 step) moves that cost out of the first real call. It prints the time per layer and
-dtype, and whether the kernels came from the cache.
+dtype, and whether the kernels came from the cache; it exits with status 1 where numba
+has nowhere to write the cache (a read-only install without a writable
+``NUMBA_CACHE_DIR`` or home directory), since then nothing was kept.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
                 result["seconds"][f"{name} {dtype}"] = time.perf_counter() - t
     result["total_s"] = time.perf_counter() - t0
     result["compiled_loops"] = _compiled_loops()
+    result["cached"] = _cached()
     if verbose:
         print(f"numba imported in {result['import_s']:.2f} s")
         for key, s in result["seconds"].items():
@@ -91,13 +94,27 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
         per_dtype = result["compiled_loops"] // len(DTYPES)
         loops = f"{result['compiled_loops']} compiled loops ({per_dtype} x {len(DTYPES)} dtypes)"
         print(f"{loops} ready in {result['total_s']:.2f} s")
+        if not result["cached"]:
+            print(
+                "NOT CACHED: numba has no writable place for its cache here (see the warning "
+                "above), so every process compiles the loops again; set NUMBA_CACHE_DIR to a "
+                "directory this user can write and run this again"
+            )
     return _written(result, json_path)
+
+
+def _cached() -> bool:
+    """Whether the loops are kept in numba's on-disk cache (not in a read-only install
+    without a writable ``NUMBA_CACHE_DIR`` or home directory)."""
+    from .kernels import _numba_loops as loops
+
+    return bool(loops.CACHED)
 
 
 def _written(result: dict[str, Any], json_path: str | None) -> dict[str, Any]:
     """``result``, written to ``json_path`` too where one is given (also without numba:
     a script reading the file learns that nothing was compiled)."""
     if json_path:
-        with open(json_path, "w") as f:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
     return result

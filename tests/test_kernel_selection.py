@@ -196,6 +196,51 @@ def test_warmup_compiles_every_loop_for_both_dtypes(tmp_path):
     }
 
 
+NO_CACHE_PLACE = (  # what numba finds in a read-only install without a writable home
+    "import numba.core.caching as c\nc.CacheImpl._locator_classes = []\n"
+)
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_where_numba_cannot_write_its_cache_the_kernels_compile_uncached_with_one_warning():
+    """A read-only install (a non-root user, ``docker run --read-only``) without a writable
+    NUMBA_CACHE_DIR or home: every NumPy call raised numba's "cannot cache function ...: no
+    locator available", warmup included, and nothing fell back."""
+    code = NO_CACHE_PLACE + (
+        "import warnings\nwarnings.simplefilter('error')\n"
+        "import numpy as np, npnorm, npnorm.functional as F\n"
+        "x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y, mean, rstd = F.layer_norm_forward(x, 16)\n"
+        "    dx = F.layer_norm_backward(x, x, 16, mean, rstd)[0]\n"
+        "assert npnorm.get_kernels() == 'numba'\n"
+        "assert len(caught) == 1 and 'NUMBA_CACHE_DIR' in str(caught[0].message), caught\n"
+        "with npnorm.use_kernels('reference'):\n"
+        "    ref = F.layer_norm_forward(x, 16)[0]\n"
+        "np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)\n"
+        "from npnorm.kernels import _numba_loops\nassert _numba_loops.CACHED is False\n"
+        "print('ok')\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_warmup_says_when_nothing_was_cached_and_exits_1(monkeypatch, tmp_path, capsys):
+    from npnorm.__main__ import main
+    from npnorm.kernels import _numba_loops
+
+    monkeypatch.setattr(_numba_loops, "CACHED", False)
+    path = tmp_path / "w.json"
+    assert main(["warmup", "--json", str(path)]) == 1
+    assert "NOT CACHED" in capsys.readouterr().out
+    assert json.loads(path.read_text())["cached"] is False
+    monkeypatch.setattr(_numba_loops, "CACHED", True)
+    assert main(["warmup", "--quiet"]) == 0
+
+
 def _aliased(args, i, like):
     """``args`` with argument i replaced by a view of a new ``out`` (like ``like``) that
     holds its values; and that ``out``."""

@@ -30,19 +30,50 @@ Numerics:
 
 Everything in this file is compiled code: keep it to one file, because numba's on-disk
 cache (``cache=True``) tracks the source file of each function, not the files its callees
-live in.
+live in. Where numba has nowhere to write the cache, the loops compile uncached
+(``CACHED``, with one warning).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
 from numba import njit, uint64
 
+
+def _no_op() -> None:
+    pass
+
+
+def _cache_writable() -> bool:
+    """Whether numba has a place to write this file's cache: ``__pycache__`` beside it,
+    ``NUMBA_CACHE_DIR`` or the home directory's cache. In a read-only install (a
+    non-root user, ``docker run --read-only``) with neither variable nor home writable,
+    ``njit(cache=True)`` raises "no locator available" (numba reads a cache only where it
+    could also write one); the loops then compile in each process, with one warning."""
+    try:
+        njit(cache=True)(_no_op)  # numba finds the cache's place here, before any compile
+    except RuntimeError as err:
+        warnings.warn(
+            f"npnorm's numba kernels cannot be cached ({err}): they compile in this process "
+            "(about a second per operation and dtype on first use). Set NUMBA_CACHE_DIR to a "
+            "directory this user can write, and run `python -m npnorm warmup` with it set, "
+            "to compile them once; or NPNORM_KERNELS=numpy to use NumPy's kernels",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
+# whether the loops are cached on disk (``python -m npnorm warmup`` reports it)
+CACHED = _cache_writable()
+
 # the options of every loop, and of the row sums (vectorized by reassociation)
-_loop: Any = njit(cache=True, nogil=True, error_model="numpy")
-_sum_loop: Any = njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})
+_loop: Any = njit(cache=CACHED, nogil=True, error_model="numpy")
+_sum_loop: Any = njit(cache=CACHED, nogil=True, error_model="numpy", fastmath={"reassoc"})
 
 # dweight/dbias of LayerNorm and RMSNorm are summed over rows in the data's dtype, and
 # added into float64 partial sums after every row whose index in the input is a multiple
