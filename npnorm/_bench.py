@@ -211,7 +211,7 @@ def _last_level_cache_bytes() -> int:
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     for index in range(8):
         try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size", encoding="ascii") as f:
                 text = f.read().strip()
         except OSError:
             continue
@@ -492,7 +492,7 @@ def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> flo
 def machine() -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
@@ -655,7 +655,7 @@ def compile_times() -> dict[str, Any]:
                 [sys.executable, "-m", "npnorm", "--quiet", "warmup", "--json", report], env=env, check=True
             )
             wall = time.perf_counter() - t0
-            with open(report) as f:
+            with open(report, encoding="utf-8") as f:
                 data = json.load(f)
             out[label] = {"process_s": wall, "compile_s": data["total_s"], "per_layer_s": data["seconds"]}
     print(
@@ -699,7 +699,7 @@ def run(
     compiled = compile_times()
     _print_targets(rows, inference, tiny, judge=not quick)
     if json_path:
-        with open(json_path, "w") as f:
+        with open(json_path, "w", encoding="utf-8") as f:
             json.dump(
                 {
                     "machine": info,

@@ -364,7 +364,7 @@ def run(
 
 
 def _save(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
 
 

@@ -86,7 +86,7 @@ def nvidia_smi() -> str:
 def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
     """Run ``cmd`` with stdout and stderr into ``log``; its exit status, time and whether it timed out."""
     t0 = time.perf_counter()
-    with open(log, "w") as f:
+    with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         try:
@@ -98,7 +98,7 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
             rc, timed_out = None, True
     seconds = round(time.perf_counter() - t0, 1)
     if timed_out:
-        with open(log, "a") as f:
+        with open(log, "a", encoding="utf-8") as f:
             f.write(f"\n[gpu-check: stopped after the stage's limit of {timeout:.0f} s]\n")
     return {"returncode": rc, "timed_out": timed_out, "seconds": seconds, "log": log.name}
 
@@ -208,7 +208,7 @@ def stage_bench(out: Path, timeout: float, *, quick: bool, rounds: int, stand_in
     res = _run_logged(cmd, out / "gpu_bench.log", timeout)
     data: dict[str, Any] = {}
     if data_file.exists():
-        data = json.loads(data_file.read_text())
+        data = json.loads(data_file.read_text(encoding="utf-8"))
     res["rows"] = data.get("rows", [])
     res["complete"] = bool(data.get("complete"))
     res["timer"] = data.get("timer")
@@ -266,7 +266,7 @@ def write_report(out: Path, result: dict[str, Any]) -> tuple[Path, Path]:
     """``gpu_check.md`` and ``gpu_check.json`` in ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "gpu_check.json"
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(json.dumps(result, indent=1), encoding="utf-8")
     env = result.get("environment", {})
     title = "# npnorm gpu-check"
     if result.get("stand_in"):
@@ -307,7 +307,7 @@ def write_report(out: Path, result: dict[str, Any]) -> tuple[Path, Path]:
         if st and st["status"] == FAILED and st.get("log"):
             lines += ["", f"### End of `{st['log']}`", "", "```", _tail(out / st["log"]), "```"]
     md_path = out / "gpu_check.md"
-    md_path.write_text("\n".join(lines) + "\n")
+    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return md_path, json_path
 
 

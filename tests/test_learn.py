@@ -679,3 +679,16 @@ def test_a_topic_names_its_page_where_it_can_be_opened(topic, tmp_path, monkeypa
     assert _cli.main(topic) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("the derivation: docs/derivations/") and "source repository" in last, last
+
+
+def test_the_overview_survives_python_OO():
+    """``python -OO`` strips docstrings: the overview printed ``None`` where its usage was."""
+    out = subprocess.run(
+        [sys.executable, "-OO", "-m", "npnorm", "learn"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("python -m npnorm learn: print the staged graphs"), out.stdout[:200]

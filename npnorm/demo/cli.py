@@ -101,8 +101,8 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int)
         figures.layer_statistics(results["layer_statistics"], out_dir / "layer_statistics.png", seed=seed)
     )
 
-    (out_dir / "table.txt").write_text(table + "\n")
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "table.txt").write_text(table + "\n", encoding="utf-8")
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     written += [out_dir / "table.txt", out_dir / "results.json"]
     print("wrote " + ", ".join(p.name for p in written) + f" in {out_dir}")
     print(f"done in {time.perf_counter() - start:.1f} s")

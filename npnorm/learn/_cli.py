@@ -1,17 +1,4 @@
-"""python -m npnorm learn: print the staged graphs, their gradient checks, and grade exercises.
-
-    python -m npnorm learn layer_norm                     the step table
-    python -m npnorm learn layer_norm --staged-vs-closed  staged == the library's closed form
-    python -m npnorm learn layer_norm --matrix            dx = J · dxhat, J checked
-    python -m npnorm learn batch_norm --eval              eval mode (instance_norm: running stats)
-    python -m npnorm learn group_norm --groups 6          GroupNorm with 6 groups (of 6 channels)
-    python -m npnorm learn bessel                         the n-1 variance, and PyTorch's convention
-    python -m npnorm learn sync_batch_norm --split 5,1,0  SyncBatchNorm over 3 simulated ranks
-    python -m npnorm learn check batch_norm_staged        grade exercises/batch_norm_staged.py
-    python -m npnorm learn check batch_norm_staged --solution
-
-Exit status 0 when every check passes.
-"""
+"""python -m npnorm learn: the command line of npnorm.learn (its usage is ``USAGE``)."""
 
 from __future__ import annotations
 
@@ -32,6 +19,22 @@ from .check import ATOL, RTOL, TERM_NAMES, CheckRow
 from .examples import SPLIT, example, upstream
 from .exercises import EXERCISES, Exercise, find, grade, load
 from .normalize import staged_normalize
+
+# the overview and --help text: a constant, not the docstring, which ``python -OO`` strips
+USAGE = """python -m npnorm learn: print the staged graphs, their gradient checks, and grade exercises.
+
+    python -m npnorm learn layer_norm                     the step table
+    python -m npnorm learn layer_norm --staged-vs-closed  staged == the library's closed form
+    python -m npnorm learn layer_norm --matrix            dx = J · dxhat, J checked
+    python -m npnorm learn batch_norm --eval              eval mode (instance_norm: running stats)
+    python -m npnorm learn group_norm --groups 6          GroupNorm with 6 groups (of 6 channels)
+    python -m npnorm learn bessel                         the n-1 variance, and PyTorch's convention
+    python -m npnorm learn sync_batch_norm --split 5,1,0  SyncBatchNorm over 3 simulated ranks
+    python -m npnorm learn check batch_norm_staged        grade exercises/batch_norm_staged.py
+    python -m npnorm learn check batch_norm_staged --solution
+
+Exit status 0 when every check passes.
+"""
 
 SYMBOL = {"input": "x", "weight": "w", "bias": "b"}
 TITLE = {
@@ -270,7 +273,7 @@ def check_exercise(exercise: Exercise, path: Path) -> bool:
 
 
 def overview() -> None:
-    print(__doc__)
+    print(USAGE)
     print("layers:", ", ".join(LAYERS), "(and sync_batch_norm, over simulated ranks)")
     print("exercises:", ", ".join(EXERCISES))
     # paths of the source repository: an installed package has no docs/ or exercises/
@@ -296,7 +299,7 @@ def main(argv: list[str]) -> int:
         prog="python -m npnorm learn",
         description="npnorm's layers as staged graphs, every step's gradient checked, and the exercises.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__,
+        epilog=USAGE,
     )
     parser.add_argument("topic", nargs="?", help=f"{', '.join(LAYERS)}, bessel, sync_batch_norm, or check")
     parser.add_argument("exercise", nargs="?", help="after check: an exercise name or file")

@@ -33,13 +33,13 @@ def anchor(heading: str) -> str:
 
 
 def _lines_with(path: Path, text: str) -> list[int]:
-    return [i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line]
+    return [i for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if text in line]
 
 
 def problems(md: Path) -> list[str]:
     """What is wrong with the links of ``md`` (empty when all hold)."""
     found = []
-    source = md.read_text()
+    source = md.read_text(encoding="utf-8")
     for lineno, line in enumerate(source.splitlines(), 1):
         for text, target in LINK.findall(line):
             if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
@@ -58,14 +58,14 @@ def problems(md: Path) -> list[str]:
                     found.append(f"{where}: a line anchor needs the line's code as its link text")
                     continue
                 n = int(frag[1:])
-                lines = path.read_text().splitlines()
+                lines = path.read_text(encoding="utf-8").splitlines()
                 if not (1 <= n <= len(lines)) or code.group(1) not in lines[n - 1]:
                     at = _lines_with(path, code.group(1))
                     found.append(
                         f"{where}: line {n} does not contain `{code.group(1)}` (found on lines {at})"
                     )
             elif path.suffix == ".md":
-                if frag not in {anchor(h) for h in HEADING.findall(path.read_text())}:
+                if frag not in {anchor(h) for h in HEADING.findall(path.read_text(encoding="utf-8"))}:
                     found.append(f"{where}: no heading #{frag} in {path.name}")
     return found
 
@@ -87,7 +87,7 @@ def fix(md: Path) -> list[str]:
             return m.group(0)
         return f"[{text}]({file}#L{at[0]})"
 
-    md.write_text(LINK.sub(repair, md.read_text()))
+    md.write_text(LINK.sub(repair, md.read_text(encoding="utf-8")), encoding="utf-8")
     return unfixable
 
 
