@@ -196,6 +196,18 @@ def test_warmup_compiles_every_loop_for_both_dtypes(tmp_path):
     }
 
 
+@pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")
+def test_numba_with_its_jit_disabled_is_not_the_default():
+    """``NUMBA_DISABLE_JIT=1`` (a user debugging their own numba code) ran npnorm's loops
+    as Python by default, 200x slower than the "numpy" kernels."""
+    code = "import npnorm\nprint(npnorm.get_kernels(), 'numba' in npnorm.kernels_available())"
+    out = _run(code, NUMBA_DISABLE_JIT="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["numpy", "True"]
+    out = _run(code, NUMBA_DISABLE_JIT="1", NPNORM_KERNELS="numba")  # still there when asked for
+    assert out.stdout.split() == ["numba", "True"], out.stderr
+
+
 NO_CACHE_PLACE = (  # what numba finds in a read-only install without a writable home
     "import numba.core.caching as c\nc.CacheImpl._locator_classes = []\n"
 )

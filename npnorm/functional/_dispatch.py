@@ -162,7 +162,14 @@ def _default() -> str:
             return _checked(env)
         except ValueError as err:
             raise ValueError(f"{ENV_VAR}: {err}") from None
-    return next(f for f in DEFAULT_ORDER if _available(f))
+    return next(f for f in DEFAULT_ORDER if _available(f) and _compiles(f))
+
+
+def _compiles(family: str) -> bool:
+    """Whether ``family`` runs compiled code here: not numba under ``NUMBA_DISABLE_JIT=1``,
+    whose loops then run as Python, ~200x slower than the "numpy" kernels (still
+    available, not the default)."""
+    return family != "numba" or not importlib.import_module("numba").config.DISABLE_JIT
 
 
 # --- selection -------------------------------------------------------------------------
@@ -173,7 +180,8 @@ def get_kernels() -> str:
 
     The innermost ``use_kernels`` block of the calling thread decides, else the last
     ``set_kernels``, else the start value: the environment variable ``NPNORM_KERNELS``
-    if set, otherwise ``"numba"`` where numba imports and ``"numpy"`` where it does not.
+    if set, otherwise ``"numba"`` where numba imports (and compiles: not under
+    ``NUMBA_DISABLE_JIT=1``) and ``"numpy"`` where it does not.
     Other backends (CuPy, array_api_strict, torch) run the reference kernels whatever
     this says (and their own kernels where they have some, unless it is "reference").
 
