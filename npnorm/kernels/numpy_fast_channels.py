@@ -74,6 +74,7 @@ from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import (
+    SHORT_ROW,
     Rows,
     block_rows,
     blocks,
@@ -289,6 +290,25 @@ def _merge_rows(
     m2_c = within + S * np.sum(dev * dev, axis=0)  # C
     m2_c[np.isinf(m2r).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
     return mean_c, m2_c / (N * S)
+
+
+def _short_channel_moments(input: np.ndarray, N: int, C: int, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (C,) mean and biased variance, in float64, of an input whose channels hold few
+    values per sample (``S <= SHORT_ROW``: BatchNorm1d's (N, C) input has one), where the
+    row statistics of ``_row_moments`` would cost more than their rows: two passes over
+    blocks of samples, the deviations from the float64 mean in float64 (a constant
+    channel's are exactly 0)."""
+    x = np.reshape(input, (N, C, S))  # N,C,S
+    B = block_rows(N, C * S, 8)  # samples per block of float64 deviations
+    total = np.zeros(C, dtype=np.float64)  # C
+    for a, e in blocks(0, N, B):
+        total += np.add.reduce(x[a:e], axis=(0, 2), dtype=np.float64)  # C
+    mean = total / (N * S)  # C
+    m2 = np.zeros(C, dtype=np.float64)  # C
+    for a, e in blocks(0, N, B):
+        dev = np.subtract(x[a:e], mean[:, None], dtype=np.float64)  # n,C,S
+        m2 += np.einsum("ncs,ncs->c", dev, dev)  # C
+    return mean, m2 / (N * S)
 
 
 def _grad_sums_sweep(
@@ -663,7 +683,10 @@ def batch_norm_forward(
     rows = _rows(input, C, ct)
     new_mean, new_var = running_mean, running_var
     if training:
-        mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased), float64
+        if S <= SHORT_ROW:  # rows too short to pay for the row statistics
+            mean, var = _short_channel_moments(input, N, C, S)  # C, C (biased), float64
+        else:
+            mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased), float64
         if running_mean is not None and running_var is not None:
             n = N * S  # values per channel
             new_mean = running_update(xp, running_mean, mean, momentum)  # C
