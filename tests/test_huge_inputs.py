@@ -141,3 +141,23 @@ def test_the_reported_case_against_torch(torch):
     for family in FAMILIES:
         with npnorm.use_kernels(family):
             np.testing.assert_allclose(npnorm.LayerNorm(4)(x.astype(np.float32)), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float16_grads_that_overflow_when_accumulated_are_inf_without_a_warning(family):
+    """The second backward's ``grads["bias"]`` (two sums of 40000 ones) exceeds float16: a
+    NumPy overflow warning escaped, and under warnings-as-errors the weight's grad was
+    accumulated and the bias's not. torch's float16 ``.grad`` is inf there, silently."""
+    m = npnorm.LayerNorm(4, dtype="float16")
+    x = np.random.default_rng(0).normal(size=(40000, 4)).astype(np.float16)
+    dy = np.ones_like(x)
+    with npnorm.use_kernels(family):
+        for _ in range(2):
+            m(x)
+            m.backward(dy)
+    assert np.all(np.isinf(m.grads["bias"])) and np.all(np.isfinite(m.grads["weight"]))
+    single = npnorm.LayerNorm(4, dtype="float16")
+    with npnorm.use_kernels(family):
+        single(x)
+        single.backward(dy)
+    np.testing.assert_array_equal(m.grads["weight"], single.grads["weight"] + single.grads["weight"])
