@@ -9,12 +9,12 @@ from __future__ import annotations
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
+from helpers import op_calls, same_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import npnorm
 import npnorm.functional as F
-from tests.helpers import op_calls, same_results
 
 FAMILIES = npnorm.kernels_available()
 

@@ -58,14 +58,19 @@ def spans(start: int, stop: int, step: int) -> Iterator[tuple[int, int]]:
 
 
 _CONSTANTS: dict[tuple[int, np.dtype[Any], float], np.ndarray] = {}
+CONSTANT_CACHE_BYTES = 1 << 16  # larger filled arrays are made per call, not kept
 
 
 def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np.ndarray:
     """A weight or bias as a C-ordered (n,) array of ``ct``; an absent one as ``fill``
-    (ones or zeros: multiplying by 1 and adding 0 are exact). The filled arrays are
-    cached and never written."""
+    (ones or zeros: multiplying by 1 and adding 0 are exact). The filled arrays of at
+    most ``CONSTANT_CACHE_BYTES`` are cached and never written (a cache of larger ones
+    held 256 MB per row length after LayerNorm(2**26, elementwise_affine=False) was gone;
+    filling one costs little beside a row of that length)."""
     if p is not None:
         return np.ascontiguousarray(np.reshape(p, (n,)), dtype=ct)
+    if n * ct.itemsize > CONSTANT_CACHE_BYTES:
+        return np.full(n, fill, dtype=ct)
     key = (n, ct, fill)
     c = _CONSTANTS.get(key)
     if c is None:
