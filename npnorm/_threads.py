@@ -32,7 +32,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 T = TypeVar("T")
 
@@ -90,13 +90,14 @@ def get_num_threads() -> int:
         return _num_threads
 
 
-def set_num_threads(n: int) -> None:
+def set_num_threads(n: SupportsIndex) -> None:
     """Make the fast NumPy kernels split their work over ``n`` threads, for the whole process.
 
     Parameters
     ----------
     n : int
-        At least 1; 1 runs everything in the calling thread (no pool).
+        At least 1 (any integer: ``np.int64(2)`` too); 1 runs everything in the calling
+        thread (no pool). Workers start as calls need them, up to ``n - 1``.
 
     Raises
     ------
@@ -190,19 +191,21 @@ _workers_list: list[_Worker] = []
 _tickets = itertools.count(1)  # one per call that uses the pool (taken under _busy)
 
 
-def _workers(count: int) -> list[_Worker]:
-    """The pool, (re)created with ``count`` workers (the caller holds ``_busy``: no task
-    is running on it)."""
+def _workers(needed: int, most: int) -> list[_Worker]:
+    """The pool, with at least ``needed`` workers and at most ``most`` (the thread count
+    less the caller): the workers beyond ``most`` stop, and workers start only as a call
+    needs them (``set_num_threads(64)`` and a call split in two tasks start one, not 63).
+    The caller holds ``_busy``: no task is running on the pool."""
     global _workers_list
-    if len(_workers_list) != count:
-        # the list is emptied first and filled one worker at a time, so that an
-        # interruption leaves it short (recreated by the next call), never holding a
-        # stopped worker (a hand-off to it was waited for forever)
-        old, _workers_list = _workers_list, []
-        for w in old:
+    if len(_workers_list) > most:
+        # the list is cut first, then the workers cut off stop, so that an interruption
+        # leaves the list short (filled again by the next call), never holding a stopped
+        # worker (a hand-off to it was waited for forever)
+        old, _workers_list = _workers_list, _workers_list[:most]
+        for w in old[most:]:
             w.stop()
-        while len(_workers_list) < count:
-            _workers_list.append(_Worker(f"npnorm-{len(_workers_list)}"))
+    while len(_workers_list) < needed:
+        _workers_list.append(_Worker(f"npnorm-{len(_workers_list)}"))
     return _workers_list
 
 
@@ -242,7 +245,7 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
     # that lost the race for it since the check above waits for the other call
     with _busy:
         ticket = next(_tickets)
-        workers = _workers(n - 1)[: threads - 1]
+        workers = _workers(threads - 1, n - 1)[: threads - 1]
         handed = 0  # workers[:handed] certainly have their tasks
         try:
             for k, w in enumerate(workers, start=1):

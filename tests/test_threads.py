@@ -56,17 +56,31 @@ def test_tasks_on_the_pool_see_the_callers_errstate():
     assert all(s["over"] == np.geterr()["over"] for s in _threads.run_parallel([np.geterr] * 2))
 
 
-def test_pool_recreated_when_the_count_changes():
+def test_pool_shrinks_when_the_count_drops():
     _threads.set_num_threads(3)
     _threads.run_parallel([_where(i) for i in range(3)])
     old = list(_threads._workers_list)
     assert len(old) == 2 and all(w.thread.is_alive() for w in old)
     _threads.set_num_threads(2)
     assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]
-    assert len(_threads._workers_list) == 1 and _threads._workers_list[0] not in old
-    for w in old:  # the old workers exit
-        w.thread.join(timeout=10)
-        assert not w.thread.is_alive()
+    assert _threads._workers_list == old[:1] and old[0].thread.is_alive()
+    old[1].thread.join(timeout=10)  # the worker beyond the count exits
+    assert not old[1].thread.is_alive()
+
+
+def test_workers_start_only_as_the_tasks_need_them():
+    """``set_num_threads(n)`` started n - 1 threads at the next parallel call whatever its
+    tasks: 2999 for a call split in two after ``set_num_threads(3000)``."""
+    _threads.set_num_threads(2)
+    _threads.run_parallel([lambda: 1, lambda: 2])
+    _threads.set_num_threads(64)
+    assert _threads.run_parallel([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
+    assert len(_threads._workers_list) == 2
+    assert [i for i, _ in _threads.run_parallel([_where(i) for i in range(5)])] == list(range(5))
+    assert len(_threads._workers_list) == 4
+    _threads.set_num_threads(2)
+    _threads.run_parallel([lambda: 1, lambda: 2])
+    assert len(_threads._workers_list) == 1
 
 
 def test_errors_raised_first_in_task_order_after_every_task_ran():
@@ -355,10 +369,10 @@ def test_an_interruption_as_the_pool_is_taken_releases_it():
 def test_an_interruption_while_the_pool_is_recreated_leaves_no_stopped_worker():
     """Resizing stopped the old workers before the new list was in place: interrupted
     there, the old list (stopped threads) stayed, and a call at that size waited for them
-    forever."""
+    forever. (Shrinking stops the workers beyond the count: the last one here.)"""
     _threads.set_num_threads(3)
     _threads.run_parallel([lambda: 0] * 3)
-    first = _threads._workers_list[0]
+    first = _threads._workers_list[-1]
     real_stop = first.stop
 
     def stop_then_interrupt():
