@@ -96,7 +96,7 @@ class _GradMode(contextlib.ContextDecorator):
         return cast(_F, generator)
 
 
-def no_grad() -> contextlib.AbstractContextManager[None]:
+def no_grad() -> _GradMode:
     """Context manager (or decorator): forwards in this thread save nothing for backward.
 
     Use it for inference: a module's forward normally keeps its input and the
@@ -129,7 +129,7 @@ def no_grad() -> contextlib.AbstractContextManager[None]:
     return _GradMode(False)
 
 
-def enable_grad() -> contextlib.AbstractContextManager[None]:
+def enable_grad() -> _GradMode:
     """Context manager (or decorator): forwards in this thread save for backward again,
     also inside :func:`no_grad`. ``npnorm.gradcheck`` runs in it.
 

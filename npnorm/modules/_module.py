@@ -11,10 +11,13 @@ import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import array_api_compat
 import numpy as np
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11's; the annotations are never evaluated
+    from typing_extensions import Self
 
 from .._backend import (
     FLOAT_NAMES,
@@ -329,7 +332,7 @@ class Module:
         """Forget the accumulated gradients (``self.grads`` becomes empty)."""
         self.grads.clear()
 
-    def train(self, mode: bool = True) -> Module:
+    def train(self, mode: bool = True) -> Self:
         """Set training mode (``mode=True``) or evaluation mode; returns the module.
 
         The mode matters to BatchNorm (batch or running statistics) and to
@@ -341,7 +344,7 @@ class Module:
         self.training = mode
         return self
 
-    def eval(self) -> Module:
+    def eval(self) -> Self:
         """Set evaluation mode (``train(False)``); returns the module."""
         return self.train(False)
 
@@ -564,7 +567,7 @@ class Module:
 
     # --- backends ------------------------------------------------------------
 
-    def to(self, xp: str | ModuleType | None = None, *, device: Any = None, dtype: Any = None) -> Module:
+    def to(self, xp: str | ModuleType | None = None, *, device: Any = None, dtype: Any = None) -> Self:
         """Move parameters, buffers and grads to another backend and/or device, and/or
         cast the floating ones to ``dtype``; returns the module.
 
@@ -667,19 +670,19 @@ class Module:
                 restored[key] = _map_host(value, lambda h: h.restored(xp))
         self.__dict__.update(restored)
 
-    def __copy__(self) -> Module:
+    def __copy__(self) -> Self:
         """A copy whose arrays share no memory with this module's (each copied once);
         its other attributes are this module's own objects (a SyncBatchNorm's
         communicator, say); what the last forward saved is not copied."""
         return self._copy({}, lambda v: v)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Module:
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """A copy that shares no memory with this module (every array copied on its
         backend, once: an array that modules copied together share stays shared among
         the copies, as in PyTorch); what the last forward saved is not copied."""
         return self._copy(memo, lambda v: copy.deepcopy(v, memo))
 
-    def _copy(self, memo: dict[int, Any], other: Callable[[Any], Any]) -> Module:
+    def _copy(self, memo: dict[int, Any], other: Callable[[Any], Any]) -> Self:
         """A new module of this class: the backend and dtype as they are, no saved
         forward, every array copied once per ``memo``, and ``other`` applied to the rest."""
         new = type(self).__new__(type(self))

@@ -212,7 +212,7 @@ class SyncBatchNorm(_BatchNorm):
         state["comm"] = None
         return state
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Module:
+    def __deepcopy__(self, memo: dict[int, Any]) -> SyncBatchNorm:
         if self.comm is not None:  # the same communicator: a handle, not data
             memo.setdefault(id(self.comm), self.comm)
         return super().__deepcopy__(memo)
