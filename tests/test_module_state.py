@@ -188,3 +188,24 @@ def test_to_where_the_module_already_is_keeps_its_arrays_as_torch(torch, rng):
     sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
     sync.to("numpy")
     assert sync.running_mean is bn.running_mean
+
+
+@pytest.mark.parametrize(
+    "make, shape, change",
+    [
+        (lambda: npnorm.GroupNorm(2, 6, affine=False), (2, 6, 4), ("num_groups", 3)),
+        (lambda: npnorm.LayerNorm((3, 4), elementwise_affine=False), (2, 3, 4), ("normalized_shape", (4,))),
+        (lambda: npnorm.RMSNorm((3, 4), elementwise_affine=False), (2, 3, 4), ("normalized_shape", (4,))),
+    ],
+)
+def test_backward_differentiates_the_forward_as_it_ran_whatever_setting_changed(make, shape, change):
+    """Setting ``num_groups`` or ``normalized_shape`` between forward and backward made the
+    backward use the new value (a shape error, or the gradient of another layer); torch's
+    backward and npnorm's contract use the forward's."""
+    rng = np.random.default_rng(0)
+    x, dy = rng.normal(size=shape), rng.normal(size=shape)
+    m, ref = make(), make()
+    m(x)
+    ref(x)
+    setattr(m, *change)
+    np.testing.assert_array_equal(m.backward(dy), ref.backward(dy))

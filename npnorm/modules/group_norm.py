@@ -101,7 +101,8 @@ class GroupNorm(Module):
         affine = self.weight is not None or self.bias is not None
         check_channels(input, self.num_channels if affine else None, "GroupNorm")
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
-        return y, (self._input_for_backward(input), mean, rstd, self.weight, self.bias), {}
+        saved = (self._input_for_backward(input), mean, rstd, self.weight, self.bias, self.num_groups)
+        return y, saved, {}
 
     def _keeps_input(self, input: Array) -> bool:
         # torch's native_group_norm keeps input.contiguous(memory_format=suggested): the
@@ -109,10 +110,8 @@ class GroupNorm(Module):
         return bool(input.is_contiguous()) or channels_last(input)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, mean, rstd, weight, bias = saved
-        dx, dweight, dbias = group_norm_backward(
-            grad_output, input, self.num_groups, mean, rstd, weight, bias
-        )
+        input, mean, rstd, weight, bias, groups = saved  # the forward's, whatever changed since
+        dx, dweight, dbias = group_norm_backward(grad_output, input, groups, mean, rstd, weight, bias)
         return dx, {"weight": dweight, "bias": dbias}
 
     def reset_parameters(self) -> None:

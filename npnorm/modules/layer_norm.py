@@ -102,13 +102,11 @@ class LayerNorm(Module):
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         y, mean, rstd = layer_norm_forward(input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return y, (input, mean, rstd, self.weight, self.bias), {}
+        return y, (input, mean, rstd, self.weight, self.bias, self.normalized_shape), {}
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, mean, rstd, weight, bias = saved
-        dx, dweight, dbias = layer_norm_backward(
-            grad_output, input, self.normalized_shape, mean, rstd, weight, bias
-        )
+        input, mean, rstd, weight, bias, shape = saved  # the forward's, whatever changed since
+        dx, dweight, dbias = layer_norm_backward(grad_output, input, shape, mean, rstd, weight, bias)
         return dx, {"weight": dweight, "bias": dbias}
 
     def reset_parameters(self) -> None:

@@ -89,15 +89,15 @@ class RMSNorm(Module):
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         y, rstd = rms_norm_forward(input, self.normalized_shape, self.weight, self.eps)
-        return y, (input, rstd, self.weight), {}
+        return y, (input, rstd, self.weight, self.normalized_shape), {}
 
     def _pin_for_float64(self, input: Array) -> None:
         if self.eps is None:  # the machine epsilon of the dtype the forward computes the input in
             self.eps = default_eps(self.xp, input)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        input, rstd, weight = saved
-        dx, dweight, _ = rms_norm_backward(grad_output, input, self.normalized_shape, rstd, weight)
+        input, rstd, weight, shape = saved  # the forward's, whatever changed since
+        dx, dweight, _ = rms_norm_backward(grad_output, input, shape, rstd, weight)
         return dx, {"weight": dweight}
 
     def reset_parameters(self) -> None:
