@@ -800,3 +800,25 @@ def test_channels_last_batch_norm_runs_as_rows_and_keeps_the_layout(training, gi
     dwant = generic_kernel("batch_norm_backward")(xp, dy, x, want[1], want[2], w, b, training)
     same_results(dgot, dwant, "backward", tol=2e-5)
     assert dgot[0] is dout if given_out else np.moveaxis(dgot[0], 1, -1).flags.c_contiguous
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_a_backward_without_parameters_keeps_no_row_length_partials(op, restore_threads):
+    """Each thread allocated float64 and float32 partial sums of the row's length for
+    dweight/dbias even without a weight or bias: 6x the input in extra memory for two rows
+    of 2**20 values (and two more of them for the threads' totals)."""
+    import tracemalloc
+
+    _threads.set_num_threads(2)
+    D = 1 << 20
+    x = np.random.default_rng(0).normal(size=(2, D)).astype(np.float32)
+    with npnorm.use_kernels("numba"):
+        f = getattr(F, f"{op}_forward")(x, (D,))
+        tracemalloc.start()
+        try:
+            getattr(F, f"{op}_backward")(x, x, (D,), *f[1:])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 2 * x.nbytes, peak / x.nbytes  # dx and a row of ones (no weight), little else

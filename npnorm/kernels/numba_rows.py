@@ -61,6 +61,14 @@ def _staged_backward(
     return dx, src_x, src_dy, dst, block_size((src_x, src_dy), (dst,), R, D, ct)
 
 
+def _partials(D: int, ct: np.dtype[Any], count: int) -> list[np.ndarray]:
+    """A thread's partial sums of ``count`` parameter gradients: ``count`` float64 (D,)
+    arrays the loop flushes into, then ``count`` (D,) arrays of ``ct`` for the rows since
+    the last flush. ``D = 0`` where there are no parameters (the loop writes none: a
+    layer without them kept four arrays of the row's length per thread)."""
+    return [np.zeros(D) for _ in range(count)] + [np.zeros(D, dtype=ct) for _ in range(count)]
+
+
 # --- LayerNorm ---------------------------------------------------------------------------
 
 
@@ -156,10 +164,9 @@ def layer_norm_backward(
         x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)  # R,D each
 
         def rows(start: int, stop: int) -> Partials:
-            dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
-            pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
+            dw, db, pw, pb = _partials(D if sums else 0, ct, 2)  # D, D float64; D, D ct
             loops.layer_norm_backward(dy2, x2, mean_c, rstd_c, w, dx2, dw, db, pw, pb, sums, 0, start, stop)
-            return dw + pw, db + pb
+            return np.add(dw, pw, out=dw), np.add(db, pb, out=db)
 
         partials = run(rows, ranges(R, D))
     else:
@@ -167,8 +174,7 @@ def layer_norm_backward(
 
         def task(start: int, stop: int) -> Partials:
             xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
-            dw, db = np.zeros(D), np.zeros(D)  # D, D float64 partial sums
-            pw, pb = np.zeros(D, dtype=ct), np.zeros(D, dtype=ct)  # D, D the last rows' sums
+            dw, db, pw, pb = _partials(D if sums else 0, ct, 2)  # D, D float64; D, D ct
             for a, e in spans(start, stop, B):
                 xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
                 ob = dst.block(a, e, obuf)  # n,D
@@ -176,7 +182,7 @@ def layer_norm_backward(
                     dyb, xb, mean_c[a:e], rstd_c[a:e], w, ob, dw, db, pw, pb, sums, a, 0, e - a
                 )
                 dst.done(a, e, ob)
-            return dw + pw, db + pb
+            return np.add(dw, pw, out=dw), np.add(db, pb, out=db)
 
         partials = run(task, ranges(R, D))
         dx = finish(dx, out)
@@ -259,9 +265,9 @@ def rms_norm_backward(
         x2, dy2, dx2 = input.reshape(R, D), grad_output.reshape(R, D), dx.reshape(R, D)  # R,D each
 
         def rows(start: int, stop: int) -> np.ndarray:
-            dw, pw = np.zeros(D), np.zeros(D, dtype=ct)  # D float64, D the last rows' sums
+            dw, pw = _partials(D if sums else 0, ct, 1)  # D float64, D ct
             loops.rms_norm_backward(dy2, x2, rstd_c, w, dx2, dw, pw, sums, 0, start, stop)
-            return dw + pw
+            return np.add(dw, pw, out=dw)
 
         partials = run(rows, ranges(R, D))
     else:
@@ -269,14 +275,13 @@ def rms_norm_backward(
 
         def task(start: int, stop: int) -> np.ndarray:
             xbuf, dybuf, obuf = src_x.buffer(B), src_dy.buffer(B), dst.buffer(B)
-            dw = np.zeros(D)  # D float64 partial sum
-            pw = np.zeros(D, dtype=ct)  # D the last rows' sums
+            dw, pw = _partials(D if sums else 0, ct, 1)  # D float64, D ct
             for a, e in spans(start, stop, B):
                 xb, dyb = src_x.block(a, e, xbuf), src_dy.block(a, e, dybuf)  # n,D  n,D
                 ob = dst.block(a, e, obuf)  # n,D
                 loops.rms_norm_backward(dyb, xb, rstd_c[a:e], w, ob, dw, pw, sums, a, 0, e - a)
                 dst.done(a, e, ob)
-            return dw + pw
+            return np.add(dw, pw, out=dw)
 
         partials = run(task, ranges(R, D))
         dx = finish(dx, out)
