@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._backend import FLOAT_NAMES, Array, Namespace, to_host, to_namespace
+from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, to_host, to_namespace
 from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
 from .._stats import RECENTRE_ABOVE, moments, xhat_from
@@ -433,6 +433,7 @@ def _dtype_code(xp: Namespace, dtype: Any) -> int:
 
 
 @generic("sync_batch_norm_moments")
+@no_fp_warnings
 def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tuple[Array, Array]:
     """Per channel of a non-empty (N, C, *) input: the mean and the biased variance over
     the batch and spatial axes, two-pass, in ``moments``' dtype (float64 where the
@@ -443,6 +444,7 @@ def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tup
 
 
 @generic("sync_batch_norm_grad_sums")
+@no_fp_warnings
 def sync_batch_norm_grad_sums_generic(
     xp: Namespace, grad_output: Array, input: Array, mean: Array, rstd: Array, ct: Any
 ) -> tuple[Array, Array]:
@@ -455,6 +457,7 @@ def sync_batch_norm_grad_sums_generic(
 
 
 @generic("sync_batch_norm_dx")
+@no_fp_warnings
 def sync_batch_norm_dx_generic(
     xp: Namespace,
     grad_output: Array,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, no_fp_warnings
 from .._checks import prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import block_rows, huge_spread, param
@@ -43,6 +43,7 @@ def _per_channel(v: np.ndarray, C: int, ct: np.dtype[Any]) -> np.ndarray:
 
 
 @specialized("sync_batch_norm_moments", NS, kernels="numpy")
+@no_fp_warnings
 def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[np.ndarray, np.ndarray]:
     """Per channel mean (in ``ct``) and biased variance (float64) of a non-empty input,
     as the generic kernel returns them."""
@@ -52,6 +53,7 @@ def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[
 
 
 @specialized("sync_batch_norm_grad_sums", NS, kernels="numpy")
+@no_fp_warnings
 def sync_batch_norm_grad_sums(
     xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -71,6 +73,7 @@ def sync_batch_norm_grad_sums(
 
 
 @specialized("sync_batch_norm_dx", NS, kernels="numpy")
+@no_fp_warnings
 def sync_batch_norm_dx(
     xp: Namespace,
     grad_output: np.ndarray,
