@@ -1,7 +1,7 @@
 """Long rows in float32: a row (or group, or instance) of millions of values has statistics
-as accurate as float32 holds them in every kernel family, as the README's "accumulated in
-float64" says. The "numpy" family's float32 BLAS dots lost digits with the row's length
-(an rstd 4e-6 off at 2**22 values, 3e-4 at 2**26)."""
+within some float32 roundings in every kernel family, as the README's "accumulated in
+float64" promises. The "numpy" family's float32 BLAS dots lost digits with the row's length
+(an rstd 4e-6 off at 2**22 normal values, 3e-4 at 2**26; 2.5e-4 at 2**22 values of 0.1)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ FAMILIES = npnorm.kernels_available()
 D = 1 << 22
 
 
-@pytest.fixture(scope="module")
-def rows():
-    x = np.random.default_rng(0).normal(5.0, 3.0, size=(2, D)).astype(np.float32)
+@pytest.fixture(scope="module", params=["normal", "constant"])
+def rows(request):
+    if request.param == "normal":
+        x = np.random.default_rng(0).normal(5.0, 3.0, size=(2, D)).astype(np.float32)
+    else:  # no rounding cancels another: a float32 dot of 2**16 of them was 1e-5 off
+        x = np.stack([np.full(D, 0.1, np.float32), np.linspace(0.5, 1.5, D, dtype=np.float32)])
     x64 = x.astype(np.float64)
     rstd = 1.0 / np.sqrt(x64.var(axis=1) + 1e-5)
     rms = 1.0 / np.sqrt(np.mean(x64 * x64, axis=1) + 1e-5)
@@ -25,9 +28,9 @@ def rows():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_statistics_of_long_rows_are_float32_exact(family, rows):
+def test_statistics_of_long_rows_are_as_exact_as_short_rows(family, rows):
     x, mean, rstd, rms = rows
-    tol = 3e-7  # a few float32 roundings
+    tol = 1e-6  # some float32 roundings, whatever the length
     with npnorm.use_kernels(family):
         _, m, r = F.layer_norm_forward(x, (D,))
         _, rr = F.rms_norm_forward(x, (D,), eps=1e-5)
