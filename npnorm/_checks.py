@@ -194,7 +194,7 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
         raise TypeError(f"{what} must be an array of the input's backend ({xp.__name__}), got {type(out)}")
     if tuple(out.shape) != tuple(like.shape):
         raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
-    if out.dtype != like.dtype and not _same_but_byte_order(out.dtype, like.dtype):
+    if out.dtype != like.dtype and not same_but_byte_order(out.dtype, like.dtype):
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
     if any(st == 0 and n > 1 for st, n in zip(getattr(out, "strides", ()), out.shape, strict=False)):
         raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
@@ -210,7 +210,7 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
         )
 
 
-def _same_but_byte_order(a: Any, b: Any) -> bool:
+def same_but_byte_order(a: Any, b: Any) -> bool:
     """Whether NumPy dtypes ``a`` and ``b`` differ in byte order only (``>f4``, float32)."""
     return isinstance(a, np.dtype) and isinstance(b, np.dtype) and a.newbyteorder("=") == b.newbyteorder("=")
 

@@ -91,10 +91,12 @@ def test_a_subclass_input_gives_plain_results_and_buffers_updated_in_place(famil
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_memmap_buffer_is_written_in_place(family, tmp_path):
-    """A running mean the user set to a ``np.memmap`` was replaced by a new array at the
-    first step, and the file was never written."""
-    mm = np.memmap(tmp_path / "running_mean.bin", dtype=np.float32, mode="w+", shape=(3,))
+@pytest.mark.parametrize("order", ["=", ">"])
+def test_a_memmap_buffer_is_written_in_place(family, order, tmp_path):
+    """A running mean the user set to a ``np.memmap`` (of either byte order: a file written
+    elsewhere) was replaced by a new array at the first step, and the file never written."""
+    dtype = np.dtype(np.float32).newbyteorder(order)
+    mm = np.memmap(tmp_path / "running_mean.bin", dtype=dtype, mode="w+", shape=(3,))
     bn = npnorm.BatchNorm1d(3)
     bn.running_mean = mm
     with npnorm.use_kernels(family):
@@ -154,3 +156,16 @@ def test_a_checkpoint_of_masked_values_or_dates_is_refused(value, message):
         bn.load_state_dict({**bn.state_dict(), "num_batches_tracked": np.array(5, "timedelta64[s]")})
     for k, v in bn.state_dict().items():
         np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
+def test_sync_batch_norm_over_ranks_takes_either_byte_order():
+    """The ranks compare their input dtypes by code: ``>f4`` was no code at all ("input must
+    have a floating dtype ..., got >f4") where BatchNorm takes it."""
+    from npnorm._threadcomm import run_ranks
+
+    x = np.random.default_rng(4).normal(size=(4, 3, 5)).astype(np.float32)
+    want = run_ranks(2, lambda c: npnorm.SyncBatchNorm(3, comm=c)(x))
+    got = run_ranks(2, lambda c: npnorm.SyncBatchNorm(3, comm=c)(x.astype(">f4")))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == np.float32
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)

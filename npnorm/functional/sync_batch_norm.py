@@ -423,6 +423,8 @@ _DTYPE_NAMES = (*FLOAT_NAMES, "bfloat16")
 
 
 def _dtype_code(xp: Namespace, dtype: Any) -> int:
+    if isinstance(dtype, np.dtype):  # NumPy's ">f4" is float32 in the other byte order
+        dtype = dtype.newbyteorder("=")
     for code, name in enumerate(_DTYPE_NAMES):
         if getattr(xp, name, None) == dtype:
             return code

@@ -11,13 +11,10 @@ import copy
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import array_api_compat
 import numpy as np
-
-if TYPE_CHECKING:  # typing.Self is Python 3.11's; the annotations are never evaluated
-    from typing_extensions import Self
 
 from .._backend import (
     FLOAT_NAMES,
@@ -39,10 +36,12 @@ from .._backend import (
     writable,
     write_uncounted,
 )
+from .._checks import same_but_byte_order
 from .._grad_mode import is_grad_enabled
 
 Saved = tuple[Any, ...]
 Updates = dict[str, Array]
+_M = TypeVar("_M", bound="Module")  # the layer a method returns: itself, or a copy of its class
 
 # The constructor arguments every layer takes last (device and dtype where PyTorch has
 # them, xp keyword-only), as its docstring lists them.
@@ -332,7 +331,7 @@ class Module:
         """Forget the accumulated gradients (``self.grads`` becomes empty)."""
         self.grads.clear()
 
-    def train(self, mode: bool = True) -> Self:
+    def train(self: _M, mode: bool = True) -> _M:
         """Set training mode (``mode=True``) or evaluation mode; returns the module.
 
         The mode matters to BatchNorm (batch or running statistics) and to
@@ -344,7 +343,7 @@ class Module:
         self.training = mode
         return self
 
-    def eval(self) -> Self:
+    def eval(self: _M) -> _M:
         """Set evaluation mode (``train(False)``); returns the module."""
         return self.train(False)
 
@@ -567,7 +566,7 @@ class Module:
 
     # --- backends ------------------------------------------------------------
 
-    def to(self, xp: str | ModuleType | None = None, *, device: Any = None, dtype: Any = None) -> Self:
+    def to(self: _M, xp: str | ModuleType | None = None, *, device: Any = None, dtype: Any = None) -> _M:
         """Move parameters, buffers and grads to another backend and/or device, and/or
         cast the floating ones to ``dtype``; returns the module.
 
@@ -670,19 +669,19 @@ class Module:
                 restored[key] = _map_host(value, lambda h: h.restored(xp))
         self.__dict__.update(restored)
 
-    def __copy__(self) -> Self:
+    def __copy__(self: _M) -> _M:
         """A copy whose arrays share no memory with this module's (each copied once);
         its other attributes are this module's own objects (a SyncBatchNorm's
         communicator, say); what the last forward saved is not copied."""
         return self._copy({}, lambda v: v)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+    def __deepcopy__(self: _M, memo: dict[int, Any]) -> _M:
         """A copy that shares no memory with this module (every array copied on its
         backend, once: an array that modules copied together share stays shared among
         the copies, as in PyTorch); what the last forward saved is not copied."""
         return self._copy(memo, lambda v: copy.deepcopy(v, memo))
 
-    def _copy(self, memo: dict[int, Any], other: Callable[[Any], Any]) -> Self:
+    def _copy(self: _M, memo: dict[int, Any], other: Callable[[Any], Any]) -> _M:
         """A new module of this class: the backend and dtype as they are, no saved
         forward, every array copied once per ``memo``, and ``other`` applied to the rest."""
         new = type(self).__new__(type(self))
@@ -738,8 +737,10 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     running statistics."""
     if not _is_array(value) or not isinstance(current, type(value)):  # (a memmap takes an ndarray)
         return False
-    if tuple(value.shape) != tuple(current.shape) or value.dtype != current.dtype:
+    if tuple(value.shape) != tuple(current.shape):
         return False
+    if value.dtype != current.dtype and not same_but_byte_order(value.dtype, current.dtype):
+        return False  # (a ">f4" buffer, a memmap of a file say, takes float32 values)
     if not writable(current):  # read-only, or immutable (JAX): a new array instead
         return False
     if uncounted:
