@@ -119,6 +119,11 @@ def set_num_threads(n: SupportsIndex) -> None:
     count = _check_count(n, "the number of threads")
     with _lock:
         _num_threads = count
+    if _busy.acquire(blocking=False):  # the workers beyond the count stop now (else at the
+        try:  # next call that uses the pool, once the call running now is done)
+            _workers(0, count - 1)
+        finally:
+            _busy.release()
 
 
 class _Worker:

@@ -7,5 +7,5 @@ import runpy
 from pathlib import Path
 
 
-def test_the_type_checked_user_code_runs():
+def test_the_type_checked_user_code_runs(restore_threads):  # (it sets the thread count)
     runpy.run_path(str(Path(__file__).parent / "typed" / "user_code.py"), run_name="__main__")
