@@ -9,6 +9,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import npnorm
 from npnorm._backend import to_host
 from npnorm._selfcheck import randomize  # noqa: F401  (re-exported for the tests)
 
@@ -211,3 +212,38 @@ def same_results(ours, ref, what: str, tol: float = 0.0) -> None:
         np.testing.assert_allclose(
             a.astype(np.float64), c.astype(np.float64), rtol=tol, atol=tol, err_msg=what
         )
+
+
+def _host_state(m) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in {**m.state_dict(), **m.grads}.items()}
+
+
+def module_as_on_numpy(ours, ref, shape, to_backend, array_type, *, gradcheck: bool = True) -> None:
+    """Module ``ours`` (of another backend; ``to_backend`` makes its arrays from NumPy's,
+    results are of ``array_type``) does what the NumPy module ``ref`` does, in float64: a
+    load, two steps (running statistics, grads accumulated over two backwards), a reset,
+    and (``gradcheck``) gradcheck."""
+    rng = np.random.default_rng(0)
+    state = {
+        k: rng.uniform(0.5, 1.5, size=v.shape) if k != "num_batches_tracked" else np.asarray(3)
+        for k, v in ref.state_dict().items()
+    }
+    for m in (ours, ref):
+        m.load_state_dict(state)
+    for _ in range(2):
+        x, dy = rng.normal(size=shape), rng.normal(size=shape)
+        y, y_ref = ours(to_backend(x)), ref(x)
+        dx, dx_ref = ours.backward(to_backend(dy)), ref.backward(dy)
+        assert isinstance(y, array_type) and isinstance(dx, array_type)
+        np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-12, atol=1e-12)
+    got, want = _host_state(ours), _host_state(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
+    ours.reset_parameters()
+    ref.reset_parameters()
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
+    if gradcheck:
+        assert npnorm.gradcheck(ours, to_backend(rng.normal(size=shape)))

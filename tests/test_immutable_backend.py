@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import module_as_on_numpy
 
 import npnorm
 import npnorm.functional as F
@@ -39,10 +40,6 @@ LAYERS = {
 }
 
 
-def _state(m) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in {**m.state_dict(), **m.grads}.items()}
-
-
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("name", LAYERS)
 def test_a_module_on_jax_does_what_it_does_on_numpy(x64, name, training):
@@ -51,29 +48,7 @@ def test_a_module_on_jax_does_what_it_does_on_numpy(x64, name, training):
     first in-place write)."""
     make, shape = LAYERS[name]
     ours, ref = make(dtype="float64", xp=jnp).train(training), make(dtype="float64").train(training)
-    rng = np.random.default_rng(0)
-    state = {
-        k: rng.uniform(0.5, 1.5, size=v.shape) if k != "num_batches_tracked" else np.asarray(3)
-        for k, v in ref.state_dict().items()
-    }
-    for m in (ours, ref):
-        m.load_state_dict(state)
-    for _ in range(2):
-        x, dy = rng.normal(size=shape), rng.normal(size=shape)
-        y, y_ref = ours(jnp.asarray(x)), ref(x)
-        dx, dx_ref = ours.backward(jnp.asarray(dy)), ref.backward(dy)
-        assert isinstance(y, jax.Array) and isinstance(dx, jax.Array)
-        np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(np.asarray(dx), dx_ref, rtol=1e-12, atol=1e-12)
-    got, want = _state(ours), _state(ref)
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
-    ours.reset_parameters()
-    ref.reset_parameters()
-    for k, v in ref.state_dict().items():
-        np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
-    assert npnorm.gradcheck(ours, jnp.asarray(rng.normal(size=shape)))
+    module_as_on_numpy(ours, ref, shape, jnp.asarray, jax.Array)
 
 
 def test_gradcheck_of_a_function_pair_on_jax(x64):

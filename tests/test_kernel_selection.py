@@ -114,6 +114,13 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
 
 
+def _runs_ok(code: str) -> None:
+    """``code`` (which prints "ok" at its end) runs to its end in a fresh interpreter."""
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("name", ["reference", "numpy"])
 def test_environment_variable_sets_the_start_value(name):
     out = _run("import npnorm; print(npnorm.get_kernels())", NPNORM_KERNELS=name)
@@ -161,9 +168,7 @@ def test_without_numba_numpy_input_runs_the_numpy_kernels():
         "assert 'npnorm.kernels.numba_rows' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = _run(code)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _runs_ok(code)
 
 
 def test_without_numba_the_environment_cannot_ask_for_it():
@@ -234,9 +239,7 @@ def test_where_numba_cannot_write_its_cache_the_kernels_compile_uncached_with_on
         "from npnorm.kernels import _numba_loops\nassert _numba_loops.CACHED is False\n"
         "print('ok')\n"
     )
-    out = _run(code)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    _runs_ok(code)
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")

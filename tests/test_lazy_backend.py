@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import module_as_on_numpy
 
 import npnorm
 import npnorm.functional as F
@@ -34,32 +35,11 @@ def _state(m) -> dict[str, np.ndarray]:
 def test_a_module_on_dask_does_what_it_does_on_numpy(name, training):
     make, shape = LAYERS[name]
     ours, ref = make(xp=da, dtype="float64").train(training), make(dtype="float64").train(training)
-    rng = np.random.default_rng(0)
-    state = {
-        k: rng.uniform(0.5, 1.5, size=v.shape) if k != "num_batches_tracked" else np.asarray(3)
-        for k, v in ref.state_dict().items()
-    }
-    for m in (ours, ref):
-        m.load_state_dict(state)
-    for _ in range(2):
-        x, dy = rng.normal(size=shape), rng.normal(size=shape)
-        y, y_ref = ours(da.from_array(x, chunks=2)), ref(x)
-        dx, dx_ref = ours.backward(da.from_array(dy, chunks=2)), ref.backward(dy)
-        assert isinstance(y, da.Array) and isinstance(dx, da.Array)  # still lazy
-        np.testing.assert_allclose(y.compute(), y_ref, rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(dx.compute(), dx_ref, rtol=1e-12, atol=1e-12)
-    got, want = _state(ours), _state(ref)
-    assert got.keys() == want.keys()
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-12, atol=1e-12, err_msg=k)
-    ours.reset_parameters()
-    ref.reset_parameters()
-    for k, v in ref.state_dict().items():
-        np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
-    if training and "running_mean" not in want:
-        # (a layer with running statistics takes ~25 s here: each of gradcheck's forwards adds
-        # its update to the buffers' task graphs, the growth the README tells users to persist)
-        assert npnorm.gradcheck(ours, da.from_array(rng.normal(size=shape)))
+    # gradcheck: a layer with running statistics takes ~25 s here (each of gradcheck's
+    # forwards adds its update to the buffers' task graphs, the growth the README tells
+    # users to persist)
+    checked = training and "running_mean" not in ref.state_dict()
+    module_as_on_numpy(ours, ref, shape, lambda a: da.from_array(a, chunks=2), da.Array, gradcheck=checked)
 
 
 def test_an_input_of_unknown_size_is_a_clear_error_that_changes_nothing():
