@@ -97,7 +97,8 @@ def set_num_threads(n: SupportsIndex) -> None:
     ----------
     n : int
         At least 1 (any integer: ``np.int64(2)`` too); 1 runs everything in the calling
-        thread (no pool). Workers start as calls need them, up to ``n - 1``.
+        thread (no pool). Workers start as calls need them, up to ``n - 1``; the ones
+        beyond a lowered count stop at the next call that uses the pool.
 
     Raises
     ------
@@ -119,11 +120,6 @@ def set_num_threads(n: SupportsIndex) -> None:
     count = _check_count(n, "the number of threads")
     with _lock:
         _num_threads = count
-    if _busy.acquire(blocking=False):  # the workers beyond the count stop now (else at the
-        try:  # next call that uses the pool, once the call running now is done)
-            _workers(0, count - 1)
-        finally:
-            _busy.release()
 
 
 class _Worker:

@@ -343,11 +343,11 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
     if xp.__name__ == NUMPY:
         for a in result:
             if a is not None and (type(a) is not np.ndarray or not a.dtype.isnative):
-                return tuple(a if a is out else _as_plain(a) for a in result)
+                return tuple(a if a is out else as_plain(a) for a in result)
     return result
 
 
-def _as_plain(a: Any) -> Any:
+def as_plain(a: Any) -> Any:
     """``a`` as every family returns it: a plain ``ndarray`` (not a memmap or another
     subclass the reference's operations carried over) in native byte order (NumPy's own
     results are native; a ``>f4`` input gave a ``>f4`` output)."""

@@ -38,7 +38,7 @@ from ._channels import (
     check_per_channel,
     running_update,
 )
-from ._dispatch import detached, generic, kernel
+from ._dispatch import as_plain, detached, generic, kernel
 from .batch_norm import batch_norm_backward, batch_norm_forward
 
 _WHAT = "sync_batch_norm"
@@ -331,6 +331,7 @@ def synced_backward(
     mean_dy = to_namespace(total[2 : 2 + c] / n, xp, ct)  # C: global mean of dy
     mean_dyxc = to_namespace(total[2 + c :] / n, xp, ct)  # C: global mean of dy*(x - mean)
     dx = kernel("sync_batch_norm_dx", xp)(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc)
+    dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
     # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean)), db = sum(dy)
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
     dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C

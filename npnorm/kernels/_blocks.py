@@ -231,22 +231,22 @@ def sum_in_order(partials: list[np.ndarray | None]) -> np.ndarray | None:
 # than with one on the development machine).
 
 
-# Blocks of at least MANY_ROWS rows of at most SHORT_ROW values are summed by einsum: a
-# BLAS dot per row costs more than the row (BatchNorm1d's (N, C) input is N*C rows of one
-# value: 10x faster at (256, 512)), while einsum's own cost per call is more than a few
-# rows' dots (a (4, 8) LayerNorm took 3 us longer). Rows of more than LONG_ROW values are
-# summed as dots of LONG_ROW values each, added in float64: one float32 dot's rounding
-# grows with its length (2**16 values of 0.1 sum 1e-5 off, 2**12 of them 6e-7; a row of
-# 2**26 normal values had an rstd 3e-4 off).
+# Rows of at most SHORT_ROW values are summed by einsum: a BLAS dot per row costs more
+# than the row (BatchNorm1d's (N, C) input is N*C rows of one value: 10x faster at (256,
+# 512)). It is chosen by the row's length alone, so that a row's result does not depend
+# on how many rows share its block (einsum and a dot round differently; a tiny (4, 8)
+# LayerNorm pays einsum's per-call cost, about 3 us). Rows of more than LONG_ROW values
+# are summed as dots of LONG_ROW values each, added in float64: one float32 dot's
+# rounding grows with its length (2**16 values of 0.1 sum 1e-5 off, 2**12 of them 6e-7;
+# a row of 2**26 normal values had an rstd 3e-4 off).
 SHORT_ROW = 32
-MANY_ROWS = 128
 LONG_ROW = 1 << 12
 
 
 def rowdot(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``out[i] = sum_j a[i, j] * b[i, j]`` for (n,D) blocks (``b`` may be one (D,) row)."""
-    n, D = a.shape
-    if D <= SHORT_ROW and n >= MANY_ROWS:
+    D = a.shape[1]
+    if D <= SHORT_ROW:
         return np.einsum("ij,j->i" if b.ndim == 1 else "ij,ij->i", a, b, out=out)  # n
     if D > LONG_ROW:
         return _long_rowdot(a, b, out)  # n
