@@ -327,8 +327,8 @@ def _as_channel_rows(a: np.ndarray | None) -> np.ndarray | None:
     ``channels_last``) as its ``(N*S, C)`` rows, a view; None for any other layout. The
     rows are BatchNorm1d's (N, C) input: a channel is a column, read without the whole
     copy that staging it as (N, C, S) cost (4-5x torch's time in inference)."""
-    if a is None or a.ndim < 3 or a.shape[1] <= 1:
-        return None
+    if a is None or a.ndim < 3 or a.shape[1] <= 1 or a.strides[1] != a.itemsize:
+        return None  # (the stride test first: NCHW input skips moveaxis, 3 us a call)
     moved = np.moveaxis(a, 1, -1)  # N,*spatial,C
     return moved.reshape(-1, a.shape[1]) if moved.flags.c_contiguous else None
 
@@ -358,7 +358,8 @@ def batch_norm_forward(
     if input.size == 0 or not compiled(ct):
         args = (xp, input, running_mean, running_var, weight, bias, training, momentum, eps, out)
         return _fallback("batch_norm_forward", *args)
-    rows, out_rows = _as_channel_rows(input), _as_channel_rows(out)
+    rows = _as_channel_rows(input)
+    out_rows = None if rows is None else _as_channel_rows(out)
     if rows is not None and (out is None or out_rows is not None):  # channels-last: as (N*S, C)
         args = (xp, rows, running_mean, running_var, weight, bias, training, momentum, eps, out_rows)
         y, *rest = batch_norm_forward(*args)
@@ -394,7 +395,9 @@ def batch_norm_backward(
     if input.size == 0 or not compiled(ct) or (training and huge_spread(np.asarray(rstd), ct)):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
-    rows, dy_rows, out_rows = _as_channel_rows(input), _as_channel_rows(grad_output), _as_channel_rows(out)
+    rows = _as_channel_rows(input)
+    dy_rows = None if rows is None else _as_channel_rows(grad_output)
+    out_rows = None if dy_rows is None else _as_channel_rows(out)
     if rows is not None and dy_rows is not None and (out is None or out_rows is not None):  # as (N*S, C)
         dx, dw, db = _channel_backward(dy_rows, rows, mean, rstd, weight, bias, training, ct, out_rows)
         return (_from_channel_rows(dx, input.shape) if out is None else out), dw, db
