@@ -269,17 +269,16 @@ class Module:
                     "forward again"
                 )
         grad_input, param_grads = self._backward(grad_output, self._saved)
-        totals = {}  # every sum first: nothing is accumulated if one of them raises
+        totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
         for name, g in param_grads.items():
             if g is not None:
                 held = self.grads.get(name)
                 if held is None:  # a copy: the backward's array may be a view of its input
-                    totals[name] = copy_array(g)
+                    totals[name] = (held, copy_array(g))
                 else:
                     with np.errstate(all="ignore"):  # float16 sums overflow to inf, as torch's
-                        totals[name] = held + g
-        for name, total in totals.items():
-            held = self.grads.get(name)
+                        totals[name] = (held, held + g)
+        for name, (held, total) in totals.items():
             if held is None or not _into(held, total):  # in place, as PyTorch accumulates .grad
                 self.grads[name] = total
         return grad_input
