@@ -1,4 +1,5 @@
-"""``python -m npnorm warmup``: compile every numba kernel once, for float32 and float64.
+"""``python -m npnorm warmup``: compile every numba kernel once, for float32 and float64
+(float16 runs the float32 ones, through two compiled casts, compiled here too).
 
 The ``"numba"`` kernels compile on first use, per operation and computation dtype: a
 few seconds each on a cold start, about a second for all of them once numba's on-disk
@@ -61,6 +62,17 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
 
 
+# the loops that convert float16 data to float32 and back (float16 runs the float32 loops)
+CASTS = ("half_to_float", "float_to_half")
+
+
+def _float16_casts() -> None:
+    """A float16 LayerNorm forward: its input and output go through both casts."""
+    import npnorm.functional as F
+
+    F.layer_norm_forward(np.ones((2, 4), dtype=np.float16), 4)
+
+
 def _compiled_loops() -> int:
     """How many (loop, signature) pairs are compiled or loaded (the helpers they call
     not counted)."""
@@ -84,6 +96,9 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
                 t = time.perf_counter()
                 call()
                 result["seconds"][f"{name} {dtype}"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _float16_casts()
+        result["seconds"]["float16 casts"] = time.perf_counter() - t
     result["total_s"] = time.perf_counter() - t0
     result["compiled_loops"] = _compiled_loops()
     result["cached"] = _cached()
@@ -91,8 +106,9 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
         print(f"numba imported in {result['import_s']:.2f} s")
         for key, s in result["seconds"].items():
             print(f"  {key:20} {s:6.2f} s")
-        per_dtype = result["compiled_loops"] // len(DTYPES)
-        loops = f"{result['compiled_loops']} compiled loops ({per_dtype} x {len(DTYPES)} dtypes)"
+        per_dtype = (result["compiled_loops"] - len(CASTS)) // len(DTYPES)
+        casts = f"{len(CASTS)} float16 casts"
+        loops = f"{result['compiled_loops']} compiled loops ({per_dtype} x {len(DTYPES)} dtypes, {casts})"
         print(f"{loops} ready in {result['total_s']:.2f} s")
         if not result["cached"]:
             print(

@@ -68,11 +68,21 @@ class Rows:
     is False), else their copy in the scratch block ``buf``. An input that cannot be
     viewed as rows is copied sample by sample (whole when small, or when even one sample
     cannot be viewed as its P rows). ``contiguous``: the rows are one C-ordered (R, L)
-    array of ``ct`` (``whole`` is then that array).
+    array of ``ct`` (``whole`` is then that array). ``cast(dst, src)`` copies and
+    converts (``cast_into``: NumPy's cast; the compiled kernels pass their own).
     """
 
-    def __init__(self, a: np.ndarray, N: int, P: int, tail: tuple[int, ...], ct: np.dtype[Any]) -> None:
+    def __init__(
+        self,
+        a: np.ndarray,
+        N: int,
+        P: int,
+        tail: tuple[int, ...],
+        ct: np.dtype[Any],
+        cast: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> None:
         self.N, self.P, self.tail = N, P, tail
+        self._cast = cast or cast_into
         self.R, self.L = N * P, prod(tail)
         rows = view(a, (self.R, self.L))  # R,L
         split = None if rows is not None else view(a, (N, P, *tail))  # N,P,*tail
@@ -86,7 +96,7 @@ class Rows:
 
     def read(self, start: int, stop: int, buf: np.ndarray | None) -> np.ndarray:
         if self._rows is not None:
-            return stage(self._rows[start:stop], buf)  # n,L
+            return stage(self._rows[start:stop], buf, self._cast)  # n,L
         assert buf is not None and self._split is not None
         out = buf[: stop - start]  # n,L
         r = start
@@ -96,11 +106,11 @@ class Rows:
             if whole:
                 e = r + whole * self.P
                 dst = np.reshape(out[r - start : e - start], (whole, self.P, *self.tail))
-                np.copyto(dst, self._split[n : n + whole], casting="unsafe")
+                self._cast(dst, self._split[n : n + whole])
             else:
                 e = min(stop, (n + 1) * self.P)
                 dst = np.reshape(out[r - start : e - start], (e - r, *self.tail))
-                np.copyto(dst, self._split[n, p : p + e - r], casting="unsafe")
+                self._cast(dst, self._split[n, p : p + e - r])
             r = e
         return out
 
@@ -177,13 +187,20 @@ def needs_staging(a: np.ndarray, dtype: np.dtype[Any]) -> bool:
     return a.dtype != dtype or (a.shape[1] > 1 and a.strides[1] != a.itemsize)
 
 
-def stage(src: np.ndarray, buf: np.ndarray | None) -> np.ndarray:
+def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``src`` copied into ``dst`` (the same shape), converted to ``dst``'s dtype."""
+    np.copyto(dst, src, casting="unsafe")  # float16 -> float32 is exact
+
+
+def stage(
+    src: np.ndarray, buf: np.ndarray | None, cast: Callable[[np.ndarray, np.ndarray], None] = cast_into
+) -> np.ndarray:
     """The block ``src`` (n,D) itself, or its copy in ``buf[:n]`` converted to
-    ``buf``'s dtype when ``buf`` is given."""
+    ``buf``'s dtype (by ``cast``) when ``buf`` is given."""
     if buf is None:
         return src
     out = buf[: src.shape[0]]  # n,D
-    np.copyto(out, src, casting="unsafe")  # float16 -> float32 is exact
+    cast(out, src)
     return out
 
 

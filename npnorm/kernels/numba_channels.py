@@ -161,7 +161,7 @@ def _channel_forward(
     y3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
     sweep(x, y3)
     if not dst.direct:
-        dst.done(0, N * C, y3.reshape(N * C, S))
+        dst.all_done(y3.reshape(N * C, S))
     return finish(y, out), rstd
 
 
@@ -205,7 +205,7 @@ def _channel_backward(
     dx3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
     run(partial(loop, dy, x, dx3), ranges(C, N * S))
     if not dst.direct:
-        dst.done(0, N * C, dx3.reshape(N * C, S))
+        dst.all_done(dx3.reshape(N * C, S))
     return finish(dx, out), grad_as(dw, weight), grad_as(db, bias)
 
 

@@ -1,0 +1,147 @@
+"""float16 data and the compiled kernels: the casts to float32 and back.
+
+The "numba" family computes float16 in float32 (numba has no float16 type on the CPU),
+converting each staged block with its own compiled casts (``half_to_float``,
+``float_to_half``) instead of NumPy's, which took most of a float16 call's time. They
+must give NumPy's values bit for bit (a NaN's payload aside), so that a float16 call is
+its float32 call rounded once.
+"""
+
+from __future__ import annotations
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from helpers import op_calls
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+from test_numba_kernels import LAYOUTS, config, laid_out
+
+from npnorm.functional._dispatch import family_kernel
+
+pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
+
+from npnorm.kernels import _numba_loops as loops
+from npnorm.kernels import _staging
+
+
+def to_half(f: np.ndarray) -> np.ndarray:
+    """``loops.float_to_half`` of a float32 array, as float16."""
+    out = np.empty(f.shape, np.uint16)
+    loops.float_to_half(np.ascontiguousarray(f).reshape(-1), out.reshape(-1))
+    return out.view(np.float16)
+
+
+def same_halves(ours: np.ndarray, f: np.ndarray) -> None:
+    """``ours`` is NumPy's float16 of ``f``, bit for bit; a NaN is a NaN of its sign."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = f.astype(np.float16)
+    nan = np.isnan(f)
+    assert np.isnan(ours[nan]).all()
+    assert (np.signbit(ours[nan]) == np.signbit(f[nan])).all()
+    bad = (ours.view(np.uint16) != want.view(np.uint16)) & ~nan
+    assert not bad.any(), (f[bad][:5], ours[bad][:5], want[bad][:5])
+
+
+def test_every_half_to_float_is_numpys():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every float16 (NaNs too)
+    ours = np.empty(bits.shape, np.float32)
+    loops.half_to_float(bits, ours)
+    want = bits.view(np.float16).astype(np.float32)
+    assert (ours.view(np.uint32) == want.view(np.uint32)).all()  # NaN payloads included
+
+
+def _boundaries() -> np.ndarray:
+    """float32 values where rounding to float16 decides: every half, the midpoints between
+    neighbours (ties: to even), a float32 ulp either side of them, the range's edges
+    (65504, 65520: the tie to infinity), float32 subnormals, zeros, infinities, NaNs."""
+    halves = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)  # +0 to 65504
+    nxt = np.append(halves[1:], np.float32(65536.0))
+    mid = ((halves.astype(np.float64) + nxt) / 2).astype(np.float32)  # exact in float32
+    near = [np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(0))]
+    edges = np.array(
+        [65504, 65519.996, 65520, 65536, 3.4e38, 2.0**-24, 2.0**-25, 2.0**-26, 1e-45, 1e-40, 2.0**-14],
+        np.float32,
+    )
+    special = np.array([np.inf, np.nan, -np.nan, 0.0], np.float32)
+    pos = np.concatenate([halves, mid, *near, edges, special])
+    return np.concatenate([pos, -pos])
+
+
+def test_float_to_half_is_numpys_at_every_rounding_boundary():
+    f = _boundaries()
+    same_halves(to_half(f), f)
+
+
+@settings(max_examples=200)
+@given(f=hnp.arrays(np.float32, hnp.array_shapes(max_dims=1, max_side=300), elements=st.floats(width=32)))
+def test_float_to_half_is_numpys(f):
+    same_halves(to_half(f), f)
+
+
+@settings(max_examples=100)
+@given(bits=hnp.arrays(np.uint32, hnp.array_shapes(max_dims=1, max_side=300)))
+def test_float_to_half_of_any_bits_is_numpys(bits):
+    """Any 32 bits as a float32 (NaN payloads, subnormals, every exponent)."""
+    f = bits.view(np.float32)
+    same_halves(to_half(f), f)
+
+
+def test_cast_into_takes_numpy_where_the_loops_cannot():
+    """Strided blocks and other dtypes go through NumPy's cast, with the same values."""
+    src = np.arange(24, dtype=np.float16).reshape(4, 6)[:, ::2]  # not C-ordered
+    dst = np.empty((4, 3), np.float32)
+    _staging.cast_into(dst, src)
+    assert (dst == src.astype(np.float32)).all()
+    back = np.empty((4, 3), np.dtype(">f2"))  # the other byte order
+    _staging.cast_into(back, dst)
+    assert (back == src).all()
+
+
+@st.composite
+def float16_problems(draw: st.DrawFn) -> dict:
+    shape = draw(hnp.array_shapes(min_dims=3, max_dims=4, min_side=1, max_side=6))
+    # two samples (BatchNorm), two groups, two values per channel (InstanceNorm)
+    shape = (shape[0] + 1, 2 * shape[1], *shape[2:-1], shape[-1] + 1)
+    elements = st.floats(-60000, 60000, width=16)
+    x = draw(hnp.arrays(np.float16, shape, elements=elements))
+    scale = draw(st.sampled_from((1.0, 1e-3)))
+    x = (x.astype(np.float32) * np.float32(scale)).astype(np.float16)
+    dy = draw(hnp.arrays(np.float16, shape, elements=elements))
+    return {
+        "x": laid_out(x, draw(st.sampled_from(LAYOUTS))),
+        "dy": laid_out(dy, draw(st.sampled_from(LAYOUTS))),
+        "threads": draw(st.sampled_from((1, 2, 3))),
+        "small": draw(st.booleans()),
+        "affine": draw(st.booleans()),
+    }
+
+
+@settings(max_examples=60)
+@given(p=float16_problems())
+def test_float16_is_float32_rounded_once(p):
+    """Every operation on float16 data gives, bit for bit, its float32 call's output and dx
+    rounded to float16, and its float32 statistics: the casts add no error of their own,
+    whatever the layout, staging blocks and threads."""
+    x, dy = p["x"], p["dy"]
+    D = x.shape[-1]
+    w = np.linspace(0.5, 1.5, D).astype(np.float16) if p["affine"] else None
+    b = np.linspace(-1, 1, D).astype(np.float16) if p["affine"] else None
+
+    def up(a):  # float16 arrays as float32 (exact), anything else as it is
+        return a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == np.float16 else a
+
+    with config(p["threads"], p["small"]), np.errstate(over="ignore", invalid="ignore"):
+        for op, fwd, bwd in op_calls(x, dy, w, b, 2):
+            forward, backward = (family_kernel(f"{op}_{s}", "numba") for s in ("forward", "backward"))
+            f16, f32 = forward(xp, *fwd), forward(xp, *map(up, fwd))
+            assert f16[0].dtype == np.float16
+            assert (f16[0].view(np.uint16) == f32[0].astype(np.float16).view(np.uint16)).all(), op
+            for ours, want in zip(f16[1:3], f32[1:3], strict=True):  # the statistics, float32
+                assert ours.dtype == want.dtype == np.float32
+                np.testing.assert_array_equal(ours, want, err_msg=op)
+            dx16 = backward(xp, *bwd(f16))[0]
+            dx32 = backward(xp, *map(up, bwd(f32)))[0]
+            assert dx16.dtype == np.float16
+            np.testing.assert_array_equal(dx16, dx32.astype(np.float16), err_msg=op)
