@@ -195,7 +195,8 @@ def test_warmup_compiles_every_loop_for_both_dtypes(tmp_path):
 
     for name, fn in vars(loops).items():
         if hasattr(fn, "signatures") and not name.startswith("_") and name not in _warmup.CASTS:
-            assert {str(sig[0].dtype) for sig in fn.signatures} >= {"float32", "float64"}, name
+            dtypes = {str(sig[0].dtype) for sig in fn.signatures}
+            assert dtypes >= ({"float64"} if name == "add_spans" else {"float32", "float64"}), name
     for name in _warmup.CASTS:  # float16 data's way into the float32 loops and back
         assert getattr(loops, name).signatures, name
     assert set(result["seconds"]) == {

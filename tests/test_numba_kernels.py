@@ -627,12 +627,22 @@ def test_short_group_rows_rule(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255)])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
 def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
     """BatchNorm's channels of fewer than CHUNK values per sample go in blocks of channels
     (BatchNorm1d's (N, C) input among them); their results are bitwise those of the
     one-channel-at-a-time loops (the same sums in the same order), in training and with
-    running statistics, in blocks of one, two and all channels, split over threads."""
+    running statistics, in blocks of one, two and all channels, split over threads: with
+    more than one span of samples (``loops.SPAN``), the threads split the spans."""
+    from npnorm.kernels import _numba_loops as loops
+
+    span_calls = []
+
+    def counted(f):
+        return lambda *a: span_calls.append(f(*a))
+
+    for name in ("channel_span_sums", "channel_span_dy_sums"):
+        monkeypatch.setattr(loops, name, counted(getattr(loops, name)))
     C = shape[1]
     x = 7 + rounding(dtype, shape, 3.0)
     dy = np.cos(np.arange(math.prod(shape))).reshape(shape).astype(dtype) / 7
@@ -652,8 +662,11 @@ def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
 
     one_at_a_time = results(0, 1)
     for block, threads in ((1, 1), (2, 2), (2, 3), (C, 1), (C, 2)):
+        span_calls.clear()
         for a, c in zip(results(block, threads), one_at_a_time, strict=True):
             np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
+        # the forward's two sums and the backward's, in training; the backward's with running statistics
+        assert len(span_calls) == (3 * threads + threads if shape[0] > loops.SPAN and threads > 1 else 0)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -86,6 +86,12 @@ FLUSH_ROWS = 16
 # the values per chunk of the pipelined row loops (see there)
 CHUNK = 256
 
+# BatchNorm's channel sums are taken over spans of SPAN samples, and each span's sum is
+# added into the channel's total, spans in order: every loop adds the same partial sums
+# in the same order, so that the sample-split loops (``channel_span_sums``, the threads
+# each taking whole spans) and the channel loops give bitwise the same statistics.
+SPAN = 64
+
 
 # --- vectorized row sums (float64 accumulators) -----------------------------------------
 #
@@ -490,16 +496,21 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
         bc = b[ch]
         q1 = 0.0  # channel c + 1's squared deviations, channel c + 2's sum
         t2 = 0.0
+        pq = pt = 0.0  # the same over this span of samples
         for n in range(N):
             xr, yr, x1, x2 = x[n, ch], y[n, ch], x[n, n1], x[n, n2]
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
                 if add:
-                    t2 += _sum(x2, lo, hi)
+                    pt += _sum(x2, lo, hi)
                 if dev:
-                    q1 += _sum_sq_dev(x1, lo, hi, m1)
+                    pq += _sum_sq_dev(x1, lo, hi, m1)
                 if write:
                     _affine_span(xr, yr, lo, hi, m_hi, m_lo, sc, bc)
+            if (n + 1) % SPAN == 0 or n + 1 == N:  # the span's sums into the totals
+                q1 += pq
+                t2 += pt
+                pq = pt = 0.0
         m, q, m1 = m1, q1, t2 / M
 
 
@@ -530,19 +541,24 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         a, k1, k0 = _batch_dx_coefs(rs, wc, sd, sdx, M, s)
         rc = rstd[ch]
         sd = sdx = 0.0
+        pd = pdx = 0.0  # the same over this span of samples
         for n in range(N):
             xr, dyr, dxr, x1, dy1 = x[n, ch], dy[n, ch], dx[n, ch], x[n, n1], dy[n, n1]
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
                 if add:
                     u, v = _sums_dy_scalar_w(dy1, x1, lo, hi, mean[n1], zero)
-                    sd += u
-                    sdx += v
+                    pd += u
+                    pdx += v
                 if write:
                     if training:
                         _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
                     else:  # dx does not depend on x: a NaN or inf in x, or x - mean
                         _scale_dy_span(dyr, dxr, lo, hi, a)  # overflowing, stays out of it
+            if (n + 1) % SPAN == 0 or n + 1 == N:  # the span's sums into the totals
+                sd += pd
+                sdx += pdx
+                pd = pdx = 0.0
 
 
 # Channels of short rows (S < CHUNK values per sample; BatchNorm1d's (N, C) input has S =
@@ -550,27 +566,35 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
 # cache line of its own, C*S values apart. So these loops take a block of channels [a, e)
 # at a time, whose N rows ``x[n, a*S:e*S]`` are contiguous and, for a block of the size
 # the caller picks, stay in cache between the passes. Each channel's sums are added in the
-# order of the pipelined loops above (one chunk per row), from the same helpers or, at S =
-# 1, the same operations in loops over the rows and across the channels (``_across_*``,
-# vectorized across the channels): the results do not depend on which loops ran, nor on
-# the blocks. (Each row of x here is a sample: ``x[n, lo + j]`` is channel j of the
-# block that begins at ``lo``.)
+# order of the pipelined loops above (one chunk per row, spans of SPAN samples), from the
+# same helpers or, at S = 1, the same operations in loops over the rows and across the
+# channels (``_across_*``, vectorized across the channels): the results do not depend on
+# which loops ran, nor on the blocks. (Each row of x here is a sample: ``x[n, lo + j]`` is
+# channel j of the block that begins at ``lo``.)
+#
+# With many samples the threads split the samples instead of the channels (threads that
+# split the channels wrote, and read, neighbouring parts of every row: BatchNorm1d's (N,
+# C) training was 2x slower with two threads than with one). Each thread takes whole spans
+# of samples, and writes each span's sums (``channel_span_sums``, ``channel_span_dy_sums``)
+# for the caller to add in order (``add_spans``); then each thread writes its samples'
+# output (``channel_block_forward`` with the statistics) or dx (``channel_dx``, with the
+# coefficients of ``channel_grads``).
 
 
 @_loop
-def _across_sum(x, lo, t):  # type: ignore[no-untyped-def]
-    """``t += x[n, lo:lo + len(t)]`` for every row n (one value per channel)."""
+def _across_sum(x, n0, n1, lo, t):  # type: ignore[no-untyped-def]
+    """``t += x[n, lo:lo + len(t)]`` for every row n in ``[n0, n1)`` (one value per channel)."""
     base = uint64(lo)
-    for n in range(x.shape[0]):
+    for n in range(n0, n1):
         for j in range(uint64(0), uint64(t.shape[0])):
             t[j] += x[n, base + j]
 
 
 @_loop
-def _across_sq_dev(x, lo, m, t):  # type: ignore[no-untyped-def]
-    """``t += (x[n, lo:lo + len(t)] - m)^2`` for every row n, ``m`` float64."""
+def _across_sq_dev(x, n0, n1, lo, m, t):  # type: ignore[no-untyped-def]
+    """``t += (x[n, lo:lo + len(t)] - m)^2`` for every row n in ``[n0, n1)``, ``m`` float64."""
     base = uint64(lo)
-    for n in range(x.shape[0]):
+    for n in range(n0, n1):
         for j in range(uint64(0), uint64(t.shape[0])):
             d = x[n, base + j] - m[j]
             t[j] += d * d
@@ -587,11 +611,11 @@ def _across_affine(x, y, lo, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def
 
 
 @_loop
-def _across_sums_dy(dy, x, lo, m, sd, sdx):  # type: ignore[no-untyped-def]
-    """``sd += dy``, ``sdx += dy*(x - m)`` on ``[n, lo:lo + len(sd)]`` for every row n
-    (``_sums_dy_scalar_w``'s, per channel)."""
+def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx):  # type: ignore[no-untyped-def]
+    """``sd += dy``, ``sdx += dy*(x - m)`` on ``[n, lo:lo + len(sd)]`` for every row n in
+    ``[n0, n1)`` (``_sums_dy_scalar_w``'s, per channel)."""
     base = uint64(lo)
-    for n in range(x.shape[0]):
+    for n in range(n0, n1):
         for j in range(uint64(0), uint64(sd.shape[0])):
             d = dy[n, base + j]
             sd[j] += d
@@ -609,6 +633,74 @@ def _across_dx(dy, x, dx, lo, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
 
 
 @_loop
+def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
+    """``t`` (float64 (k,)) = each channel's sum over samples ``[n0, n1)`` of the block of
+    k channels of S values that begins at ``lo`` in the rows of x: of its values, or with
+    ``dev`` of their squared deviations from ``m`` (float64 (k,))."""
+    t.fill(0.0)
+    if S == 1:
+        if dev:
+            _across_sq_dev(x, n0, n1, lo, m, t)
+        else:
+            _across_sum(x, n0, n1, lo, t)
+        return
+    for n in range(n0, n1):
+        xr = x[n]
+        for j in range(t.shape[0]):
+            jlo, jhi = lo + j * S, lo + (j + 1) * S
+            t[j] += _sum_sq_dev(xr, jlo, jhi, m[j]) if dev else _sum(xr, jlo, jhi)
+
+
+@_loop
+def _span_dy_sums(dy, x, n0, n1, lo, S, m, sd, sdx):  # type: ignore[no-untyped-def]
+    """``sd``, ``sdx`` (float64 (k,)) = each channel's ``sum(dy)``, ``sum(dy*(x - m))``
+    over samples ``[n0, n1)``, the block of k channels beginning at ``lo``."""
+    sd.fill(0.0)
+    sdx.fill(0.0)
+    if S == 1:
+        _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx)
+        return
+    s = np.empty(1, dtype=x.dtype)
+    s[0] = 0.0
+    zero = s[0]  # 0 in the data's dtype
+    for n in range(n0, n1):
+        xr, dyr = x[n], dy[n]
+        for j in range(sd.shape[0]):
+            u, v = _sums_dy_scalar_w(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
+            sd[j] += u
+            sdx[j] += v
+
+
+@_loop
+def add_spans(parts, t):  # type: ignore[no-untyped-def]
+    """``t`` (float64 (C,)) = the sum of the spans' sums ``parts`` (float64 (spans, C)),
+    added in order (as the channel loops add them)."""
+    t.fill(0.0)
+    for k in range(parts.shape[0]):
+        for j in range(t.shape[0]):
+            t[j] += parts[k, j]
+
+
+@_loop
+def channel_span_sums(x, S, dev, m, parts, k0, k1):  # type: ignore[no-untyped-def]
+    """Spans ``[k0, k1)`` of SPAN samples of x (N,C*S): ``parts[k]`` = every channel's sum
+    over span k (``_span_sums``: of the values, or with ``dev`` of their squared
+    deviations from the float64 mean ``m`` (C,))."""
+    N = x.shape[0]
+    for k in range(k0, k1):
+        _span_sums(x, k * SPAN, min((k + 1) * SPAN, N), 0, S, dev, m, parts[k])
+
+
+@_loop
+def channel_span_dy_sums(dy, x, S, m, sd, sdx, k0, k1):  # type: ignore[no-untyped-def]
+    """Spans ``[k0, k1)`` of SPAN samples of dy, x (N,C*S): ``sd[k]``, ``sdx[k]`` = every
+    channel's ``sum(dy)`` and ``sum(dy*(x - m))`` over span k (m (C,) the data's dtype)."""
+    N = x.shape[0]
+    for k in range(k0, k1):
+        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, sd[k], sdx[k])
+
+
+@_loop
 def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1):  # type: ignore[no-untyped-def]
     """``channel_forward`` for short channel rows, x (N,C,S) as (N,C*S) and y likewise,
     in blocks of B channels (see above)."""
@@ -616,7 +708,8 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
     M = N * S
     s = np.empty(3, dtype=y.dtype)
     nb = max(0, min(B, c1 - c0))
-    t = np.empty(nb)  # the block's channel sums (float64)
+    t = np.empty(nb)  # the block's channel sums (float64), and one span's
+    p = np.empty(nb)
     sc = np.empty(nb, dtype=y.dtype)  # rstd*w, b and the mean split, per channel
     bc = np.empty(nb, dtype=y.dtype)
     m_hi = np.empty(nb, dtype=y.dtype)
@@ -624,22 +717,15 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
     for a in range(c0, c1, B):
         e = min(a + B, c1)
         k, lo = e - a, a * S  # the block's channels, and where its rows begin
-        m, v, tb = mean[a:e], var[a:e], t[:k]
+        m, v, tb, pb = mean[a:e], var[a:e], t[:k], p[:k]
         if training:
             for q in (False, True):  # the sums, then the squared deviations from the mean
                 tb.fill(0.0)
-                if S == 1:
-                    if q:
-                        _across_sq_dev(x, lo, m, tb)
-                    else:
-                        _across_sum(x, lo, tb)
-                else:
-                    for n in range(N):
-                        xr = x[n]
-                        for j in range(k):
-                            jlo, jhi = lo + j * S, lo + (j + 1) * S
-                            tb[j] += _sum_sq_dev(xr, jlo, jhi, m[j]) if q else _sum(xr, jlo, jhi)
-                for j in range(k):  # (a loop: array expressions take seconds to compile)
+                for n0 in range(0, N, SPAN):
+                    _span_sums(x, n0, min(n0 + SPAN, N), lo, S, q, m, pb)
+                    for j in range(k):  # (a loop: array expressions take seconds to compile)
+                        tb[j] += pb[j]
+                for j in range(k):
                     if q:
                         v[j] = tb[j] / M
                     else:
@@ -660,17 +746,47 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
 
 
 @_loop
+def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, k0v):  # type: ignore[no-untyped-def]
+    """dx of the block of k = len(av) channels of S values beginning at ``lo``, on every
+    row (sample) of dy, x, dx (n,C*S): ``a*dy + k1*xhat + k0`` (``training``) or ``a*dy``,
+    per channel."""
+    k = av.shape[0]
+    if training and S == 1:
+        _across_dx(dy, x, dx, lo, av, k1v, m, r, k0v)
+        return
+    for n in range(x.shape[0]):
+        xr, dyr, dxr = x[n], dy[n], dx[n]
+        for j in range(k):
+            jlo, jhi = lo + j * S, lo + (j + 1) * S
+            if training:
+                _dx_span(dyr, xr, dxr, jlo, jhi, av[j], k1v[j], m[j], r[j], k0v[j])
+            else:  # dx does not depend on x (see channel_backward)
+                _scale_dy_span(dyr, dxr, jlo, jhi, av[j])
+
+
+@_loop
+def channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, k0v):  # type: ignore[no-untyped-def]
+    """dweight, dbias (float64) and dx's coefficients (``_batch_dx_coefs``, in ``av``'s
+    dtype) of channels whose rstd ``r``, weight ``w`` and sums over their M values ``sd``,
+    ``sdx`` are given (all (k,))."""
+    s = np.empty(3, dtype=av.dtype)
+    for j in range(av.shape[0]):
+        rs = np.float64(r[j])
+        db[j] = sd[j]
+        dw[j] = sdx[j] * rs
+        av[j], k1v[j], k0v[j] = _batch_dx_coefs(rs, np.float64(w[j]), sd[j], sdx[j], M, s)
+
+
+@_loop
 def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1):  # type: ignore[no-untyped-def]
     """``channel_backward`` for short channel rows, dy, x, dx (N,C*S), in blocks of B
     channels (see above)."""
     N, S = x.shape[0], x.shape[1] // mean.shape[0]
-    M = N * S
-    s = np.empty(3, dtype=dx.dtype)
-    s[0] = 0.0
-    zero = s[0]  # 0 in the data's dtype
     nb = max(0, min(B, c1 - c0))
-    sd = np.empty(nb)  # the block's sum(dy), sum(dy*(x - mean)) (float64)
+    sd = np.empty(nb)  # the block's sum(dy), sum(dy*(x - mean)) (float64), and one span's
     sdx = np.empty(nb)
+    pd = np.empty(nb)
+    pdx = np.empty(nb)
     av = np.empty(nb, dtype=dx.dtype)  # a, k1, k0 per channel
     k1v = np.empty(nb, dtype=dx.dtype)
     k0v = np.empty(nb, dtype=dx.dtype)
@@ -680,32 +796,13 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
         m, r = mean[a:e], rstd[a:e]
         sd.fill(0.0)
         sdx.fill(0.0)
-        if S == 1:
-            _across_sums_dy(dy, x, lo, m, sd[:k], sdx[:k])
-        else:
-            for n in range(N):
-                xr, dyr = x[n], dy[n]
-                for j in range(k):
-                    u, v = _sums_dy_scalar_w(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
-                    sd[j] += u
-                    sdx[j] += v
-        for j in range(k):
-            rs = np.float64(r[j])
-            wc = np.float64(w[a + j])
-            db[a + j] = sd[j]
-            dw[a + j] = sdx[j] * rs
-            av[j], k1v[j], k0v[j] = _batch_dx_coefs(rs, wc, sd[j], sdx[j], M, s)
-        if training and S == 1:
-            _across_dx(dy, x, dx, lo, av[:k], k1v[:k], m, r, k0v[:k])
-            continue
-        for n in range(N):
-            xr, dyr, dxr = x[n], dy[n], dx[n]
+        for n0 in range(0, N, SPAN):
+            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, pd[:k], pdx[:k])
             for j in range(k):
-                jlo, jhi = lo + j * S, lo + (j + 1) * S
-                if training:
-                    _dx_span(dyr, xr, dxr, jlo, jhi, av[j], k1v[j], m[j], r[j], k0v[j])
-                else:  # dx does not depend on x (see channel_backward)
-                    _scale_dy_span(dyr, dxr, jlo, jhi, av[j])
+                sd[j] += pd[j]
+                sdx[j] += pdx[j]
+        channel_grads(r, w[a:e], sd[:k], sdx[:k], N * S, dw[a:e], db[a:e], av[:k], k1v[:k], k0v[:k])
+        channel_dx(dy, x, dx, lo, S, training, av[:k], k1v[:k], m, r, k0v[:k])
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------

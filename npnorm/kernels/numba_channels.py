@@ -12,9 +12,12 @@ as (N, C, S), S = prod(spatial):
   pipelined as the rows below (while channel c is written, the next channels' sums are
   taken). Channels of fewer than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C)
   input: one) are taken in blocks of channels instead (``loops.channel_block_forward``
-  / ``_backward``), whose rows are contiguous. The channels are split over the threads;
-  a channel's results do not depend on the split or the blocks. An input that is not
-  C-ordered in the computation dtype is first copied whole (one copy of the input).
+  / ``_backward``), whose rows are contiguous. The channels are split over the threads,
+  or in training, where short channels have more than ``loops.SPAN`` samples, the spans
+  of samples are (``_span_parts``): each channel's sums are added span by span in the
+  same order by every loop, so a channel's results do not depend on the split, the
+  blocks or the thread count. An input that is not C-ordered in the computation dtype is
+  first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -112,6 +115,14 @@ def _channel_block(N: int, S: int, ct: np.dtype[Any]) -> int:
     return max(BLOCK_BYTES // (N * row), -(-ROW_BYTES // row), 1)
 
 
+def _span_parts(N: int, C: int, S: int) -> list[tuple[int, int]] | None:
+    """The threads' ranges of the spans of ``loops.SPAN`` samples, where the samples of
+    short channels (taken in blocks) are split over the threads in training: when there
+    is more than one part; else None (one thread, or too few values)."""
+    parts = ranges(-(-N // loops.SPAN), loops.SPAN * C * S)
+    return parts if len(parts) > 1 else None
+
+
 def _channel_forward(
     input: np.ndarray,
     weight: np.ndarray | None,
@@ -131,20 +142,29 @@ def _channel_forward(
     rstd = np.empty(C, dtype=ct)  # C
     B = _channel_block(N, S, ct)
 
-    def loop(x: np.ndarray, y: np.ndarray, c0: int, c1: int, r: np.ndarray = rstd) -> None:  # x, y: n,C,S
-        if B:  # x, y as n,C*S: the rows of the blocks
+    def loop(x: np.ndarray, y: np.ndarray, c0: int, c1: int, r: np.ndarray, stats: bool) -> None:
+        if B:  # x, y (n,C,S) as n,C*S: the rows of the blocks
             x2, y2 = x.reshape(x.shape[0], C * S), y.reshape(x.shape[0], C * S)
-            loops.channel_block_forward(x2, w, b, eps, training, mean, var, r, y2, B, c0, c1)
+            loops.channel_block_forward(x2, w, b, eps, stats, mean, var, r, y2, B, c0, c1)
         else:
-            loops.channel_forward(x, w, b, eps, training, mean, var, r, y, c0, c1)
+            loops.channel_forward(x, w, b, eps, stats, mean, var, r, y, c0, c1)
 
     def sweep(x: np.ndarray, y: np.ndarray) -> None:  # x, y: N,C,S
-        if training:  # a channel's statistics need all its samples: the threads split channels
-            run(partial(loop, x, y), ranges(C, N * S))
+        parts = _span_parts(N, C, S) if training and B else None
+        if training and parts is None:  # the threads split the channels
+            run(lambda c0, c1: loop(x, y, c0, c1, rstd, True), ranges(C, N * S))
             return
+        if parts is not None:  # the threads split the spans of samples: their sums first
+            x2 = x.reshape(N, C * S)  # N,C*S
+            sums = np.empty((parts[-1][1], C))  # spans,C float64
+            for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
+                run(partial(loops.channel_span_sums, x2, S, dev, mean, sums), parts)
+                loops.add_spans(sums, stat)
+                stat /= N * S  # C
 
         def samples(r0: int, r1: int) -> None:  # every channel of samples [r0, r1)
-            loop(x[r0:r1], y[r0:r1], 0, C, rstd if r0 == 0 else np.empty(C, dtype=ct))
+            r = rstd if r0 == 0 else np.empty(C, dtype=ct)
+            loop(x[r0:r1], y[r0:r1], 0, C, r, False)  # from the statistics in mean, var
 
         # with the running statistics the samples split: threads that split the channels of
         # every row wrote neighbouring parts of each row (BatchNorm1d's (N, C) eval was 2-3x
@@ -193,17 +213,37 @@ def _channel_backward(
         else:
             loops.channel_backward(dy, x, m, r, w, training, dx, dw, db, c0, c1)
 
+    def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
+        parts = _span_parts(N, C, S) if B else None
+        if parts is None:  # the threads split the channels
+            run(partial(loop, dy, x, dx), ranges(C, N * S))
+            return
+        # the threads split the spans of samples: the sums, then dx (see _numba_loops)
+        dy2, x2, dx2 = dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S)  # N,C*S
+        spans = parts[-1][1]
+        sums = np.empty((spans, C)), np.empty((spans, C))  # spans,C float64: sum(dy), sum(dy*(x - mean))
+        run(partial(loops.channel_span_dy_sums, dy2, x2, S, m, *sums), parts)
+        sd, sdx = np.empty(C), np.empty(C)  # C float64
+        loops.add_spans(sums[0], sd)
+        loops.add_spans(sums[1], sdx)
+        av, k1v, k0v = (np.empty(C, dtype=ct) for _ in range(3))  # dx's coefficients per channel
+        loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, k0v)
+
+        def samples(r0: int, r1: int) -> None:
+            loops.channel_dx(dy2[r0:r1], x2[r0:r1], dx2[r0:r1], 0, S, training, av, k1v, m, r, k0v)
+
+        run(samples, ranges(N, C * S))
+
     if direct(ct, out, input, grad_output):  # no staging
         dx = np.empty(input.shape, dtype=ct) if out is None else out
-        dy3, x3, dx3 = grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S)
-        run(partial(loop, dy3, x3, dx3), ranges(C, N * S))
+        sweep(grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S))
         return dx, grad_as(dw, weight), grad_as(db, bias)
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     dy = _source(grad_output, C, ct).whole().reshape(N, C, S)  # N,C,S
     dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
     dst = Target(dx, N * C, S, ct)
     dx3 = (dst.rows if dst.direct else np.empty((N * C, S), dtype=ct)).reshape(N, C, S)  # N,C,S
-    run(partial(loop, dy, x, dx3), ranges(C, N * S))
+    sweep(dy, x, dx3)
     if not dst.direct:
         dst.all_done(dx3.reshape(N * C, S))
     return finish(dx, out), grad_as(dw, weight), grad_as(db, bias)
