@@ -149,7 +149,14 @@ class _Worker:
             if handed is None:
                 return
             ticket, tasks = handed
-            self._outcomes = (ticket, [_outcome(t) for t in tasks])
+            # nothing of a call stays bound while the worker sleeps: its tasks hold the
+            # caller's arrays (input, output, dx), which stayed alive until the next call
+            # used the pool, and for good after set_num_threads(1)
+            del handed
+            outcomes = [_outcome(t) for t in tasks]
+            del tasks
+            self._outcomes = (ticket, outcomes)
+            del outcomes
             self.finished = ticket
             self._outbox.put(None)
 
@@ -173,6 +180,7 @@ class _Worker:
         got, outcomes = self._outcomes
         if got != ticket:  # cannot happen: tickets run in the order they were handed
             raise RuntimeError(f"npnorm's thread pool: outcomes of hand-off {got}, expected {ticket}")
+        self._outcomes = (got, [])  # (results and exceptions are the caller's alone now)
         return outcomes
 
     def stop(self) -> None:

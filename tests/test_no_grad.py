@@ -46,6 +46,29 @@ def test_memory_is_released(rng):
     assert ref() is None  # the module holds no reference to its input
 
 
+@pytest.mark.parametrize("family", ["numba", "numpy"])
+def test_memory_is_released_after_calls_split_over_threads(rng, family, restore_threads):
+    """Inputs large enough for the pool (2 threads): its workers kept the last call's
+    tasks, and with them its input and output, while they slept."""
+    import gc
+    import weakref
+
+    if family not in npnorm.kernels_available():
+        pytest.skip(f"{family} is not installed")
+    npnorm.set_num_threads(2)
+    m = npnorm.BatchNorm1d(256)
+    x = rng.normal(size=(1024, 256)).astype(np.float32)
+    with npnorm.use_kernels(family):
+        y = m(x)
+        dx = m.backward(y)
+        with npnorm.no_grad():
+            z = m(x)
+    refs = [weakref.ref(a) for a in (x, y, dx, z)]
+    del x, y, dx, z
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 def test_running_statistics_still_update(rng):
     """As in torch: no_grad changes what is saved, not what the forward computes."""
     m, ref = npnorm.BatchNorm1d(2), npnorm.BatchNorm1d(2)

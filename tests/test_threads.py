@@ -4,10 +4,12 @@ count, after a fork), and callers that find it in use (other threads, nested cal
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -388,3 +390,32 @@ def test_an_interruption_while_the_pool_is_recreated_leaves_no_stopped_worker():
     _threads.set_num_threads(3)
     assert _within(30, lambda: _threads.run_parallel([lambda k=k: k for k in range(3)])) == [0, 1, 2]
     assert all(w.thread.is_alive() for w in _threads._workers_list)
+
+
+def test_the_pool_keeps_nothing_of_a_finished_call():
+    """A worker kept its last tasks (and their outcomes) while it slept: the caller's
+    arrays stayed alive until the next call that used the pool, and for good once the
+    thread count dropped to 1 (3x a LayerNorm's input after a forward and backward)."""
+    _threads.set_num_threads(2)
+
+    class Big:  # stands for a call's array: weakly referable
+        pass
+
+    def task(big: Big) -> int:
+        return id(big)
+
+    def failing(big: Big) -> int:
+        raise ValueError(id(big))  # the exception's traceback holds the task's frame
+
+    for second in (task, failing):
+        items = [Big(), Big()]
+        refs = [weakref.ref(b) for b in items]
+        tasks = [lambda b=items[0]: task(b), lambda b=items[1], f=second: f(b)]
+        try:
+            _threads.run_parallel(tasks)
+        except ValueError:
+            pass
+        del items, tasks
+        gc.collect()
+        assert all(r() is None for r in refs), second.__name__
+    _threads.set_num_threads(1)
