@@ -214,6 +214,12 @@ def test_numba_with_its_jit_disabled_is_not_the_default():
     assert out.stdout.split() == ["numpy", "True"]
     out = _run(code, NUMBA_DISABLE_JIT="1", NPNORM_KERNELS="numba")  # still there when asked for
     assert out.stdout.split() == ["numba", "True"], out.stderr
+    # float16 too: the compiled casts' bit casts have no Python version (NumPy casts instead)
+    half = "import numpy as np, npnorm.functional as F\n"
+    half += "x = np.linspace(-3, 3, 24, dtype=np.float16).reshape(3, 8)\n"
+    half += "print(F.layer_norm_forward(x, 8)[0].dtype)"
+    out = _run(half, NUMBA_DISABLE_JIT="1", NPNORM_KERNELS="numba")
+    assert out.returncode == 0 and out.stdout.split() == ["float16"], out.stderr
 
 
 NO_CACHE_PLACE = (  # what numba finds in a read-only install without a writable home

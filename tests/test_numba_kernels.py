@@ -51,7 +51,7 @@ def config(threads: int, small: bool) -> Iterator[None]:
     """Thread count; with ``small``, tiny staging blocks, no serial threshold, no whole
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
-    (rows of 12 bytes or more)."""
+    (rows of 12 bytes or more), their spans of samples split from two spans."""
     saved = (
         _threads.get_num_threads(),
         _staging.STAGE_BYTES,
@@ -59,17 +59,18 @@ def config(threads: int, small: bool) -> Iterator[None]:
         _blocks.SMALL_COPY_BYTES,
         numba_channels.BLOCK_BYTES,
         numba_channels.ROW_BYTES,
+        numba_channels.SPLIT_VALUES,
     )
     _threads.set_num_threads(threads)
     if small:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
-        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES = 0, 12
+        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
     try:
         yield
     finally:
         _threads.set_num_threads(saved[0])
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
-        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES = saved[4:]
+        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:

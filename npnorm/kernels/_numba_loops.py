@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import float32, int32, njit, types, uint16, uint32, uint64
+from numba.core import config as numba_config
 from numba.core.extending import intrinsic
 
 
@@ -984,6 +985,11 @@ def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def
 # in integer arithmetic on the float32 bits, with no float32 subnormal in between: a
 # process whose MXCSR flushes subnormals (a library built with -ffast-math) still gets
 # the exact halves.
+
+
+# the casts run compiled (their bit casts have no Python version: under
+# NUMBA_DISABLE_JIT=1, where the loops run as Python, the staging casts with NumPy)
+CASTS_COMPILED = not numba_config.DISABLE_JIT  # type: ignore[attr-defined]  # (set at run time)
 
 
 @intrinsic

@@ -91,7 +91,7 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     to float32 and back by the compiled loops (``loops.half_to_float``,
     ``float_to_half``: 6-7x faster than NumPy's casts, bit for bit the same values) where
     both are C-ordered and native, else by NumPy."""
-    if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape:
+    if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape and loops.CASTS_COMPILED:
         if src.dtype == HALF and dst.dtype == SINGLE:
             loops.half_to_float(src.reshape(-1).view(np.uint16), dst.reshape(-1))
             return
