@@ -83,10 +83,14 @@ CASTS = ("half_to_float", "float_to_half")
 
 
 def _float16_casts() -> None:
-    """A float16 LayerNorm forward: its input and output go through both casts."""
+    """A float16 LayerNorm forward: its input and output go through both casts; and a
+    read-only input (a second type to numba, the one array the loops read as given)."""
     import npnorm.functional as F
 
-    F.layer_norm_forward(np.ones((2, 4), dtype=np.float16), 4)
+    x = np.ones((2, 4), dtype=np.float16)
+    F.layer_norm_forward(x, 4)
+    x.flags.writeable = False
+    F.layer_norm_forward(x, 4)
 
 
 def _compiled_loops() -> int:

@@ -836,3 +836,64 @@ def test_a_backward_without_parameters_keeps_no_row_length_partials(op, restore_
         finally:
             tracemalloc.stop()
     assert peak < 2 * x.nbytes, peak / x.nbytes  # dx and a row of ones (no weight), little else
+
+
+def _signatures() -> dict[str, int]:
+    from npnorm.kernels import _numba_loops as loops
+
+    return {n: len(f.signatures) for n, f in vars(loops).items() if hasattr(f, "signatures")}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("layout", ["C", "channels_last"])
+def test_read_only_arrays_compile_nothing_new(dtype, layout):
+    """Read-only arrays (``np.load(mmap_mode="r")``, ``np.frombuffer``, a frozen weight)
+    are another type to numba: every loop compiled again for them, about a second each at
+    run time, after ``warmup`` too. The loops now see writable copies (staged blocks for
+    the inputs): the same results, and no loop gains a signature (but the float16 cast's
+    read-only variant, which ``warmup`` compiles)."""
+    from npnorm import _warmup
+
+    _warmup._float16_casts()
+    rng = np.random.default_rng(4)
+    x = laid_out((rng.normal(size=(4, 6, 5, 3)) * 3 + 1).astype(dtype), layout)
+    dy = laid_out(rng.normal(size=x.shape).astype(dtype), layout)
+    w, b = np.linspace(0.5, 1.5, 3).astype(dtype), np.linspace(-1, 1, 3).astype(dtype)
+
+    def frozen(a):
+        if not isinstance(a, np.ndarray):
+            return a
+        a = a.copy(order="K")
+        a.flags.writeable = False
+        return a
+
+    for threads in (1, 2):
+        with config(threads, small=threads == 2):
+            writable = [(op, f, b_(f)) for op, f, b_ in _op_results(x, dy, w, b)]
+            before = _signatures()
+            for (op, fwd, bwd), (_, want_f, want_b) in zip(
+                _op_calls(x, dy, w, b, frozen), writable, strict=True
+            ):
+                got_f = family_kernel(op + "_forward", "numba")(xp, *fwd)
+                got_b = family_kernel(op + "_backward", "numba")(xp, *bwd(tuple(map(frozen, got_f))))
+                same_results(got_f, want_f, op)
+                same_results(got_b, want_b, op + " backward")
+            assert _signatures() == before
+
+
+def _op_calls(x, dy, w, b, wrap):
+    """``op_calls`` on (N, C, *, D) data, every array passed through ``wrap``."""
+    calls = []
+    for op, fwd, bwd in op_calls(wrap(x), wrap(dy), wrap(w), wrap(b), 2):
+        fwd = tuple(map(wrap, fwd))
+        calls.append((op, fwd, lambda f, bwd=bwd: tuple(map(wrap, bwd(f)))))
+    return calls
+
+
+def _op_results(x, dy, w, b):
+    """``(op, forward results, backward from them)`` of every op of ``op_calls``."""
+    out = []
+    for op, fwd, bwd in op_calls(x, dy, w, b, 2):
+        f = family_kernel(op + "_forward", "numba")(xp, *fwd)
+        out.append((op, f, lambda f, bwd=bwd, op=op: family_kernel(op + "_backward", "numba")(xp, *bwd(f))))
+    return out

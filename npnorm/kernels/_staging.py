@@ -71,7 +71,7 @@ def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np
     held 256 MB per row length after LayerNorm(2**26, elementwise_affine=False) was gone;
     filling one costs little beside a row of that length)."""
     if p is not None:
-        return np.ascontiguousarray(np.reshape(p, (n,)), dtype=ct)
+        return writable(np.ascontiguousarray(np.reshape(p, (n,)), dtype=ct))
     if n * ct.itemsize > CONSTANT_CACHE_BYTES:
         return np.full(n, fill, dtype=ct)
     key = (n, ct, fill)
@@ -81,6 +81,15 @@ def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np
             _CONSTANTS.clear()
         c = _CONSTANTS[key] = np.full(n, fill, dtype=ct)
     return c
+
+
+def writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it where it is read-only: numba compiles each loop again for
+    read-only arrays (another type; about a second per loop, at run time after
+    ``warmup``), so the loops only see writable ones. (Large read-only inputs are staged
+    instead: ``direct``, ``Source``; the float16 cast reads them as they are, its
+    read-only variant compiled by ``warmup`` too.)"""
+    return a if a.flags.writeable else a.copy()
 
 
 HALF, SINGLE = np.dtype(np.float16), np.dtype(np.float32)
@@ -106,14 +115,15 @@ def compiled(ct: np.dtype[Any]) -> bool:
 
 
 def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
-    """Whether a call can skip staging: the inputs C-ordered in the computation dtype, and
+    """Whether a call can skip staging: the inputs C-ordered in the computation dtype and
+    writable, and
     no ``out`` or a C-ordered one in that dtype (the caller lets the other byte order
     through) that shares no memory with them. (Against the staging objects, which see
     the same arrays through a few layers of Python, this saves 15-40 us a call; with 2
     threads, LayerNorm's forward at (2, 128, 384) took 50 against 67 us, GroupNorm's
     backward at (8, 64, 14, 14) 120 against 154 us.)"""
-    if any(a.dtype != ct or not a.flags.c_contiguous for a in inputs):
-        return False
+    if any(a.dtype != ct or not a.flags.c_contiguous or not a.flags.writeable for a in inputs):
+        return False  # (a read-only input is staged: see ``writable``)
     if out is None:
         return True
     return out.dtype == ct and out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs)
@@ -125,7 +135,8 @@ class Source:
 
     def __init__(self, a: np.ndarray, N: int, P: int, tail: tuple[int, ...], ct: np.dtype[Any]) -> None:
         self.rows = Rows(a, N, P, tail, ct, cast_into)
-        self.direct = self.rows.whole if self.rows.contiguous else None
+        whole = self.rows.whole if self.rows.contiguous else None
+        self.direct = whole if whole is not None and whole.flags.writeable else None  # (see ``writable``)
         self.ct, self.L = ct, self.rows.L
 
     def buffer(self, B: int) -> np.ndarray | None:

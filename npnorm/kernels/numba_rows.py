@@ -31,7 +31,7 @@ from .._checks import Shape, default_eps, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, huge_spread, output, per_row, row_layout
-from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans
+from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans, writable
 
 Partials = tuple[np.ndarray, np.ndarray]
 
@@ -153,8 +153,8 @@ def layer_norm_backward(
         return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
     D = prod(shape)
     R = input.size // D
-    mean_c = per_row(mean, R, ct, "mean")  # R
-    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    mean_c = writable(per_row(mean, R, ct, "mean"))  # R
+    rstd_c = writable(per_row(rstd, R, ct, "rstd"))  # R
     if huge_spread(rstd_c, ct):  # dy * (x - mean) would overflow ct in the loops
         return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
     w = param_or(weight, D, ct, 1.0)  # D
@@ -255,7 +255,7 @@ def rms_norm_backward(
         return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
     D = prod(shape)
     R = input.size // D
-    rstd_c = per_row(rstd, R, ct, "rstd")  # R
+    rstd_c = writable(per_row(rstd, R, ct, "rstd"))  # R
     if huge_spread(rstd_c, ct):  # dy * x would overflow ct in the loops
         return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
     w = param_or(weight, D, ct, 1.0)  # D
