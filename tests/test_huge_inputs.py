@@ -161,3 +161,34 @@ def test_float16_grads_that_overflow_when_accumulated_are_inf_without_a_warning(
         single(x)
         single.backward(dy)
     np.testing.assert_array_equal(m.grads["weight"], single.grads["weight"] + single.grads["weight"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layer", ["BatchNorm1d", "InstanceNorm1d"])
+def test_running_statistics_backward_with_a_huge_spread(family, layer):
+    """Eval mode with a running variance of 1e30 (rstd 1e-15) and float32 values of 1e20:
+    the fast kernels' dweight, ``sum(dy * (x - mean)) * rstd``, overflowed float32 in the
+    product (NaN, where the reference, forming ``xhat`` first, gives the finite sum);
+    such a spread goes to the reference's way, as in training."""
+    x = np.where(np.arange(260) % 2 == 0, 1e20, -1e20).astype(np.float32).reshape(130, 2)
+    if layer == "InstanceNorm1d":
+        x = x.reshape(13, 2, 10)
+    dy = np.full(x.shape, 1e20, np.float32)
+    grads = {}
+    for kernels in ("reference", family):
+        m = (
+            npnorm.BatchNorm1d(2)
+            if layer == "BatchNorm1d"
+            else npnorm.InstanceNorm1d(2, affine=True, track_running_stats=True)
+        )
+        m.running_var[...] = 1e30
+        m.eval()
+        with npnorm.use_kernels(kernels):
+            m(x)
+            dx = m.backward(dy)
+        assert np.isfinite(dx).all()
+        grads[kernels] = {k: g.copy() for k, g in m.grads.items()}
+    for k, g in grads["reference"].items():
+        assert np.isfinite(grads[family][k]).all(), k
+        atol = 1e-5 * float(np.abs(g).max())
+        np.testing.assert_allclose(grads[family][k], g, rtol=1e-5, atol=atol, err_msg=k)

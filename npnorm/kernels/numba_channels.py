@@ -448,7 +448,7 @@ def batch_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm backward: each channel read once for its sums and ``dx``."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or (training and huge_spread(np.asarray(rstd), ct)):
+    if input.size == 0 or not compiled(ct) or huge_spread(np.asarray(rstd), ct):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
     rows = _as_channel_rows(input)
@@ -514,7 +514,7 @@ def instance_norm_backward(
     """InstanceNorm backward: GroupNorm's with one channel per group, or the affine map's
     with running statistics."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or (use_input_stats and huge_spread(np.asarray(rstd), ct)):
+    if input.size == 0 or not compiled(ct) or huge_spread(np.asarray(rstd), ct):
         args = (xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out)
         return _fallback("instance_norm_backward", *args)
     if use_input_stats:

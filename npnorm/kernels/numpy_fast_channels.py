@@ -722,7 +722,7 @@ def batch_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if training and huge_spread(rstd, ct):
+    if huge_spread(rstd, ct):  # (with running statistics too: dweight's dy*(x - mean) overflows ct)
         return generic_kernel("batch_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
@@ -797,7 +797,7 @@ def instance_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if use_input_stats and huge_spread(rstd, ct):
+    if huge_spread(rstd, ct):  # (with running statistics too: dweight's dy*(x - mean) overflows ct)
         return generic_kernel("instance_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
