@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from ._threads import get_num_threads, set_num_threads
 from .functional._dispatch import kernels_available, use_kernels
 
 DTYPES = ("float32", "float64")
@@ -47,26 +46,14 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
 
     long_rows = rng.standard_normal((2, 4, 16, 16)).astype(dtype)  # channels of 256 values per sample
 
-    many = rng.standard_normal((256, 4)).astype(dtype)  # four spans of samples
-
     def batch_norm() -> None:  # short channel rows (in blocks of channels) and long ones
         for x in (img, long_rows):
             for training in (True, False):
                 _, mean, rstd, _, _ = F.batch_norm_forward(x, rm, rv, w4, b4, training=training)
                 F.batch_norm_backward(x, x, mean, rstd, w4, b4, training=training)
-        # and the loops of the samples split over the threads, which only inputs of millions
-        # of values take (numba_channels.SPLIT_VALUES): here with two threads, from two spans
         from .kernels import numba_channels
 
-        threads, split = get_num_threads(), numba_channels.SPLIT_VALUES
-        set_num_threads(max(2, threads))
-        numba_channels.SPLIT_VALUES = 1
-        try:
-            _, mean, rstd, _, _ = F.batch_norm_forward(many, None, None, training=True)
-            F.batch_norm_backward(many, many, mean, rstd, training=True)
-        finally:
-            set_num_threads(threads)
-            numba_channels.SPLIT_VALUES = split
+        numba_channels.compile_span_loops(dtype)  # (only inputs of millions of values take them)
 
     wide = rng.standard_normal((1, 4, 24, 24)).astype(dtype)  # channels of 576 values
 

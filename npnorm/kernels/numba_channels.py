@@ -124,18 +124,80 @@ def _channel_block(N: int, S: int, ct: np.dtype[Any]) -> int:
 # (4096, 1024) 3 and 4 ms against 4 and 7 (the threads that split the channels before
 # took 4-6 and 6-8 ms there, and up to 2x one thread's time at (16384, 256)).
 SPLIT_VALUES = 1 << 21
+# Below that, the threads split the channels where each one's share of a sample's row is
+# at least SHARE_BYTES (with two threads, forward+backward: (256, 2048) 0.7 ms against
+# 1.0 in one thread, (128, 512, 7, 7) 6 against 10.4), else one thread takes them all
+# (shares of 1 KB, at (256, 512): 0.35 ms split so, against 0.17).
+SHARE_BYTES = 4096
 
 
-def _span_parts(N: int, C: int, S: int) -> list[tuple[int, int]] | None:
+def _span_parts(N: int, C: int, S: int, itemsize: int) -> list[tuple[int, int]] | None:
     """The threads' ranges of the spans of ``loops.SPAN`` samples, where the samples of
-    short channels (taken in blocks) are split over the threads: one range (the calling
-    thread) below ``SPLIT_VALUES`` values per thread, None where there are too few
-    samples to split (the threads split the channels)."""
+    short channels (taken in blocks) are split over the threads; below ``SPLIT_VALUES``
+    values per thread, one range (the calling thread), or None (the threads split the
+    channels, as ``ranges`` allows) where each thread's share of a sample's row is at
+    least ``SHARE_BYTES`` (and where there are too few samples to split)."""
     spans = -(-N // loops.SPAN)
-    if spans < 2:
+    threads = get_num_threads()
+    n = max(1, min(threads, spans, N * C * S // SPLIT_VALUES))
+    if spans < 2 or (n == 1 and C * S * itemsize >= SHARE_BYTES * threads):
         return None
-    n = max(1, min(get_num_threads(), spans, N * C * S // SPLIT_VALUES))
     return [(k * spans // n, (k + 1) * spans // n) for k in range(n)]
+
+
+def _span_statistics(
+    x: np.ndarray, S: int, mean: np.ndarray, var: np.ndarray, parts: list[tuple[int, int]]
+) -> None:
+    """Each channel's mean and biased variance (float64 (C,), into ``mean``, ``var``) of
+    x (N, C*S), the threads taking the spans of samples of ``parts`` (see _numba_loops)."""
+    C = mean.shape[0]
+    sums = np.empty((parts[-1][1], C))  # spans,C float64
+    for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
+        run(partial(loops.channel_span_sums, x, S, dev, mean, sums), parts)
+        loops.add_spans(sums, stat)
+        stat /= x.shape[0] * S  # C
+
+
+def _span_backward(
+    dy: np.ndarray,
+    x: np.ndarray,
+    dx: np.ndarray,
+    S: int,
+    m: np.ndarray,
+    r: np.ndarray,
+    w: np.ndarray,
+    training: bool,
+    dw: np.ndarray,
+    db: np.ndarray,
+    parts: list[tuple[int, int]],
+) -> None:
+    """BatchNorm's backward on dy, x, dx (N, C*S), the threads taking the spans of samples
+    of ``parts`` for the sums, then their samples for dx (see _numba_loops)."""
+    N, C = x.shape[0], m.shape[0]
+    sums = np.empty((parts[-1][1], C)), np.empty((parts[-1][1], C))  # spans,C: sum(dy), sum(dy*(x - mean))
+    run(partial(loops.channel_span_dy_sums, dy, x, S, m, *sums), parts)
+    sd, sdx = np.empty(C), np.empty(C)  # C float64
+    loops.add_spans(sums[0], sd)
+    loops.add_spans(sums[1], sdx)
+    av, k1v, k0v = (np.empty(C, dtype=dx.dtype) for _ in range(3))  # dx's coefficients per channel
+    loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, k0v)
+
+    def samples(r0: int, r1: int) -> None:
+        loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, k0v)
+
+    run(samples, ranges(N, C * S))
+
+
+def compile_span_loops(dtype: str) -> None:
+    """Compile (or load) the loops of the samples split over the threads, which only
+    inputs of millions of values take: on two spans of samples (``python -m npnorm
+    warmup``), whatever the thread count, and with no setting changed."""
+    x = np.ones((2 * loops.SPAN, 4), dtype=dtype)  # N,C
+    C, ct, parts = 4, x.dtype, [(0, 1), (1, 2)]
+    mean, var = np.empty(C), np.empty(C)
+    _span_statistics(x, 1, mean, var, parts)
+    m, r, w = mean.astype(ct), np.ones(C, dtype=ct), np.ones(C, dtype=ct)
+    _span_backward(x, x, np.empty_like(x), 1, m, r, w, True, np.empty(C), np.empty(C), parts)
 
 
 def _channel_forward(
@@ -165,18 +227,13 @@ def _channel_forward(
             loops.channel_forward(x, w, b, eps, stats, mean, var, r, y, c0, c1)
 
     def sweep(x: np.ndarray, y: np.ndarray) -> None:  # x, y: N,C,S
-        parts = _span_parts(N, C, S) if training and B else None
+        parts = _span_parts(N, C, S, ct.itemsize) if training and B else None
         if training and (parts is None or len(parts) == 1):  # one thread, or they split the channels
             channels = ranges(C, N * S) if parts is None else [(0, C)]
             run(lambda c0, c1: loop(x, y, c0, c1, rstd, True), channels)
             return
         if parts is not None:  # the threads split the spans of samples: their sums first
-            x2 = x.reshape(N, C * S)  # N,C*S
-            sums = np.empty((parts[-1][1], C))  # spans,C float64
-            for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
-                run(partial(loops.channel_span_sums, x2, S, dev, mean, sums), parts)
-                loops.add_spans(sums, stat)
-                stat /= N * S  # C
+            _span_statistics(x.reshape(N, C * S), S, mean, var, parts)
 
         def samples(r0: int, r1: int) -> None:  # every channel of samples [r0, r1)
             r = rstd if r0 == 0 else np.empty(C, dtype=ct)
@@ -230,25 +287,12 @@ def _channel_backward(
             loops.channel_backward(dy, x, m, r, w, training, dx, dw, db, c0, c1)
 
     def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
-        parts = _span_parts(N, C, S) if B else None
+        parts = _span_parts(N, C, S, ct.itemsize) if B else None
         if parts is None or len(parts) == 1:  # the threads split the channels, or one thread
             run(partial(loop, dy, x, dx), ranges(C, N * S) if parts is None else [(0, C)])
             return
-        # the threads split the spans of samples: the sums, then dx (see _numba_loops)
-        dy2, x2, dx2 = dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S)  # N,C*S
-        spans = parts[-1][1]
-        sums = np.empty((spans, C)), np.empty((spans, C))  # spans,C float64: sum(dy), sum(dy*(x - mean))
-        run(partial(loops.channel_span_dy_sums, dy2, x2, S, m, *sums), parts)
-        sd, sdx = np.empty(C), np.empty(C)  # C float64
-        loops.add_spans(sums[0], sd)
-        loops.add_spans(sums[1], sdx)
-        av, k1v, k0v = (np.empty(C, dtype=ct) for _ in range(3))  # dx's coefficients per channel
-        loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, k0v)
-
-        def samples(r0: int, r1: int) -> None:
-            loops.channel_dx(dy2[r0:r1], x2[r0:r1], dx2[r0:r1], 0, S, training, av, k1v, m, r, k0v)
-
-        run(samples, ranges(N, C * S))
+        args = (dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S), S, m, r, w)  # N,C*S each
+        _span_backward(*args, training, dw, db, parts)
 
     if direct(ct, out, input, grad_output):  # no staging
         dx = np.empty(input.shape, dtype=ct) if out is None else out
