@@ -183,6 +183,11 @@ class _Worker:
         self._outcomes = (got, [])  # (results and exceptions are the caller's alone now)
         return outcomes
 
+    def forget(self, ticket: int) -> None:
+        """Drop the outcomes of ``ticket`` (waited for) unread."""
+        if self._outcomes[0] == ticket:
+            self._outcomes = (ticket, [])
+
     def stop(self) -> None:
         """End the thread once the tasks already handed to it have run."""
         self._inbox.put(None)
@@ -279,6 +284,8 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
                 except BaseException as e:  # raised below, once every worker has finished
                     interrupted = interrupted or e
             if interrupted is not None:
+                for w in workers:  # their outcomes (results, exceptions with their frames)
+                    w.forget(ticket)  # are nobody's now: nothing of the call stays held
                 raise interrupted
         per_thread = [mine, *(w.take(ticket) for w in workers)]
         outcomes = [per_thread[i % threads][i // threads] for i in range(len(tasks))]

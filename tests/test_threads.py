@@ -178,15 +178,24 @@ def test_an_interrupted_wait_still_waits_for_the_workers():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
+    class Big:  # stands for an array the worker's task returns
+        pass
+
+    def slow_result():
+        slow()
+        return Big()
+
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.1)  # while the caller waits for `slow`
         with pytest.raises(KeyboardInterrupt):
-            _threads.run_parallel([lambda: None, slow])
+            _threads.run_parallel([lambda: None, slow_result])
         assert finished == [True]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    gc.collect()
+    assert not any(isinstance(o, Big) for o in gc.get_objects())  # the worker kept its result
     assert _threads.run_parallel([lambda: "a", lambda: "b"]) == ["a", "b"]
 
 
