@@ -8,9 +8,12 @@ objects; anything else (float16, Fortran order, channels-last, strided views) is
 block by block into C-ordered scratch of the computation dtype (``Source``), and an
 output of another dtype or layout is written through a scratch block (``Target``);
 float16 blocks are converted to float32 and back by compiled casts (``cast_into``).
-Memory beyond the outputs is then a few blocks per thread (BatchNorm, whose loop needs
-all of a channel's samples at once, stages such an input whole, ``Source.whole``, and
-such an output through a whole-size scratch array).
+Memory beyond the outputs is then a few blocks per thread, a block being at least one
+row (rows longer than ``STAGE_BYTES``, few huge LayerNorm rows or InstanceNorm planes,
+take a row's scratch per staged array and thread: a float16 InstanceNorm of two 2048x2048
+planes used 4x its input's bytes in the forward, 6x in the backward). BatchNorm, whose
+loop needs all of a channel's samples at once, stages such an input whole
+(``Source.whole``), and such an output through a whole-size scratch array.
 
 Threads: the rows (or channels) are split into one contiguous range per thread
 (``ranges``), fixed by the thread count (``npnorm.set_num_threads``) and the size, and
