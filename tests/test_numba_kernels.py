@@ -748,7 +748,8 @@ def test_each_loop_compiles_for_float32_and_float64_only():
             _all_results(x, x, None, None, 2)
     for name, fn in vars(loops).items():
         if hasattr(fn, "signatures") and not name.startswith("_"):
-            dtypes = [sig[0].dtype for sig in fn.signatures]
+            # (the float16 cast also has a read-only variant: the one input read as given)
+            dtypes = [sig[0].dtype for sig in fn.signatures if sig[0].mutable or name != "half_to_float"]
             assert len(dtypes) == len(set(dtypes)) <= 2, (name, fn.signatures)
 
 
