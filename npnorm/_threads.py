@@ -261,6 +261,7 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
         ticket = next(_tickets)
         workers = _workers(threads - 1, n - 1)[: threads - 1]
         handed = 0  # workers[:handed] certainly have their tasks
+        mine: list[tuple[Any, BaseException | None]] | None = None  # the caller's outcomes
         try:
             for k, w in enumerate(workers, start=1):
                 # each in a copy of the caller's context: NumPy's errstate is a context
@@ -283,9 +284,10 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
                     break
                 except BaseException as e:  # raised below, once every worker has finished
                     interrupted = interrupted or e
-            if interrupted is not None:
+            if interrupted is not None or mine is None:  # (an interruption in the try)
                 for w in workers:  # their outcomes (results, exceptions with their frames)
                     w.forget(ticket)  # are nobody's now: nothing of the call stays held
+            if interrupted is not None:
                 raise interrupted
         per_thread = [mine, *(w.take(ticket) for w in workers)]
         outcomes = [per_thread[i % threads][i // threads] for i in range(len(tasks))]

@@ -428,3 +428,30 @@ def test_the_pool_keeps_nothing_of_a_finished_call():
         gc.collect()
         assert all(r() is None for r in refs), second.__name__
     _threads.set_num_threads(1)
+
+
+def test_an_interruption_in_the_callers_share_drops_the_workers_outcomes(monkeypatch):
+    """Ctrl-C between the caller's own tasks (outside the waits): the workers' results
+    stayed held until the next pooled call."""
+    _threads.set_num_threads(2)
+    _threads.run_parallel([lambda: 0, lambda: 0])  # the worker exists
+
+    class Big:
+        pass
+
+    outcome = _threads._outcome
+    caller = threading.current_thread()
+
+    def interrupted_after(task):
+        result = outcome(task)
+        if threading.current_thread() is caller:
+            raise KeyboardInterrupt  # as a signal handler right after the task returned
+        return result
+
+    monkeypatch.setattr(_threads, "_outcome", interrupted_after)
+    with pytest.raises(KeyboardInterrupt):
+        _threads.run_parallel([lambda: None, lambda: (time.sleep(0.05), Big())])
+    monkeypatch.setattr(_threads, "_outcome", outcome)
+    gc.collect()
+    assert not any(isinstance(o, Big) for o in gc.get_objects())
+    assert _threads.run_parallel([lambda: "a", lambda: "b"]) == ["a", "b"]
