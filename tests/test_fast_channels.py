@@ -420,8 +420,9 @@ def test_peak_memory_is_a_fraction_of_the_input():
             assert (peak - kept) / x.nbytes <= 0.25, name
 
 
+@pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_peak_memory_of_batch_norm1d(dtype):
+def test_peak_memory_of_batch_norm1d(dtype, training):
     """BatchNorm1d's (N, C) input has one value per row: the backward's per-row sums were
     two arrays as large as the input (2.1x its bytes in float32, 4.6x in float16)."""
     rng = np.random.default_rng(0)
@@ -429,11 +430,12 @@ def test_peak_memory_of_batch_norm1d(dtype):
     dy = rng.normal(size=x.shape).astype(dtype)
     w, b = np.ones(64, dtype), np.zeros(64, dtype)
     with config(threads=2, block_bytes=32 * 1024):
-        f = F.batch_norm_forward(x, None, None, w, b, True)
-        F.batch_norm_backward(dy, x, f[1], f[2], w, b, True)  # the thread pool, outside the measure
+        rm, rv = np.zeros(64, dtype), np.ones(64, dtype)
+        f = F.batch_norm_forward(x, rm, rv, w, b, training)
+        F.batch_norm_backward(dy, x, f[1], f[2], w, b, training)  # the thread pool, outside the measure
         tracemalloc.start()
         try:
-            got = F.batch_norm_backward(dy, x, f[1], f[2], w, b, True)
+            got = F.batch_norm_backward(dy, x, f[1], f[2], w, b, training)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()

@@ -449,6 +449,15 @@ def _short_channel_grad_sums(
     return sum_dy, sum_dyxc
 
 
+def _scale_samples(dy: np.ndarray, dx: np.ndarray, coef: np.ndarray, N: int, C: int) -> None:
+    """``dx = coef*dy`` on (N, C) samples (``coef`` (C,) in the computation dtype, the
+    product rounded to dx's dtype), over blocks of samples."""
+    dy2, dx2 = np.reshape(dy, (N, C)), view(dx, (N, C))  # N,C  N,C
+    assert dx2 is not None
+    for a, e in blocks(0, N, block_rows(N, C, coef.itemsize)):
+        np.multiply(dy2[a:e], coef, out=dx2[a:e], dtype=coef.dtype, casting="unsafe")  # n,C
+
+
 def _channel_backward(
     grad_output: np.ndarray,
     input: np.ndarray,
@@ -482,8 +491,10 @@ def _channel_backward(
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
     need_dot = batch_stats or weight is not None
     sum_dyxc: np.ndarray | None
-    if batch_stats and S == 1:  # rows of one value: per-row sums would be two more inputs
+    if S == 1:  # rows of one value: per-row sums would be two more inputs
         sum_dy, sum_dyxc = _short_channel_grad_sums(grad_output, input, m, N, C, S)  # C, C float64
+        if not batch_stats:  # dx = rstd*w*dy, over blocks of samples
+            _scale_samples(grad_output, dx, r if w is None else r * w, N, C)
     else:
         if batch_stats:
             sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
