@@ -74,7 +74,7 @@ def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np
     held 256 MB per row length after LayerNorm(2**26, elementwise_affine=False) was gone;
     filling one costs little beside a row of that length)."""
     if p is not None:
-        return writable(np.ascontiguousarray(np.reshape(p, (n,)), dtype=ct))
+        return vector(p, n, ct)
     if n * ct.itemsize > CONSTANT_CACHE_BYTES:
         return np.full(n, fill, dtype=ct)
     key = (n, ct, fill)
@@ -93,6 +93,12 @@ def writable(a: np.ndarray) -> np.ndarray:
     instead: ``direct``, ``Source``; the float16 cast reads them as they are, its
     read-only variant compiled by ``warmup`` too.)"""
     return a if a.flags.writeable else a.copy()
+
+
+def vector(a: np.ndarray, n: int, ct: np.dtype[Any]) -> np.ndarray:
+    """``a`` (n values: a parameter, a saved statistic) as the loops take it: a C-ordered,
+    writable (n,) array of ``ct``."""
+    return writable(np.ascontiguousarray(np.reshape(a, (n,)), dtype=ct))
 
 
 HALF, SINGLE = np.dtype(np.float16), np.dtype(np.float32)
@@ -119,9 +125,8 @@ def compiled(ct: np.dtype[Any]) -> bool:
 
 def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
     """Whether a call can skip staging: the inputs C-ordered in the computation dtype and
-    writable, and
-    no ``out`` or a C-ordered one in that dtype (the caller lets the other byte order
-    through) that shares no memory with them. (Against the staging objects, which see
+    writable, and no ``out`` or a C-ordered one in that dtype (the caller lets the other
+    byte order through) that shares no memory with them. (Against the staging objects, which see
     the same arrays through a few layers of Python, this saves 15-40 us a call; with 2
     threads, LayerNorm's forward at (2, 128, 384) took 50 against 67 us, GroupNorm's
     backward at (8, 64, 14, 14) 120 against 154 us.)"""

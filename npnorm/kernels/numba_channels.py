@@ -45,7 +45,7 @@ from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, huge_spread, output
-from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans, writable
+from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans, vector
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
 
@@ -273,8 +273,7 @@ def _channel_backward(
     with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``."""
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    m = writable(np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct))  # C
-    r = writable(np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct))  # C
+    m, r = vector(mean, C, ct), vector(rstd, C, ct)  # C, C
     w = param_or(weight, C, ct, 1.0)  # C
     dw, db = np.empty(C), np.empty(C)  # C, C float64
     B = _channel_block(N, S, ct)
@@ -368,8 +367,7 @@ def _group_backward(
     N, C = int(input.shape[0]), int(input.shape[1])
     R, k = N * G, C // G
     L = input.size // R
-    m = writable(np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct))  # R
-    r = writable(np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct))  # R
+    m, r = vector(mean, R, ct), vector(rstd, R, ct)  # R, R
     w = param_or(weight, C, ct, 1.0)  # C
     sdy, sdyx = np.empty(N * C), np.empty(N * C)  # N*C float64: sum(dy), sum(dy*(x - mean))
     loop = loops.group_backward_short if _short_rows(L, L // k, ct) else loops.group_backward
