@@ -78,8 +78,10 @@ def gradcheck(
     target : Module, or tuple (forward, backward)
         An npnorm module (a layer, or your own ``Module`` subclass): its
         ``backward`` and the parameter gradients it adds to ``grads`` are checked,
-        in its current train/eval mode. Its parameters, buffers, grads, dtype,
-        backend, mode and saved context are restored afterwards, whatever happens.
+        in its current train/eval mode. Every forward of the check starts from the
+        buffers as the check found them (a training forward updates them), and the
+        parameters, buffers, grads, dtype, backend, mode and saved context are
+        restored afterwards, whatever happens.
 
         Or a pair of functions, checked for the input and every parameter in
         ``params`` that is not None:
@@ -120,9 +122,10 @@ def gradcheck(
         returns no gradient for a parameter.
     TypeError
         When ``target`` is neither a Module nor a (forward, backward) pair, params
-        are given with a Module, ``x`` is not an array, an option is not a number
-        (``seed``: not an int), or ``forward`` returns neither an array nor a tuple
-        starting with one.
+        are given with a Module, a module's parameter is not a floating-point array,
+        ``x`` is not an array, an option is not a number (``seed``: not an int), or
+        ``forward`` or ``backward`` returns neither an array nor a tuple starting
+        with one.
     ValueError
         When ``eps`` is not a positive finite number, or ``atol``/``rtol`` is
         negative or NaN.
@@ -175,6 +178,7 @@ def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, f
 
 def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
     xp = namespace_of(x, what="x")
+    _check_parameters(module)
     snapshot = _snapshot(module)
     try:
         module.to(xp=xp)  # the input's backend: the module's settings are read against it
@@ -182,15 +186,26 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
         module.to(dtype="float64")
         for name, value in {**module.parameters(), **module.buffers()}.items():  # the check's own
             setattr(module, name, copy_array(value))  # arrays (to() keeps those already float64)
+        buffers = {name: copy_array(value) for name, value in module.buffers().items()}
         x64 = to_namespace(x, xp, xp.float64)
+
+        def forward(at: Array) -> Array:
+            """The module's forward at ``at``, from the buffers as the check found them: a
+            forward in training mode updates them, and the check differentiates a function
+            (a layer whose output reads a buffer it updates would otherwise see another
+            buffer at every evaluation)."""
+            for name, value in buffers.items():
+                setattr(module, name, copy_array(value))
+            return module(at)
+
         module.zero_grad()
-        y = module(x64)
+        y = forward(x64)
         u = _projection(xp, y, seed)
         analytic: dict[str, Array] = {"input": module.backward(u)}
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})
 
         def loss(at: Array) -> float:
-            return float(xp.sum(module(at) * u))
+            return float(xp.sum(forward(at) * u))
 
         def loss_at(name: str) -> Callable[[Array], float]:
             def of_param(p: Array) -> float:  # the module's parameter ``name`` set to p
@@ -216,6 +231,28 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
         _restore(module, snapshot)
 
 
+def _check_parameters(module: Module) -> None:
+    """A TypeError unless every parameter of ``module`` is a floating-point array: finite
+    differences perturb each element by eps, which an integer array truncates away."""
+    for name in module._parameter_names:
+        value: Any = getattr(module, name, None)
+        if value is None:
+            continue
+        if not array_api_compat.is_array_api_obj(value):
+            raise TypeError(
+                f"gradcheck: {type(module).__name__}.{name} is a parameter but not an array "
+                f"(got {type(value).__name__}): create it with the module's backend, e.g. "
+                f"self.{name} = self.xp.asarray(2.0, dtype=self.dtype)"
+            )
+        xp = array_api_compat.array_namespace(value)
+        if not xp.isdtype(value.dtype, "real floating"):
+            raise TypeError(
+                f"gradcheck: {type(module).__name__}.{name} is a parameter of dtype {value.dtype}, "
+                "not a floating-point one (finite differences perturb it by eps): create it with a "
+                f"float dtype, e.g. self.{name} = self.xp.asarray(2.0, dtype=self.dtype)"
+            )
+
+
 def _check_pair(
     forward: Callable[..., Any],
     backward: Callable[..., Any],
@@ -238,7 +275,12 @@ def _check_pair(
         )
     u = _projection(xp, y, seed)
     back = backward(u, x64, *p64, *saved)
-    dx, dparams = (back[0], tuple(back[1:])) if isinstance(back, tuple) else (back, ())
+    dx, dparams = (back[0], tuple(back[1:])) if isinstance(back, tuple) and back else (back, ())
+    if not array_api_compat.is_array_api_obj(dx):
+        raise TypeError(
+            "gradcheck: backward must return dx, or a tuple (dx, *dparams); got "
+            + (type(back).__name__ if dx is back else f"a tuple whose first item is {type(dx).__name__}")
+        )
     extra = [i for i in range(len(params), len(dparams)) if dparams[i] is not None]
     if extra:
         raise GradcheckError(

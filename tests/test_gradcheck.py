@@ -275,3 +275,68 @@ def test_bad_x_or_forward_output_is_a_clear_type_error():
         npnorm.gradcheck((lambda x: [x * 2], lambda dy, x: dy * 2), np.arange(3.0))
     with pytest.raises(TypeError, match="got tuple whose first item is a list"):
         npnorm.gradcheck((lambda x: ([x], x), lambda dy, x, s: dy), np.arange(3.0))
+
+
+def test_bad_backward_output_is_a_clear_type_error():
+    """A pair's backward that returns a list, or None for dx: what it must return
+    (the list was taken whole as dx, then 'no gradient for params[0]'; None as an
+    'analytic gradient of shape ()')."""
+    forward = lambda x, w: x * w  # noqa: E731
+    x, w = np.arange(3.0), np.full(3, 2.0)
+    with pytest.raises(TypeError, match=r"backward must return dx, or a tuple.*got list"):
+        npnorm.gradcheck((forward, lambda dy, x, w: [dy * w, dy * x]), x, w)
+    with pytest.raises(TypeError, match="got a tuple whose first item is NoneType"):
+        npnorm.gradcheck((forward, lambda dy, x, w: (None, dy * x)), x, w)
+
+
+class MovingCentre(npnorm.Module):
+    """A layer whose training output reads the buffer it updates: ``y = (x - m_new)*w``,
+    ``m_new = 0.5*running + 0.5*mean(x)`` (as online normalizations do)."""
+
+    _parameter_names = ("weight",)
+    _buffer_names = ("running",)
+
+    def __init__(self, *, dtype=None, xp=None):
+        super().__init__(dtype=dtype, xp=xp)
+        self.weight = self.xp.asarray([1.5, 0.5, 2.0], dtype=self.dtype)
+        self.running = self.xp.asarray([3.0, -1.0, 0.5], dtype=self.dtype)
+
+    def _forward(self, x):
+        m = 0.5 * self.running + 0.5 * np.mean(x, axis=0)  # 3
+        return (x - m) * self.weight, (x, m, self.weight), {"running": m}
+
+    def _backward(self, dy, saved):
+        x, m, w = saved
+        dx = dy * w - 0.5 * np.mean(dy * w, axis=0)  # the mean's path
+        return dx, {"weight": np.sum(dy * (x - m), axis=0)}
+
+
+def test_every_forward_of_the_check_sees_the_buffers_it_started_from(rng):
+    """Finite differences of a training forward that reads a buffer it updates: every
+    evaluation starts from the buffers the check found (each forward updated them, and
+    the check failed a right backward by 1e5); the buffer is restored after."""
+    m = MovingCentre(dtype="float64")
+    assert npnorm.gradcheck(m, rng.normal(size=(4, 3)))
+    np.testing.assert_array_equal(m.running, [3.0, -1.0, 0.5])
+
+
+@pytest.mark.parametrize("value", [np.asarray(2), 2.0], ids=["int64 array", "python float"])
+def test_a_parameter_that_cannot_be_perturbed_is_a_clear_type_error(rng, value):
+    """An integer parameter (``xp.asarray(2)``) truncated the finite-difference step
+    (numeric gradient 2.5e5 against a right 0.5); a Python float raised AttributeError."""
+
+    class Scale(npnorm.Module):
+        _parameter_names = ("g",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.g = value
+
+        def _forward(self, x):
+            return x * self.g, (x, self.g), {}
+
+        def _backward(self, dy, saved):
+            return dy * saved[1], {"g": np.sum(dy * saved[0])}
+
+    with pytest.raises(TypeError, match=r"Scale\.g .*(dtype int64, not a floating|not an array)"):
+        npnorm.gradcheck(Scale(), rng.normal(size=(2, 3)))
