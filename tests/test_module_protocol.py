@@ -427,3 +427,54 @@ def test_a_missing_backward_argument_is_a_type_error_naming_it():
     ):
         with pytest.raises(TypeError, match=f"^{name}: expected an array"):
             npnorm.functional.layer_norm_backward(*args)
+
+
+class _Scale(npnorm.Module):
+    """A user's layer whose ``_forward``/``_backward`` return what ``returns`` says."""
+
+    _parameter_names = ("g",)
+
+    def __init__(self, forward_returns, backward_returns):
+        super().__init__(dtype="float64")
+        self.g = np.asarray(2.0)
+        self.forward_returns, self.backward_returns = forward_returns, backward_returns
+
+    def _forward(self, x):
+        return self.forward_returns(x * self.g, (x, self.g))
+
+    def _backward(self, dy, saved):
+        x, g = saved
+        return self.backward_returns(dy * g, np.sum(dy * x))
+
+
+@pytest.mark.parametrize(
+    "forward_returns, backward_returns, match",
+    [
+        (lambda y, s: (y, s), None, r"_Scale\._forward must return \(output, saved, updates\).*a tuple of 2"),
+        (lambda y, s: y, None, r"_Scale\._forward must return .*got ndarray"),
+        (
+            lambda y, s: (y, s, None),
+            None,
+            r"_forward must return .*got a tuple of 3 item\(s\) \(.*NoneType\)",
+        ),
+        (lambda y, s: (y, s, {}), lambda dx, dg: dx, r"_Scale\._backward must return \(grad_input, grads\)"),
+        (lambda y, s: (y, s, {}), lambda dx, dg: (dx, (dg,)), r"_backward must return .*tuple of 2"),
+        (
+            lambda y, s: (y, s, {}),
+            lambda dx, dg: (dx, {"gg": dg}),
+            r"gradients for 'gg', which is not a param",
+        ),
+    ],
+)
+def test_a_users_layer_that_breaks_the_contract_is_told_what_to_return(
+    forward_returns, backward_returns, match
+):
+    """What ``_forward`` and ``_backward`` must return, said where a user's layer returns
+    something else (these were unpacking errors, AttributeError on ``.items``, or a
+    missing gradient where a key was misspelt); nothing is changed."""
+    m = _Scale(forward_returns, backward_returns)
+    x = np.arange(6.0).reshape(2, 3)
+    with pytest.raises(TypeError, match=match):
+        m(x)
+        m.backward(np.ones_like(x))
+    assert m.grads == {} and float(m.g) == 2.0

@@ -201,7 +201,14 @@ class Module:
         array
             The output, of the shape and dtype of ``input``.
         """
-        output, saved, updates = self._forward(input)
+        result = self._forward(input)
+        if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping)):
+            raise TypeError(
+                f"{type(self).__name__}._forward must return (output, saved, updates): the output, "
+                "a tuple of what _backward needs and a dict of buffer updates ({} for none); got "
+                + _described(result)
+            )
+        output, saved, updates = result
         for name, value in updates.items():
             self._write(name, value, uncounted=name in self._written_uncounted)
         self._saved = saved if is_grad_enabled() else None
@@ -268,7 +275,20 @@ class Module:
                     "used was modified in place since (PyTorch's backward raises there too): run "
                     "forward again"
                 )
-        grad_input, param_grads = self._backward(grad_output, self._saved)
+        result = self._backward(grad_output, self._saved)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+            raise TypeError(
+                f"{type(self).__name__}._backward must return (grad_input, grads): the input's "
+                "gradient and a dict of the parameters' ({name: gradient or None}); got " + _described(result)
+            )
+        grad_input, param_grads = result
+        unknown = sorted(set(param_grads) - set(self._parameter_names))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}._backward returned gradients for {', '.join(map(repr, unknown))}, "
+                f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
+                f"(_parameter_names: {self._parameter_names})"
+            )
         totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
         for name, g in param_grads.items():
             if g is not None:
@@ -700,6 +720,14 @@ class Module:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
+
+
+def _described(value: Any) -> str:
+    """What a method of a user's layer returned, in a few words, for an error message."""
+    if isinstance(value, tuple):
+        items = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
+        return f"a tuple of {len(value)} item(s) ({items})"
+    return type(value).__name__
 
 
 def _version_of(a: Any) -> int | None:
