@@ -692,3 +692,49 @@ def test_the_overview_survives_python_OO():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("python -m npnorm learn: print the staged graphs"), out.stdout[:200]
+
+
+@pytest.mark.parametrize("where", ["in the function", "at import"])
+def test_a_learners_sys_exit_is_a_failure(where, tmp_path, capsys):
+    """Learner code that calls ``sys.exit()`` (a debug line left in) fails the check with
+    its traceback; the grader printed nothing more and exited 0 before."""
+    body = "import sys\n"
+    if where == "at import":
+        body += "raise SystemExit(0)\n"
+    body += "def backward(t, dy):\n    sys.exit()\n"
+    path = tmp_path / "rms_norm.py"
+    path.write_text(body)
+    assert _cli.main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "SystemExit" in out, out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["layer_norm", "--staged-vs-closed", "--matrix"], "choose one"),
+        (["bessel", "--matrix"], "bessel takes no options"),
+        (["bessel", "--eval"], "bessel takes no options"),
+        (["bessel", "--groups", "3"], "bessel takes no options"),
+        (["sync_batch_norm", "--groups", "3"], "sync_batch_norm takes --split only"),
+    ],
+)
+def test_options_a_topic_does_not_take_are_usage_errors(argv, match, capsys):
+    """Options the topic would ignore are refused (they ran the plain topic, exit 0)."""
+    with pytest.raises(SystemExit) as info:
+        _cli.main(argv)
+    assert info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_closed_form_of_the_wrong_type_is_not_said_to_have_raised(tmp_path, capsys):
+    """A closed form that returns a list fails with what it must return, not as an error it
+    raised (it read "raised an error: ... must return a dict")."""
+    from npnorm.learn.exercises import EXERCISES as ALL
+
+    name = next(n for n, e in ALL.items() if e.function == "closed_form")
+    path = tmp_path / f"{name}.py"
+    path.write_text("def closed_form(dxhat, xhat, rstd, axes):\n    return [dxhat]\n")
+    assert _cli.main(["check", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: your closed_form must return a dict of terms" in out and "raised" not in out, out

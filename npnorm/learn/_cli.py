@@ -259,7 +259,7 @@ def check_exercise(exercise: Exercise, path: Path) -> bool:
     print(f"file: {shown}   ({derivation(exercise.page)})")
     try:
         fn = load(path, exercise.function)
-    except Exception as err:  # a syntax error in the learner's file, a missing function
+    except (Exception, SystemExit) as err:  # a syntax error in the learner's file, a missing function
         print(f"FAIL: could not load {exercise.function} from {path}: {type(err).__name__}: {err}")
         return False
     result = grade(exercise, fn)
@@ -354,10 +354,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--solution applies to check")
     if args.split is not None and args.topic != "sync_batch_norm":
         parser.error("--split applies to sync_batch_norm")
+    if args.staged_vs_closed and args.matrix:
+        parser.error("--staged-vs-closed and --matrix are two views: choose one")
     if args.topic == "bessel":
+        if args.eval or args.staged_vs_closed or args.matrix or args.groups is not None:
+            parser.error("bessel takes no options")
         return 0 if bessel() else 1
     if args.topic == "sync_batch_norm":
-        if args.eval or args.staged_vs_closed or args.matrix:
+        if args.eval or args.staged_vs_closed or args.matrix or args.groups is not None:
             parser.error("sync_batch_norm takes --split only")
         from ._sync_tables import show_sync_batch_norm
 

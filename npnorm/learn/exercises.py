@@ -138,6 +138,7 @@ class Grade:
     tape: Tape
     rows: list[CheckRow]
     error: str = ""
+    raised: bool = True  # the error is the traceback of what the function raised
 
     @property
     def ok(self) -> bool:
@@ -148,8 +149,10 @@ class Grade:
         return next((r for r in self.rows if not r.ok), None)
 
     def message(self) -> str:
-        if self.error:
+        if self.error and self.raised:
             return f"FAIL: your {self.exercise.function} raised an error:\n{self.error}"
+        if self.error:
+            return f"FAIL: {self.error}"
         wrong = [r for r in self.rows if not r.ok]
         terms = self.exercise.call is _terms
         if not wrong:
@@ -175,13 +178,17 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
     reference = staged_backward(tape, dy)  # only its order is used: the order the steps are computed in
     try:  # on a tape of its own: whatever the function changes in place, the check's tape stays as built
         grads, terms = exercise.call(fn, exercise.make(), dy.copy())
-    except Exception:
+    except (Exception, SystemExit):  # sys.exit() in the learner's code is a failure too
         return Grade(exercise, tape, [], traceback.format_exc(limit=-2))
     rows: list[CheckRow] = []
     if exercise.call is _terms:
         if not isinstance(terms, Mapping):
             return Grade(
-                exercise, tape, [], f"{exercise.function} must return a dict of terms, got {type(terms)}"
+                exercise,
+                tape,
+                [],
+                f"your {exercise.function} must return a dict of terms, got {type(terms)}",
+                raised=False,
             )
         rows = check_terms(tape, terms, grad_output=dy)
         st = tape.standardized
@@ -192,7 +199,11 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
         return Grade(exercise, tape, rows)
     if not isinstance(grads, Mapping):
         return Grade(
-            exercise, tape, [], f"{exercise.function} must return a dict of gradients, got {type(grads)}"
+            exercise,
+            tape,
+            [],
+            f"your {exercise.function} must return a dict of gradients, got {type(grads)}",
+            raised=False,
         )
     names = list(exercise.names) if exercise.names else [k for k in reference if k != tape.output_name]
     order = [k for k in reference if k in names]
