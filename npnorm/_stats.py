@@ -59,6 +59,24 @@ def square_dtype(xp: Namespace, dtype: object) -> object:
     return dtype if wide is None else xp.result_type(dtype, wide)
 
 
+def wide_sum(xp: Namespace, a: Array, axes: Axes, *, keepdims: bool = False) -> Array:
+    """``sum(a)`` over ``axes``, accumulated in ``square_dtype`` (float64) and returned in
+    that dtype: the backwards' sums over many values. A float32 sum loses digits there:
+    NumPy adds along a strided axis (BatchNorm's samples, LayerNorm's rows) one value
+    after another, and ~1e5 values of ``dy`` with a common part of 1e3 kept three digits
+    of ``mean(dy)`` (dx off by 20% of its size, PyTorch's by 3e-5)."""
+    return xp.sum(a, axis=axes, keepdims=keepdims, dtype=square_dtype(xp, a.dtype))
+
+
+def wide_mean(xp: Namespace, a: Array, axes: Axes) -> Array:
+    """``mean(a)`` over ``axes`` (kept as size-1 axes), accumulated as ``wide_sum`` and
+    returned in ``a``'s dtype."""
+    n = 1
+    for axis in axes:
+        n *= int(a.shape[axis])
+    return cast(xp, wide_sum(xp, a, axes, keepdims=True) / n, a.dtype)
+
+
 def moments(xp: Namespace, x: Array, axes: Axes, *, center: bool = True) -> tuple[Array | None, Array]:
     """Mean (``None`` when ``center=False``) and biased variance of ``x`` over ``axes``
     (without centring: the mean square), both in ``square_dtype`` (float64).
@@ -122,11 +140,12 @@ def standardize_backward(
         term 3 (through the var):   -rstd * xhat * mean(dxhat * xhat)
 
     so that ``dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``.
-    Without centring (RMSNorm) there is no mean, and no term 2.
+    Without centring (RMSNorm) there is no mean, and no term 2. The two means are
+    accumulated in float64 (``wide_mean``).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
-    proj = xp.mean(dxhat * xhat, axis=axes, keepdims=True)  # reduced axes -> 1: mean(dxhat * xhat)
+    proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
     inner = dxhat - xhat * proj  # (term 1 + term 3) / rstd
     if center:
-        inner = inner - xp.mean(dxhat, axis=axes, keepdims=True)  # + term 2 / rstd
+        inner = inner - wide_mean(xp, dxhat, axes)  # + term 2 / rstd
     return inner * rstd  # same shape as x: dx

@@ -18,7 +18,7 @@ from .._backend import (
     write_uncounted,
 )
 from .._checks import cast, check_real, prod, work_dtype, write_out
-from .._stats import centred, moments, rstd_of, standardize_backward, xhat_from
+from .._stats import centred, moments, rstd_of, standardize_backward, wide_sum, xhat_from
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -40,13 +40,14 @@ def channel_affine(xp: Namespace, xhat: Array, weight: Array | None, bias: Array
 def channel_affine_backward(
     xp: Namespace, dy: Array, xhat: Array, weight: Array | None, bias: Array | None, dtype: Any
 ) -> tuple[Array, Array | None, Array | None]:
-    """``(dxhat, dweight, dbias)`` of the per-channel affine map; dy, xhat are (N, C, S)."""
+    """``(dxhat, dweight, dbias)`` of the per-channel affine map; dy, xhat are (N, C, S)
+    (dweight and dbias summed in float64, ``wide_sum``)."""
     dweight = dbias = None
     if bias is not None:
-        dbias = cast(xp, xp.sum(dy, axis=(0, 2)), bias.dtype)  # C
+        dbias = cast(xp, wide_sum(xp, dy, (0, 2)), bias.dtype)  # C
     dxhat = dy  # N,C,S
     if weight is not None:
-        dweight = cast(xp, xp.sum(dy * xhat, axis=(0, 2)), weight.dtype)  # C
+        dweight = cast(xp, wide_sum(xp, dy * xhat, (0, 2)), weight.dtype)  # C
         dxhat = dy * xp.reshape(cast(xp, weight, dtype), (1, -1, 1))  # N,C,S
     return dxhat, dweight, dbias
 

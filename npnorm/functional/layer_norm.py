@@ -23,7 +23,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import standardize, standardize_backward, xhat_from
+from .._stats import standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -270,9 +270,9 @@ def layer_norm_backward_generic(
     xhat = xhat_from(x, mean, rstd)  # R,D, recomputed rather than saved
     dweight = dbias = None
     if bias is not None:
-        dbias = cast(xp, xp.reshape(xp.sum(dy, axis=0), shape), bias.dtype)  # *shape
+        dbias = cast(xp, xp.reshape(wide_sum(xp, dy, (0,)), shape), bias.dtype)  # *shape
     if weight is not None:
-        dweight = cast(xp, xp.reshape(xp.sum(dy * xhat, axis=0), shape), weight.dtype)  # *shape
+        dweight = cast(xp, xp.reshape(wide_sum(xp, dy * xhat, (0,)), shape), weight.dtype)  # *shape
         dxhat = dy * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     else:
         dxhat = dy  # R,D

@@ -25,7 +25,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import standardize, standardize_backward, xhat_from
+from .._stats import standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -239,7 +239,7 @@ def rms_norm_backward_generic(
     dweight = None
     dxhat = dy  # R,D
     if weight is not None:
-        dweight = cast(xp, xp.reshape(xp.sum(dy * xhat, axis=0), shape), weight.dtype)  # *shape
+        dweight = cast(xp, xp.reshape(wide_sum(xp, dy * xhat, (0,)), shape), weight.dtype)  # *shape
         dxhat = dy * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,), center=False)  # R,D
     return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight

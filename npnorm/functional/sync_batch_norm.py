@@ -29,7 +29,7 @@ import numpy as np
 from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, to_host, to_namespace
 from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
-from .._stats import RECENTRE_ABOVE, moments, xhat_from
+from .._stats import RECENTRE_ABOVE, moments, wide_sum, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -451,12 +451,13 @@ def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tup
 def sync_batch_norm_grad_sums_generic(
     xp: Namespace, grad_output: Array, input: Array, mean: Array, rstd: Array, ct: Any
 ) -> tuple[Array, Array]:
-    """Per channel: ``sum(dy)`` and ``sum(dy * (x - mean))`` over this rank's values, in
-    ``ct`` (``rstd`` is for kernels that fold the mean when it is small against it)."""
+    """Per channel: ``sum(dy)`` and ``sum(dy * (x - mean))`` over this rank's values,
+    accumulated in float64 (``wide_sum``) and returned in ``ct`` (``rstd`` is for kernels
+    that fold the mean when it is small against it)."""
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     xc = x - xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # N,C,S
-    return xp.sum(dy, axis=(0, 2)), xp.sum(dy * xc, axis=(0, 2))  # C, C
+    return cast(xp, wide_sum(xp, dy, (0, 2)), ct), cast(xp, wide_sum(xp, dy * xc, (0, 2)), ct)  # C, C
 
 
 @generic("sync_batch_norm_dx")
