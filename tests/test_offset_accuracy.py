@@ -351,3 +351,34 @@ def test_a_spread_near_the_float32_limit_stays_finite(family):
             assert np.isfinite(y).all()
             np.testing.assert_allclose(y[0, [0, -1]], ref[0, [0, -1]], rtol=1e-5)
             np.testing.assert_array_equal(y[1], 0.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("scale", [1e-20, 1e-26])
+@pytest.mark.parametrize("op", ["instance_norm", "group_norm", "batch_norm"])
+def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family, scale, op):
+    """Values of spread 1e-20 and less with eps about 0 (0; BatchNorm's smallest positive,
+    1e-45): rstd ~1e20, whose square overflows float32. The "numpy" family's backward
+    coefficients (about rstd^2) went inf and dx NaN/inf; it now takes the reference's way,
+    as for the other end (``huge_spread``)."""
+    rng = np.random.default_rng(0)
+    x = (scale * rng.normal(size=(2, 3, 64))).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    w, b = np.linspace(0.5, 1.5, 3), np.linspace(-1, 1, 3)
+
+    def backward(x, dy):
+        w_, b_ = w.astype(x.dtype), b.astype(x.dtype)
+        if op == "group_norm":
+            f = F.group_norm_forward(x, 1, w_, b_, 0.0)
+            return F.group_norm_backward(dy, x, 1, f[1], f[2], w_, b_)
+        eps = 1e-45 if op == "batch_norm" else 0.0
+        forward, back = getattr(F, op + "_forward"), getattr(F, op + "_backward")
+        f = forward(x, None, None, w_, b_, True, 0.1, eps)
+        return back(dy, x, f[1], f[2], w_, b_, True)
+
+    with npnorm.use_kernels("reference"):
+        truth = backward(x.astype(np.float64), dy.astype(np.float64))
+    with npnorm.use_kernels(family):
+        ours = backward(x, dy)
+    assert np.isfinite(ours[0]).all()
+    assert _error(ours[0], truth[0]) <= 1e-5

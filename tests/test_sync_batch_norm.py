@@ -871,3 +871,28 @@ def test_the_per_rank_kernels_emit_no_floating_point_warning(family):
         xp, np.zeros_like(x), x, mean, rstd, None, 0 * rstd, mean_dyxc
     )
     assert np.isinf(dx.ravel()[0]) and dx.dtype == np.float16
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family):
+    """Values of spread 1e-20 with eps = 1e-45 (rstd ~1e20, whose square overflows
+    float32) over two ranks: dx finite and as BatchNorm's on the whole batch in float64
+    (the "numpy" family's dx sweep took coefficients of about rstd^2: inf, then NaN)."""
+    rng = np.random.default_rng(0)
+    x = (1e-20 * rng.normal(size=(4, 3, 16))).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    ref = npnorm.BatchNorm1d(3, eps=1e-45, dtype="float64")
+    with npnorm.use_kernels("reference"):
+        ref(x.astype(np.float64))
+        truth = ref.backward(dy.astype(np.float64))
+
+    def rank_fn(comm: ThreadComm):
+        part = slice(2 * comm.Get_rank(), 2 * comm.Get_rank() + 2)
+        m = npnorm.SyncBatchNorm(3, eps=1e-45, comm=comm)
+        with npnorm.use_kernels(family):
+            m(x[part])
+            return m.backward(dy[part])
+
+    dx = np.concatenate(run_ranks(2, rank_fn))
+    assert np.isfinite(dx).all()
+    np.testing.assert_allclose(dx, truth, rtol=1e-5, atol=1e-5 * np.abs(truth).max())

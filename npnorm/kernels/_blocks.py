@@ -388,6 +388,14 @@ def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
 
 
+def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """Whether some statistic has so large an rstd (a spread below ~1e-15 in float32,
+    with ``eps`` about 0) that the "numpy" family's backward coefficients, about
+    ``rstd^2``, overflow ``ct`` (inf, then ``inf*0`` NaN in dx); the generic kernels,
+    which form ``xhat`` first, then run instead, as for ``huge_spread``."""
+    return bool(np.any(np.abs(rstd) > np.sqrt(np.finfo(ct).max) * 1e-4))
+
+
 def recentre(
     xc: np.ndarray,
     mean: np.ndarray,
