@@ -235,6 +235,14 @@ def _dx_span(dy, x, dx, lo, hi, a, k1, m, rc, k0):  # type: ignore[no-untyped-de
 
 
 @_loop
+def _batch_dx_span(dy, x, dx, lo, hi, a, k1, m, rc, d_hi, d_lo):  # type: ignore[no-untyped-def]
+    """``dx = a*(dy - mean(dy)) + k1*xhat``, ``xhat = (x - m)*rc``, over ``[lo, hi)``, the
+    mean of dy split as by ``_split`` (BatchNorm's: dy is centred before it is scaled)."""
+    for j in range(uint64(lo), uint64(hi)):
+        dx[j] = a * ((dy[j] - d_hi) - d_lo) + k1 * ((x[j] - m) * rc)
+
+
+@_loop
 def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
     """``dx = a*dy`` over ``[lo, hi)``."""
     for j in range(uint64(lo), uint64(hi)):
@@ -243,15 +251,19 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 
 @_loop
 def _batch_dx_coefs(rs, wc, sd, sdx, M, s):  # type: ignore[no-untyped-def]
-    """BatchNorm's ``dx = a*dy + k1*xhat + k0`` over a channel of M values, from its float64
-    rstd ``rs``, weight ``wc``, ``sd = sum(dy)`` and ``sdx = sum(dy*(x - mean))``:
-    ``(a, k1, k0)`` in the data's dtype (through ``s[0:3]``), ``a = rstd*w``,
-    ``k1 = -rstd*w*mean(dy*xhat)``, ``k0 = -rstd*w*mean(dy)`` (k1, k0: batch statistics
-    only)."""
+    """BatchNorm's ``dx = a*(dy - mean(dy)) + k1*xhat`` over a channel of M values, from
+    its float64 rstd ``rs``, weight ``wc``, ``sd = sum(dy)`` and ``sdx = sum(dy*(x -
+    mean))``: ``(a, k1, d_hi, d_lo)`` in the data's dtype (through ``s[0:4]``),
+    ``a = rstd*w``, ``k1 = -rstd*w*mean(dy*xhat)`` and ``mean(dy)`` split as by
+    ``_split`` (k1 and the mean: batch statistics only). dy is centred before it is
+    scaled, as PyTorch's kernel does: as ``a*dy - a*mean(dy)``, a common part of dy (1e3
+    over a spread of 1) left ``a*dy``'s rounding in dx, 2-3 times PyTorch's error."""
     s[0] = rs * wc
     s[1] = -rs * wc * (sdx * rs / M)
-    s[2] = -rs * wc * sd / M
-    return s[0], s[1], s[2]
+    d = sd / M
+    s[2] = d
+    s[3] = d - s[2]
+    return s[0], s[1], s[2], s[3]
 
 
 @_loop
@@ -518,14 +530,14 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``db`` and, times rstd, ``dw``), then ``dx = a*dy + k1*xhat + k0`` with
-    ``a = rstd*w``, ``xhat = (x - mean)*rstd``, and with ``training`` (batch statistics)
-    ``k1 = -rstd*w*mean(dy*xhat)``, ``k0 = -rstd*w*mean(dy)`` (over the M = N*S values),
-    else (running statistics) ``dx = a*dy`` alone. Pipelined as the rows above: writing
+    into ``db`` and, times rstd, ``dw``), then with ``training`` (batch statistics)
+    ``dx = a*(dy - mean(dy)) + k1*xhat`` with ``a = rstd*w``, ``xhat = (x - mean)*rstd``,
+    ``k1 = -rstd*w*mean(dy*xhat)`` (over the M = N*S values; ``_batch_dx_coefs``), else
+    (running statistics) ``dx = a*dy`` alone. Pipelined as the rows above: writing
     channel c's dx, it takes channel c + 1's sums."""
     N, S = x.shape[0], x.shape[2]
     M = N * S
-    s = np.empty(3, dtype=dx.dtype)
+    s = np.empty(4, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
     if c1 <= c0:
@@ -539,7 +551,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         if write:
             db[c] = sd
             dw[c] = sdx * rs
-        a, k1, k0 = _batch_dx_coefs(rs, wc, sd, sdx, M, s)
+        a, k1, d_hi, d_lo = _batch_dx_coefs(rs, wc, sd, sdx, M, s)
         rc = rstd[ch]
         sd = sdx = 0.0
         pd = pdx = 0.0  # the same over this span of samples
@@ -553,7 +565,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
                     pdx += v
                 if write:
                     if training:
-                        _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
+                        _batch_dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, d_hi, d_lo)
                     else:  # dx does not depend on x: a NaN or inf in x, or x - mean
                         _scale_dy_span(dyr, dxr, lo, hi, a)  # overflowing, stays out of it
             if (n + 1) % SPAN == 0 or n + 1 == N:  # the span's sums into the totals
@@ -624,13 +636,14 @@ def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx):  # type: ignore[no-untyped-d
 
 
 @_loop
-def _across_dx(dy, x, dx, lo, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
-    """``dx = a*dy + k1*((x - m)*rc) + k0`` on ``[:, lo:lo + len(a)]`` (``_dx_span``'s,
-    per channel)."""
+def _across_dx(dy, x, dx, lo, a, k1, m, rc, d_hi, d_lo):  # type: ignore[no-untyped-def]
+    """``dx = a*((dy - d_hi) - d_lo) + k1*((x - m)*rc)`` on ``[:, lo:lo + len(a)]``
+    (``_batch_dx_span``'s, per channel)."""
     base = uint64(lo)
     for n in range(x.shape[0]):
         for j in range(uint64(0), uint64(a.shape[0])):
-            dx[n, base + j] = a[j] * dy[n, base + j] + k1[j] * ((x[n, base + j] - m[j]) * rc[j]) + k0[j]
+            i = base + j
+            dx[n, i] = a[j] * ((dy[n, i] - d_hi[j]) - d_lo[j]) + k1[j] * ((x[n, i] - m[j]) * rc[j])
 
 
 @_loop
@@ -747,35 +760,35 @@ def channel_block_forward(x, w, b, eps, training, mean, var, rstd, y, B, c0, c1)
 
 
 @_loop
-def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, k0v):  # type: ignore[no-untyped-def]
+def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, dhv, dlv):  # type: ignore[no-untyped-def]
     """dx of the block of k = len(av) channels of S values beginning at ``lo``, on every
-    row (sample) of dy, x, dx (n,C*S): ``a*dy + k1*xhat + k0`` (``training``) or ``a*dy``,
-    per channel."""
+    row (sample) of dy, x, dx (n,C*S): ``a*(dy - mean(dy)) + k1*xhat`` (``training``; the
+    mean split in ``dhv``, ``dlv``) or ``a*dy``, per channel."""
     k = av.shape[0]
     if training and S == 1:
-        _across_dx(dy, x, dx, lo, av, k1v, m, r, k0v)
+        _across_dx(dy, x, dx, lo, av, k1v, m, r, dhv, dlv)
         return
     for n in range(x.shape[0]):
         xr, dyr, dxr = x[n], dy[n], dx[n]
         for j in range(k):
             jlo, jhi = lo + j * S, lo + (j + 1) * S
             if training:
-                _dx_span(dyr, xr, dxr, jlo, jhi, av[j], k1v[j], m[j], r[j], k0v[j])
+                _batch_dx_span(dyr, xr, dxr, jlo, jhi, av[j], k1v[j], m[j], r[j], dhv[j], dlv[j])
             else:  # dx does not depend on x (see channel_backward)
                 _scale_dy_span(dyr, dxr, jlo, jhi, av[j])
 
 
 @_loop
-def channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, k0v):  # type: ignore[no-untyped-def]
+def channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, dhv, dlv):  # type: ignore[no-untyped-def]
     """dweight, dbias (float64) and dx's coefficients (``_batch_dx_coefs``, in ``av``'s
     dtype) of channels whose rstd ``r``, weight ``w`` and sums over their M values ``sd``,
     ``sdx`` are given (all (k,))."""
-    s = np.empty(3, dtype=av.dtype)
+    s = np.empty(4, dtype=av.dtype)
     for j in range(av.shape[0]):
         rs = np.float64(r[j])
         db[j] = sd[j]
         dw[j] = sdx[j] * rs
-        av[j], k1v[j], k0v[j] = _batch_dx_coefs(rs, np.float64(w[j]), sd[j], sdx[j], M, s)
+        av[j], k1v[j], dhv[j], dlv[j] = _batch_dx_coefs(rs, np.float64(w[j]), sd[j], sdx[j], M, s)
 
 
 @_loop
@@ -788,9 +801,10 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
     sdx = np.empty(nb)
     pd = np.empty(nb)
     pdx = np.empty(nb)
-    av = np.empty(nb, dtype=dx.dtype)  # a, k1, k0 per channel
+    av = np.empty(nb, dtype=dx.dtype)  # a, k1 and mean(dy) split, per channel
     k1v = np.empty(nb, dtype=dx.dtype)
-    k0v = np.empty(nb, dtype=dx.dtype)
+    dhv = np.empty(nb, dtype=dx.dtype)
+    dlv = np.empty(nb, dtype=dx.dtype)
     for a in range(c0, c1, B):
         e = min(a + B, c1)
         k, lo = e - a, a * S  # the block's channels, and where its rows begin
@@ -802,8 +816,8 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
             for j in range(k):
                 sd[j] += pd[j]
                 sdx[j] += pdx[j]
-        channel_grads(r, w[a:e], sd[:k], sdx[:k], N * S, dw[a:e], db[a:e], av[:k], k1v[:k], k0v[:k])
-        channel_dx(dy, x, dx, lo, S, training, av[:k], k1v[:k], m, r, k0v[:k])
+        channel_grads(r, w[a:e], sd[:k], sdx[:k], N * S, dw[a:e], db[a:e], av[:k], k1v[:k], dhv[:k], dlv[:k])
+        channel_dx(dy, x, dx, lo, S, training, av[:k], k1v[:k], m, r, dhv[:k], dlv[:k])
 
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------

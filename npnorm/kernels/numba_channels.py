@@ -179,11 +179,11 @@ def _span_backward(
     sd, sdx = np.empty(C), np.empty(C)  # C float64
     loops.add_spans(sums[0], sd)
     loops.add_spans(sums[1], sdx)
-    av, k1v, k0v = (np.empty(C, dtype=dx.dtype) for _ in range(3))  # dx's coefficients per channel
-    loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, k0v)
+    av, k1v, dhv, dlv = (np.empty(C, dtype=dx.dtype) for _ in range(4))  # dx's coefficients per channel
+    loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, dhv, dlv)
 
     def samples(r0: int, r1: int) -> None:
-        loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, k0v)
+        loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, dhv, dlv)
 
     run(samples, ranges(N, C * S))
 

@@ -366,10 +366,10 @@ def _dx_sweep(
     center: _Ring | None,
     a_coef: _Ring,
     b_coef: _Ring,
-    c_coef: _Ring,
+    d_coef: _Ring,
 ) -> None:
-    """One sweep ``dx = a_c*dy + b_c*(x - center_c) + c_c`` (``x`` itself without
-    ``center``) over the (N*C, S) rows."""
+    """One sweep ``dx = a_c*(dy - d_c) + b_c*(x - center_c)`` (``x`` itself without
+    ``center``) over the (N*C, S) rows: dy centred before it is scaled."""
     R, S = rows_x.R, rows_x.L
     dx2 = view(dx, (R, S))  # R,S
     assert dx2 is not None
@@ -392,9 +392,9 @@ def _dx_sweep(
                 np.multiply(t, b_coef.col(a, n), out=t)  # n,S
             else:
                 np.multiply(xb, b_coef.col(a, n), out=t)  # n,S
-            np.multiply(dyb, a_coef.col(a, n), out=out)  # n,S
+            np.subtract(dyb, d_coef.col(a, n), out=out)  # n,S
+            np.multiply(out, a_coef.col(a, n), out=out)  # n,S
             np.add(out, t, out=out)  # n,S
-            np.add(out, c_coef.col(a, n), out=out)  # n,S
             if obuf is not None:
                 np.copyto(dx2[a:e], out, casting="same_kind")  # n,S
 
@@ -415,20 +415,25 @@ def _batch_dx_sweep(
     fold: bool,
     B: int,
 ) -> None:
-    """BatchNorm's training ``dx = a*dy + b*(x - mean) + c`` in one sweep, from the (C,)
+    """BatchNorm's training ``dx = a*(dy - d) + b*(x - mean)`` in one sweep, from the (C,)
     sums of ``dy`` and ``dy*(x - mean)`` over ``count`` values per channel:
-    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/count``, ``c = -rstd*w*sum(dy)/count``
-    (``b``, ``c`` formed in float64: ``rstd^3`` underflows float32 for huge inputs). With
-    ``fold`` the mean moves into ``c`` and the sweep reads ``x`` itself."""
+    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/count``, ``d = sum(dy)/count``
+    (``b``, ``d`` formed in float64: ``rstd^3`` underflows float32 for huge inputs). dy
+    is centred before it is scaled, as PyTorch's kernel does (as ``a*dy + c``, a common
+    part of dy of 1e3 over a spread of 1 left ``a*dy``'s rounding in dx: 3-6 times
+    PyTorch's error). With ``fold`` the mean moves into ``d`` and the sweep reads ``x``
+    itself: ``b*(x - mean) = b*x - a*(b*mean/a)``."""
     a_coef = r if w is None else r * w  # C
     wv = 1.0 if w is None else w.astype(np.float64)
     r64 = r.astype(np.float64)  # C
     b64 = -r64 * (r64 * (wv * sum_dyxc) / count) * r64  # C  (r*sum is O(1): no r^3 underflow)
-    c64 = -r64 * (wv * sum_dy) / count  # C
+    d64 = sum_dy / count  # C: mean(dy)
     if fold:
-        c64 = c64 - b64 * m  # C: b*(x - mean) + c = b*x + (c - b*mean)
+        a64 = r64 * wv  # C
+        safe = np.where(a64 == 0, 1.0, a64)  # a = 0: dx = b*(x - mean) with b = 0 too
+        d64 = d64 + np.where(a64 == 0, 0.0, b64 * m / safe)  # C
     center = None if fold else _Ring(m, B)
-    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(c64.astype(ct), B))
+    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(d64.astype(ct), B))
     _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
 
 
@@ -474,11 +479,11 @@ def _channel_backward(
     statistics were the batch's), or the affine map's with running statistics.
 
     With batch statistics, ``M = N*S`` values per channel, ``g = dy*w``:
-    ``dx = rstd*(g - mean(g) - xhat*mean(g*xhat)) = a*dy + b*(x - mean) + c`` with
-    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/M``, ``c = -rstd*w*sum(dy)/M``:
-    a sweep for the sums, then one for dx. With running statistics ``dx = a*dy``, in
-    the sweep that takes the sums for dweight/dbias. (``b``, ``c`` are formed in float64:
-    ``rstd^3`` underflows float32 for huge inputs.)
+    ``dx = rstd*(g - mean(g) - xhat*mean(g*xhat)) = a*(dy - mean(dy)) + b*(x - mean)``
+    with ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/M``: a sweep for the sums
+    (per row, then over the samples in float64), then one for dx. With running
+    statistics ``dx = a*dy``, in the sweep that takes the sums for dweight/dbias. (``b``
+    and ``mean(dy)`` are formed in float64: ``rstd^3`` underflows float32 for huge inputs.)
     """
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
@@ -502,11 +507,13 @@ def _channel_backward(
         else:  # dx = rstd*w*dy, written by the sums sweep
             dx_coef = _Ring(r if w is None else r * w, B)  # C
             sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
-        sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
-        sum_dyxc = None if sdx is None else np.sum(np.reshape(sdx, (N, C)), axis=0)  # C: sum(dy*(x - mean))
+        sum_dy = np.add.reduce(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C
+        sum_dyxc = (  # C: sum(dy*(x - mean))
+            None if sdx is None else np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)
+        )
     if batch_stats:
         assert sum_dyxc is not None
-        fold = _foldable(m, r)  # dx = b*x + (c - b*mean), one pass fewer
+        fold = _foldable(m, r)  # dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
     dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
     dbias = None if bias is None else sum_dy  # C

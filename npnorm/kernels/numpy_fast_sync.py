@@ -67,9 +67,9 @@ def sync_batch_norm_grad_sums(
     center = _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))  # dy*(x - mean), never folded
     sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True)  # R, R
     assert sdx is not None
-    sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0)  # C
-    sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0)  # C
-    return sum_dy, sum_dyxc
+    sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C, the samples added in float64
+    sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)  # C
+    return sum_dy.astype(ct), sum_dyxc.astype(ct)
 
 
 @specialized("sync_batch_norm_dx", NS, kernels="numpy")
