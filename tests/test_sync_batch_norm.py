@@ -896,3 +896,68 @@ def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family):
     dx = np.concatenate(run_ranks(2, rank_fn))
     assert np.isfinite(dx).all()
     np.testing.assert_allclose(dx, truth, rtol=1e-5, atol=1e-5 * np.abs(truth).max())
+
+
+def test_an_inf_on_any_rank_gives_batch_norms_running_mean():
+    """An inf on rank 0 of 2: the merge of the ranks' means gave NaN (inf + (-inf)*f, with
+    an "invalid value" warning, an error here) where BatchNorm on the whole batch, and
+    PyTorch, give inf; on the last rank it was right already."""
+    x = np.arange(8.0).reshape(4, 2)
+    x[0, 1] = np.inf
+    ref = npnorm.BatchNorm1d(2, dtype="float64")
+    ref(x)
+
+    def rank_fn(comm: ThreadComm):
+        m = npnorm.SyncBatchNorm(2, comm=comm, dtype="float64")
+        m(x[2 * comm.Get_rank() : 2 * comm.Get_rank() + 2])
+        return m.running_mean, m.running_var
+
+    for running_mean, running_var in run_ranks(2, rank_fn):  # (to rounding: merged, not two-pass)
+        np.testing.assert_allclose(running_mean, ref.running_mean, rtol=1e-14)
+        np.testing.assert_allclose(running_var, ref.running_var, rtol=1e-14)
+        assert running_mean[1] == np.inf
+
+
+@pytest.mark.parametrize("overwrite", ["reset_running_stats", "load_state_dict"])
+def test_overwriting_the_running_statistics_before_a_synced_backward(overwrite):
+    """Across ranks the backward uses the saved input, statistics and weight only, and
+    PyTorch's SyncBatchNorm function keeps no running statistics: overwriting them between
+    forward and backward does not raise there (it raised, saying PyTorch raises too). On
+    one rank it does, as BatchNorm's (F.batch_norm's backward keeps them)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 3))
+
+    def step(m) -> np.ndarray:
+        m(x[: len(x) // m.comm.Get_size()])
+        if overwrite == "reset_running_stats":
+            m.reset_running_stats()
+        else:
+            m.load_state_dict({k: np.zeros_like(v) for k, v in m.state_dict().items()})
+        return m.backward(np.ones((len(x) // m.comm.Get_size(), 3)))
+
+    for dx in run_ranks(2, lambda comm: step(npnorm.SyncBatchNorm(3, affine=False, comm=comm))):
+        assert isinstance(dx, np.ndarray)
+    (err,) = run_ranks(1, lambda comm: step(npnorm.SyncBatchNorm(3, affine=False, comm=comm)))
+    assert isinstance(err, RuntimeError) and "overwritten in place" in str(err)
+
+
+def test_a_bad_counter_on_one_rank_raises_on_every_rank():
+    """momentum=None with num_batches_tracked = -1 loaded on rank 1 only: the step to 0
+    divides by zero there, before the first exchange, outside the checks every rank
+    hears of; the other ranks waited for it (a hang). Now every rank raises it."""
+
+    def rank_fn(comm: ThreadComm):
+        m = npnorm.SyncBatchNorm(2, momentum=None, comm=comm)
+        if comm.Get_rank() == 1:
+            m.num_batches_tracked[...] = -1
+        before = {k: np.array(v, copy=True) for k, v in m.state_dict().items()}
+        try:
+            m(np.ones((2, 2), np.float32))
+        except ValueError as err:
+            for k, v in m.state_dict().items():
+                np.testing.assert_array_equal(v, before[k])
+            return err
+        return None
+
+    errors = run_ranks(3, rank_fn)
+    assert all(isinstance(e, ValueError) and "division by zero" in str(e) for e in errors), errors

@@ -353,7 +353,11 @@ def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
 
     The counts weight the merge: a rank of 1 value must move the mean 1/n of the way,
     not 1/P (averaging the ranks' means is wrong for uneven ranks), and the spread of
-    the ranks' means about the global mean adds ``delta^2 * n_a*n_b/n`` to M2.
+    the ranks' means about the global mean adds ``delta^2 * n_a*n_b/n`` to M2. Where a
+    mean is not finite (an inf in a rank's values), ``delta`` is not either, and the
+    mean is the counts' weighted sum instead: inf as BatchNorm's on the whole batch
+    (``inf + (-inf)*f`` was NaN, where the inf was on any rank but the last). No
+    floating-point warning, as BatchNorm's none.
     """
     c = (int(table.shape[1]) - 1) // 2
     n = 0.0
@@ -368,9 +372,12 @@ def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
             n, mean, m2 = n_b, mean_b.copy(), m2_b.copy()  # be NaN for |mean| beyond 1e154)
             continue
         total = n + n_b
-        delta = mean_b - mean  # C
-        mean = mean + delta * (n_b / total)  # C
-        m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C
+        with np.errstate(invalid="ignore", over="ignore"):
+            delta = mean_b - mean  # C
+            chan = mean + delta * (n_b / total)  # C
+            weighted = mean * (n / total) + mean_b * (n_b / total)  # C: where delta is not finite
+            mean = np.where(np.isfinite(delta), chan, weighted)  # C
+            m2 = m2 + m2_b + delta * delta * (n * n_b / total)  # C
         n = total  # the merged count
     return n, mean, m2
 

@@ -221,7 +221,7 @@ class Module:
         forward leaves them: ``backward`` raises when one has moved since."""
         if _version_of(input) is None:  # NumPy, CuPy, ...: no counters (the module's arrays
             return None  # are of the input's backend)
-        kept = self._kept_for_backward
+        kept = self._kept()
         named = [("input", input)] if self._keeps_input(input) else []
         if kept is None:
             named += [("saved array", a) for a in saved if _is_array(a)]
@@ -305,6 +305,11 @@ class Module:
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
+
+    def _kept(self) -> tuple[str, ...] | None:
+        """``_kept_for_backward``, for the forward saved now (a layer whose backward keeps
+        other arrays in another mode says so here)."""
+        return self._kept_for_backward
 
     def _keeps_input(self, input: Array) -> bool:
         """Whether PyTorch's backward of this layer keeps the caller's tensor ``input``
@@ -531,7 +536,7 @@ class Module:
         """The arrays ``names`` were overwritten in place by ``by``: where the saved forward
         used one (one that PyTorch's backward of the layer keeps), ``backward`` raises, as
         PyTorch's version check does (an earlier overwrite's names are kept, with theirs)."""
-        saved, kept = self._saved, self._kept_for_backward
+        saved, kept = self._saved, self._kept()
         if isinstance(saved, _Overwritten):
             more = [k for k in names if kept is not None and k in kept and k not in saved.names]
             self._saved = _Overwritten(saved.names + more, saved.by)

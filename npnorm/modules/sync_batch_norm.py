@@ -141,19 +141,21 @@ class SyncBatchNorm(_BatchNorm):
     def _synced_forward(self, comm: Comm, input: Array) -> tuple[Array, Saved, Updates]:
         what = type(self).__name__
         error = None
-        try:  # this rank's checks, raised collectively by synced_forward
+        # this rank's checks and the counter's step, raised collectively by synced_forward (a
+        # counter of -1 loaded on one rank divides by zero there: every rank raises)
+        try:
             self._check_backend(input)
             self._check_input_dim(input)
             check_channels(input, self._expected_channels(self.track_running_stats), what)
             check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
+            factor = 0.0 if self.momentum is None else self.momentum
+            updates: Updates = {}
+            if self.track_running_stats and self.num_batches_tracked is not None:
+                updates["num_batches_tracked"] = self.num_batches_tracked + 1
+                if self.momentum is None:  # cumulative moving average
+                    factor = 1.0 / float(updates["num_batches_tracked"])
         except Exception as err:  # whatever fails here, every rank must hear of it
-            error = err
-        factor = 0.0 if self.momentum is None else self.momentum
-        updates: Updates = {}
-        if self.track_running_stats and self.num_batches_tracked is not None:
-            updates["num_batches_tracked"] = self.num_batches_tracked + 1
-            if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(updates["num_batches_tracked"])
+            error, factor, updates = err, 0.0, {}
         running_mean = self.running_mean if self.track_running_stats else None
         running_var = self.running_var if self.track_running_stats else None
         y, mean, rstd, new_mean, new_var = synced_forward(
@@ -162,6 +164,16 @@ class SyncBatchNorm(_BatchNorm):
         if running_mean is not None:
             updates["running_mean"], updates["running_var"] = new_mean, new_var
         return y, (input, mean, rstd, True, self.weight, self.bias, True), updates
+
+    def _kept(self) -> tuple[str, ...] | None:
+        """Across ranks, the weight only: PyTorch's SyncBatchNorm function saves the input,
+        weight, mean, invstd and counts, not the running statistics, so that overwriting
+        those between forward and backward does not raise there (on one rank, or in eval,
+        BatchNorm's: F.batch_norm's backward keeps them)."""
+        saved = self._saved
+        if isinstance(saved, tuple) and saved and saved[-1] is True:  # a synced forward
+            return ("weight",)
+        return super()._kept()
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, _, weight, bias, synced = saved
