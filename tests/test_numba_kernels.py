@@ -631,10 +631,10 @@ def test_short_group_rows_rule(monkeypatch):
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
 def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
     """BatchNorm's channels of fewer than CHUNK values per sample go in blocks of channels
-    (BatchNorm1d's (N, C) input among them); their results are bitwise those of the
-    one-channel-at-a-time loops (the same sums in the same order), in training and with
-    running statistics, in blocks of one, two and all channels, split over threads: with
-    more than one span of samples (``loops.SPAN``), the threads split the spans."""
+    (BatchNorm1d's (N, C) input among them); their results are bitwise the same in blocks
+    of one, two and all channels (the same sums in the same order), in training and with
+    running statistics, in one thread and split over threads: with more than one span of
+    samples (``loops.SPAN``), the threads split the spans."""
     from npnorm.kernels import _numba_loops as loops
 
     span_calls = []
@@ -661,13 +661,68 @@ def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
                 out += [*f, *g]
         return out
 
-    one_at_a_time = results(0, 1)
-    for block, threads in ((1, 1), (2, 2), (2, 3), (C, 1), (C, 2)):
+    one_at_a_time = results(1, 1)
+    for block, threads in ((1, 2), (2, 2), (2, 3), (C, 1), (C, 2)):
         span_calls.clear()
         for a, c in zip(results(block, threads), one_at_a_time, strict=True):
             np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
         # the forward's two sums and the backward's, in training; the backward's with running statistics
         assert len(span_calls) == (3 * threads + threads if shape[0] > loops.SPAN and threads > 1 else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(3, 4, 256), (2, 3, 4095), (2, 3, 4097), (3, 2, 9000), (1, 5, 300)])
+def test_long_channels_statistics_merged_row_by_row(dtype, shape):
+    """BatchNorm's channels of CHUNK values per sample and more: each row's pieces
+    (``loops.PIECE`` values) two-pass on their own, merged in sample order. The mean and
+    biased variance equal float64's two-pass over the whole channel to float64 rounding
+    (samples and pieces of different means, so a wrong merge term shows; channel means up
+    to 1e6, against which an unshifted update lost digits), y and the running statistics
+    as the reference's; bitwise the same in one, two and three threads,
+    and staged (strided input), in training and with running statistics."""
+    from npnorm.kernels import _numba_loops as loops
+
+    assert loops.PIECE < 9000 < 3 * loops.PIECE  # one, two and three pieces per row
+    N, C, S = shape
+    ramp = np.arange(S) > S // 2  # pieces of different means
+    x = 7 + 3 * np.arange(N)[:, None, None] + ramp + rounding("float64", shape, 1 / 3)
+    offsets = np.minimum(1e3 ** np.arange(C), 1e6)  # channels offset by 1, 1e3, 1e6, 1e6, ...
+    x = (x + offsets[None, :, None]).astype(dtype)
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    b = np.linspace(-1, 1, C).astype(dtype)
+    rm, rv = np.linspace(6, 8, C).astype(dtype), np.linspace(1, 3, C).astype(dtype)
+    exact = x.astype(np.float64)
+    mean = exact.mean(axis=(0, 2))  # C
+    var = ((exact - mean[None, :, None]) ** 2).mean(axis=(0, 2))  # C, biased
+    results = {}
+    for threads, layout in ((1, "C"), (2, "C"), (3, "C"), (2, "sliced")):
+        with config(threads, small=layout == "sliced"):
+            out = []
+            for training in (True, False):
+                args = (xp, laid_out(x, layout), rm, rv, w, b, training, 1.0, 1e-5)
+                out += family_kernel("batch_norm_forward", "numba")(*args)
+            results[threads, layout] = out
+    first = results[1, "C"]
+    for key, out in results.items():
+        for a, c in zip(out, first, strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=str(key))
+    _, m, rstd, new_rm, new_rv = first[:5]
+    n = N * S
+    rtol = 1e-15 if dtype == "float64" else 6e-8  # the float64 result, rounded to float32
+    np.testing.assert_allclose(m, mean, rtol=rtol)
+    np.testing.assert_allclose(new_rm, mean, rtol=rtol)  # momentum 1: the batch mean
+    np.testing.assert_allclose(new_rv, var * n / (n - 1), rtol=4 * rtol)  # and unbiased variance
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(var + 1e-5), rtol=4 * rtol)
+    for training, ours in ((True, first[:5]), (False, first[5:])):
+        ref = generic_kernel("batch_norm_forward")(xp, x, rm, rv, w, b, training, 1.0, 1e-5)
+        for a, c in zip(ours[1:], ref[1:], strict=True):  # the statistics
+            assert a.dtype == c.dtype and a.shape == c.shape
+            np.testing.assert_allclose(a, c, rtol=4 * rtol)
+        # y: to a few roundings of the channel's values, times rstd*w
+        eps = float(np.finfo(dtype).eps)
+        unit = (8 * eps * (offsets + 10) * np.abs(ours[2] * w))[None, :, None]  # 1,C,1
+        assert ours[0].dtype == ref[0].dtype
+        assert (np.abs(ours[0].astype(np.float64) - ref[0]) <= unit).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

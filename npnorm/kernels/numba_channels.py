@@ -5,19 +5,21 @@ Same signatures and results (to rounding) as the generic kernels in
 ``"numba"`` kernel family for NumPy arrays. An input of shape (N, C, *spatial) is seen
 as (N, C, S), S = prod(spatial):
 
-* BatchNorm (and the running-statistics mode of InstanceNorm) works one channel at a
-  time (``loops.channel_forward`` / ``channel_backward``): the channel's N*S values are
-  read from memory once and stay in cache for the statistics (float64, two-pass) and
-  the output, or for the backward's two sums and ``dx``; in training the channels are
-  pipelined as the rows below (while channel c is written, the next channels' sums are
-  taken). Channels of fewer than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C)
-  input: one) are taken in blocks of channels instead (``loops.channel_block_forward``
-  / ``_backward``), whose rows are contiguous. The channels are split over the threads,
-  or in training, where short channels have more than ``loops.SPAN`` samples, the spans
-  of samples are (``_span_parts``): each channel's sums are added span by span in the
-  same order by every loop, so a channel's results do not depend on the split, the
-  blocks or the thread count. An input that is not C-ordered in the computation dtype is
-  first copied whole (one copy of the input).
+* BatchNorm's forward (and the running-statistics mode of InstanceNorm) reads the input
+  in memory order, sample by sample (``loops.channel_forward``): once for the statistics,
+  each row's pieces two-pass from cache and merged into their channel's (float64), and
+  once for the output. The backward works one channel at a time
+  (``loops.channel_backward``): the channel's N*S values are read from memory once and
+  stay in cache for its two sums and ``dx``, the channels pipelined as the rows below
+  (while channel c's dx is written, the next channel's sums are taken). Channels of fewer
+  than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C) input: one) are taken in
+  blocks of channels instead (``loops.channel_block_forward`` / ``_backward``), whose
+  rows are contiguous. The channels are split over the threads (with the running
+  statistics, the forward's samples are), or in training, where short channels have more
+  than ``loops.SPAN`` samples, the spans of samples are (``_span_parts``): each channel's
+  sums are added in the same order by every loop, so a channel's results do not depend
+  on the split, the blocks or the thread count. An input that is not C-ordered in the
+  computation dtype is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -84,7 +86,7 @@ def _running(
 # through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
 # Timed against one channel at a time on a 2-vCPU Xeon (forward+backward, float32): 6-12x
 # faster at S = 1, 19% at (32, 512, 7, 7), 4-5% at S = 64 and 196; from S = 128 to 784
-# within 2% either way, so channels of CHUNK values and more stay one at a time.
+# within 2% either way, so channels of CHUNK values and more go to the channel loops.
 BLOCK_BYTES = 256 * 1024
 ROW_BYTES = 8 * 1024
 
@@ -108,7 +110,7 @@ def _short_rows(L: int, S: int, ct: np.dtype[Any]) -> bool:
 
 def _channel_block(N: int, S: int, ct: np.dtype[Any]) -> int:
     """The channels per block of ``loops.channel_block_forward``/``_backward``, or 0 for
-    channels of S values long enough for one at a time (``loops.channel_forward``,
+    channels of S values long enough for the channel loops (``loops.channel_forward``,
     ``channel_backward``)."""
     if S >= loops.CHUNK:
         return 0
