@@ -738,3 +738,18 @@ def test_a_closed_form_of_the_wrong_type_is_not_said_to_have_raised(tmp_path, ca
     assert _cli.main(["check", str(path)]) == 1
     out = capsys.readouterr().out
     assert "FAIL: your closed_form must return a dict of terms" in out and "raised" not in out, out
+
+
+def test_closed_form_and_check_steps_say_what_they_take():
+    """A wrong argument to closed_form or check_steps is an error that says what was
+    expected (a raw AxisError, an AttributeError, or 'pass grad_output' before)."""
+    from npnorm.learn import check_steps, closed_form, staged_forward
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 4))
+    tape = staged_forward("layer_norm", x, 4)
+    with pytest.raises(ValueError, match=r"dxhat must have the shape of the tape's 'xhat', \(2, 3, 4\)"):
+        closed_form(tape, np.ones((2, 3)))
+    with pytest.raises(TypeError, match="closed_form takes the tape of a normalization"):
+        closed_form(None, np.ones((2, 3, 4)))
+    with pytest.raises(TypeError, match=r"grads must map step names to gradients.*got list"):
+        check_steps(tape, [1, 2])

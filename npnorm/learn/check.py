@@ -291,6 +291,11 @@ def check_steps(
     >>> row.ok
     False
     """
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            "grads must map step names to gradients, as staged_backward returns them "
+            f"(e.g. {{'xhat': ..., 'input': ...}}); got {type(grads).__name__}"
+        )
     dy = _upstream(tape, grads, grad_output)
     if names is None:
         names = [*tape.differentiable, *tape.steps]

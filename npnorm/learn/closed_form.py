@@ -40,6 +40,13 @@ def closed_form(tape: Tape, dxhat: np.ndarray) -> dict[str, np.ndarray]:
         ``"direct"``, then ``"mean"`` (not for RMSNorm), then ``"var"`` (``"ms"`` for
         RMSNorm) with batch statistics; only ``"direct"`` with running statistics.
 
+    Raises
+    ------
+    TypeError
+        When ``tape`` is not the tape of a normalization.
+    ValueError
+        When ``dxhat`` does not have the shape of the tape's xhat.
+
     Examples
     --------
     >>> import numpy as np
@@ -54,9 +61,18 @@ def closed_form(tape: Tape, dxhat: np.ndarray) -> dict[str, np.ndarray]:
     >>> np.allclose(terms["direct"] + terms["mean"] + terms["var"], grads["input"])
     True
     """
-    st = tape.standardized
-    assert st is not None
+    st = tape.standardized if isinstance(tape, Tape) else None
+    if st is None:
+        raise TypeError(
+            "closed_form takes the tape of a normalization (staged_forward or staged_normalize), "
+            f"got {type(tape).__name__}"
+        )
     xhat, rstd, axes = tape[st.out], tape["rstd"], st.axes
+    if np.shape(dxhat) != np.shape(xhat):
+        raise ValueError(
+            f"dxhat must have the shape of the tape's {st.out!r}, {tuple(np.shape(xhat))} "
+            f"(the gradient with respect to it), got {tuple(np.shape(dxhat))}"
+        )
     terms = {"direct": rstd * dxhat}  # term 1
     if st.batch_stats and st.center:
         terms["mean"] = np.broadcast_to(
