@@ -213,5 +213,19 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0 if run(verbose=not args.quiet) else 1
 
 
+def _run_to_a_pipe() -> int:
+    """``main()``, and quietly done where the reader of standard output stops reading
+    (``python -m npnorm learn layer_norm | head``: a BrokenPipeError traceback before),
+    as the shell's own tools do (the status 141 of a process that SIGPIPE ended)."""
+    try:
+        status = main()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's last flush writes nowhere
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_run_to_a_pipe())

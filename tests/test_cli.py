@@ -144,3 +144,18 @@ def test_a_wrong_kernels_variable_is_a_one_line_usage_error(argv):
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("python -m npnorm: NPNORM_KERNELS: unknown or unavailable kernels 'nope'")
+
+
+def test_a_reader_that_stops_reading_ends_it_quietly():
+    """``python -m npnorm learn layer_norm | head -1``: the reader closes the pipe; the
+    command ends with the status of a SIGPIPE'd process and no traceback (it printed a
+    BrokenPipeError traceback)."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "npnorm", "learn", "layer_norm"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()  # before anything is read: the first flush meets a closed pipe
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert p.wait(timeout=120) == 141 and "BrokenPipeError" not in err, err
