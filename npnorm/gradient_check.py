@@ -372,9 +372,15 @@ def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float)
         f"  {name}: {int(bad.sum())} of {a.size} elements differ; max |analytic - numeric| = "
         f"{err[worst]:.3e} at {tuple(int(i) for i in worst)} "
         f"(analytic {a[worst]:.6e}, numeric {n[worst]:.6e})\n"
-        f"    analytic[:{shown}] = {np.array2string(a.reshape(-1)[:shown], precision=6)}\n"
-        f"    numeric[:{shown}]  = {np.array2string(n.reshape(-1)[:shown], precision=6)}"
+        f"    analytic[:{shown}] = {_one_line(a.reshape(-1)[:shown])}\n"
+        f"    numeric[:{shown}]  = {_one_line(n.reshape(-1)[:shown])}"
     )
+
+
+def _one_line(values: np.ndarray) -> str:
+    """A few values, on one line whatever their width (NumPy wraps at 75 characters, and
+    the continuation lost the report's indentation)."""
+    return np.array2string(values, precision=6, max_line_width=10**6)
 
 
 def _snapshot(module: Module) -> dict[str, Any]:

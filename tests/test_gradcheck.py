@@ -340,3 +340,14 @@ def test_a_parameter_that_cannot_be_perturbed_is_a_clear_type_error(rng, value):
 
     with pytest.raises(TypeError, match=r"Scale\.g .*(dtype int64, not a floating|not an array)"):
         npnorm.gradcheck(Scale(), rng.normal(size=(2, 3)))
+
+
+def test_the_failure_message_keeps_each_array_on_its_line():
+    """Six values in scientific notation (a gradient of mixed magnitudes) wrapped onto a
+    second line with no indentation."""
+    from npnorm.gradient_check import _report
+
+    analytic = np.array([-321.23456, 4.2123456e-8, 451.23456, 2.3123456e-7, -24.123456, -431.23456])
+    text = _report("input", analytic, 1.5 * analytic, 1e-5, 1e-3)
+    lines = text.splitlines()
+    assert len(lines) == 3 and all(line.startswith("  ") for line in lines), lines
