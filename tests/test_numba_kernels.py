@@ -629,7 +629,7 @@ def test_short_group_rows_rule(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
-def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
+def test_short_channels_the_same_in_any_blocks(dtype, shape, monkeypatch):
     """BatchNorm's channels of fewer than CHUNK values per sample go in blocks of channels
     (BatchNorm1d's (N, C) input among them); their results are bitwise the same in blocks
     of one, two and all channels (the same sums in the same order), in training and with
@@ -668,6 +668,34 @@ def test_short_channels_in_blocks_as_one_at_a_time(dtype, shape, monkeypatch):
             np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
         # the forward's two sums and the backward's, in training; the backward's with running statistics
         assert len(span_calls) == (3 * threads + threads if shape[0] > loops.SPAN and threads > 1 else 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
+def test_short_channels_backward_in_blocks_as_the_channel_loop(dtype, shape, monkeypatch):
+    """BatchNorm's backward on short channels in blocks (one, two, all channels; split
+    over threads) is bitwise the one-channel-at-a-time loop's (``channel_backward``): the
+    same sums in the same order, and the same dx, in training and with running statistics."""
+    C = shape[1]
+    x = 7 + rounding(dtype, shape, 3.0)
+    dy = np.cos(np.arange(math.prod(shape))).reshape(shape).astype(dtype) / 7
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    b = np.linspace(-1, 1, C).astype(dtype)
+    _, mean, rstd, *_ = generic_kernel("batch_norm_forward")(xp, x, None, None, w, b, True, 0.1, 1e-5)
+
+    def results(block: int, threads: int) -> list[np.ndarray]:
+        monkeypatch.setattr(numba_channels, "_channel_block", lambda N, S, ct: block)
+        with config(threads, small=True):
+            return [
+                r
+                for training in (True, False)
+                for r in family_kernel("batch_norm_backward", "numba")(xp, dy, x, mean, rstd, w, b, training)
+            ]
+
+    channel_loop = results(0, 1)
+    for block, threads in ((1, 1), (2, 2), (C, 1), (C, 3)):
+        for a, c in zip(results(block, threads), channel_loop, strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -723,6 +751,53 @@ def test_long_channels_statistics_merged_row_by_row(dtype, shape):
         unit = (8 * eps * (offsets + 10) * np.abs(ours[2] * w))[None, :, None]  # 1,C,1
         assert ours[0].dtype == ref[0].dtype
         assert (np.abs(ours[0].astype(np.float64) - ref[0]) <= unit).all()
+
+
+@pytest.mark.parametrize("n, s", [(0, 7), (0, 4200), (1, 100), (1, 4999)])
+def test_long_channels_holding_an_inf_as_the_reference(n, s):
+    """An inf in a long channel (rows of two pieces): the mean and running mean inf, the
+    variance and output NaN, as the reference's two passes and PyTorch give them. The
+    merge gave a NaN mean (an inf first piece made the shift inf; a later one made the
+    next piece's difference of means -inf), whichever piece held it but the last."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 2, 5000))
+    x[n, 0, s] = np.inf
+    rm, rv = np.zeros(2), np.ones(2)
+    ours = family_kernel("batch_norm_forward", "numba")(xp, x, rm, rv, None, None, True, 0.1, 1e-5)
+    ref = generic_kernel("batch_norm_forward")(xp, x, rm, rv, None, None, True, 0.1, 1e-5)
+    assert ours[1][0] == np.inf and ours[3][0] == np.inf  # mean, running mean
+    for a, c in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)  # (NaN where NaN)
+
+
+def test_long_channels_whose_variance_overflows_as_the_reference():
+    """float64 values of 1e200: the squared deviations overflow, the variance is inf,
+    rstd 0 and the output the bias, as the reference and PyTorch give them. The merge's
+    first step took ``d*d*0`` with ``d*d`` inf: NaN everywhere."""
+    x = np.random.default_rng(0).normal(size=(2, 1, 300)) * 1e200
+    args = (x, np.zeros(1), np.ones(1), None, np.full(1, 0.5), True, 0.1, 1e-5)
+    ours = family_kernel("batch_norm_forward", "numba")(xp, *args)
+    ref = generic_kernel("batch_norm_forward")(xp, *args)
+    assert ours[2][0] == 0 and ours[4][0] == np.inf and (ours[0] == 0.5).all()
+    for a, c in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, c, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 300), (2, 2, 17), (300, 2)])
+def test_an_inf_in_dy_gives_the_references_nan_and_inf(shape):
+    """One inf in dy: BatchNorm's training dx is inf or NaN where the reference's is
+    (a -inf mean of dy less the inf, ...). Splitting mean(dy) = inf into two parts gave
+    ``inf - inf``, and every dx of the channel NaN."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape)
+    dy = np.ones(shape)
+    dy.reshape(-1)[5 * shape[1]] = np.inf  # a value of channel 0
+    _, mean, rstd, *_ = generic_kernel("batch_norm_forward")(xp, x, None, None, None, None, True, 0.1, 1e-5)
+    ours = family_kernel("batch_norm_backward", "numba")(xp, dy, x, mean, rstd, None, None, True)[0]
+    ref = generic_kernel("batch_norm_backward")(xp, dy, x, mean, rstd, None, None, True)[0]
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    assert np.isinf(ours).any() and np.isfinite(ours[:, 1:]).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

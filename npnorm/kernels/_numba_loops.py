@@ -276,7 +276,7 @@ def _batch_dx_coefs(rs, wc, sd, sdx, M, s):  # type: ignore[no-untyped-def]
     s[1] = -rs * wc * (sdx * rs / M)
     d = sd / M
     s[2] = d
-    s[3] = d - s[2]
+    s[3] = d - s[2] if np.isfinite(d) else 0.0  # (an inf in dy: inf, and no NaN from inf - inf)
     return s[0], s[1], s[2], s[3]
 
 
@@ -484,6 +484,23 @@ def rms_norm_backward(dy, x, rstd, w, dx, dw, pw, with_sums, base, r0, r1):  # t
 
 
 @_loop
+def _channel_two_pass(x, c, mean, var):  # type: ignore[no-untyped-def]
+    """Channel c's mean and biased variance of x (N,C,S) into ``mean[c]``, ``var[c]``, two
+    passes over the channel (float64): ``channel_forward``'s way for a channel holding an
+    inf or NaN, whose merge gives NaN where the mean is inf."""
+    N, S = x.shape[0], x.shape[2]
+    t = 0.0
+    for n in range(N):
+        t += _sum(x[n, c], 0, S)
+    m = t / (N * S)
+    q = 0.0
+    for n in range(N):
+        q += _sum_sq_dev(x[n, c], 0, S, m)
+    mean[c] = m
+    var[c] = q / (N * S)
+
+
+@_loop
 def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)`` of x (N,C,S), channel c's M = N*S values being the N rows
     ``x[n, c]``. With ``training``, each channel's mean and biased variance (float64) are
@@ -523,6 +540,10 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
                     mp = _sum_dev(xr, lo, hi, sh) / (hi - lo)  # the piece's mean about the shift
                     qp = _sum_sq_dev(xr, lo, hi, sh + mp)  # and its squared deviations
                     done = n * S + lo  # values merged so far
+                    if done == 0:  # the first piece as it is (d*d*0 is NaN where d*d overflows)
+                        mean[c] = mp
+                        var[c] = qp
+                        continue
                     d = mp - mean[c]
                     f = (hi - lo) / (done + (hi - lo))
                     mean[c] += d * f
@@ -530,6 +551,8 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
         for c in range(c0, c1):
             mean[c] += shift[c - c0]
             var[c] /= N * S
+            if not np.isfinite(mean[c]):  # an inf or NaN among the values: as the two-pass
+                _channel_two_pass(x, c, mean, var)  # statistics have them (inf - inf is NaN)
     for c in range(c0, c1):
         rs, m_hi[c - c0], m_lo[c - c0] = _row_stats(mean[c], var[c], eps, s)
         rstd[c] = rs

@@ -35,14 +35,15 @@ The passes ("sweep": one read of the inputs from memory):
   ``M2_c = sum(M2) + S*sum((mean_r - mean_c)^2)``, in float64: as exact as a
   two-pass variance over the channel); then ``y = (x - mean_c)*(rstd_c*w_c) + b_c``.
 * BatchNorm backward, two sweeps: per row ``sum(dy)`` and ``dot(dy, x - mean_c)``,
-  summed per channel; then ``dx = a_c*dy + b_c*(x - mean_c) + c_c``.
+  summed per channel (the samples in float64); then ``dx = a_c*(dy - d_c) + b_c*(x - mean_c)``,
+  ``d_c = mean(dy)``: dy centred before it is scaled, as PyTorch's kernel does.
 * Running statistics (BatchNorm eval, InstanceNorm without input statistics): one
   sweep ``y = (x - mean_c)*(rstd_c*w_c) + b_c``; backward ``dx = rstd_c*w_c*dy``,
   with the sums for dweight/dbias in the same sweep.
 
 When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
 the subtraction of the mean is folded into the constant term of an elementwise map
-(``y = x*s + t``, ``dx = a*dy + b*x + (c - b*mean)``), one pass fewer for the same
+(``y = x*s + t``, ``dx = a*(dy - (d + b*mean/a)) + b*x``), one pass fewer for the same
 accuracy to a few ulps; otherwise (a large common offset) the kernels centre first.
 The backward's sums always take ``dy*(x - mean)``: ``sum(dy*x) - mean*sum(dy)`` sums
 terms of one sign when dy has a common part (``loss = y.sum() + ...``), whose float32

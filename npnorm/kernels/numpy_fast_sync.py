@@ -84,8 +84,8 @@ def sync_batch_norm_dx(
     mean_dy: np.ndarray,
     mean_dyxc: np.ndarray,
 ) -> np.ndarray:
-    """``dx = a*dy + b*(x - mean) + c`` with ``a = rstd*w``,
-    ``b = -rstd^3*w*mean_G(dy*(x - mean))``, ``c = -rstd*w*mean_G(dy)``: one sweep."""
+    """``dx = a*(dy - mean_G(dy)) + b*(x - mean)`` with ``a = rstd*w``,
+    ``b = -rstd^3*w*mean_G(dy*(x - mean))``: one sweep (dy centred before it is scaled)."""
     ct = np.dtype(work_dtype(xp, input, weight, mean))
     C = int(input.shape[1])
     m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
