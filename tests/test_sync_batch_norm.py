@@ -961,3 +961,25 @@ def test_a_bad_counter_on_one_rank_raises_on_every_rank():
 
     errors = run_ranks(3, rank_fn)
     assert all(isinstance(e, ValueError) and "division by zero" in str(e) for e in errors), errors
+
+
+def test_an_overwrite_after_an_overwrite_names_only_what_the_synced_backward_keeps():
+    """After a first overwrite (the weight, by load_state_dict), a reset of the running
+    statistics added them to the error as if the synced backward kept them (the record of
+    the first overwrite was read as a one-rank forward)."""
+    x = np.random.default_rng(0).normal(size=(4, 3))
+
+    def rank_fn(comm: ThreadComm):
+        m = npnorm.SyncBatchNorm(3, comm=comm)
+        m(x[2 * comm.Get_rank() : 2 * comm.Get_rank() + 2])
+        m.load_state_dict({"weight": np.full(3, 2.0)}, strict=False)
+        m.reset_running_stats()
+        try:
+            m.backward(np.ones((2, 3)))
+        except RuntimeError as err:
+            return str(err)
+        return None
+
+    for message in run_ranks(2, rank_fn):
+        assert message is not None and "the weight that the last forward used" in message, message
+        assert "running" not in message and "by load_state_dict" in message, message

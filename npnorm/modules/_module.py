@@ -536,15 +536,17 @@ class Module:
         """The arrays ``names`` were overwritten in place by ``by``: where the saved forward
         used one (one that PyTorch's backward of the layer keeps), ``backward`` raises, as
         PyTorch's version check does (an earlier overwrite's names are kept, with theirs)."""
-        saved, kept = self._saved, self._kept()
+        saved = self._saved
         if isinstance(saved, _Overwritten):
+            kept = saved.kept
             more = [k for k in names if kept is not None and k in kept and k not in saved.names]
-            self._saved = _Overwritten(saved.names + more, saved.by)
+            self._saved = _Overwritten(saved.names + more, saved.by, kept)
         elif saved is not None:
+            kept = self._kept()
             own = {k: getattr(self, k) for k in names}
             hit = [k for k in names if (k in kept if kept is not None else any(v is own[k] for v in saved))]
             if hit:
-                self._saved = _Overwritten(hit, by)
+                self._saved = _Overwritten(hit, by, kept)
 
     def _write(self, name: str, value: Any, *, uncounted: bool = False) -> bool:
         """Set parameter or buffer ``name`` to ``value`` (of the module's backend):
@@ -758,6 +760,7 @@ class _Overwritten(NamedTuple):
 
     names: list[str]
     by: str
+    kept: tuple[str, ...] | None  # the _kept() of the forward it stands in for
 
 
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
