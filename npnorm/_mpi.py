@@ -10,6 +10,7 @@ stream has produced them, so MPI never reads a buffer the device is still writin
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,12 @@ def check_comm(comm: Comm | None) -> Comm | None:
         raise TypeError(
             f"comm must be an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), got {type(comm).__name__} "
             f"without {', '.join(missing)}"
+        )
+    mpi = sys.modules.get("mpi4py.MPI")  # imported wherever an mpi4py communicator exists
+    if mpi is not None and comm == mpi.COMM_NULL:
+        raise TypeError(
+            "comm is MPI.COMM_NULL, a communicator of no process (as Split gives the ranks it "
+            "leaves out): pass one this rank belongs to"
         )
     is_inter = getattr(comm, "Is_inter", None)
     if callable(is_inter) and is_inter():

@@ -302,6 +302,7 @@ def check_errors() -> None:
 
 
 def main() -> None:
+    global checks
     # 1d, 2d, 3d and more trailing axes; uneven and empty ranks; flags; dtypes; backends
     run_case(WORLD, (5, 1, 0))
     run_case(WORLD, (5, 1, 0), (4,), momentum=None, seed=1)
@@ -330,6 +331,14 @@ def main() -> None:
     if pair != MPI.COMM_NULL:
         run_case(pair, (3, 0), (2,), dtype="float32", seed=16)
         pair.Free()
+    else:  # the rank Split left out: a clear TypeError, not MPI's "Invalid communicator"
+        try:
+            npnorm.SyncBatchNorm(2, comm=pair)
+        except TypeError as err:
+            assert "MPI.COMM_NULL" in str(err), err
+            checks += 1
+        else:
+            raise AssertionError("SyncBatchNorm took MPI.COMM_NULL")
     check_eval_alone()
 
     check_errors()
