@@ -412,3 +412,35 @@ def test_batch_norm_dx_centres_dy_as_torch_does(torch, family, shape):
             dx = F.batch_norm_backward(dy, x, f[1], f[2], w, b)[0]
         ratios.append(_error(dx, dx64) / _error(xt.grad.numpy(), dx64))
     assert np.median(ratios) <= 1.5, ratios
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("spread, weight, scale", [(1e-14, 1e8, 1e4), (1e-10, 1e15, 1e6)])
+@pytest.mark.parametrize("op", ["instance_norm", "group_norm", "batch_norm"])
+def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
+    family, spread, weight, scale, op
+):
+    """rstd 1e10 to 1e14, below ``tiny_spread``'s bound, but weights and dy large enough
+    that the "numpy" family's coefficient ``rstd^3*sum(g*(x - mean))/n`` left float32
+    (dx ~1e26 fits): its dx was inf and NaN in most places. Such coefficients now take
+    the reference's way."""
+    rng = np.random.default_rng(7)
+    x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
+    dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)
+    w = np.full(3, weight)
+
+    def backward(x, dy):
+        w_ = w.astype(x.dtype)
+        if op == "group_norm":
+            f = F.group_norm_forward(x, 3, w_, None, 0.0)
+            return F.group_norm_backward(dy, x, 3, f[1], f[2], w_, None)
+        forward, back = getattr(F, op + "_forward"), getattr(F, op + "_backward")
+        f = forward(x, None, None, w_, None, True, 0.1, 1e-45 if op == "batch_norm" else 0.0)
+        return back(dy, x, f[1], f[2], w_, None, True)
+
+    with npnorm.use_kernels("reference"):
+        truth = backward(x.astype(np.float64), dy.astype(np.float64))
+    with npnorm.use_kernels(family):
+        ours = backward(x, dy)
+    assert np.isfinite(ours[0]).all()
+    assert _error(ours[0], truth[0]) <= 1e-5

@@ -874,14 +874,17 @@ def test_the_per_rank_kernels_emit_no_floating_point_warning(family):
 
 
 @pytest.mark.parametrize("family", npnorm.kernels_available())
-def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family):
+@pytest.mark.parametrize("spread, weight, scale", [(1e-20, 1.0, 1.0), (1e-14, 1e8, 1e4)])
+def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family, spread, weight, scale):
     """Values of spread 1e-20 with eps = 1e-45 (rstd ~1e20, whose square overflows
-    float32) over two ranks: dx finite and as BatchNorm's on the whole batch in float64
-    (the "numpy" family's dx sweep took coefficients of about rstd^2: inf, then NaN)."""
+    float32), or 1e-14 with a weight of 1e8 and dy of 1e4, over two ranks: dx finite and
+    as BatchNorm's on the whole batch in float64 (the "numpy" family's dx sweep took
+    coefficients of about rstd^2*w*dy: inf, then NaN)."""
     rng = np.random.default_rng(0)
-    x = (1e-20 * rng.normal(size=(4, 3, 16))).astype(np.float32)
-    dy = rng.normal(size=x.shape).astype(np.float32)
+    x = (spread * rng.normal(size=(4, 3, 16))).astype(np.float32)
+    dy = (scale * rng.normal(size=x.shape)).astype(np.float32)
     ref = npnorm.BatchNorm1d(3, eps=1e-45, dtype="float64")
+    ref.weight[...] = weight
     with npnorm.use_kernels("reference"):
         ref(x.astype(np.float64))
         truth = ref.backward(dy.astype(np.float64))
@@ -889,6 +892,7 @@ def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family):
     def rank_fn(comm: ThreadComm):
         part = slice(2 * comm.Get_rank(), 2 * comm.Get_rank() + 2)
         m = npnorm.SyncBatchNorm(3, eps=1e-45, comm=comm)
+        m.weight[...] = weight
         with npnorm.use_kernels(family):
             m(x[part])
             return m.backward(dy[part])

@@ -402,6 +402,13 @@ def _dx_sweep(
     run_chunks(work, R, B, S)
 
 
+class CoefficientOverflow(Exception):
+    """Raised by ``_batch_dx_sweep`` (before any write) and ``_group_backward`` where a
+    coefficient of dx is beyond the computation dtype's range though the sums are finite
+    (``rstd^3*sum(g*(x - mean))`` with a tiny spread and a large weight or gradient: inf,
+    then inf and NaN in dx): the caller runs the generic kernel instead."""
+
+
 def _batch_dx_sweep(
     rows_dy: Rows,
     rows_x: Rows,
@@ -433,6 +440,10 @@ def _batch_dx_sweep(
         a64 = r64 * wv  # C
         safe = np.where(a64 == 0, 1.0, a64)  # a = 0: dx = b*(x - mean) with b = 0 too
         d64 = d64 + np.where(a64 == 0, 0.0, b64 * m / safe)  # C
+    big = float(np.finfo(ct).max)
+    with np.errstate(invalid="ignore"):
+        if np.any(np.isfinite(b64) & (np.abs(b64) > big)):  # (a finite float64 beyond ct)
+            raise CoefficientOverflow
     center = None if fold else _Ring(m, B)
     rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(d64.astype(ct), B))
     _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
@@ -673,6 +684,9 @@ def _group_backward(
             np.multiply(r_all[a:e], sgx, out=b_)
             np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
+            beyond = np.isinf(b_).any() or np.isinf(c_).any()
+            if beyond and np.isfinite(sgx).all() and np.isfinite(sg).all():
+                raise CoefficientOverflow  # finite sums, coefficients beyond ct
             np.subtract(c_, np.multiply(b_, d, out=sg), out=c_)  # b*(xs - d) + c = b*xs + (c - b*d)
             out = dx2[a:e] if obuf is None else obuf[:n]  # n,L
             if a_all is not None:
@@ -769,7 +783,12 @@ def batch_norm_backward(
         return generic_kernel("batch_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
-    return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training, out)
+    try:
+        return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training, out)
+    except CoefficientOverflow:
+        return generic_kernel("batch_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, training, out
+        )
 
 
 # --- InstanceNorm ------------------------------------------------------------------------
@@ -847,7 +866,12 @@ def instance_norm_backward(
         )
     if use_input_stats:
         C = int(input.shape[1])
-        return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
+        try:
+            return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
+        except CoefficientOverflow:
+            return generic_kernel("instance_norm_backward")(
+                xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
+            )
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, False, out)
 
 
@@ -897,4 +921,9 @@ def group_norm_backward(
         return generic_kernel("group_norm_backward")(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
-    return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)
+    try:
+        return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)
+    except CoefficientOverflow:
+        return generic_kernel("group_norm_backward")(
+            xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+        )

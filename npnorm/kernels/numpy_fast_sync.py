@@ -28,6 +28,7 @@ from ..functional._dispatch import generic_kernel, specialized
 from ._blocks import block_rows, huge_spread, param, tiny_spread
 from .numpy_fast_channels import (
     NS,
+    CoefficientOverflow,
     _batch_dx_sweep,
     _foldable,
     _grad_sums_sweep,
@@ -100,7 +101,23 @@ def sync_batch_norm_dx(
     mean_dy64, mean_dyxc64 = _per_channel(mean_dy, C, f64), _per_channel(mean_dyxc, C, f64)  # C, C
     dx = np.empty(input.shape, dtype=input.dtype)
     # BatchNorm's dx sweep, with the global means as the sums over one value
-    _batch_dx_sweep(
-        rows_dy, rows_x, dx, ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, _foldable(m, r), B
-    )
+    try:
+        _batch_dx_sweep(
+            rows_dy,
+            rows_x,
+            dx,
+            ct,
+            m,
+            r,
+            param(weight, C, ct),
+            mean_dy64,
+            mean_dyxc64,
+            1.0,
+            _foldable(m, r),
+            B,
+        )
+    except CoefficientOverflow:
+        return generic_kernel("sync_batch_norm_dx")(
+            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
+        )
     return dx
