@@ -97,7 +97,8 @@ def gradcheck(
         ``(lambda x, w, b: F.layer_norm_forward(x, 4, w, b),
         lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 4, mean, rstd, w, b))``.
     x : array
-        The input (any float dtype and backend; the check runs on a float64 copy).
+        The input (any float dtype and backend; the check runs on a float64 copy, laid
+        out in memory as ``x`` is for a strided NumPy view).
     *params : array or None
         Only with a function pair: the parameters passed to ``forward`` after
         ``x`` (float64 copies; ``None`` passes through unchecked).
@@ -187,7 +188,7 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
         for name, value in {**module.parameters(), **module.buffers()}.items():  # the check's own
             setattr(module, name, copy_array(value))  # arrays (to() keeps those already float64)
         buffers = {name: copy_array(value) for name, value in module.buffers().items()}
-        x64 = to_namespace(x, xp, xp.float64)
+        x64 = _laid_out_as(x, to_namespace(x, xp, xp.float64))
 
         def forward(at: Array) -> Array:
             """The module's forward at ``at``, from the buffers as the check found them: a
@@ -264,7 +265,7 @@ def _check_pair(
     seed: int,
 ) -> bool:
     xp = namespace_of(x, *params, what="x and params")
-    x64 = to_namespace(x, xp, xp.float64)
+    x64 = _laid_out_as(x, to_namespace(x, xp, xp.float64))
     p64 = [None if p is None else to_namespace(p, xp, xp.float64) for p in params]
     out = forward(x64, *p64)
     y, saved = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
@@ -305,6 +306,32 @@ def _check_pair(
     where = f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}, in float64"
     _compare(where, analytic, numeric, atol, rtol)
     return True
+
+
+def _laid_out_as(x: Any, x64: Any) -> Any:
+    """``x64`` (a float64 copy of ``x``) in ``x``'s own memory layout, for a NumPy ``x``
+    that is a strided view (``base[:, ::2]``, a reversed axis): the check perturbs and
+    passes that array, so that a backward that depends on the layout (one that reads the
+    input as if it were C-ordered, as compiled code may) meets the layout it is given.
+    (The copy keeps C, Fortran and transposed orders already; other backends, and inputs
+    whose elements share memory, such as a broadcast, keep the copy.)"""
+    if not isinstance(x, np.ndarray) or x.size <= 1 or x.flags.c_contiguous or x.flags.f_contiguous:
+        return x64
+    if any(s % x.itemsize for s in x.strides):  # (an unaligned view)
+        return x64
+    steps = [s // x.itemsize for s in x.strides]  # in elements
+    offsets = np.zeros(x.shape, dtype=np.int64)  # each element's place in memory
+    for axis, (n, step) in enumerate(zip(x.shape, steps, strict=True)):
+        along = [1] * x.ndim
+        along[axis] = n
+        offsets = offsets + np.arange(n).reshape(along) * step
+    if np.unique(offsets).size != x.size:  # elements sharing memory: perturbing one moves others
+        return x64
+    lo = int(offsets.min())  # <= 0: the first element's place is 0
+    base = np.zeros(int(offsets.max()) - lo + 1)  # x's span, in float64
+    view = np.lib.stride_tricks.as_strided(base[-lo:], x.shape, [step * 8 for step in steps])
+    view[...] = x64
+    return view
 
 
 def _projection(xp: Namespace, y: Array, seed: int) -> Array:

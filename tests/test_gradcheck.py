@@ -351,3 +351,51 @@ def test_the_failure_message_keeps_each_array_on_its_line():
     text = _report("input", analytic, 1.5 * analytic, 1e-5, 1e-3)
     lines = text.splitlines()
     assert len(lines) == 3 and all(line.startswith("  ") for line in lines), lines
+
+
+class COrderedReader(npnorm.Module):
+    """A LayerNorm over the last axis whose backward reads the saved input as if it were
+    C-ordered (as compiled code may): right on contiguous input, wrong on a strided view."""
+
+    _parameter_names = ("weight",)
+
+    def __init__(self, d):
+        super().__init__(dtype="float64")
+        self.weight = np.linspace(0.5, 1.5, d)
+
+    def _forward(self, x):
+        xc = x - x.mean(-1, keepdims=True)
+        rstd = 1 / np.sqrt((xc**2).mean(-1, keepdims=True) + 1e-5)
+        return xc * rstd * self.weight, (x, rstd, self.weight), {}
+
+    def _backward(self, dy, saved):
+        x, rstd, w = saved
+        if self.c_ordered_read:
+            x = np.lib.stride_tricks.as_strided(x, x.shape, (x.shape[1] * x.itemsize, x.itemsize))
+        xhat = (x - x.mean(-1, keepdims=True)) * rstd
+        g = dy * w
+        dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+        return dx, {"weight": (dy * xhat).sum(0)}
+
+
+@pytest.mark.parametrize("layout", ["sliced", "reversed", "sliced float32"])
+def test_the_check_runs_on_the_inputs_own_layout(layout):
+    """A strided NumPy view is checked in its own memory layout, so that a backward
+    wrong only for such a layout fails (the float64 copy was contiguous: it passed); a
+    right backward passes on every layout, and x is left as it was."""
+    base = np.random.default_rng(0).standard_normal((3, 8))
+    views = {
+        "sliced": base[:, ::2],
+        "reversed": base[::-1, ::-2],
+        "sliced float32": base.astype(np.float32)[:, 1::2],
+    }
+    x = views[layout]
+    before = x.copy()
+    m = COrderedReader(4)
+    m.c_ordered_read = True
+    with pytest.raises(npnorm.GradcheckError):
+        npnorm.gradcheck(m, x)
+    m.c_ordered_read = False
+    assert npnorm.gradcheck(m, x)
+    assert npnorm.gradcheck(m, np.broadcast_to(base[:1, :4], (3, 4)))  # elements sharing memory
+    np.testing.assert_array_equal(x, before)
