@@ -141,11 +141,14 @@ def standardize_backward(
 
     so that ``dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))``.
     Without centring (RMSNorm) there is no mean, and no term 2. The two means are
-    accumulated in float64 (``wide_mean``).
+    accumulated in float64 (``wide_mean``), and term 2 comes before term 3: a common part
+    of ``dxhat`` (``dy = 1e3 + noise``) cancels there exactly, before anything rounds at
+    its scale.
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
-    inner = dxhat - xhat * proj  # (term 1 + term 3) / rstd
+    inner = dxhat  # term 1 / rstd
     if center:
         inner = inner - wide_mean(xp, dxhat, axes)  # + term 2 / rstd
+    inner = inner - xhat * proj  # + term 3 / rstd
     return inner * rstd  # same shape as x: dx
