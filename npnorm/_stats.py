@@ -127,7 +127,14 @@ def xhat_from(x: Array, mean: Array | None, rstd: Array) -> Array:
 
 
 def standardize_backward(
-    xp: Namespace, dxhat: Array, xhat: Array, rstd: Array, axes: Axes, *, center: bool = True
+    xp: Namespace,
+    dxhat: Array,
+    xhat: Array,
+    rstd: Array,
+    axes: Axes,
+    *,
+    center: bool = True,
+    weight: Array | None = None,
 ) -> Array:
     """Gradient ``dx`` through ``xhat = (x - mean) * rstd`` with batch statistics.
 
@@ -144,6 +151,15 @@ def standardize_backward(
     accumulated in float64 (``wide_mean``), and term 2 comes before term 3: a common part
     of ``dxhat`` (``dy = 1e3 + noise``) cancels there exactly, before anything rounds at
     its scale.
+
+    Where the affine weight is one number per statistic (BatchNorm's and InstanceNorm's
+    channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:
+    ``dxhat = dy * w`` with ``w`` constant over the reduced axes, so ``w`` factors out of
+    the three terms and ``dx = (rstd * w) * (dy - mean(dy) - xhat * mean(dy * xhat))``,
+    as PyTorch's kernel scales by ``invstd * w``. The factor ``rstd * w`` is taken in
+    float64 (``square_dtype``) and applied before rounding once: with float32 factors
+    either product alone can leave float32 where ``dx`` fits (rstd 1e15, dy 1e25 and
+    w 1e-8; or rstd 1e14 and w 1e25).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
@@ -151,4 +167,8 @@ def standardize_backward(
     if center:
         inner = inner - wide_mean(xp, dxhat, axes)  # + term 2 / rstd
     inner = inner - xhat * proj  # + term 3 / rstd
-    return inner * rstd  # same shape as x: dx
+    if weight is None:
+        return inner * rstd  # same shape as x: dx
+    wide = square_dtype(xp, rstd.dtype)
+    scale = cast(xp, rstd, wide) * cast(xp, weight, wide)  # shape of rstd, float64: rstd * w
+    return cast(xp, inner * scale, inner.dtype)  # same shape as x: dx

@@ -415,7 +415,17 @@ def test_batch_norm_dx_centres_dy_as_torch_does(torch, family, shape):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("spread, weight, scale", [(1e-14, 1e8, 1e4), (1e-10, 1e15, 1e6)])
+@pytest.mark.parametrize(
+    "spread, weight, scale",
+    [
+        (1e-14, 1e8, 1e4),
+        (1e-10, 1e15, 1e6),
+        (1e-15, 1e-8, 1e25),  # rstd * dy beyond float32, dx ~1e32
+        (1e-10, 1e-10, 1e30),  # the same, dx ~1e30
+        (1e-14, 1e25, 1e-6),  # rstd * w beyond float32, dx ~1e33
+        (1e30, 1e25, 1e-12),  # dy * rstd subnormal in float32, dx ~1e-17
+    ],
+)
 @pytest.mark.parametrize("op", ["instance_norm", "group_norm", "batch_norm"])
 def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     family, spread, weight, scale, op
@@ -423,7 +433,11 @@ def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     """rstd 1e10 to 1e14, below ``tiny_spread``'s bound, but weights and dy large enough
     that the "numpy" family's coefficient ``rstd^3*sum(g*(x - mean))/n`` left float32
     (dx ~1e26 fits): its dx was inf and NaN in most places. Such coefficients now take
-    the reference's way."""
+    the reference's way. Where one of the two factors of ``rstd * w * dy`` applied alone
+    leaves float32 (rstd * dy, rstd * w) and dx fits, the reference's BatchNorm and
+    InstanceNorm dx (which scaled by rstd, then w) was inf and NaN, and numba's (whose
+    per-channel ``rstd * w`` was inf) too; a subnormal ``dy * rstd`` lost digits (3e-4).
+    (PyTorch's dx is inf and NaN in the first two, and 0 in the last.)"""
     rng = np.random.default_rng(7)
     x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
     dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)

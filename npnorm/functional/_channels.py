@@ -263,10 +263,10 @@ def channel_norm_backward(
     dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
     if use_input_stats and weight is not None:
         # w is one number per statistic here, so it factors out of the three terms:
-        # dx = w * standardize_backward(dy), which centres dy before scaling it, as
+        # dx = (rstd * w) * (centred dy), which centres dy before scaling it, as
         # PyTorch's kernel does (dxhat = dy*w first rounds a common part of dy at w's scale)
-        w = xp.reshape(cast(xp, weight, ct), (1, -1, 1))  # 1,C,1
-        dx = standardize_backward(xp, dy, xhat, rstd, axes) * w  # N,C,S
+        w = xp.reshape(weight, (1, -1, 1))  # 1,C,1
+        dx = standardize_backward(xp, dy, xhat, rstd, axes, weight=w)  # N,C,S
     elif use_input_stats:
         dx = standardize_backward(xp, dxhat, xhat, rstd, axes)  # N,C,S
     else:

@@ -388,6 +388,18 @@ def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
 
 
+def scale_overflows(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any]) -> bool:
+    """Whether ``rstd * w``, the per-channel factor of a fast backward's ``dx`` (BatchNorm,
+    InstanceNorm and GroupNorm scale ``dy`` by it), might leave ``ct`` (rstd 1e14 with
+    w 1e25 in float32): a bound from the largest of each, taken in float64. dx may still
+    fit (w 1e25 with dy 1e-6: 1e33); the reference, which takes that product in
+    float64, then runs instead."""
+    if weight is None:
+        return False
+    big = np.max(np.abs(np.asarray(rstd, dtype=np.float64)), initial=0.0)
+    return bool(big * np.max(np.abs(np.asarray(weight, dtype=np.float64)), initial=0.0) > np.finfo(ct).max)
+
+
 def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     """Whether some statistic has so large an rstd (a spread below ~1e-15 in float32,
     with ``eps`` about 0) that the "numpy" family's backward coefficients, about
