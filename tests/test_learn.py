@@ -540,29 +540,6 @@ def test_the_learn_command_refuses_bad_arguments(capsys):
     assert "unknown exercise 'no_such'" in err and "no file /no/such/dir/rms_norm.py" in err
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        # options check does not take were ignored (--solution with a file graded the file)
-        (["check", "exercises/layer_norm.py", "--solution"], "--solution takes an exercise name"),
-        (["check", "layer_norm", "--eval"], "check takes an exercise and --solution only"),
-        (["check", "layer_norm", "--split", ""], "check takes an exercise and --solution only"),
-        (["layer_norm", "--solution"], "--solution applies to check"),
-        # a copy under another name was refused without saying why
-        (["check", __file__], "a file is graded as the exercise its name names"),
-        # a number of groups that does not divide the 6 channels printed a traceback
-        (["group_norm", "--groups", "4"], "--groups must divide the 6 channels: 1, 2, 3 or 6 (got 4)"),
-        (["group_norm", "--groups", "0"], "--groups must divide the 6 channels"),
-        (["batch_norm", "--groups", "3"], "--groups applies to group_norm"),  # was ignored
-    ],
-)
-def test_the_learn_command_checks_groups(capsys, argv, message):
-    with pytest.raises(SystemExit) as exit_:
-        _cli.main(argv)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 # --- the exercises ---
 
 
@@ -712,6 +689,18 @@ def test_a_learners_sys_exit_is_a_failure(where, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, match",
     [
+        # options check does not take were ignored (--solution with a file graded the file)
+        (["check", "exercises/layer_norm.py", "--solution"], "--solution takes an exercise name"),
+        (["check", "layer_norm", "--eval"], "check takes an exercise and --solution only"),
+        (["check", "layer_norm", "--split", ""], "check takes an exercise and --solution only"),
+        (["layer_norm", "--solution"], "--solution applies to check"),
+        # a copy under another name was refused without saying why
+        (["check", __file__], "a file is graded as the exercise its name names"),
+        # a number of groups that does not divide the 6 channels printed a traceback
+        (["group_norm", "--groups", "4"], "--groups must divide the 6 channels: 1, 2, 3 or 6 (got 4)"),
+        (["group_norm", "--groups", "0"], "--groups must divide the 6 channels"),
+        (["batch_norm", "--groups", "3"], "--groups applies to group_norm"),  # was ignored
+        # options the topic would ignore
         (["layer_norm", "--staged-vs-closed", "--matrix"], "choose one"),
         (["bessel", "--matrix"], "bessel takes no options"),
         (["bessel", "--eval"], "bessel takes no options"),
@@ -720,7 +709,8 @@ def test_a_learners_sys_exit_is_a_failure(where, tmp_path, capsys):
     ],
 )
 def test_options_a_topic_does_not_take_are_usage_errors(argv, match, capsys):
-    """Options the topic would ignore are refused (they ran the plain topic, exit 0)."""
+    """Options the topic or command would ignore, and bad values, are usage errors (exit 2)
+    that say what is expected (options a topic ignored ran the plain topic, exit 0)."""
     with pytest.raises(SystemExit) as info:
         _cli.main(argv)
     assert info.value.code == 2

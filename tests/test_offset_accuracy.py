@@ -365,12 +365,18 @@ def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family, scale, o
     x = (scale * rng.normal(size=(2, 3, 64))).astype(np.float32)
     dy = rng.normal(size=x.shape).astype(np.float32)
     w, b = np.linspace(0.5, 1.5, 3), np.linspace(-1, 1, 3)
+    _assert_dx_finite_and_accurate(op, family, x, dy, w, b, groups=1)
+
+
+def _assert_dx_finite_and_accurate(op, family, x, dy, w, b, *, groups):
+    """``op``'s training backward (``eps`` about 0) on float32 ``x`` and ``dy`` in ``family``:
+    finite, and within 1e-5 of the reference's on the same values in float64."""
 
     def backward(x, dy):
-        w_, b_ = w.astype(x.dtype), b.astype(x.dtype)
+        w_, b_ = w.astype(x.dtype), None if b is None else b.astype(x.dtype)
         if op == "group_norm":
-            f = F.group_norm_forward(x, 1, w_, b_, 0.0)
-            return F.group_norm_backward(dy, x, 1, f[1], f[2], w_, b_)
+            f = F.group_norm_forward(x, groups, w_, b_, 0.0)
+            return F.group_norm_backward(dy, x, groups, f[1], f[2], w_, b_)
         eps = 1e-45 if op == "batch_norm" else 0.0
         forward, back = getattr(F, op + "_forward"), getattr(F, op + "_backward")
         f = forward(x, None, None, w_, b_, True, 0.1, eps)
@@ -441,20 +447,4 @@ def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     rng = np.random.default_rng(7)
     x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
     dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)
-    w = np.full(3, weight)
-
-    def backward(x, dy):
-        w_ = w.astype(x.dtype)
-        if op == "group_norm":
-            f = F.group_norm_forward(x, 3, w_, None, 0.0)
-            return F.group_norm_backward(dy, x, 3, f[1], f[2], w_, None)
-        forward, back = getattr(F, op + "_forward"), getattr(F, op + "_backward")
-        f = forward(x, None, None, w_, None, True, 0.1, 1e-45 if op == "batch_norm" else 0.0)
-        return back(dy, x, f[1], f[2], w_, None, True)
-
-    with npnorm.use_kernels("reference"):
-        truth = backward(x.astype(np.float64), dy.astype(np.float64))
-    with npnorm.use_kernels(family):
-        ours = backward(x, dy)
-    assert np.isfinite(ours[0]).all()
-    assert _error(ours[0], truth[0]) <= 1e-5
+    _assert_dx_finite_and_accurate(op, family, x, dy, np.full(3, weight), None, groups=3)
