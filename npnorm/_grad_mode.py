@@ -14,7 +14,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Generator
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 _state = threading.local()
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -96,7 +96,24 @@ class _GradMode(contextlib.ContextDecorator):
         return cast(_F, generator)
 
 
-def no_grad() -> _GradMode:
+def _mode(enabled: bool, func: object, name: str) -> Any:
+    """``_GradMode(enabled)``, or ``func`` decorated with it (the bare ``@npnorm.no_grad``,
+    which ``torch.no_grad`` accepts too)."""
+    if func is None:
+        return _GradMode(enabled)
+    if not callable(func):
+        raise TypeError(
+            f"npnorm.{name}() takes no arguments (with npnorm.{name}(): ...), or decorates a "
+            f"function (@npnorm.{name} or @npnorm.{name}()); got {type(func).__name__}"
+        )
+    return _GradMode(enabled)(func)
+
+
+@overload
+def no_grad() -> _GradMode: ...
+@overload
+def no_grad(func: _F) -> _F: ...
+def no_grad(func: object = None) -> Any:
     """Context manager (or decorator): forwards in this thread save nothing for backward.
 
     Use it for inference: a module's forward normally keeps its input and the
@@ -108,11 +125,19 @@ def no_grad() -> _GradMode:
     PyTorch). The setting is per thread, like ``torch.no_grad``, and nests with
     :func:`enable_grad`.
 
+    Parameters
+    ----------
+    func : callable, optional
+        A function to decorate (the bare ``@npnorm.no_grad``); without it, the
+        context manager.
+
     Returns
     -------
     context manager
-        Also usable as a decorator: ``@npnorm.no_grad()``; a decorated generator
-        function runs in it whenever it resumes (not while it waits at a ``yield``).
+        Also usable as a decorator, ``@npnorm.no_grad()`` or ``@npnorm.no_grad`` (as
+        ``torch.no_grad``); a decorated generator function runs in it whenever it
+        resumes (not while it waits at a ``yield``). Called with a function, returns
+        it decorated.
 
     Examples
     --------
@@ -126,16 +151,27 @@ def no_grad() -> _GradMode:
     ...     print("RuntimeError")
     RuntimeError
     """
-    return _GradMode(False)
+    return _mode(False, func, "no_grad")
 
 
-def enable_grad() -> _GradMode:
+@overload
+def enable_grad() -> _GradMode: ...
+@overload
+def enable_grad(func: _F) -> _F: ...
+def enable_grad(func: object = None) -> Any:
     """Context manager (or decorator): forwards in this thread save for backward again,
     also inside :func:`no_grad`. ``npnorm.gradcheck`` runs in it.
+
+    Parameters
+    ----------
+    func : callable, optional
+        A function to decorate (the bare ``@npnorm.enable_grad``); without it, the
+        context manager.
 
     Returns
     -------
     context manager
+        Also usable as a decorator, with or without the call (``@npnorm.enable_grad``).
 
     Examples
     --------
@@ -145,4 +181,4 @@ def enable_grad() -> _GradMode:
     ...         npnorm.is_grad_enabled()
     True
     """
-    return _GradMode(True)
+    return _mode(True, func, "enable_grad")

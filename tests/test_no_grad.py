@@ -104,6 +104,35 @@ def test_decorator(rng):
     assert m._saved is None and npnorm.is_grad_enabled()
 
 
+def test_bare_decorators_as_torch_takes_them(rng, torch):
+    """``@npnorm.no_grad`` and ``@npnorm.enable_grad`` without the call, as ``torch.no_grad``
+    takes them (a TypeError: no_grad() takes 0 positional arguments but 1 was given)."""
+
+    @torch.no_grad
+    def torch_mode():
+        return torch.is_grad_enabled()
+
+    @npnorm.no_grad
+    def infer(m, x):
+        """Runs m."""
+        return npnorm.is_grad_enabled(), m(x)
+
+    @npnorm.enable_grad
+    def train(m, x):
+        return npnorm.is_grad_enabled(), m(x)
+
+    m = npnorm.RMSNorm(3)
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    assert infer(m, x)[0] is torch_mode() is False
+    assert m._saved is None and infer.__doc__ == "Runs m." and infer.__name__ == "infer"
+    with npnorm.no_grad():
+        assert train(m, x)[0] is True and m._saved is not None
+    assert npnorm.is_grad_enabled()
+    for mode in (npnorm.no_grad, npnorm.enable_grad):
+        with pytest.raises(TypeError, match=r"takes no arguments .* or decorates a function .* got int"):
+            mode(5)
+
+
 def test_decorated_generator_runs_in_the_mode_only_while_it_runs(rng, torch):
     # as @torch.no_grad(): the decorator covers every resumption of the generator, not only
     # the call that makes it (npnorm's forwards inside saved their input), and the

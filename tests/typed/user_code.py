@@ -16,6 +16,12 @@ def infer(m: npnorm.LayerNorm, x: np.ndarray) -> np.ndarray:
     return y
 
 
+@npnorm.no_grad  # bare, as torch.no_grad takes it
+def infer_bare(m: npnorm.LayerNorm, x: np.ndarray) -> np.ndarray:
+    y: np.ndarray = m(x)
+    return y
+
+
 def main() -> None:
     x = np.ones((2, 4), dtype=np.float32)
     ln: npnorm.LayerNorm = npnorm.LayerNorm(4).to(dtype="float64").train()  # methods return the layer
@@ -25,6 +31,7 @@ def main() -> None:
         y = ln(x.astype(np.float64))
         ln.backward(np.ones_like(y))
     infer(ln, x.astype(np.float64))
+    infer_bare(ln, x.astype(np.float64))
     npnorm.set_num_threads(np.int64(1))  # any integer
     _, mean, rstd = F.layer_norm_forward(x, 4)
     dx, dw, db = F.layer_norm_backward(x, x, 4, mean, rstd)
