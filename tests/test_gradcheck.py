@@ -370,8 +370,9 @@ class COrderedReader(npnorm.Module):
 
     def _backward(self, dy, saved):
         x, rstd, w = saved
-        if self.c_ordered_read:
-            x = np.lib.stride_tricks.as_strided(x, x.shape, (x.shape[1] * x.itemsize, x.itemsize))
+        if self.c_ordered_read:  # from the view's lowest address, within the memory it spans
+            low = x[tuple(slice(None, None, -1 if step < 0 else 1) for step in x.strides)]
+            x = np.lib.stride_tricks.as_strided(low, x.shape, (x.shape[1] * x.itemsize, x.itemsize))
         xhat = (x - x.mean(-1, keepdims=True)) * rstd
         g = dy * w
         dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
