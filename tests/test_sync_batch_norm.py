@@ -290,8 +290,6 @@ def test_float32_with_an_offset_keeps_the_variance(family, offset, spread):
 def _error_case(name, rank):
     """The input rank ``rank`` passes in error case ``name`` (3 ranks, a module of 3 channels)."""
     good = np.random.default_rng(rank).normal(size=(2, 3, 4))
-    if name == "count 0":
-        return np.zeros((0, 3, 4))
     if name == "count 1":
         return np.ones((1, 3)) if rank == 1 else np.zeros((0, 3))
     if name == "channels":
@@ -310,7 +308,6 @@ def _error_case(name, rank):
 
 
 ERRORS = {
-    "count 0": (ValueError, "expected more than 1 value per channel when training, got 0 over the 3 ranks"),
     "count 1": (ValueError, "got 1 over the 3 ranks (values per channel on each rank: 0, 1, 0)"),
     "channels": (ValueError, "SyncBatchNorm failed on rank 1 of 3: SyncBatchNorm expected 3 channels"),
     "dtype": (ValueError, "different dtypes (rank 0: float32, rank 1: float64, rank 2: float64)"),
@@ -342,6 +339,30 @@ def test_every_forward_error_is_raised_on_every_rank_and_changes_nothing(name):
     assert all(isinstance(msg, str) for msg in messages), messages
     assert len(set(messages)) == 1, messages
     assert message in messages[0]
+
+
+def test_an_empty_batch_on_every_rank_is_batch_norms_empty_batch():
+    """No values on any rank: what BatchNorm does with the empty batch, as one rank did
+    (empty output and dx, zero parameter gradients, the buffers kept, the batch counted);
+    three ranks raised "expected more than 1 value per channel ... got 0 over the 3 ranks"."""
+    ref = npnorm.BatchNorm1d(3, dtype="float64")
+    randomize(ref, np.random.default_rng(0))
+    empty = np.zeros((0, 3, 4))
+    y_ref, dx_ref = ref(empty), ref.backward(empty)
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        randomize(m, np.random.default_rng(0))
+        y, dx = m(empty), m.backward(empty)
+        return y.shape, dx.shape, m.state_dict(), m.grads
+
+    for y_shape, dx_shape, state, grads in run_ranks(3, rank_fn):
+        assert y_shape == y_ref.shape and dx_shape == dx_ref.shape
+        for name, value in ref.state_dict().items():
+            np.testing.assert_array_equal(state[name], value, err_msg=name)
+        assert set(grads) == set(ref.grads) == {"weight", "bias"}
+        for name, g in grads.items():
+            np.testing.assert_array_equal(g, ref.grads[name])
 
 
 def test_a_bad_grad_output_on_one_rank_raises_on_every_rank():

@@ -78,7 +78,7 @@ def sync_batch_norm_forward(
 
     Every rank must call this collectively (empty ranks included: they return empty
     outputs). Errors are collective: a bad input on any rank, channel counts or dtypes
-    that differ across ranks, or a global count of 0 or 1 values per channel raise the
+    that differ across ranks, or a global count of 1 value per channel raise the
     same ``ValueError`` (``TypeError`` for a non-floating or mixed-backend input) on
     every rank, with the same message.
 
@@ -248,6 +248,9 @@ def synced_forward(
         payload[1 : 1 + c] = to_host(mean_r)  # staged through host memory
         payload[1 + c :] = to_host(var_r).astype(np.float64) * n_local  # M2 = n * var
     n, mean64, m2 = merge_moments(allgather(comm, payload))  # (), C, C: identical on every rank
+    if n == 0:  # an empty batch on every rank: BatchNorm's on it (NaN statistics, buffers kept)
+        y, mean, rstd, _, _ = batch_norm_forward(input, None, None, weight, bias, True, momentum, eps)
+        return y, mean, rstd, running_mean, running_var
 
     var64 = m2 / n  # C, biased: what normalizes
     mean = to_namespace(mean64, xp, ct)  # C
@@ -328,6 +331,8 @@ def synced_backward(
     if total[0] > 0:  # some rank failed its checks: every rank knows, every rank raises
         raise_collectively(comm, error, what)
     n = total[1]
+    if n == 0:  # an empty batch on every rank: BatchNorm's gradients on it (empty, zeros)
+        return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
     mean_dy = to_namespace(total[2 : 2 + c] / n, xp, ct)  # C: global mean of dy
     mean_dyxc = to_namespace(total[2 + c :] / n, xp, ct)  # C: global mean of dy*(x - mean)
     dx = kernel("sync_batch_norm_dx", xp)(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc)
@@ -408,7 +413,7 @@ def _check_across_ranks(table: np.ndarray, what: str) -> None:
             f"{what}: the ranks' inputs have different dtypes ({listed}); every rank must pass one dtype"
         )
     total = int(counts.sum())
-    if total <= 1:
+    if total == 1:  # (0: an empty batch, as BatchNorm's: no error)
         raise ValueError(
             f"{what}: expected more than 1 value per channel when training, got {total} over the "
             f"{len(counts)} ranks (values per channel on each rank: {per_rank(str(int(v)) for v in counts)})"

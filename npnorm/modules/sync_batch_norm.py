@@ -58,7 +58,7 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
     Training forward and backward are collective: every rank of ``comm`` must call
     them, in the same order, empty ranks (N = 0) included. Errors are collective too:
     a bad input on any rank, channel counts or dtypes that differ across ranks, or a
-    global batch of 0 or 1 values per channel raise the same ``ValueError``
+    global batch of 1 value per channel raise the same ``ValueError``
     (``TypeError`` for a non-floating or wrong-backend input) on every rank, leaving
     every rank's parameters, buffers and counter unchanged.
 
@@ -78,7 +78,9 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
         ``state_dict`` keys as BatchNorm).
     bias : bool, keyword-only, default True
         With ``affine``, learn ``bias`` as well as ``weight``.
-    comm : mpi4py intracommunicator, keyword-only, default None
+    comm : mpi4py intracommunicator, default None
+        In the place of PyTorch's ``process_group`` (positional after
+        ``track_running_stats``, before ``device`` and ``dtype``, as there).
         None means ``MPI.COMM_WORLD``, resolved at each training step (mpi4py is
         imported then, never by ``import npnorm`` nor in eval). Kept in ``self.comm``.
         ``copy.copy``/``copy.deepcopy`` keep the communicator (a handle on this
