@@ -416,6 +416,7 @@ BAD_CALLS = [
     ("group_norm", ((2, 6, 4), 4), {}),  # 6 channels in 4 groups
     ("instance_norm", ((2, 3), None, None), {}),  # no spatial axis
     ("instance_norm", ((2, 3, 1), None, None), {}),  # one spatial element
+    ("group_norm", ((1, 3), 3), {}),  # one value per group (the staged form ran: zeros)
 ]
 
 
@@ -425,8 +426,49 @@ def test_bad_arguments_raise_what_the_functional_forward_raises(name, args, kwar
     call = (x, *args[1:])
     with pytest.raises(Exception) as theirs:
         getattr(F, f"{name}_forward")(*call, **kwargs)
-    with pytest.raises(type(theirs.value)):
+    with pytest.raises(type(theirs.value)) as ours:
         staged_forward(name, *call, **kwargs)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize(
+    "name,args,kwargs",
+    [
+        ("instance_norm", ((2, 3), np.zeros(3), np.ones(3)), {"use_input_stats": False}),
+        ("batch_norm", ((6, 3), np.zeros(3), np.ones(3)), {"training": True}),
+        ("batch_norm", ((6, 3), np.zeros(3), np.ones(3)), {"training": False}),
+    ],
+)
+def test_what_the_functional_forward_takes_the_staged_one_takes(name, args, kwargs):
+    """(N, C) input to InstanceNorm with running statistics, as the functional form and
+    PyTorch take it (the staged form wanted 3 dims); its output and updates are the
+    functional's, and every step checks."""
+    x = np.random.default_rng(0).normal(size=args[0])
+    theirs = getattr(F, f"{name}_forward")(x, *args[1:], **kwargs)
+    tape = staged_forward(name, x, *args[1:], **kwargs)
+    np.testing.assert_allclose(tape.output, theirs[0], rtol=1e-12, atol=1e-12)
+    for key, value in zip(("running_mean", "running_var"), theirs[3:], strict=True):
+        np.testing.assert_allclose(tape.updates.get(key, args[1 if key == "running_mean" else 2]), value)
+    rows = check_steps(tape, staged_backward(tape, upstream(tape.output.shape)))
+    assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]
+
+
+@pytest.mark.parametrize(
+    "name,args,kwargs",
+    [
+        ("batch_norm", ((0, 3), None, None), {"training": True}),
+        ("instance_norm", ((2, 3, 0), None, None), {}),
+        ("group_norm", ((0, 6, 2), 3), {}),
+    ],
+)
+def test_an_empty_batch_says_the_staged_graph_needs_values(name, args, kwargs):
+    """The functional forms take an empty batch (empty outputs); the staged graph, which
+    takes means of what it holds, says it needs values (BatchNorm and InstanceNorm
+    said "Expected more than 1 value", GroupNorm raised ZeroDivisionError)."""
+    x = np.zeros(args[0])
+    assert getattr(F, f"{name}_forward")(x, *args[1:], **kwargs)[0].shape == x.shape
+    with pytest.raises(ValueError, match=f"the staged {name} needs values to run: input of shape"):
+        staged_forward(name, x, *args[1:], **kwargs)
 
 
 def test_only_numpy_float_arrays_and_known_layers():

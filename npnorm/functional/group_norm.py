@@ -30,6 +30,18 @@ from ._channels import (
 from ._dispatch import generic, run
 
 
+def check_values_per_group(shape: tuple[int, ...], num_groups: int) -> None:
+    """PyTorch's ``ValueError`` for an input of one value per group in all (N*C/G times
+    the spatial size is 1), checked on its (N*C/G, G, *) view."""
+    n, c = int(shape[0]), int(shape[1])
+    spatial = [int(d) for d in shape[2:]]
+    if n * c // num_groups * prod(spatial) == 1:
+        raise ValueError(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{[n * c // num_groups, num_groups, *spatial]}"
+        )
+
+
 def check_groups(num_groups: int, num_channels: int) -> int:
     """``num_groups`` as an int, checked to divide ``num_channels``."""
     num_groups = check_count(num_groups, "num_groups")
@@ -99,13 +111,8 @@ def group_norm_forward(
     c = check_channels(input, None, "group_norm")
     num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=weight, bias=bias)
+    check_values_per_group(input.shape, num_groups)
     n = int(input.shape[0])
-    spatial = [int(d) for d in input.shape[2:]]
-    if n * c // num_groups * prod(spatial) == 1:  # PyTorch's check, on its (N*C/G, G, *) view
-        raise ValueError(
-            "Expected more than 1 value per channel when training, got input size "
-            f"{[n * c // num_groups, num_groups, *spatial]}"
-        )
     check_out(xp, out, input)
     if n * prod(input.shape[1:]) == 0:  # no group holds a value (or there is none)
         return empty_forward(xp, input, (n, num_groups), weight, bias, out)

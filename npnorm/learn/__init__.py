@@ -65,7 +65,9 @@ def staged_forward(name: str, *args: Any, **kwargs: Any) -> Tape:
         The layer.
     *args, **kwargs : any
         The arguments of ``npnorm.functional.<name>_forward`` (same names, defaults
-        and errors) but ``out=``; NumPy arrays, computed in float64.
+        and errors) but ``out=``; NumPy arrays, computed in float64. An input without
+        values for the statistics (an empty batch), which the functional forms take,
+        is a ``ValueError``: the staged graph runs on values.
 
     Returns
     -------

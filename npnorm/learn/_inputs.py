@@ -25,6 +25,17 @@ def float64_leaves(**arrays: Array | None) -> list[np.ndarray | None]:
     return [None if a is None else np.array(a, dtype=np.float64) for a in arrays.values()]
 
 
+def refuse_empty(x: np.ndarray, name: str) -> None:
+    """The staged graph runs on values: an input that holds none for some statistic (an
+    empty batch, or no spatial values), which ``npnorm.functional.<name>_forward``
+    takes (an empty output), is a ``ValueError`` saying so (means of nothing, NaN)."""
+    if x.size == 0:
+        raise ValueError(
+            f"the staged {name} needs values to run: input of shape {x.shape} has none "
+            f"(npnorm.functional.{name}_forward gives an empty output for it)"
+        )
+
+
 def machine_eps(input: Array) -> float:
     """RMSNorm's default eps: the machine epsilon of the dtype the library computes the
     input in (the weight's dtype aside, as in PyTorch)."""

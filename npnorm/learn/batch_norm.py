@@ -16,7 +16,7 @@ import numpy as np
 from .._checks import check_eps
 from ..functional._channels import check_buffers_paired, check_channels, check_momentum, check_per_channel
 from ._graph import affine, backward, channel_view, standardize
-from ._inputs import float64_leaves
+from ._inputs import float64_leaves, refuse_empty
 from ._tape import Tape
 
 
@@ -43,8 +43,9 @@ def batch_norm(
     c = check_channels(x, None, "batch_norm")
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
     check_buffers_paired(rm, rv)
+    refuse_empty(x, "batch_norm")
     n = x.size // c  # values per channel
-    if training and n <= 1:
+    if training and n == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
     if not training and rm is None:
         raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")

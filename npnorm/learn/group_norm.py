@@ -15,9 +15,9 @@ import numpy as np
 
 from .._checks import check_eps
 from ..functional._channels import check_channels, check_per_channel
-from ..functional.group_norm import check_groups
+from ..functional.group_norm import check_groups, check_values_per_group
 from ._graph import Grads, View, affine, affine_backward, channel_view, standardize, standardize_backward
-from ._inputs import float64_leaves
+from ._inputs import float64_leaves, refuse_empty
 from ._tape import Tape
 
 
@@ -35,6 +35,8 @@ def group_norm(
     c = check_channels(x, None, "group_norm")
     num_groups = check_groups(num_groups, c)
     check_per_channel(c, weight=w, bias=b)
+    check_values_per_group(x.shape, num_groups)
+    refuse_empty(x, "group_norm")
     grouped = (x.shape[0], num_groups, x.size // (x.shape[0] * num_groups))  # N, G, C/G·S
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)
     t = Tape("group_norm", input=x, weight=w, bias=b)

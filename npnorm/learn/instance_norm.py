@@ -13,7 +13,7 @@ import numpy as np
 from .._checks import check_eps
 from ..functional._channels import check_buffers_paired, check_channels, check_momentum, check_per_channel
 from ._graph import affine, backward, channel_view, standardize
-from ._inputs import float64_leaves
+from ._inputs import float64_leaves, refuse_empty
 from ._tape import Tape
 
 
@@ -38,11 +38,12 @@ def instance_norm(
         input=input, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias
     )
     assert x is not None
-    c = check_channels(x, None, "instance_norm", min_ndim=3)
+    c = check_channels(x, None, "instance_norm", min_ndim=2)
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
     check_buffers_paired(rm, rv)
+    refuse_empty(x, "instance_norm")
     n = x.size // (x.shape[0] * c)  # spatial values per (sample, channel)
-    if use_input_stats and n <= 1:
+    if use_input_stats and n == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size {x.shape}")
     if not use_input_stats and rm is None:
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
