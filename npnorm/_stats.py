@@ -156,10 +156,8 @@ def standardize_backward(
     channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:
     ``dxhat = dy * w`` with ``w`` constant over the reduced axes, so ``w`` factors out of
     the three terms and ``dx = (rstd * w) * (dy - mean(dy) - xhat * mean(dy * xhat))``,
-    as PyTorch's kernel scales by ``invstd * w``. The factor ``rstd * w`` is taken in
-    float64 (``square_dtype``) and applied before rounding once: with float32 factors
-    either product alone can leave float32 where ``dx`` fits (rstd 1e15, dy 1e25 and
-    w 1e-8; or rstd 1e14 and w 1e25).
+    as PyTorch's kernel scales by ``invstd * w``, the factor taken in float64
+    (:func:`scaled`).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
@@ -169,6 +167,15 @@ def standardize_backward(
     inner = inner - xhat * proj  # + term 3 / rstd
     if weight is None:
         return inner * rstd  # same shape as x: dx
+    return scaled(xp, inner, rstd, weight)  # same shape as x: dx
+
+
+def scaled(xp: Namespace, a: Array, rstd: Array, weight: Array) -> Array:
+    """``a * (rstd * weight)`` in ``a``'s dtype, with ``rstd`` and ``weight`` one number per
+    statistic (shaped to broadcast against ``a``): their product is taken in float64
+    (``square_dtype``) and applied before rounding once, as PyTorch scales by
+    ``invstd * w``. With float32 factors either product alone can leave float32 where the
+    result fits (rstd 1e15, a 1e25 and w 1e-8; or rstd 1e14 and w 1e25)."""
     wide = square_dtype(xp, rstd.dtype)
     scale = cast(xp, rstd, wide) * cast(xp, weight, wide)  # shape of rstd, float64: rstd * w
-    return cast(xp, inner * scale, inner.dtype)  # same shape as x: dx
+    return cast(xp, a * scale, a.dtype)  # shape of a

@@ -368,6 +368,33 @@ def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family, scale, o
     _assert_dx_finite_and_accurate(op, family, x, dy, w, b, groups=1)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("running_var, weight, scale", [(1e-28, 1e25, 1e-6), (1e24, 1e20, 1e25)])
+@pytest.mark.parametrize("op", ["instance_norm", "batch_norm"])
+def test_running_statistics_scale_dy_once_by_rstd_times_w(family, running_var, weight, scale, op):
+    """With running statistics dx = dy * (rstd * w): where rstd * w (rstd 1e14, w 1e25) or
+    dy * w (1e25 * 1e20) leaves float32 but dx (~1e33) fits, dx was inf: the "numpy"
+    family's (and numba's through it) formed rstd * w in float32, the reference dy * w
+    first. The product is taken in float64, as in training; PyTorch's dx is finite."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 2, 6)).astype(np.float32)
+    dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)
+    w, rm, rv = np.array([weight, -2 * weight]), np.zeros(2), np.full(2, running_var)
+
+    def backward(x, dy):
+        w_, rm_, rv_ = (a.astype(x.dtype) for a in (w, rm, rv))
+        forward, back = getattr(F, op + "_forward"), getattr(F, op + "_backward")
+        f = forward(x, rm_, rv_, w_, None, False, 0.1, 0.0)
+        return back(dy, x, f[1], f[2], w_, None, False)[0]
+
+    with npnorm.use_kernels("reference"):
+        truth = backward(x.astype(np.float64), dy.astype(np.float64))
+    with npnorm.use_kernels(family):
+        ours = backward(x, dy)
+    assert np.isfinite(ours).all()
+    assert _error(ours, truth) <= 1e-6
+
+
 def _assert_dx_finite_and_accurate(op, family, x, dy, w, b, *, groups):
     """``op``'s training backward (``eps`` about 0) on float32 ``x`` and ``dy`` in ``family``:
     finite, and within 1e-5 of the reference's on the same values in float64."""

@@ -18,7 +18,7 @@ from .._backend import (
     write_uncounted,
 )
 from .._checks import cast, check_real, prod, work_dtype, write_out
-from .._stats import centred, moments, rstd_of, standardize_backward, wide_sum, xhat_from
+from .._stats import centred, moments, rstd_of, scaled, standardize_backward, wide_sum, xhat_from
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -269,6 +269,8 @@ def channel_norm_backward(
         dx = standardize_backward(xp, dy, xhat, rstd, axes, weight=w)  # N,C,S
     elif use_input_stats:
         dx = standardize_backward(xp, dxhat, xhat, rstd, axes)  # N,C,S
+    elif weight is not None:  # the statistics are constants: dx = dy * (rstd * w)
+        dx = scaled(xp, dy, rstd, xp.reshape(weight, (1, -1, 1)))  # N,C,S
     else:
         dx = dxhat * rstd  # N,C,S: the statistics are constants
     return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

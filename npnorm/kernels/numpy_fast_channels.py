@@ -91,6 +91,7 @@ from ._blocks import (
     rowsum,
     rowsumsq,
     run_chunks,
+    scale_overflows,
     scratch,
     tiny_spread,
     view,
@@ -778,8 +779,8 @@ def batch_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct):  # (huge: with running statistics too,
-        # dweight's dy*(x - mean) overflows ct)
+    # (huge: with running statistics too, dweight's dy*(x - mean) overflows ct)
+    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
         return generic_kernel("batch_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
@@ -859,8 +860,8 @@ def instance_norm_backward(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct):  # (huge: with running statistics too,
-        # dweight's dy*(x - mean) overflows ct)
+    # (huge: with running statistics too, dweight's dy*(x - mean) overflows ct)
+    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
         return generic_kernel("instance_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
@@ -917,7 +918,7 @@ def group_norm_backward(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct):
+    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
         return generic_kernel("group_norm_backward")(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
