@@ -43,12 +43,12 @@ def batch_norm(
     c = check_channels(x, None, "batch_norm")
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
     check_buffers_paired(rm, rv)
-    refuse_empty(x, "batch_norm")
-    n = x.size // c  # values per channel
+    n = x.shape[0] * int(np.prod(x.shape[2:]))  # values per channel
     if training and n == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
     if not training and rm is None:
         raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
+    refuse_empty(x, "batch_norm")  # (after the functional form's errors)
     axes = (0, *range(2, x.ndim))  # batch and spatial axes: one statistic per channel
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)
     t = Tape("batch_norm", constants=("running_mean", "running_var"), input=x, weight=w, bias=b,

@@ -41,12 +41,12 @@ def instance_norm(
     c = check_channels(x, None, "instance_norm", min_ndim=2)
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
     check_buffers_paired(rm, rv)
-    refuse_empty(x, "instance_norm")
-    n = x.size // (x.shape[0] * c)  # spatial values per (sample, channel)
+    n = int(np.prod(x.shape[2:]))  # spatial values per (sample, channel)
     if use_input_stats and n == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size {x.shape}")
     if not use_input_stats and rm is None:
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
+    refuse_empty(x, "instance_norm")  # (after the functional form's errors)
     axes = tuple(range(2, x.ndim))  # spatial axes: one statistic per (sample, channel)
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)
     t = Tape("instance_norm", constants=("running_mean", "running_var"), input=x, weight=w, bias=b,
