@@ -53,6 +53,42 @@ _positive_int = _int_at_least(1, "a positive integer")  # a count
 _non_negative_int = _int_at_least(0, "a non-negative integer")  # a seed
 
 
+def _output_file(path: str) -> str:
+    """argparse type: a file that can be written, checked before the command's work (a
+    bad ``--json`` path failed with a traceback after it, 36 s into a cold warmup)."""
+    folder = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: the folder {folder} is not writable")
+    return path
+
+
+def _output_folder(path: str) -> str:
+    """argparse type: a folder that exists or can be made, checked before the command's
+    work (an impossible one failed with a traceback after it). A trial makes the missing
+    folders and removes them again: the command makes them when it writes."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
+    missing = []
+    head = os.path.abspath(path)
+    while not os.path.exists(head):
+        missing.append(head)
+        head = os.path.dirname(head)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {path}: {err.strerror}") from None
+    writable = os.access(path, os.W_OK)
+    for folder in missing:  # the deepest first
+        os.rmdir(folder)
+    if not writable:
+        raise argparse.ArgumentTypeError(f"cannot write in the folder {path}")
+    return path
+
+
 def _profiled(name: str) -> str:
     """argparse type: one of the layers ``profile`` times (argparse's ``choices`` refuses
     an empty list of them in Python 3.11)."""
@@ -79,14 +115,18 @@ class _Command(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from ._threads import ENV_VAR as THREADS_VAR
+    from ._threads import get_num_threads
     from .functional._dispatch import ENV_VAR, get_kernels
 
-    if os.environ.get(ENV_VAR):  # a wrong value is a usage error, said in one line (not a traceback)
-        try:
-            get_kernels()
-        except ValueError as err:
-            print(f"python -m npnorm: {err}", file=sys.stderr)
-            return 2
+    # a wrong value of either variable is a usage error, said in one line (not a traceback)
+    for name, read in ((ENV_VAR, get_kernels), (THREADS_VAR, get_num_threads)):
+        if os.environ.get(name):
+            try:
+                read()
+            except ValueError as err:
+                print(f"python -m npnorm: {err}", file=sys.stderr)
+                return 2
     skip = 1 if argv[:1] == ["--quiet"] else 0
     if argv[skip : skip + 1] == ["learn"]:  # its own options (python -m npnorm learn --help)
         from .learn._cli import main as run_learn
@@ -103,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", parser_class=_Command)
     bench = sub.add_parser("bench", help="time every layer against textbook NumPy and PyTorch")
     bench.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
-    bench.add_argument("--json", metavar="FILE", help="save the figures as JSON")
+    bench.add_argument("--json", metavar="FILE", type=_output_file, help="save the figures as JSON")
     bench.add_argument(
         "--reps",
         type=_positive_int,
@@ -126,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("layers", nargs="*", type=_profiled, metavar="LAYER", help=", ".join(PROFILED))
     prof.add_argument("--reps", type=_positive_int, default=5, help="forward+backward runs to average")
     gpu = sub.add_parser("gpu-check", help="cupy tests, main job and GPU benchmark, with a report")
-    gpu.add_argument("out_dir", metavar="OUT_DIR", help="folder for the report and logs (created)")
+    gpu.add_argument(
+        "out_dir", metavar="OUT_DIR", type=_output_folder, help="folder for the report and logs (created)"
+    )
     gpu.add_argument(
         "--stages", default="tests,main,bench", help="comma-separated, of tests,main,bench (default all)"
     )
@@ -142,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("learn", help="every backward derived node by node, each step checked (learn --help)")
     demo = sub.add_parser("demo", help="train on digits with every norm: a table and figures (demo extra)")
     demo.add_argument("--quick", action="store_true", help="short runs (well under a minute)")
-    demo.add_argument("--out", metavar="DIR", help="folder for the figures (default ./npnorm-demo)")
+    demo.add_argument(
+        "--out", metavar="DIR", type=_output_folder, help="folder for the figures (default ./npnorm-demo)"
+    )
     demo.add_argument(
         "--norms",
         nargs="+",
@@ -153,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=_non_negative_int, default=0, help="all random state comes from it (default 0)"
     )
     warm = sub.add_parser("warmup", help="compile every numba kernel (float32, float64) into numba's cache")
-    warm.add_argument("--json", metavar="FILE", help="save the times as JSON")
+    warm.add_argument("--json", metavar="FILE", type=_output_file, help="save the times as JSON")
     args = parser.parse_args(argv)
     with _silenced(args.quiet):
         return _run(parser, args)

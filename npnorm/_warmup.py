@@ -96,6 +96,13 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
             print("numba is not installed: nothing to compile (pip install 'npnorm[fast]')")
         return _written({"numba": False}, json_path)
 
+    from numba import config as numba_config
+
+    if numba_config.DISABLE_JIT:  # type: ignore[attr-defined]  # (set at run time)
+        if verbose:  # (it said "0 compiled loops ... ready", and wrote "cached": true)
+            print("NUMBA_DISABLE_JIT is set: numba compiles nothing, so there is nothing to warm up")
+        return _written({"numba": True, "jit": False}, json_path)
+
     result: dict[str, Any] = {"numba": True, "import_s": time.perf_counter() - t0, "seconds": {}}
     with use_kernels("numba"):
         for dtype in DTYPES:

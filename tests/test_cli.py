@@ -97,16 +97,6 @@ def test_bad_demo_seed_is_a_usage_error(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_demo_out_that_is_a_file_is_refused(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="the demo needs the 'demo' extra")
-    pytest.importorskip("sklearn", reason="the demo needs the 'demo' extra")
-    pytest.importorskip("tqdm", reason="the demo needs the 'demo' extra")
-    path = tmp_path / "a_file"
-    path.write_text("")
-    assert cli_main(["demo", "--quick", "--out", str(path)]) == 2  # was FileExistsError
-    assert "is a file, not a folder" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     "argv",
     [
@@ -144,6 +134,65 @@ def test_a_wrong_kernels_variable_is_a_one_line_usage_error(argv):
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("python -m npnorm: NPNORM_KERNELS: unknown or unavailable kernels 'nope'")
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5"])
+def test_a_wrong_threads_variable_is_a_one_line_usage_error(value):
+    """``NPNORM_NUM_THREADS=abc python -m npnorm`` ended in a traceback (exit 1), where a
+    wrong NPNORM_KERNELS is one line (exit 2)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "warmup"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "NPNORM_NUM_THREADS": value},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("python -m npnorm: NPNORM_NUM_THREADS must be ")
+    assert out.stderr.count("\n") == 1
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
+    """A --json file or an output folder that cannot be written is a usage error before the
+    command runs (tracebacks after a 36 s cold warmup, or after the demo's training)."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    cases = [
+        (["warmup", "--json", str(tmp_path / "no" / "w.json")], "no folder"),
+        (["warmup", "--json", str(tmp_path)], "is a folder, not a file"),
+        (["bench", "--quick", "--json", str(tmp_path / "no" / "b.json")], "no folder"),
+        (["demo", "--quick", "--out", str(a_file / "sub")], "cannot make the folder"),
+        (["demo", "--quick", "--out", str(a_file)], "is a file, not a folder"),
+        (["gpu-check", str(a_file)], "is a file, not a folder"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_:
+            cli_main(argv)
+        assert exit_.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "no").exists()
+    assert cli_main(["learn", "bessel"]) == 0  # (the parser's checks make nothing)
+    with pytest.raises(SystemExit):
+        cli_main(["demo", "--quick", "--out", str(tmp_path / "new" / "deeper"), "--seed", "x"])
+    assert not (tmp_path / "new").exists()  # a trial folder is removed again
+
+
+def test_warmup_with_the_jit_disabled_says_nothing_was_compiled(tmp_path):
+    """Under NUMBA_DISABLE_JIT=1 warmup printed "0 compiled loops ... ready" and wrote
+    "cached": true."""
+    pytest.importorskip("numba")
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "warmup", "--json", str(tmp_path / "w.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "NUMBA_DISABLE_JIT": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "NUMBA_DISABLE_JIT is set: numba compiles nothing" in out.stdout
+    assert '"jit": false' in (tmp_path / "w.json").read_text()
 
 
 def test_a_reader_that_stops_reading_ends_it_quietly():
