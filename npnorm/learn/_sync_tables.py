@@ -17,7 +17,7 @@ from . import sync_batch_norm as S
 from ._pages import derivation
 from .examples import example, upstream
 
-TOL = 1e-12  # max |difference| <= TOL · (1 + max |BatchNorm's|), float64
+TOL = 1e-12  # max |difference| <= TOL · (1 + max |BatchNorm's|), float64 (a sum against 0: its Σ |terms|)
 
 
 def _rows(a: Any, precision: int = 4) -> str:
@@ -32,10 +32,14 @@ def _worst(a: Any, b: Any) -> float:
 class _Checks:
     failed: list[str] = field(default_factory=list)
 
-    def __call__(self, what: str, got: Any, want: Any) -> str:
-        """Compare, remember a failure, and say how far apart they are."""
+    def __call__(self, what: str, got: Any, want: Any, scale: float | None = None) -> str:
+        """Compare, remember a failure, and say how far apart they are; ``scale`` is the
+        size the rounding is relative to (``max |want|`` by default; a sum compared
+        with 0 rounds relative to the sum of its terms' sizes, which grows with n)."""
         diff = _worst(got, want)
-        ok = diff <= TOL * (1.0 + float(np.max(np.abs(np.asarray(want, dtype=np.float64)))))
+        if scale is None:
+            scale = float(np.max(np.abs(np.asarray(want, dtype=np.float64))))
+        ok = diff <= TOL * (1.0 + scale)
         if not ok:
             self.failed.append(what)
         return f"max |difference| {diff:.1e}" + ("" if ok else "  WRONG")
@@ -181,7 +185,9 @@ def _backward(
     print(f"     generic kernels                {check('dx (generic)', generic.grad_input, ref['dx'])}")
     per_rank = [np.sum(r.dx, axis=axes) for r in run.ranks if r.dx.size]
     print("   Σ dx over each non-empty rank's slice: " + ", ".join(_rows(s, 2) for s in per_rank))
-    print(f"     and over every rank, Σ_G dx against 0: {check('Σ_G dx', np.sum(per_rank, axis=0), 0.0)}")
+    size = float(np.max(sum(np.sum(np.abs(r.dx), axis=axes) for r in run.ranks)))  # Σ_G |dx|
+    total = check("Σ_G dx", np.sum(per_rank, axis=0), 0.0, scale=size)
+    print(f"     and over every rank, Σ_G dx against 0 (relative to Σ_G |dx|): {total}")
     print("   dweight = Σ dy · xhat and dbias = Σ dy: each rank returns the sums over its own slice")
     for r, rank in enumerate(run.ranks):
         print(f"     rank {r}: dweight {_rows(rank.dweight):<28} dbias {_rows(rank.dbias)}")
