@@ -12,13 +12,15 @@ would take on the whole batch. Run it on one process or on three:
 
 Either way it trains the same network in one process on the whole batch with BatchNorm1d,
 and prints how far apart the two sets of parameters end up (rounding: about 1e-15).
-``--save FILE`` writes the final parameters (rank 0) to an .npz file. Without mpi4py
-(``pip install 'npnorm[mpi]'``) it runs the one-process training only.
+``--save FILE`` writes the final parameters (rank 0) to an .npz file; ``--batch N`` trains on
+N samples instead of 32 (fewer samples than ranks leaves ranks empty: they take part with
+no data). Without mpi4py (``pip install 'npnorm[mpi]'``) it runs the one-process training only.
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import os
 
 import numpy as np
 
@@ -32,7 +34,16 @@ except ImportError:  # no MPI here: one process
 comm = MPI.COMM_WORLD if MPI is not None else None
 rank, size = (comm.Get_rank(), comm.Get_size()) if comm is not None else (0, 1)
 
-BATCH, FEATURES, HIDDEN, STEPS, LR = 32, 8, 16, 60, 0.1
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--save", metavar="FILE", help="write the final parameters (rank 0) to an .npz file")
+parser.add_argument("--batch", metavar="N", type=int, default=32, help="samples in the batch (default 32)")
+args = parser.parse_args()  # every rank parses: a usage error ends every rank
+if args.batch < 2:
+    parser.error(f"--batch: BatchNorm trains on at least 2 samples, got {args.batch}")
+if args.save and not os.path.isdir(os.path.dirname(os.path.abspath(args.save))):
+    parser.error(f"--save: no folder {os.path.dirname(os.path.abspath(args.save))}")
+
+BATCH, FEATURES, HIDDEN, STEPS, LR = args.batch, 8, 16, 60, 0.1
 rng = np.random.default_rng(0)  # the same data and initial parameters on every rank
 x_all = rng.standard_normal((BATCH, FEATURES)) * 2 + 1
 target_all = np.sin(x_all @ rng.standard_normal(FEATURES))[:, None]  # (BATCH, 1)
@@ -81,7 +92,9 @@ if comm is None:
     print("mpi4py is not installed: trained with BatchNorm1d on one process only")
     params = reference
 else:
-    lo, hi = [(int(s[0]), int(s[-1]) + 1) for s in np.array_split(np.arange(BATCH), size)][rank]
+    sizes = [len(part) for part in np.array_split(np.arange(BATCH), size)]  # 0 past BATCH ranks
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
     bn = npnorm.SyncBatchNorm(HIDDEN, dtype="float64", comm=comm)
 
     def allreduce(g):
@@ -97,5 +110,5 @@ else:
         print(f"parameters differ from one-process BatchNorm training by at most {worst:.1e}")
         print("same parameters as one process (to 1e-12):", worst <= 1e-12)
 
-if "--save" in sys.argv and rank == 0:
-    np.savez(sys.argv[sys.argv.index("--save") + 1], **params)
+if args.save and rank == 0:
+    np.savez(args.save, **params)

@@ -107,6 +107,26 @@ def test_example_trains_the_same_parameters_on_one_and_three_ranks(tmp_path):
         np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-12, err_msg=k)
 
 
+@needs_mpi
+def test_example_with_more_ranks_than_samples_and_its_usage_errors(tmp_path):
+    """Fewer samples than ranks (33 ranks for its 32; here 3 for 2) ended every rank with
+    an IndexError; --save without a file name, or into no folder, raised after training,
+    and --help trained (no argument parsing)."""
+    example = "examples/sync_batchnorm_data_parallel.py"
+    run = launch([example, "--batch", "2"], timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "3 rank(s) holding [1, 1, 0] of the 2 samples" in run.stdout
+    assert "same parameters as one process (to 1e-12): True" in run.stdout
+    for argv, message in [
+        (["--save"], "expected one argument"),
+        (["--save", str(tmp_path / "no" / "p.npz")], "--save: no folder"),
+        (["--batch", "1"], "at least 2 samples"),
+    ]:
+        bad = launch([example, *argv], timeout=60, ranks=None)
+        assert bad.returncode == 2 and message in bad.stderr and "step" not in bad.stdout, argv
+    assert "--batch N" in launch([example, "--help"], timeout=60, ranks=None).stdout
+
+
 # --- over threads: drawn splits, shapes, dtypes and flags ----------------------------------
 
 
