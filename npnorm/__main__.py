@@ -89,6 +89,28 @@ def _output_folder(path: str) -> str:
     return path
 
 
+def _seconds(text: str) -> float:
+    """argparse type: a positive number of seconds (-5 was taken, and 0 meant the default)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def _stages(text: str) -> list[str]:
+    """argparse type: gpu-check's stages, a non-empty subset of tests,main,bench (an error
+    printed the top-level usage)."""
+    from ._gpu_check import STAGES
+
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    if not stages or any(s not in STAGES for s in stages):
+        raise argparse.ArgumentTypeError(f"expected a subset of {','.join(STAGES)}, got {text!r}")
+    return stages
+
+
 def _profiled(name: str) -> str:
     """argparse type: one of the layers ``profile`` times (argparse's ``choices`` refuses
     an empty list of them in Python 3.11)."""
@@ -170,14 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         "out_dir", metavar="OUT_DIR", type=_output_folder, help="folder for the report and logs (created)"
     )
     gpu.add_argument(
-        "--stages", default="tests,main,bench", help="comma-separated, of tests,main,bench (default all)"
+        "--stages",
+        type=_stages,
+        default="tests,main,bench",
+        help="comma-separated, of tests,main,bench (default all)",
     )
     gpu.add_argument("--quick", action="store_true", help="benchmark the small shapes of bench --quick")
     gpu.add_argument(
         "--rounds", type=_positive_int, default=10, help="timed benchmark rounds per shape (default 10)"
     )
     for stage in ("tests", "main", "bench"):
-        gpu.add_argument(f"--{stage}-timeout", type=float, help=f"seconds the {stage} stage may take")
+        gpu.add_argument(f"--{stage}-timeout", type=_seconds, help=f"seconds the {stage} stage may take")
     gpu.add_argument(
         "--stand-in", action="store_true", help="run on the CPU (a test of the script; no GPU figures)"
     )
@@ -214,10 +239,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from ._gpu_check import STAGES
         from ._gpu_check import run as run_gpu_check
 
-        stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-        unknown = [s for s in stages if s not in STAGES]
-        if unknown or not stages:
-            parser.error(f"--stages: expected a subset of {','.join(STAGES)}, got {args.stages!r}")
+        stages = args.stages  # (_stages: a string default goes through it too)
         timeouts = {s: getattr(args, f"{s}_timeout") for s in STAGES}
         return run_gpu_check(
             args.out_dir,

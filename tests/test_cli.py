@@ -165,6 +165,9 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         (["demo", "--quick", "--out", str(a_file / "sub")], "cannot make the folder"),
         (["demo", "--quick", "--out", str(a_file)], "is a file, not a folder"),
         (["gpu-check", str(a_file)], "is a file, not a folder"),
+        # gpu-check's own usage (the top-level one was printed), and no negative limit
+        (["gpu-check", str(tmp_path / "g"), "--stages", "bogus"], "gpu-check: error: argument --stages"),
+        (["gpu-check", str(tmp_path / "g"), "--main-timeout", "-5"], "a positive number of seconds"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:
