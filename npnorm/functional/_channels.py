@@ -37,18 +37,23 @@ def channel_affine(xp: Namespace, xhat: Array, weight: Array | None, bias: Array
     return y
 
 
+def channel_affine_grads(
+    xp: Namespace, dy: Array, xhat: Array, weight: Array | None, bias: Array | None
+) -> tuple[Array | None, Array | None]:
+    """``(dweight, dbias)`` of the per-channel affine map; dy, xhat are (N, C, S)
+    (summed in float64, ``wide_sum``)."""
+    dweight = None if weight is None else cast(xp, wide_sum(xp, dy * xhat, (0, 2)), weight.dtype)  # C
+    dbias = None if bias is None else cast(xp, wide_sum(xp, dy, (0, 2)), bias.dtype)  # C
+    return dweight, dbias
+
+
 def channel_affine_backward(
     xp: Namespace, dy: Array, xhat: Array, weight: Array | None, bias: Array | None, dtype: Any
 ) -> tuple[Array, Array | None, Array | None]:
     """``(dxhat, dweight, dbias)`` of the per-channel affine map; dy, xhat are (N, C, S)
-    (dweight and dbias summed in float64, ``wide_sum``)."""
-    dweight = dbias = None
-    if bias is not None:
-        dbias = cast(xp, wide_sum(xp, dy, (0, 2)), bias.dtype)  # C
-    dxhat = dy  # N,C,S
-    if weight is not None:
-        dweight = cast(xp, wide_sum(xp, dy * xhat, (0, 2)), weight.dtype)  # C
-        dxhat = dy * xp.reshape(cast(xp, weight, dtype), (1, -1, 1))  # N,C,S
+    (dweight and dbias as ``channel_affine_grads``)."""
+    dweight, dbias = channel_affine_grads(xp, dy, xhat, weight, bias)  # C  C
+    dxhat = dy if weight is None else dy * xp.reshape(cast(xp, weight, dtype), (1, -1, 1))  # N,C,S
     return dxhat, dweight, dbias
 
 
@@ -260,17 +265,15 @@ def channel_norm_backward(
     mean = xp.reshape(cast(xp, mean, ct), stats)  # 1,C,1 or N,C,1
     rstd = xp.reshape(cast(xp, rstd, ct), stats)  # 1,C,1 or N,C,1
     xhat = xhat_from(x, mean, rstd)  # N,C,S
-    dxhat, dweight, dbias = channel_affine_backward(xp, dy, xhat, weight, bias, ct)  # N,C,S  C  C
-    if use_input_stats and weight is not None:
-        # w is one number per statistic here, so it factors out of the three terms:
-        # dx = (rstd * w) * (centred dy), which centres dy before scaling it, as
-        # PyTorch's kernel does (dxhat = dy*w first rounds a common part of dy at w's scale)
-        w = xp.reshape(weight, (1, -1, 1))  # 1,C,1
+    dweight, dbias = channel_affine_grads(xp, dy, xhat, weight, bias)  # C  C
+    # w is one number per statistic here, so it factors out of dxhat = dy*w: dx is taken
+    # from dy and scaled by rstd * w once, which centres dy before scaling it, as
+    # PyTorch's kernel does (dxhat = dy*w first rounds a common part of dy at w's scale)
+    w = None if weight is None else xp.reshape(weight, (1, -1, 1))  # 1,C,1
+    if use_input_stats:
         dx = standardize_backward(xp, dy, xhat, rstd, axes, weight=w)  # N,C,S
-    elif use_input_stats:
-        dx = standardize_backward(xp, dxhat, xhat, rstd, axes)  # N,C,S
-    elif weight is not None:  # the statistics are constants: dx = dy * (rstd * w)
-        dx = scaled(xp, dy, rstd, xp.reshape(weight, (1, -1, 1)))  # N,C,S
+    elif w is not None:  # the statistics are constants: dx = dy * (rstd * w)
+        dx = scaled(xp, dy, rstd, w)  # N,C,S
     else:
-        dx = dxhat * rstd  # N,C,S: the statistics are constants
+        dx = dy * rstd  # N,C,S: the statistics are constants
     return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias
