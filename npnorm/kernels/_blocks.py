@@ -400,6 +400,17 @@ def scale_overflows(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[An
     return bool(big * np.max(np.abs(np.asarray(weight, dtype=np.float64)), initial=0.0) > np.finfo(ct).max)
 
 
+def extreme_coefficients(
+    rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any], *, tiny: bool = True
+) -> bool:
+    """Whether a channel backward's coefficients would leave ``ct``: ``huge_spread``,
+    ``scale_overflows`` and (with ``tiny``; the numba loops take those in float64)
+    ``tiny_spread``. The caller runs the next family's kernel instead (numba: the
+    "numpy" family's; that: the reference's)."""
+    rstd = np.asarray(rstd)
+    return huge_spread(rstd, ct) or (tiny and tiny_spread(rstd, ct)) or scale_overflows(rstd, weight, ct)
+
+
 def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     """Whether some statistic has so large an rstd (a spread below ~1e-15 in float32,
     with ``eps`` about 0) that the "numpy" family's backward coefficients, about

@@ -46,7 +46,7 @@ from .._threads import get_num_threads
 from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
-from ._blocks import finish, grad_as, huge_spread, output, scale_overflows
+from ._blocks import extreme_coefficients, finish, grad_as, output
 from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans, vector
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
@@ -54,12 +54,6 @@ Buffers = tuple[np.ndarray | None, np.ndarray | None]
 
 def _fallback(op: str, *args: Any) -> Any:
     return family_kernel(op, "numpy")(*args)
-
-
-def _extreme(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any]) -> bool:
-    """Whether a backward's coefficients would leave ``ct`` (``huge_spread``,
-    ``scale_overflows``): the "numpy" family, and through it the reference, runs instead."""
-    return huge_spread(np.asarray(rstd), ct) or scale_overflows(rstd, weight, ct)
 
 
 def _source(a: np.ndarray, G: int, ct: np.dtype[Any]) -> Source:
@@ -498,7 +492,7 @@ def batch_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm backward: each channel read once for its sums and ``dx``."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or _extreme(rstd, weight, ct):
+    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
     rows = _as_channel_rows(input)
@@ -564,7 +558,7 @@ def instance_norm_backward(
     """InstanceNorm backward: GroupNorm's with one channel per group, or the affine map's
     with running statistics."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or _extreme(rstd, weight, ct):
+    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
         args = (xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out)
         return _fallback("instance_norm_backward", *args)
     if use_input_stats:
@@ -611,7 +605,7 @@ def group_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """GroupNorm backward: each (sample, group) row read once."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or _extreme(rstd, weight, ct):
+    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
         args = (xp, grad_output, input, num_groups, mean, rstd, weight, bias, out)
         return _fallback("group_norm_backward", *args)
     return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)

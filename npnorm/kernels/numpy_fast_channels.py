@@ -80,9 +80,9 @@ from ._blocks import (
     block_rows,
     blocks,
     constant_rows,
+    extreme_coefficients,
     finish,
     grad_as,
-    huge_spread,
     inv_rms,
     output,
     param,
@@ -91,9 +91,7 @@ from ._blocks import (
     rowsum,
     rowsumsq,
     run_chunks,
-    scale_overflows,
     scratch,
-    tiny_spread,
     view,
 )
 
@@ -780,7 +778,7 @@ def batch_norm_backward(
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
     # (huge: with running statistics too, dweight's dy*(x - mean) overflows ct)
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
+    if extreme_coefficients(rstd, weight, ct):
         return generic_kernel("batch_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, training, out
         )
@@ -861,7 +859,7 @@ def instance_norm_backward(
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
     # (huge: with running statistics too, dweight's dy*(x - mean) overflows ct)
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
+    if extreme_coefficients(rstd, weight, ct):
         return generic_kernel("instance_norm_backward")(
             xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
         )
@@ -918,7 +916,7 @@ def group_norm_backward(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if huge_spread(rstd, ct) or tiny_spread(rstd, ct) or scale_overflows(rstd, weight, ct):
+    if extreme_coefficients(rstd, weight, ct):
         return generic_kernel("group_norm_backward")(
             xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
         )
