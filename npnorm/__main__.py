@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--json", metavar="FILE", type=_output_file, help="save the times as JSON")
     args = parser.parse_args(argv)
     with _silenced(args.quiet):
-        return _run(parser, args)
+        return _run(args)
 
 
-def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     """The command ``args`` names (the main job without one)."""
     if args.command == "warmup":
         from ._warmup import run as run_warmup
