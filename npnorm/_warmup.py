@@ -56,11 +56,13 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
         numba_channels.compile_span_loops(dtype)  # (only inputs of millions of values take them)
 
     wide = rng.standard_normal((1, 4, 24, 24)).astype(dtype)  # channels of 576 values
+    last = np.moveaxis(rng.standard_normal((2, 3, 3, 16)).astype(dtype), -1, 1)  # channels-last, C = 16
 
     def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
-        for x in (img, wide):  # the backward's short rows (one at a time) and long ones
-            _, mean, rstd = F.group_norm_forward(x, 2, w4, b4)
-            F.group_norm_backward(x, x, 2, mean, rstd, w4, b4)
+        for x in (img, wide, last):  # the backward's short rows (one at a time), long ones,
+            C = x.shape[1]  # and a channels-last input's samples
+            _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
+            F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
 
     return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
 

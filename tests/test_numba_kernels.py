@@ -51,7 +51,8 @@ def config(threads: int, small: bool) -> Iterator[None]:
     """Thread count; with ``small``, tiny staging blocks, no serial threshold, no whole
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
-    (rows of 12 bytes or more), their spans of samples split from two spans."""
+    (rows of 12 bytes or more), their spans of samples split from two spans, and
+    channels-last GroupNorm/InstanceNorm input taken by samples from one channel."""
     saved = (
         _threads.get_num_threads(),
         _staging.STAGE_BYTES,
@@ -60,17 +61,20 @@ def config(threads: int, small: bool) -> Iterator[None]:
         numba_channels.BLOCK_BYTES,
         numba_channels.ROW_BYTES,
         numba_channels.SPLIT_VALUES,
+        numba_channels.WIDE_ROW_BYTES,
     )
     _threads.set_num_threads(threads)
     if small:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
+        numba_channels.WIDE_ROW_BYTES = 0
     try:
         yield
     finally:
         _threads.set_num_threads(saved[0])
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
-        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:]
+        numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:7]
+        numba_channels.WIDE_ROW_BYTES = saved[7]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -945,6 +949,81 @@ def test_channels_last_batch_norm_runs_as_rows_and_keeps_the_layout(training, gi
     dwant = generic_kernel("batch_norm_backward")(xp, dy, x, want[1], want[2], w, b, training)
     same_results(dgot, dwant, "backward", tol=2e-5)
     assert dgot[0] is dout if given_out else np.moveaxis(dgot[0], 1, -1).flags.c_contiguous
+
+
+@st.composite
+def channels_last_groups(draw: st.DrawFn) -> dict:
+    """A GroupNorm or InstanceNorm problem (as ``problems``) on channels-last input and
+    gradient, with channels enough for the sample loops at their default width."""
+    op = draw(st.sampled_from(["group_norm", "instance_norm"]))
+    dtype = draw(st.sampled_from(FLOATS))
+    k = draw(st.sampled_from([1, 2, 4, 8])) if op == "group_norm" else 1
+    wide = numba_channels.WIDE_ROW_BYTES // max(4, np.dtype(dtype).itemsize)  # channels
+    C = max(k * draw(st.integers(1, 8)), -(-wide // k) * k)
+    spatial = draw(hnp.array_shapes(min_dims=1, max_dims=3, min_side=1, max_side=6))
+    if op == "instance_norm" and math.prod(spatial) < 2:
+        spatial = (2, *spatial[1:])  # (one value per channel is an error)
+    shape = (draw(st.integers(1, 4)), C, *spatial)
+    offset = draw(st.sampled_from([0.0, 1e3]))
+    x = (draw(values(dtype, shape)).astype(np.float64) + offset).astype(dtype)
+    return {
+        "op": op,
+        "x": laid_out(x, "channels_last"),
+        "dy": laid_out(draw(values(dtype, shape)), "channels_last"),
+        "w": draw(hnp.arrays(np.dtype(dtype), (C,), elements=st.floats(0.5, 1.5))),
+        "b": draw(hnp.arrays(np.dtype(dtype), (C,), elements=st.floats(-2, 2))),
+        "groups": C // k,
+        "eps": draw(st.sampled_from((1e-5, 0.25))),
+        "read_only": draw(st.booleans()),
+    }
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@settings(max_examples=40, deadline=None)
+@given(p=channels_last_groups())
+def test_channels_last_group_norm_runs_by_samples_and_keeps_the_layout(p):
+    """Channels-last GroupNorm and InstanceNorm input (a group: neighbouring columns of
+    each sample's S rows of C values) was copied whole into (N, C, S) order first: 2-3x
+    torch's time (it has a channels-last kernel), and a C-ordered output. Wide enough
+    rows now run sample by sample (``loops.group_rows_*``): the reference's results, the
+    layout kept (or ``out`` filled), bitwise the same with one thread and two; float16
+    and read-only arrays through a staged sample, with the same sums."""
+    op, x, dy, w, b, G = p["op"], p["x"], p["dy"], p["w"], p["b"], p["groups"]
+    if p["read_only"]:
+        x, dy = x.copy(order="K"), dy.copy(order="K")
+        x.flags.writeable = dy.flags.writeable = False
+    if op == "group_norm":
+        fwd_args = (x, G, w, b, p["eps"])
+
+        def bwd_args(r):
+            return (dy, x, G, r[1], r[2], w, b)
+    else:
+        fwd_args = (x, None, None, w, b, True, 0.1, p["eps"])
+
+        def bwd_args(r):
+            return (dy, x, r[1], r[2], w, b, True)
+
+    ops = (op + "_forward", op + "_backward")
+    fwd, bwd = family_kernel(ops[0], "numba"), family_kernel(ops[1], "numba")
+    results = []
+    for threads in (1, 2):  # (small: two threads on these small inputs)
+        f, d = compare(ops, fwd_args, bwd_args, {**p, "threads": threads, "small": True}, compute_dtype(x, w))
+        for a in (f[0], d[0]):
+            assert np.moveaxis(a, 1, -1).flags.c_contiguous  # channels-last, as x
+        with config(threads, small=True):  # a backward from the compiled statistics, and out=
+            d = bwd(xp, *bwd_args(f))
+            out, dout = (laid_out(np.empty(x.shape, x.dtype), "channels_last") for _ in range(2))
+            f_out, d_out = fwd(xp, *fwd_args, out), bwd(xp, *bwd_args(f), dout)
+        assert f_out[0] is out and d_out[0] is dout
+        for one, two in zip([*f[:3], *d], [*f_out[:3], *d_out], strict=True):
+            np.testing.assert_array_equal(one, two)
+        results.append([*f[:3], *d])
+    if p["read_only"]:  # the same as from writable arrays
+        with config(1, small=True):
+            f = fwd(xp, *(np.copy(a) if isinstance(a, np.ndarray) else a for a in fwd_args))
+        np.testing.assert_array_equal(f[0], results[0][0])
+    for one, two in zip(*results, strict=True):
+        np.testing.assert_array_equal(one, two)
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")

@@ -1026,6 +1026,121 @@ def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def
                 db[c] += sdy[n * C + c]
 
 
+# --- GroupNorm and InstanceNorm on channels-last input: a sample's S rows of C values ----
+#
+# A channels-last (N, C, *spatial) input holds each sample as S rows of C values (one per
+# channel), a group being k neighbouring columns. Its sums are taken down the columns into
+# C float64 accumulators at once (``_across_*``, vectorized across the channels), then
+# added group by group; the sample (S*C values) stays in cache between its passes. As a
+# (sample, group) row of the loops above, a group was a strided gather: the input was
+# copied whole into (N, C, S) order first (2-3x torch's time, which has a channels-last
+# kernel).
+
+
+@_loop
+def _across_group_dx(dy, x, dx, a, k1, m, rc, k0):  # type: ignore[no-untyped-def]
+    """``dx = a*dy + k1*xhat + k0``, ``xhat = (x - m)*rc`` on every row of dy, x, dx
+    (S,C), per channel (``_dx_span``'s)."""
+    for n in range(x.shape[0]):
+        for j in range(uint64(0), uint64(a.shape[0])):
+            dx[n, j] = a[j] * dy[n, j] + k1[j] * ((x[n, j] - m[j]) * rc[j]) + k0[j]
+
+
+@_loop
+def group_rows_forward(x, w, b, k, eps, y, mean, rstd, var, base, n0, n1):  # type: ignore[no-untyped-def]
+    """Samples ``[n0, n1)`` of x (n,S,C), channels-last, sample j being the input's sample
+    ``base + j``, in groups of k channels (G = C/k): each group's mean, rstd and biased
+    variance (into ``mean``, ``rstd``, ``var`` (float64), the input's (N*G,) rows), two-pass
+    over the cached sample (float64 sums per channel, added per group), then
+    ``y = (x - mean)*rstd*w_c + b_c`` (``group_forward``'s, per channel)."""
+    S, C = x.shape[1], x.shape[2]
+    G = C // k
+    L = S * k
+    s = np.empty(3, dtype=y.dtype)
+    t = np.empty(C)  # the channels' sums (float64)
+    mc = np.empty(C)  # their group's mean (float64)
+    sc = np.empty(C, dtype=y.dtype)  # rstd*w, b and the mean split, per channel
+    bc = np.empty(C, dtype=y.dtype)
+    m_hi = np.empty(C, dtype=y.dtype)
+    m_lo = np.empty(C, dtype=y.dtype)
+    for n in range(n0, n1):
+        xn, yn = x[n], y[n]  # S,C  S,C
+        t.fill(0.0)
+        _across_sum(xn, 0, S, 0, t)
+        for g in range(G):
+            u = 0.0
+            for c in range(g * k, (g + 1) * k):
+                u += t[c]
+            for c in range(g * k, (g + 1) * k):
+                mc[c] = u / L
+        t.fill(0.0)
+        _across_sq_dev(xn, 0, S, 0, mc, t)
+        for g in range(G):
+            q = 0.0
+            for c in range(g * k, (g + 1) * k):
+                q += t[c]
+            r = (base + n) * G + g
+            rc, hi, lo = _row_stats(mc[g * k], q / L, eps, s)
+            var[r] = q / L
+            mean[r] = mc[g * k]
+            rstd[r] = rc
+            for c in range(g * k, (g + 1) * k):
+                s[2] = rc * w[c]
+                sc[c] = s[2]
+                bc[c] = b[c]
+                m_hi[c] = hi
+                m_lo[c] = lo
+        _across_affine(xn, yn, 0, m_hi, m_lo, sc, bc)
+
+
+@_loop
+def group_rows_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, n0, n1):  # type: ignore[no-untyped-def]
+    """Samples ``[n0, n1)`` of dy, x, dx (n,S,C), channels-last (see
+    ``group_rows_forward``): each channel's ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
+    into ``sdy``, ``sdyx``, the input's (N*C,)), then dx from the sample in cache, as
+    ``group_backward``'s: ``dx = rstd*w_c*dy + k1*xhat + k0`` with the group's
+    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``."""
+    S, C = x.shape[1], x.shape[2]
+    G = C // k
+    L = S * k
+    s = np.empty(3, dtype=dx.dtype)
+    sd = np.empty(C)  # the channels' sums (float64)
+    sdx = np.empty(C)
+    mc = np.empty(C, dtype=dx.dtype)  # the group's mean, rstd and dx's coefficients, per channel
+    rcv = np.empty(C, dtype=dx.dtype)
+    av = np.empty(C, dtype=dx.dtype)
+    k1v = np.empty(C, dtype=dx.dtype)
+    k0v = np.empty(C, dtype=dx.dtype)
+    for n in range(n0, n1):
+        xn, dyn, dxn = x[n], dy[n], dx[n]  # S,C each
+        i = base + n  # the input's sample
+        for g in range(G):
+            for c in range(g * k, (g + 1) * k):
+                mc[c] = mean[i * G + g]
+        sd.fill(0.0)
+        sdx.fill(0.0)
+        _across_sums_dy(dyn, xn, 0, S, 0, mc, sd, sdx)
+        for g in range(G):
+            rs = np.float64(rstd[i * G + g])
+            sg = 0.0
+            sgx = 0.0
+            for c in range(g * k, (g + 1) * k):
+                sdy[i * C + c] = sd[c]
+                sdyx[i * C + c] = sdx[c]
+                wc = np.float64(w[c])
+                sg += wc * sd[c]
+                sgx += wc * sdx[c]
+            s[1] = -rs * (sgx * rs / L)
+            s[2] = -rs * sg / L
+            for c in range(g * k, (g + 1) * k):
+                s[0] = rs * w[c]
+                av[c] = s[0]
+                k1v[c] = s[1]
+                k0v[c] = s[2]
+                rcv[c] = rstd[i * G + g]
+        _across_group_dx(dyn, xn, dxn, av, k1v, mc, rcv, k0v)
+
+
 # --- float16 <-> float32 ----------------------------------------------------------------
 #
 # float16 data is computed in float32 (numba has no float16 type on the CPU): the staging
