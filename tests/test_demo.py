@@ -322,11 +322,17 @@ def test_missing_dependency_names_the_extra(tmp_path, module, package):
     assert not (tmp_path / "figs").exists()
 
 
-def test_training_script_names_the_extra_without_scikit_learn(monkeypatch):
+def test_training_script_names_the_extra_without_scikit_learn(monkeypatch, capsys):
+    """``load_data`` raises an ImportError naming the extra; the script
+    (``examples/train_digits.py``, ``main``) says it in one line, exit status 1, before its
+    gradient checks (it ended in that ImportError's traceback after them)."""
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(ImportError, match=r"scikit-learn: install the demo extra"):
         td.load_data(0)
+    assert td.main(["--quick"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and HINT in err and "scikit-learn" in err
 
 
 @pytest.mark.slow

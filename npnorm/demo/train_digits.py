@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import copy
 import math
+import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -630,12 +631,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed < 0:
         parser.error(f"--seed: expected a non-negative integer, got {args.seed}")
     epochs = args.epochs if args.epochs is not None else (5 if args.quick else 15)
+    try:  # (before the checks: without scikit-learn there is nothing to train on)
+        data = load_data(args.seed)
+    except ImportError as err:
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return 1
 
     print("gradient checks (npnorm.gradcheck, float64 central differences):")
     for name, ok in check_layers(args.seed).items():
         print(f"  {name:28s} {ok}")
 
-    data = load_data(args.seed)
     print(f"\ndigits: {len(data.y_train)} training and {len(data.y_test)} held-out images of 8x8 pixels")
     net = build("mlp", "batch", args.seed)
     error = check_network(net, data.x_train[:16], data.y_train[:16], seed=args.seed)
