@@ -52,7 +52,7 @@ def config(threads: int, small: bool) -> Iterator[None]:
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
     (rows of 12 bytes or more), their spans of samples split from two spans, and
-    channels-last GroupNorm/InstanceNorm input taken by samples from one channel."""
+    channels-last GroupNorm/InstanceNorm input taken by samples from two channels."""
     saved = (
         _threads.get_num_threads(),
         _staging.STAGE_BYTES,
@@ -983,11 +983,12 @@ def channels_last_groups(draw: st.DrawFn) -> dict:
 @given(p=channels_last_groups())
 def test_channels_last_group_norm_runs_by_samples_and_keeps_the_layout(p):
     """Channels-last GroupNorm and InstanceNorm input (a group: neighbouring columns of
-    each sample's S rows of C values) was copied whole into (N, C, S) order first: 2-3x
-    torch's time (it has a channels-last kernel), and a C-ordered output. Wide enough
-    rows now run sample by sample (``loops.group_rows_*``): the reference's results, the
-    layout kept (or ``out`` filled), bitwise the same with one thread and two; float16
-    and read-only arrays through a staged sample, with the same sums."""
+    each sample's S rows of C values) was staged into (N, C, S) order block by block:
+    2-3x torch's time (it has a channels-last kernel), and a C-ordered output. Wide
+    enough rows now run sample by sample (``loops.group_rows_*``): the reference's
+    results, the layout kept (or ``out`` filled), bitwise the same with one thread and
+    two; float16 and read-only arrays through staged blocks of samples, with the same
+    sums."""
     op, x, dy, w, b, G = p["op"], p["x"], p["dy"], p["w"], p["b"], p["groups"]
     if p["read_only"]:
         x, dy = x.copy(order="K"), dy.copy(order="K")
@@ -1024,6 +1025,46 @@ def test_channels_last_group_norm_runs_by_samples_and_keeps_the_layout(p):
         np.testing.assert_array_equal(f[0], results[0][0])
     for one, two in zip(*results, strict=True):
         np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight"])
+def test_channels_last_samples_are_staged_in_blocks(kind, monkeypatch, restore_threads):
+    """Channels-last samples that the loops cannot take as they are (float16, read-only,
+    a computation dtype other than the input's) were staged one sample at a time, one
+    loop call each from Python: 35-50x slower than before the sample loops at S = 1, 2x
+    at (128, 64, 14, 14). They are staged in blocks of samples (``_staging.STAGE_BYTES``):
+    a few loop calls, the same results as sample by sample."""
+    _threads.set_num_threads(1)
+    rng = np.random.default_rng(3)
+    x = laid_out(
+        rng.normal(size=(64, 32, 3, 2)).astype("float16" if kind == "float16" else "float32"), "channels_last"
+    )
+    dy = laid_out(rng.normal(size=x.shape).astype(x.dtype), "channels_last")
+    w = np.linspace(0.5, 1.5, 32).astype("float64" if kind == "float64 weight" else x.dtype)
+    if kind == "read-only":
+        x.flags.writeable = dy.flags.writeable = False
+    calls = []
+    for name in ("group_rows_forward", "group_rows_backward"):
+        loop = getattr(numba_channels.loops, name)
+        monkeypatch.setattr(
+            numba_channels.loops, name, lambda *a, _l=loop: calls.append(a[-1] - a[-2]) or _l(*a)
+        )
+
+    def both():
+        f = F.group_norm_forward(x, 8, w, None)
+        return [*f, *F.group_norm_backward(dy, x, 8, f[1], f[2], w, None)]
+
+    with npnorm.use_kernels("numba"):
+        blocks = both()
+        assert len(calls) == 2 and calls == [64, 64]  # one call per direction: 64 samples of 768 B
+        monkeypatch.setattr(_staging, "STAGE_BYTES", 1)  # one sample per block
+        one_by_one = both()
+    assert len(calls) == 2 + 2 * 64
+    assert np.moveaxis(blocks[0], 1, -1).flags.c_contiguous
+    for a, b in zip(blocks, one_by_one, strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")

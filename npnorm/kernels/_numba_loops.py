@@ -1032,9 +1032,9 @@ def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def
 # channel), a group being k neighbouring columns. Its sums are taken down the columns into
 # C float64 accumulators at once (``_across_*``, vectorized across the channels), then
 # added group by group; the sample (S*C values) stays in cache between its passes. As a
-# (sample, group) row of the loops above, a group was a strided gather: the input was
-# copied whole into (N, C, S) order first (2-3x torch's time, which has a channels-last
-# kernel).
+# (sample, group) row of the loops above, a group is a strided gather: such input was
+# staged into (N, C, S) order block by block, and its output written back through scratch
+# (2-3x torch's time, which has a channels-last kernel).
 
 
 @_loop

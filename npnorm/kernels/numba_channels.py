@@ -28,8 +28,9 @@ as (N, C, S), S = prod(spatial):
   time instead (``loops.group_backward_short``, see _short_rows). A channels-last input
   (with a channels-last gradient in the backward) is taken sample by sample instead
   (``loops.group_rows_forward`` / ``_backward``): a sample's S rows of C values, summed
-  down the channels' columns, the sample kept in cache between its passes (float16 and
-  read-only samples staged one at a time, ``_by_samples``); its output keeps the layout.
+  down the channels' columns, the sample kept in cache between its passes (float16,
+  read-only and other-dtype samples staged in blocks of samples, ``_by_samples``); its
+  output keeps the layout.
   Other dtypes and layouts are staged block by block (``_staging``).
 
 dweight and dbias are reduced in float64 from per-channel or per-(sample, channel)
@@ -50,6 +51,7 @@ from .._threads import get_num_threads
 from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
+from . import _staging
 from ._blocks import extreme_coefficients, finish, grad_as, output
 from ._staging import (
     Source,
@@ -505,9 +507,10 @@ def _by_samples(
 ) -> None:
     """``loop(*srcs, *mid, dst, *tail, base, n0, n1)`` (``loops.group_rows_*``) over the
     ``(N, S, C)`` samples of ``srcs`` into ``dst``: each thread's samples in one call where
-    all are writable arrays of ``ct`` (views of the caller's arrays), else one sample at
-    a time, the others staged through a sample of scratch per thread (read-only arrays,
-    other dtypes: float16 is cast by the compiled casts), with the same sums."""
+    all are writable arrays of ``ct`` (views of the caller's arrays), else in blocks of
+    samples of ``_staging.STAGE_BYTES`` (one sample at least), the arrays that are not
+    (read-only, another dtype or byte order; float16 is cast by the compiled casts)
+    staged through a block of scratch per thread: the same sums either way."""
     N, S, C = srcs[0].shape
 
     def fits(a: np.ndarray) -> bool:
@@ -516,18 +519,20 @@ def _by_samples(
     if all(map(fits, srcs)) and fits(dst):
         run(lambda n0, n1: loop(*srcs, *mid, dst, *tail, 0, n0, n1), ranges(N, S * C))
         return
+    B = max(1, _staging.STAGE_BYTES // (S * C * ct.itemsize))  # samples per block
 
     def task(n0: int, n1: int) -> None:
-        bufs = [None if fits(a) else np.empty((1, S, C), dtype=ct) for a in srcs]  # 1,S,C each
-        obuf = None if fits(dst) else np.empty((1, S, C), dtype=ct)  # 1,S,C
-        for n in range(n0, n1):
-            xs = [a[n : n + 1] if b is None else b for a, b in zip(srcs, bufs, strict=True)]
+        nb = min(B, n1 - n0)
+        bufs = [None if fits(a) else np.empty((nb, S, C), dtype=ct) for a in srcs]  # nb,S,C each
+        obuf = None if fits(dst) else np.empty((nb, S, C), dtype=ct)  # nb,S,C
+        for a0, a1 in spans(n0, n1, B):
+            xs = [a[a0:a1] if b is None else b[: a1 - a0] for a, b in zip(srcs, bufs, strict=True)]
             for a, b in zip(srcs, bufs, strict=True):
                 if b is not None:
-                    cast_into(b[0], a[n])
-            loop(*xs, *mid, dst[n : n + 1] if obuf is None else obuf, *tail, n, 0, 1)
+                    cast_into(b[: a1 - a0], a[a0:a1])
+            loop(*xs, *mid, dst[a0:a1] if obuf is None else obuf[: a1 - a0], *tail, a0, 0, a1 - a0)
             if obuf is not None:
-                cast_into(dst[n], obuf[0])
+                cast_into(dst[a0:a1], obuf[: a1 - a0])
 
     run(task, ranges(N, S * C))
 
