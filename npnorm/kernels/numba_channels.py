@@ -290,7 +290,15 @@ def _channel_backward(
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``loops.channel_backward`` over all channels, from (C,) statistics: BatchNorm's
-    with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``."""
+    with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``.
+    Channels-last input and gradient are taken as their (N*S, C) rows
+    (``_as_channel_rows``), dx in their layout."""
+    rows = _as_channel_rows(input)
+    dy_rows = None if rows is None else _as_channel_rows(grad_output)
+    out_rows = None if dy_rows is None else _as_channel_rows(out)
+    if rows is not None and dy_rows is not None and (out is None or out_rows is not None):  # as (N*S, C)
+        dx, dw, db = _channel_backward(dy_rows, rows, mean, rstd, weight, bias, training, ct, out_rows)
+        return (_from_channel_rows(dx, input.shape) if out is None else out), dw, db
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     m, r = vector(mean, C, ct), vector(rstd, C, ct)  # C, C
@@ -441,7 +449,13 @@ def _running_forward(
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalize with the running statistics (BatchNorm eval, InstanceNorm without input
-    statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``."""
+    statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``;
+    a channels-last input as its (N*S, C) rows (``_as_channel_rows``), y in its layout."""
+    rows = _as_channel_rows(input)
+    out_rows = None if rows is None else _as_channel_rows(out)
+    if rows is not None and (out is None or out_rows is not None):  # channels-last: as (N*S, C)
+        y, mean, rstd = _running_forward(xp, rows, running_mean, running_var, weight, bias, eps, ct, out_rows)
+        return (_from_channel_rows(y, input.shape) if out is None else out), mean, rstd
     m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
     v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
     y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
@@ -600,12 +614,6 @@ def batch_norm_backward(
     if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
-    rows = _as_channel_rows(input)
-    dy_rows = None if rows is None else _as_channel_rows(grad_output)
-    out_rows = None if dy_rows is None else _as_channel_rows(out)
-    if rows is not None and dy_rows is not None and (out is None or out_rows is not None):  # as (N*S, C)
-        dx, dw, db = _channel_backward(dy_rows, rows, mean, rstd, weight, bias, training, ct, out_rows)
-        return (_from_channel_rows(dx, input.shape) if out is None else out), dw, db
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, training, ct, out)
 
 
