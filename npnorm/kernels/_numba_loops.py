@@ -684,6 +684,15 @@ def _across_dx(dy, x, dx, lo, a, k1, m, rc, d_hi, d_lo):  # type: ignore[no-unty
 
 
 @_loop
+def _across_scale_dy(dy, dx, lo, a):  # type: ignore[no-untyped-def]
+    """``dx = a*dy`` on ``[:, lo:lo + len(a)]`` (``_scale_dy_span``'s, per channel)."""
+    base = uint64(lo)
+    for n in range(dy.shape[0]):
+        for j in range(uint64(0), uint64(a.shape[0])):
+            dx[n, base + j] = a[j] * dy[n, base + j]
+
+
+@_loop
 def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
     """``t`` (float64 (k,)) = each channel's sum over samples ``[n0, n1)`` of the block of
     k channels of S values that begins at ``lo`` in the rows of x: of its values, or with
@@ -803,8 +812,11 @@ def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, dhv, dlv):  # type: ig
     row (sample) of dy, x, dx (n,C*S): ``a*(dy - mean(dy)) + k1*xhat`` (``training``; the
     mean split in ``dhv``, ``dlv``) or ``a*dy``, per channel."""
     k = av.shape[0]
-    if training and S == 1:
-        _across_dx(dy, x, dx, lo, av, k1v, m, r, dhv, dlv)
+    if S == 1:  # vectorized across the channels (eval's span loop of one value: 1.6x slower)
+        if training:
+            _across_dx(dy, x, dx, lo, av, k1v, m, r, dhv, dlv)
+        else:
+            _across_scale_dy(dy, dx, lo, av)
         return
     for n in range(x.shape[0]):
         xr, dyr, dxr = x[n], dy[n], dx[n]
