@@ -47,12 +47,13 @@ STATS = {  # the forward's results, by position
 
 
 @contextlib.contextmanager
-def config(threads: int, small: bool) -> Iterator[None]:
+def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterator[None]:
     """Thread count; with ``small``, tiny staging blocks, no serial threshold, no whole
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
     (rows of 12 bytes or more), their spans of samples split from two spans, and
-    channels-last GroupNorm/InstanceNorm input taken by samples from two channels."""
+    channels-last GroupNorm/InstanceNorm input taken by samples from two channels;
+    ``stage_bytes``: the staging blocks' size, where given."""
     saved = (
         _threads.get_num_threads(),
         _staging.STAGE_BYTES,
@@ -68,6 +69,8 @@ def config(threads: int, small: bool) -> Iterator[None]:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
         numba_channels.WIDE_ROW_BYTES = 0
+    if stage_bytes is not None:
+        _staging.STAGE_BYTES = stage_bytes
     try:
         yield
     finally:
@@ -203,7 +206,7 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     """Forward and backward, numba vs reference (the backward from the reference's
     statistics for both); every result equal to rounding, and the statistics (mean, rstd,
     running buffers) to float64's accuracy."""
-    with config(p["threads"], p["small"]):
+    with config(p["threads"], p["small"], p.get("stage_bytes")):
         ours_f = family_kernel(ops[0], "numba")(xp, *fwd_args)
         ref_f = generic_kernel(ops[0])(xp, *fwd_args)
         ours_b = family_kernel(ops[1], "numba")(xp, *bwd_args(ref_f))
@@ -1007,11 +1010,15 @@ def test_channels_last_group_norm_runs_by_samples_and_keeps_the_layout(p):
     ops = (op + "_forward", op + "_backward")
     fwd, bwd = family_kernel(ops[0], "numba"), family_kernel(ops[1], "numba")
     results = []
-    for threads in (1, 2):  # (small: two threads on these small inputs)
-        f, d = compare(ops, fwd_args, bwd_args, {**p, "threads": threads, "small": True}, compute_dtype(x, w))
+    settings_ = {
+        "small": True,
+        "stage_bytes": 1 << 20,
+    }  # two threads on these small inputs, samples in a block
+    for threads in (1, 2):
+        f, d = compare(ops, fwd_args, bwd_args, {**p, "threads": threads, **settings_}, compute_dtype(x, w))
         for a in (f[0], d[0]):
             assert np.moveaxis(a, 1, -1).flags.c_contiguous  # channels-last, as x
-        with config(threads, small=True):  # a backward from the compiled statistics, and out=
+        with config(threads, **settings_):  # a backward from the compiled statistics, and out=
             d = bwd(xp, *bwd_args(f))
             out, dout = (laid_out(np.empty(x.shape, x.dtype), "channels_last") for _ in range(2))
             f_out, d_out = fwd(xp, *fwd_args, out), bwd(xp, *bwd_args(f), dout)
@@ -1020,7 +1027,7 @@ def test_channels_last_group_norm_runs_by_samples_and_keeps_the_layout(p):
             np.testing.assert_array_equal(one, two)
         results.append([*f[:3], *d])
     if p["read_only"]:  # the same as from writable arrays
-        with config(1, small=True):
+        with config(1, **settings_):
             f = fwd(xp, *(np.copy(a) if isinstance(a, np.ndarray) else a for a in fwd_args))
         np.testing.assert_array_equal(f[0], results[0][0])
     for one, two in zip(*results, strict=True):
@@ -1057,8 +1064,9 @@ def test_channels_last_samples_are_staged_in_blocks(kind, monkeypatch, restore_t
 
     with npnorm.use_kernels("numba"):
         blocks = both()
-        assert len(calls) == 2 and calls == [64, 64]  # one call per direction: 64 samples of 768 B
-        monkeypatch.setattr(_staging, "STAGE_BYTES", 1)  # one sample per block
+        assert len(calls) == 2 and calls == [64, 64]  # one call per direction: 64 samples of 0.75-1.5 KB
+        ct = np.result_type(np.float32, x.dtype, w.dtype)
+        monkeypatch.setattr(_staging, "STAGE_BYTES", x[0].size * ct.itemsize)  # one sample per block
         one_by_one = both()
     assert len(calls) == 2 + 2 * 64
     assert np.moveaxis(blocks[0], 1, -1).flags.c_contiguous
@@ -1068,14 +1076,57 @@ def test_channels_last_samples_are_staged_in_blocks(kind, monkeypatch, restore_t
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+def test_channels_last_samples_larger_than_a_block_are_staged_by_rows(op, restore_threads):
+    """A staged channels-last sample is one block at least: float16 samples of (2, 64,
+    384, 384) took 4x the input's bytes in the forward and 6x in the backward (the
+    staged rows path: 5-7 MiB). Samples that need staging and are larger than a block
+    take the staged rows path again, with the results of the sample loops to rounding."""
+    import tracemalloc
+
+    _threads.set_num_threads(2)
+    rng = np.random.default_rng(6)
+    x = laid_out(rng.normal(size=(2, 32, 64, 64)).astype(np.float16), "channels_last")  # 512 KB
+    dy = laid_out(rng.normal(size=x.shape).astype(np.float16), "channels_last")
+    w = np.linspace(0.5, 1.5, 32).astype(np.float16)
+    if op == "group_norm":
+        fwd = lambda: F.group_norm_forward(x, 8, w, None)  # noqa: E731
+        bwd = lambda f: F.group_norm_backward(dy, x, 8, f[1], f[2], w, None)  # noqa: E731
+    else:
+        fwd = lambda: F.instance_norm_forward(x, None, None, w, None, use_input_stats=True)  # noqa: E731
+        bwd = lambda f: F.instance_norm_backward(dy, x, f[1], f[2], w, None, use_input_stats=True)  # noqa: E731
+    with npnorm.use_kernels("numba"):
+        samples = [*(f := fwd()), *bwd(f)]  # samples of 256 KB in float32: within a block
+        small = 64 * 1024  # a block of 64 KB: a sample does not fit
+        with config(2, small=True):  # (no whole copy of small inputs, two threads)
+            _staging.STAGE_BYTES = small  # the staged rows: one (sample, group) row of 64 KB a block
+            fwd(), bwd(f)  # (compiled and warm)
+            peaks = []
+            for call in (fwd, lambda: bwd(f)):
+                tracemalloc.start()
+                try:
+                    got = call()
+                    peaks.append(tracemalloc.get_traced_memory()[1])
+                finally:
+                    tracemalloc.stop()
+            rows = [*(g := fwd()), *bwd(g)]
+    for p in peaks:  # the output, and 2-3 blocks per thread (a sample each: 2-3x 256 KB)
+        assert p < x.nbytes + 8 * small, (p / x.nbytes, peaks)
+    for a, b in zip(rows, samples, strict=True):
+        if a is not None:
+            np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=2e-3, atol=2e-3)
+    del got
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
 @pytest.mark.parametrize("layout", ["C", "channels_last"])
 @pytest.mark.parametrize("given_out", [False, True])
 def test_instance_norm_with_running_statistics_is_batch_norm_eval(layout, given_out):
     """InstanceNorm without input statistics is BatchNorm's eval (the same affine map of
     the running statistics): bitwise the same results. On channels-last input it was
-    staged whole, 3.5x BatchNorm eval's time in the forward and 10x InstanceNorm's own
-    C-ordered time in the backward (55 against 5.5 ms at (32, 64, 56, 56)), with a
-    C-ordered output; it now runs as BatchNorm's (N*S, C) rows and keeps the layout."""
+    staged whole, 3.5x BatchNorm eval's time in the forward and 4-10x InstanceNorm's own
+    C-ordered time in forward+backward (19-55 against 5.5-6 ms at (32, 64, 56, 56)), with
+    a C-ordered output; it now runs as BatchNorm's (N*S, C) rows and keeps the layout."""
     rng = np.random.default_rng(5)
     x = laid_out((rng.normal(size=(3, 6, 5, 4)) * 2 + 3).astype(np.float32), layout)
     dy = laid_out(rng.normal(size=x.shape).astype(np.float32), layout)

@@ -18,8 +18,10 @@ as (N, C, S), S = prod(spatial):
   statistics, the forward's samples are), or in training, where short channels have more
   than ``loops.SPAN`` samples, the spans of samples are (``_span_parts``): each channel's
   sums are added in the same order by every loop, so a channel's results do not depend
-  on the split, the blocks or the thread count. An input that is not C-ordered in the
-  computation dtype is first copied whole (one copy of the input).
+  on the split, the blocks or the thread count. A channels-last input (and gradient) is
+  taken as its (N*S, C) rows, BatchNorm1d's input, without a copy (``_as_channel_rows``);
+  another input that is not C-ordered in the computation dtype is first copied whole (one
+  copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -495,20 +497,35 @@ def _samples_last(
     """Channels-last inputs as their ``(N, S, C)`` samples, views of any dtype (see
     ``_as_channel_rows``), with ``out``'s (None where no ``out`` is given), for
     GroupNorm's and InstanceNorm's ``loops.group_rows_*``; None where a row of C values
-    is narrower than ``WIDE_ROW_BYTES`` in ``ct``, any of them has another layout, or
-    ``out`` is read-only or shares memory with an input."""
+    is narrower than ``WIDE_ROW_BYTES`` in ``ct``, any of them has another layout,
+    ``out`` is read-only or shares memory with an input, or a sample to be converted to
+    or from ``ct`` (float16, another computation dtype or byte order; see ``_by_samples``)
+    is larger than ``_staging.STAGE_BYTES`` in ``ct``: those are staged in blocks of
+    (sample, group) rows, within a few blocks of memory. (Read-only samples of ``ct`` are
+    staged whole, a sample per thread, so that they give bitwise the results of writable
+    ones.)"""
     N, C = int(inputs[0].shape[0]), int(inputs[0].shape[1])
     if C * ct.itemsize < WIDE_ROW_BYTES:
         return None
     rows = [r for r in map(_as_channel_rows, inputs) if r is not None]
     if len(rows) < len(inputs):
         return None
-    if out is None:
-        return [r.reshape(N, -1, C) for r in rows], None
-    out_rows = _as_channel_rows(out)
-    if out_rows is None or not out.flags.writeable or any(np.may_share_memory(out, a) for a in inputs):
+    out_rows = None if out is None else _as_channel_rows(out)
+    if out is not None and (
+        out_rows is None or not out.flags.writeable or any(np.may_share_memory(out, a) for a in inputs)
+    ):
         return None
-    return [r.reshape(N, -1, C) for r in rows], out_rows.reshape(N, -1, C)
+    out_dtype = inputs[0].dtype if out is None else out.dtype  # (a new output: the input's dtype)
+    cast = out_dtype != ct or any(a.dtype != ct for a in rows)
+    if cast and (inputs[0].size // N) * ct.itemsize > _staging.STAGE_BYTES:
+        return None  # (a staged block is one sample at least: 4-6x the input's bytes in float16)
+    samples = [r.reshape(N, -1, C) for r in rows]  # N,S,C each
+    return samples, None if out_rows is None else out_rows.reshape(N, -1, C)
+
+
+def _fits(a: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """Whether the sample loops take ``a`` as it is: writable, of the computation dtype."""
+    return a.dtype == ct and a.flags.writeable
 
 
 def _by_samples(
@@ -528,7 +545,7 @@ def _by_samples(
     N, S, C = srcs[0].shape
 
     def fits(a: np.ndarray) -> bool:
-        return a.dtype == ct and a.flags.writeable
+        return _fits(a, ct)
 
     if all(map(fits, srcs)) and fits(dst):
         run(lambda n0, n1: loop(*srcs, *mid, dst, *tail, 0, n0, n1), ranges(N, S * C))
