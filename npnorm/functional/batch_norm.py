@@ -83,10 +83,13 @@ def batch_norm_forward(
     Raises
     ------
     ValueError
-        On a wrong shape, when training with one value per channel, or in
-        inference without buffers. An empty batch (no values per channel) is no
+        On a wrong shape, when training with one value per channel, in inference
+        without buffers, or on a negative or NaN ``eps``. An empty batch (no values per channel) is no
         error, as in PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN
         (statistics of nothing), and the buffers come back as they were.
+    TypeError
+        On non-floating input, arrays of different backends, or an ``eps`` that is
+        not a real number.
 
     Examples
     --------

@@ -93,9 +93,12 @@ def group_norm_forward(
     Raises
     ------
     ValueError
-        If C is not divisible by ``num_groups``, or on a wrong shape; and, as
-        PyTorch's, when the input holds one value per group in all (N*C/G times
-        the spatial size is 1: ``(1, C)`` with ``num_groups = C``).
+        If C is not divisible by ``num_groups``, on a wrong shape, or on a negative
+        or NaN ``eps``; and, as PyTorch's, when the input holds one value per group
+        in all (N*C/G times the spatial size is 1: ``(1, C)`` with ``num_groups = C``).
+    TypeError
+        On non-floating input, arrays of different backends, or an ``eps`` that is
+        not a real number.
 
     Examples
     --------

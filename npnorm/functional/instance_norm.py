@@ -80,11 +80,15 @@ def instance_norm_forward(
     Raises
     ------
     ValueError
-        On a wrong shape, or input statistics over one spatial element. Input
+        On a wrong shape, input statistics over one spatial element, or a negative
+        or NaN ``eps``. Input
         statistics over none are no error, as in PyTorch: the output is empty; with
         no spatial values ``mean`` and ``rstd`` are NaN (statistics of nothing) and the
         buffers come back as they were, and with no instances (N = 0) the buffers
         become NaN, the average over no instances.
+    TypeError
+        On non-floating input, arrays of different backends, or an ``eps`` that is
+        not a real number.
 
     Examples
     --------

@@ -70,9 +70,11 @@ def rms_norm_forward(
     Raises
     ------
     ValueError
-        If ``input`` does not end in ``normalized_shape``, or weight has another shape.
+        If ``input`` does not end in ``normalized_shape``, weight has another shape,
+        or ``eps`` is negative or NaN.
     TypeError
-        On non-floating input, or arrays of different backends.
+        On non-floating input, arrays of different backends, or an ``eps`` that is
+        not a real number (None: the dtype's machine epsilon).
 
     Examples
     --------
