@@ -928,30 +928,45 @@ def test_no_large_constant_is_kept_after_a_call():
     assert sizes and max(sizes) <= _staging.CONSTANT_CACHE_BYTES, sizes
 
 
+def _in_layout(a: np.ndarray, layout: str) -> bool:
+    """Whether ``a`` (N, C, *spatial) is laid out as ``laid_out(..., layout)`` makes it."""
+    if layout == "channels_last":
+        return np.moveaxis(a, 1, -1).flags.c_contiguous
+    return a.flags.f_contiguous if layout == "F" else a.flags.c_contiguous
+
+
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("given_out", [False, True])
-def test_channels_last_batch_norm_runs_as_rows_and_keeps_the_layout(training, given_out):
+@pytest.mark.parametrize("shape", [(3, 6, 4, 5), (40, 6)])
+@pytest.mark.parametrize("layout", ["channels_last", "F"])
+def test_channels_last_and_fortran_batch_norm_run_as_views_and_keep_the_layout(
+    training, given_out, shape, layout
+):
     """A channels-last (N, C, H, W) input (torch's channels_last, NumPy's moveaxis of NHWC)
     was copied whole into (N, C, S) order first, in one thread: 4-5x torch's time in
     inference. It runs as the (N*H*W, C) rows of BatchNorm1d now, and y and dx keep the
-    layout, as torch's do."""
+    layout, as torch's do. A Fortran-ordered input (a pandas frame's ``.values``) was
+    staged, a transpose: 2-4x the C-ordered time at (100000, 64); it runs as the (S, C, N)
+    planes of its ``.T``, and keeps its layout too."""
+    if layout == "channels_last" and len(shape) < 3:
+        pytest.skip("(N, C) is C-ordered in channels-last order")
     rng = np.random.default_rng(0)
-    nhwc = (rng.normal(size=(3, 5, 4, 6)) * 2 + 3).astype(np.float32)
-    x, dy = np.moveaxis(nhwc, -1, 1), np.moveaxis(rng.normal(size=nhwc.shape).astype(np.float32), -1, 1)
+    x = laid_out((rng.normal(size=shape) * 2 + 3).astype(np.float32), layout)
+    dy = laid_out(rng.normal(size=shape).astype(np.float32), layout)
     w, b = np.linspace(0.5, 1.5, 6).astype(np.float32), np.linspace(-1, 1, 6).astype(np.float32)
     rm, rv = np.linspace(-1, 1, 6).astype(np.float32), np.linspace(0.5, 2, 6).astype(np.float32)
     fwd, bwd = family_kernel("batch_norm_forward", "numba"), family_kernel("batch_norm_backward", "numba")
-    out = np.moveaxis(np.empty(nhwc.shape, np.float32), -1, 1) if given_out else None
+    out = laid_out(np.empty(shape, np.float32), layout) if given_out else None
     got = fwd(xp, x, rm.copy(), rv.copy(), w, b, training, 0.1, 1e-5, out)
     want = generic_kernel("batch_norm_forward")(xp, x, rm.copy(), rv.copy(), w, b, training, 0.1, 1e-5)
     same_results(got, want, "forward", tol=2e-6)
-    assert got[0] is out if given_out else np.moveaxis(got[0], 1, -1).flags.c_contiguous
-    dout = np.moveaxis(np.empty(nhwc.shape, np.float32), -1, 1) if given_out else None
+    assert got[0] is out if given_out else _in_layout(got[0], layout)
+    dout = laid_out(np.empty(shape, np.float32), layout) if given_out else None
     dgot = bwd(xp, dy, x, got[1], got[2], w, b, training, dout)
     dwant = generic_kernel("batch_norm_backward")(xp, dy, x, want[1], want[2], w, b, training)
     same_results(dgot, dwant, "backward", tol=2e-5)
-    assert dgot[0] is dout if given_out else np.moveaxis(dgot[0], 1, -1).flags.c_contiguous
+    assert dgot[0] is dout if given_out else _in_layout(dgot[0], layout)
 
 
 @st.composite
@@ -1119,7 +1134,7 @@ def test_channels_last_samples_larger_than_a_block_are_staged_by_rows(op, restor
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
-@pytest.mark.parametrize("layout", ["C", "channels_last"])
+@pytest.mark.parametrize("layout", ["C", "channels_last", "F"])
 @pytest.mark.parametrize("given_out", [False, True])
 def test_instance_norm_with_running_statistics_is_batch_norm_eval(layout, given_out):
     """InstanceNorm without input statistics is BatchNorm's eval (the same affine map of
@@ -1143,7 +1158,7 @@ def test_instance_norm_with_running_statistics_is_batch_norm_eval(layout, given_
     for a, c in zip([*inst, *d_inst], [*batch, *d_batch], strict=True):
         np.testing.assert_array_equal(a, c)
     for a in (inst[0], d_inst[0]):
-        assert (np.moveaxis(a, 1, -1) if layout == "channels_last" else a).flags.c_contiguous
+        assert _in_layout(a, layout)
     want = generic_kernel("instance_norm_forward")(xp, x, rm, rv, w, b, False, 0.1, 1e-5)
     same_results(inst, want, "forward", tol=2e-6)
 

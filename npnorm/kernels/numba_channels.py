@@ -19,9 +19,9 @@ as (N, C, S), S = prod(spatial):
   than ``loops.SPAN`` samples, the spans of samples are (``_span_parts``): each channel's
   sums are added in the same order by every loop, so a channel's results do not depend
   on the split, the blocks or the thread count. A channels-last input (and gradient) is
-  taken as its (N*S, C) rows, BatchNorm1d's input, without a copy (``_as_channel_rows``);
-  another input that is not C-ordered in the computation dtype is first copied whole (one
-  copy of the input).
+  taken as its (N*S, C) rows, BatchNorm1d's input, and a Fortran-ordered one as the (S, C,
+  N) planes of its ``.T``, without a copy (``_channel_views``); another input that is not
+  C-ordered in the computation dtype is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -42,6 +42,7 @@ computation dtypes the loops do not compile for go to the ``"numpy"`` family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -293,14 +294,13 @@ def _channel_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``loops.channel_backward`` over all channels, from (C,) statistics: BatchNorm's
     with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``.
-    Channels-last input and gradient are taken as their (N*S, C) rows
-    (``_as_channel_rows``), dx in their layout."""
-    rows = _as_channel_rows(input)
-    dy_rows = None if rows is None else _as_channel_rows(grad_output)
-    out_rows = None if dy_rows is None else _as_channel_rows(out)
-    if rows is not None and dy_rows is not None and (out is None or out_rows is not None):  # as (N*S, C)
-        dx, dw, db = _channel_backward(dy_rows, rows, mean, rstd, weight, bias, training, ct, out_rows)
-        return (_from_channel_rows(dx, input.shape) if out is None else out), dw, db
+    Channels-last or Fortran-ordered input and gradient are taken as C-ordered views
+    (``_channel_views``), dx in their layout."""
+    views = _channel_views(out, grad_output, input)
+    if views is not None:  # channels-last or Fortran order, as C-ordered views
+        (dy_v, x_v), out_v, back = views
+        dx, dw, db = _channel_backward(dy_v, x_v, mean, rstd, weight, bias, training, ct, out_v)
+        return (back(dx) if out is None else out), dw, db
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     m, r = vector(mean, C, ct), vector(rstd, C, ct)  # C, C
@@ -452,12 +452,13 @@ def _running_forward(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalize with the running statistics (BatchNorm eval, InstanceNorm without input
     statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``;
-    a channels-last input as its (N*S, C) rows (``_as_channel_rows``), y in its layout."""
-    rows = _as_channel_rows(input)
-    out_rows = None if rows is None else _as_channel_rows(out)
-    if rows is not None and (out is None or out_rows is not None):  # channels-last: as (N*S, C)
-        y, mean, rstd = _running_forward(xp, rows, running_mean, running_var, weight, bias, eps, ct, out_rows)
-        return (_from_channel_rows(y, input.shape) if out is None else out), mean, rstd
+    a channels-last or Fortran-ordered input as a C-ordered view (``_channel_views``), y in
+    its layout."""
+    views = _channel_views(out, input)
+    if views is not None:  # channels-last or Fortran order, as a C-ordered view
+        (x_v,), out_v, back = views
+        y, mean, rstd = _running_forward(xp, x_v, running_mean, running_var, weight, bias, eps, ct, out_v)
+        return (back(y) if out is None else out), mean, rstd
     m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
     v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
     y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
@@ -575,6 +576,43 @@ def _from_channel_rows(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.moveaxis(rows.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
 
 
+def _as_channel_planes(a: np.ndarray | None) -> np.ndarray | None:
+    """A Fortran-ordered ``(N, C, *spatial)`` array (N its fastest axis: ``np.asfortranarray``,
+    a pandas frame's ``.values``, ``x.T`` of a C-ordered ``(C, N)``) as the C-ordered
+    ``(S, C, N)`` view of its ``.T``: each channel a row of N values per spatial position,
+    the same values per channel as the input's; None for any other layout (a C-ordered
+    one too). Staging it for BatchNorm took 2-4x the C-ordered time (a transpose)."""
+    if a is None or a.ndim < 2 or a.flags.c_contiguous or not a.flags.f_contiguous:
+        return None
+    return a.T.reshape(-1, a.shape[1], a.shape[0])
+
+
+def _from_channel_planes(planes: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``(S, C, N)`` planes as the Fortran-ordered ``(N, C, *spatial)`` array they hold (a view)."""
+    return planes.reshape(shape[::-1]).T
+
+
+def _channel_views(
+    out: np.ndarray | None, *arrays: np.ndarray
+) -> tuple[list[np.ndarray], np.ndarray | None, Callable[[np.ndarray], np.ndarray]] | None:
+    """``arrays`` (N, C, *spatial), all channels-last or all Fortran-ordered, as the
+    C-ordered views BatchNorm's channel loops take with the same channels (channels-last:
+    the (N*S, C) rows of ``_as_channel_rows``; Fortran order: the (S, C, N) planes of
+    ``_as_channel_planes``), with ``out``'s view (None where no ``out`` is given: one of
+    the same layout, or None for the whole) and the map from a result's view back to the
+    array in that layout. None for C-ordered and other layouts."""
+    shape = tuple(int(d) for d in arrays[0].shape)
+    for view, back in ((_as_channel_rows, _from_channel_rows), (_as_channel_planes, _from_channel_planes)):
+        views = [v for v in map(view, arrays) if v is not None]
+        if len(views) < len(arrays):
+            continue
+        out_view = None if out is None else view(out)
+        if out is not None and (out_view is None or out_view.shape != views[0].shape):
+            return None
+        return views, out_view, partial(back, shape=shape)
+    return None
+
+
 @specialized("batch_norm_forward", NUMPY, kernels="numba")
 @no_fp_warnings
 def batch_norm_forward(
@@ -594,12 +632,12 @@ def batch_norm_forward(
     if input.size == 0 or not compiled(ct):
         args = (xp, input, running_mean, running_var, weight, bias, training, momentum, eps, out)
         return _fallback("batch_norm_forward", *args)
-    rows = _as_channel_rows(input)
-    out_rows = None if rows is None else _as_channel_rows(out)
-    if rows is not None and (out is None or out_rows is not None):  # channels-last: as (N*S, C)
-        args = (xp, rows, running_mean, running_var, weight, bias, training, momentum, eps, out_rows)
+    views = _channel_views(out, input)
+    if views is not None:  # channels-last or Fortran order, as a C-ordered view
+        (x_v,), out_v, back = views
+        args = (xp, x_v, running_mean, running_var, weight, bias, training, momentum, eps, out_v)
         y, *rest = batch_norm_forward(*args)
-        return (_from_channel_rows(y, input.shape) if out is None else out, *rest)  # type: ignore[return-value]
+        return (back(y) if out is None else out, *rest)  # type: ignore[return-value]
     C = int(input.shape[1])
     new_mean, new_var = running_mean, running_var
     if training:
