@@ -52,7 +52,8 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
     (rows of 12 bytes or more), their spans of samples split from two spans, and
-    channels-last GroupNorm/InstanceNorm input taken by samples from two channels;
+    channels-last GroupNorm/InstanceNorm input taken by samples from two channels, and
+    Fortran-ordered BatchNorm input as planes from one sample;
     ``stage_bytes``: the staging blocks' size, where given."""
     saved = (
         _threads.get_num_threads(),
@@ -63,12 +64,13 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         numba_channels.ROW_BYTES,
         numba_channels.SPLIT_VALUES,
         numba_channels.WIDE_ROW_BYTES,
+        numba_channels.PLANE_SAMPLES,
     )
     _threads.set_num_threads(threads)
     if small:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
-        numba_channels.WIDE_ROW_BYTES = 0
+        numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = 0, 1
     if stage_bytes is not None:
         _staging.STAGE_BYTES = stage_bytes
     try:
@@ -77,7 +79,7 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         _threads.set_num_threads(saved[0])
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:7]
-        numba_channels.WIDE_ROW_BYTES = saved[7]
+        numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = saved[7:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -938,7 +940,7 @@ def _in_layout(a: np.ndarray, layout: str) -> bool:
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("given_out", [False, True])
-@pytest.mark.parametrize("shape", [(3, 6, 4, 5), (40, 6)])
+@pytest.mark.parametrize("shape", [(8, 6, 4, 5), (40, 6)])
 @pytest.mark.parametrize("layout", ["channels_last", "F"])
 def test_channels_last_and_fortran_batch_norm_run_as_views_and_keep_the_layout(
     training, given_out, shape, layout
@@ -1143,7 +1145,7 @@ def test_instance_norm_with_running_statistics_is_batch_norm_eval(layout, given_
     C-ordered time in forward+backward (19-55 against 5.5-6 ms at (32, 64, 56, 56)), with
     a C-ordered output; it now runs as BatchNorm's (N*S, C) rows and keeps the layout."""
     rng = np.random.default_rng(5)
-    x = laid_out((rng.normal(size=(3, 6, 5, 4)) * 2 + 3).astype(np.float32), layout)
+    x = laid_out((rng.normal(size=(8, 6, 5, 4)) * 2 + 3).astype(np.float32), layout)
     dy = laid_out(rng.normal(size=x.shape).astype(np.float32), layout)
     w, b = np.linspace(0.5, 1.5, 6).astype(np.float32), np.linspace(-1, 1, 6).astype(np.float32)
     rm, rv = np.linspace(-1, 1, 6).astype(np.float32), np.linspace(0.5, 2, 6).astype(np.float32)
