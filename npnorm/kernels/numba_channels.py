@@ -235,7 +235,14 @@ def _channel_forward(
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``loops.channel_forward`` over all channels: with ``training`` it fills ``mean``
-    and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``."""
+    and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``.
+    A channels-last or Fortran-ordered input is taken as a C-ordered view
+    (``_channel_views``), y in its layout."""
+    views = _channel_views(out, input)
+    if views is not None:  # channels-last or Fortran order, as a C-ordered view
+        (x_v,), out_v, back = views
+        y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
+        return (back(y) if out is None else out), rstd
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
@@ -451,14 +458,7 @@ def _running_forward(
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalize with the running statistics (BatchNorm eval, InstanceNorm without input
-    statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``;
-    a channels-last or Fortran-ordered input as a C-ordered view (``_channel_views``), y in
-    its layout."""
-    views = _channel_views(out, input)
-    if views is not None:  # channels-last or Fortran order, as a C-ordered view
-        (x_v,), out_v, back = views
-        y, mean, rstd = _running_forward(xp, x_v, running_mean, running_var, weight, bias, eps, ct, out_v)
-        return (back(y) if out is None else out), mean, rstd
+    statistics): ``(y, mean, rstd)``, the mean (a copy of the buffer) and rstd in ``ct``."""
     m = np.array(cast(xp, running_mean, ct), dtype=np.float64)  # C
     v = np.array(cast(xp, running_var, ct), dtype=np.float64)  # C
     y, rstd = _channel_forward(input, weight, bias, eps, False, m, v, ct, out)
@@ -517,8 +517,8 @@ def _samples_last(
     ):
         return None
     out_dtype = inputs[0].dtype if out is None else out.dtype  # (a new output: the input's dtype)
-    cast = out_dtype != ct or any(a.dtype != ct for a in rows)
-    if cast and (inputs[0].size // N) * ct.itemsize > _staging.STAGE_BYTES:
+    converted = out_dtype != ct or any(a.dtype != ct for a in rows)
+    if converted and (inputs[0].size // N) * ct.itemsize > _staging.STAGE_BYTES:
         return None  # (a staged block is one sample at least: 4-6x the input's bytes in float16)
     samples = [r.reshape(N, -1, C) for r in rows]  # N,S,C each
     return samples, None if out_rows is None else out_rows.reshape(N, -1, C)
@@ -544,10 +544,7 @@ def _by_samples(
     (read-only, another dtype or byte order; float16 is cast by the compiled casts)
     staged through a block of scratch per thread: the same sums either way."""
     N, S, C = srcs[0].shape
-
-    def fits(a: np.ndarray) -> bool:
-        return _fits(a, ct)
-
+    fits = partial(_fits, ct=ct)
     if all(map(fits, srcs)) and fits(dst):
         run(lambda n0, n1: loop(*srcs, *mid, dst, *tail, 0, n0, n1), ranges(N, S * C))
         return
@@ -647,12 +644,6 @@ def batch_norm_forward(
     if input.size == 0 or not compiled(ct):
         args = (xp, input, running_mean, running_var, weight, bias, training, momentum, eps, out)
         return _fallback("batch_norm_forward", *args)
-    views = _channel_views(out, input)
-    if views is not None:  # channels-last or Fortran order, as a C-ordered view
-        (x_v,), out_v, back = views
-        args = (xp, x_v, running_mean, running_var, weight, bias, training, momentum, eps, out_v)
-        y, *rest = batch_norm_forward(*args)
-        return (back(y) if out is None else out, *rest)  # type: ignore[return-value]
     C = int(input.shape[1])
     new_mean, new_var = running_mean, running_var
     if training:
