@@ -753,6 +753,9 @@ def test_a_learners_sys_exit_is_a_failure(where, tmp_path, capsys):
         (["bessel", "--eval"], "bessel takes no options"),
         (["bessel", "--groups", "3"], "bessel takes no options"),
         (["sync_batch_norm", "--groups", "3"], "sync_batch_norm takes --split only"),
+        # a value that begins with "-" was taken for an option: "expected one argument"
+        (["sync_batch_norm", "--split", "-1,3"], "counts >= 0, one sample at least; got '-1,3'"),
+        (["--split", "-1", "sync_batch_norm"], "two ranks at least"),
     ],
 )
 def test_options_a_topic_does_not_take_are_usage_errors(argv, match, capsys):

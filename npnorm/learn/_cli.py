@@ -294,6 +294,21 @@ def _split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]
     return split
 
 
+def _split_joined(argv: list[str]) -> list[str]:
+    """``--split -1,3`` as ``--split=-1,3``: argparse takes a value that begins with "-"
+    (but for a plain negative number) for an option, and said "expected one argument"
+    instead of what a split must be."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        nxt = next(it, None) if arg == "--split" else None
+        if nxt is not None and nxt.startswith("-") and nxt[1:2].isdigit():
+            out.append(f"--split={nxt}")
+        else:
+            out += [arg] if nxt is None else [arg, nxt]
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m npnorm learn",
@@ -321,7 +336,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--quiet", action="store_true", help="print nothing on standard output; the exit status tells"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_split_joined(argv))
     with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():
         return _run(parser, args)
 
