@@ -63,6 +63,9 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
             C = x.shape[1]  # and a channels-last input's samples
             _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
             F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
+        from .kernels import numba_channels
+
+        numba_channels.compile_split_loops(dtype)  # (samples fewer than the threads take them)
 
     return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
 

@@ -52,8 +52,10 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
     copy of small inputs that cannot be viewed as rows (they are staged sample by sample,
     as large ones are), and BatchNorm's short channels taken in blocks of 1 to 3 channels
     (rows of 12 bytes or more), their spans of samples split from two spans, and
-    channels-last GroupNorm/InstanceNorm input taken by samples from two channels, and
-    Fortran-ordered BatchNorm input as planes from one sample;
+    channels-last GroupNorm/InstanceNorm input taken by samples from two channels, their
+    sums in spans of 16 values (a row at least) which the threads split wherever there
+    are fewer samples than threads, and Fortran-ordered BatchNorm input as planes from one
+    sample;
     ``stage_bytes``: the staging blocks' size, where given."""
     saved = (
         _threads.get_num_threads(),
@@ -65,12 +67,15 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         numba_channels.SPLIT_VALUES,
         numba_channels.WIDE_ROW_BYTES,
         numba_channels.PLANE_SAMPLES,
+        numba_channels.SPAN_VALUES,
+        numba_channels.SPLIT_SAMPLE_VALUES,
     )
     _threads.set_num_threads(threads)
     if small:
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
         numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = 0, 1
+        numba_channels.SPAN_VALUES, numba_channels.SPLIT_SAMPLE_VALUES = 16, 1
     if stage_bytes is not None:
         _staging.STAGE_BYTES = stage_bytes
     try:
@@ -79,7 +84,8 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         _threads.set_num_threads(saved[0])
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:7]
-        numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = saved[7:]
+        numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = saved[7:9]
+        numba_channels.SPAN_VALUES, numba_channels.SPLIT_SAMPLE_VALUES = saved[9:]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -1089,6 +1095,78 @@ def test_channels_last_samples_are_staged_in_blocks(kind, monkeypatch, restore_t
     for a, b in zip(blocks, one_by_one, strict=True):
         if a is not None:
             np.testing.assert_array_equal(a, b)
+
+
+def _group_or_instance(op: str, x: np.ndarray, dy: np.ndarray, G: int, w: np.ndarray) -> list:
+    """Forward and backward results of ``op`` (GroupNorm with G groups, or InstanceNorm
+    with input statistics) on x, dy."""
+    if op == "group_norm":
+        f = F.group_norm_forward(x, G, w, None)
+        return [*f, *F.group_norm_backward(dy, x, G, f[1], f[2], w, None)]
+    f = F.instance_norm_forward(x, None, None, w, None, use_input_stats=True)
+    return [*f, *F.instance_norm_backward(dy, x, f[1], f[2], w, None, use_input_stats=True)]
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
+@pytest.mark.parametrize("N", [1, 2])
+def test_channels_last_samples_fewer_than_threads_are_split_over_them(op, N, monkeypatch, restore_threads):
+    """Channels-last samples ran one per thread: with fewer samples than threads (a batch
+    of one image on a many-core host) the other threads stayed idle. A sample's sums are
+    now taken in spans of ``SPAN_VALUES``, which the threads split there
+    (``loops.group_rows_partials``): the results and layout of one sample per thread,
+    bitwise, whatever the thread count, and the reference's to rounding."""
+    rng = np.random.default_rng(8)
+    x = laid_out((rng.normal(size=(N, 32, 13, 11)) * 3 + 100).astype(np.float32), "channels_last")
+    dy = laid_out(rng.normal(size=x.shape).astype(np.float32), "channels_last")
+    w = np.linspace(0.5, 1.5, 32).astype(np.float32)
+    monkeypatch.setattr(
+        numba_channels, "SPAN_VALUES", 32 * 5
+    )  # spans of 5 rows: 29 of a sample, the last of 3
+    monkeypatch.setattr(numba_channels, "SPLIT_SAMPLE_VALUES", 1)
+    monkeypatch.setattr(_staging, "MIN_PARALLEL", 1)
+    split = []
+    loop = numba_channels.loops.group_rows_partials
+    monkeypatch.setattr(
+        numba_channels.loops, "group_rows_partials", lambda *a: split.append(a[-1] - a[-2]) or loop(*a)
+    )
+    results = {}
+    with npnorm.use_kernels("numba"):
+        for threads in (1, 2, 3):
+            _threads.set_num_threads(threads)
+            split.clear()
+            results[threads] = _group_or_instance(op, x, dy, 8, w)
+            assert bool(split) == (threads > N)
+            if split:  # the spans of the means and of the squared deviations, over the threads
+                assert len(split) == 2 * threads and sum(split) == 2 * N * 29
+    for threads in (2, 3):
+        for a, b in zip(results[1], results[threads], strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(a, b)
+    y, dx = (a for a in results[3] if a is not None and a.ndim == 4)
+    assert np.moveaxis(y, 1, -1).flags.c_contiguous and np.moveaxis(dx, 1, -1).flags.c_contiguous
+    with npnorm.use_kernels("reference"):
+        reference = _group_or_instance(op, x, dy, 8, w)
+    for a, b in zip(results[3], reference, strict=True):
+        if a is not None:
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()))
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("shape", [(2, 64, 56, 56), (1, 32, 200, 100)])
+def test_channels_last_float64_group_means_within_a_few_ulp(shape):
+    """The sample loops summed each channel's column down all S rows in one float64 sum:
+    on data of offset 1e3 the group means of channels-last input came out 10-26 ulp off
+    the exact mean (C-ordered input: 5-9). Summed in spans, added in order: 2."""
+    rng = np.random.default_rng(4)
+    x = laid_out(rng.normal(size=shape) * 2 + 1e3, "channels_last")
+    G = 8
+    exact = np.array(
+        [[math.fsum(g) / g.size for g in s] for s in np.reshape(np.ascontiguousarray(x), (shape[0], G, -1))]
+    )
+    with npnorm.use_kernels("numba"):
+        mean = np.reshape(F.group_norm_forward(x, G)[1], exact.shape)
+    assert np.max(np.abs(mean - exact) / np.spacing(np.abs(exact))) <= 4
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")

@@ -1047,6 +1047,127 @@ def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def
 # (sample, group) row of the loops above, a group is a strided gather: such input was
 # staged into (N, C, S) order block by block, and its output written back through scratch
 # (2-3x torch's time, which has a channels-last kernel).
+#
+# A sample's sums are taken span by span, a span being ``rows`` of its S rows (the caller
+# picks ``rows`` from C alone): each span's sums into float64 partials, added into the
+# sample's totals in span order. With fewer samples than threads, the threads split the
+# samples' spans (``group_rows_partials``, ``group_rows_dy_partials``: a span per unit of
+# work), and the caller's one call per sample adds the partials in the same order
+# (``group_rows_statistics``, ``group_rows_coefficients``): the results are bitwise those
+# of ``group_rows_forward``/``_backward``, whatever the thread count.
+
+
+@_loop
+def _span_of(u, spans, rows, S):  # type: ignore[no-untyped-def]
+    """Unit u of the samples' spans (``spans`` per sample): its sample and rows [r0, r1)."""
+    n = u // spans
+    r0 = (u - n * spans) * rows
+    return n, r0, min(S, r0 + rows)
+
+
+@_loop
+def _add_into(t, part):  # type: ignore[no-untyped-def]
+    for j in range(t.shape[0]):
+        t[j] += part[j]
+
+
+@_loop
+def _sample_sums(xn, rows, dev, m, part, t):  # type: ignore[no-untyped-def]
+    """``t`` = the column sums of xn (S,C) (with ``dev``: of the squared deviations from
+    ``m``), span by span: each span's into ``part``, added into ``t`` in order."""
+    t.fill(0.0)
+    for r0 in range(0, xn.shape[0], rows):
+        part.fill(0.0)
+        r1 = min(xn.shape[0], r0 + rows)
+        if dev:
+            _across_sq_dev(xn, r0, r1, 0, m, part)
+        else:
+            _across_sum(xn, r0, r1, 0, part)
+        _add_into(t, part)
+
+
+@_loop
+def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, sd, sdx):  # type: ignore[no-untyped-def]
+    """``sd``, ``sdx`` = the column sums of dyn and of dyn*(xn - m) (S,C), span by span
+    (``_sample_sums``'s order)."""
+    sd.fill(0.0)
+    sdx.fill(0.0)
+    for r0 in range(0, xn.shape[0], rows):
+        pd.fill(0.0)
+        pdx.fill(0.0)
+        _across_sums_dy(dyn, xn, r0, min(xn.shape[0], r0 + rows), 0, m, pd, pdx)
+        _add_into(sd, pd)
+        _add_into(sdx, pdx)
+
+
+@_loop
+def _group_means(t, k, L, mc):  # type: ignore[no-untyped-def]
+    """``mc``: each channel's group mean (float64), from the channels' sums ``t``."""
+    for g in range(t.shape[0] // k):
+        u = 0.0
+        for c in range(g * k, (g + 1) * k):
+            u += t[c]
+        for c in range(g * k, (g + 1) * k):
+            mc[c] = u / L
+
+
+@_loop
+def _group_statistics(t, mc, k, L, eps, w, b, r0, mean, rstd, var, sc, bc, m_hi, m_lo, s):  # type: ignore[no-untyped-def]
+    """From the channels' squared deviations ``t`` about their group means ``mc``: each
+    group's mean, rstd and biased variance (rows ``r0 + g`` of ``mean``, ``rstd``, ``var``),
+    and per channel the output's coefficients (``sc = rstd*w``, ``bc = b``, the mean split
+    into ``m_hi + m_lo``)."""
+    for g in range(t.shape[0] // k):
+        q = 0.0
+        for c in range(g * k, (g + 1) * k):
+            q += t[c]
+        rc, hi, lo = _row_stats(mc[g * k], q / L, eps, s)
+        var[r0 + g] = q / L
+        mean[r0 + g] = mc[g * k]
+        rstd[r0 + g] = rc
+        for c in range(g * k, (g + 1) * k):
+            s[2] = rc * w[c]
+            sc[c] = s[2]
+            bc[c] = b[c]
+            m_hi[c] = hi
+            m_lo[c] = lo
+
+
+@_loop
+def _group_dx_coefficients(sd, sdx, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s):  # type: ignore[no-untyped-def]
+    """For the input's sample i, from its channels' ``sum(dy)`` and ``sum(dy*(x - mean))``
+    (``sd``, ``sdx``, kept in ``sdy``, ``sdyx``): per channel dx's coefficients ``a =
+    rstd*w_c`` and the group's ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L`` (``sg`` =
+    sum(w*dy), ``sgx`` = sum(w*dy*(x - mean)) over the group), and its rstd."""
+    C = sd.shape[0]
+    G = C // k
+    for g in range(G):
+        rs = np.float64(rstd[i * G + g])
+        sg = 0.0
+        sgx = 0.0
+        for c in range(g * k, (g + 1) * k):
+            sdy[i * C + c] = sd[c]
+            sdyx[i * C + c] = sdx[c]
+            wc = np.float64(w[c])
+            sg += wc * sd[c]
+            sgx += wc * sdx[c]
+        s[1] = -rs * (sgx * rs / L)
+        s[2] = -rs * sg / L
+        for c in range(g * k, (g + 1) * k):
+            s[0] = rs * w[c]
+            av[c] = s[0]
+            k1v[c] = s[1]
+            k0v[c] = s[2]
+            rcv[c] = rstd[i * G + g]
+
+
+@_loop
+def _group_mean_per_channel(mean, i, k, mc):  # type: ignore[no-untyped-def]
+    """``mc``: each channel's group mean for the input's sample i."""
+    G = mc.shape[0] // k
+    for g in range(G):
+        for c in range(g * k, (g + 1) * k):
+            mc[c] = mean[i * G + g]
 
 
 @_loop
@@ -1059,17 +1180,18 @@ def _across_group_dx(dy, x, dx, a, k1, m, rc, k0):  # type: ignore[no-untyped-de
 
 
 @_loop
-def group_rows_forward(x, w, b, k, eps, y, mean, rstd, var, base, n0, n1):  # type: ignore[no-untyped-def]
+def group_rows_forward(x, w, b, k, eps, rows, y, mean, rstd, var, base, n0, n1):  # type: ignore[no-untyped-def]
     """Samples ``[n0, n1)`` of x (n,S,C), channels-last, sample j being the input's sample
     ``base + j``, in groups of k channels (G = C/k): each group's mean, rstd and biased
     variance (into ``mean``, ``rstd``, ``var`` (float64), the input's (N*G,) rows), two-pass
-    over the cached sample (float64 sums per channel, added per group), then
+    over the cached sample (float64 sums per channel, span by span, added per group), then
     ``y = (x - mean)*rstd*w_c + b_c`` (``group_forward``'s, per channel)."""
     S, C = x.shape[1], x.shape[2]
     G = C // k
     L = S * k
     s = np.empty(3, dtype=y.dtype)
     t = np.empty(C)  # the channels' sums (float64)
+    part = np.empty(C)  # a span's
     mc = np.empty(C)  # their group's mean (float64)
     sc = np.empty(C, dtype=y.dtype)  # rstd*w, b and the mean split, per channel
     bc = np.empty(C, dtype=y.dtype)
@@ -1077,47 +1199,27 @@ def group_rows_forward(x, w, b, k, eps, y, mean, rstd, var, base, n0, n1):  # ty
     m_lo = np.empty(C, dtype=y.dtype)
     for n in range(n0, n1):
         xn, yn = x[n], y[n]  # S,C  S,C
-        t.fill(0.0)
-        _across_sum(xn, 0, S, 0, t)
-        for g in range(G):
-            u = 0.0
-            for c in range(g * k, (g + 1) * k):
-                u += t[c]
-            for c in range(g * k, (g + 1) * k):
-                mc[c] = u / L
-        t.fill(0.0)
-        _across_sq_dev(xn, 0, S, 0, mc, t)
-        for g in range(G):
-            q = 0.0
-            for c in range(g * k, (g + 1) * k):
-                q += t[c]
-            r = (base + n) * G + g
-            rc, hi, lo = _row_stats(mc[g * k], q / L, eps, s)
-            var[r] = q / L
-            mean[r] = mc[g * k]
-            rstd[r] = rc
-            for c in range(g * k, (g + 1) * k):
-                s[2] = rc * w[c]
-                sc[c] = s[2]
-                bc[c] = b[c]
-                m_hi[c] = hi
-                m_lo[c] = lo
+        _sample_sums(xn, rows, False, mc, part, t)
+        _group_means(t, k, L, mc)
+        _sample_sums(xn, rows, True, mc, part, t)
+        _group_statistics(t, mc, k, L, eps, w, b, (base + n) * G, mean, rstd, var, sc, bc, m_hi, m_lo, s)
         _across_affine(xn, yn, 0, m_hi, m_lo, sc, bc)
 
 
 @_loop
-def group_rows_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, n0, n1):  # type: ignore[no-untyped-def]
+def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, n1):  # type: ignore[no-untyped-def]
     """Samples ``[n0, n1)`` of dy, x, dx (n,S,C), channels-last (see
     ``group_rows_forward``): each channel's ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``sdy``, ``sdyx``, the input's (N*C,)), then dx from the sample in cache, as
-    ``group_backward``'s: ``dx = rstd*w_c*dy + k1*xhat + k0`` with the group's
+    span by span, into ``sdy``, ``sdyx``, the input's (N*C,)), then dx from the sample in
+    cache, as ``group_backward``'s: ``dx = rstd*w_c*dy + k1*xhat + k0`` with the group's
     ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``."""
     S, C = x.shape[1], x.shape[2]
-    G = C // k
     L = S * k
     s = np.empty(3, dtype=dx.dtype)
-    sd = np.empty(C)  # the channels' sums (float64)
+    sd = np.empty(C)  # the channels' sums (float64), and a span's
     sdx = np.empty(C)
+    pd = np.empty(C)
+    pdx = np.empty(C)
     mc = np.empty(C, dtype=dx.dtype)  # the group's mean, rstd and dx's coefficients, per channel
     rcv = np.empty(C, dtype=dx.dtype)
     av = np.empty(C, dtype=dx.dtype)
@@ -1126,31 +1228,105 @@ def group_rows_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, n0, n1):  
     for n in range(n0, n1):
         xn, dyn, dxn = x[n], dy[n], dx[n]  # S,C each
         i = base + n  # the input's sample
-        for g in range(G):
-            for c in range(g * k, (g + 1) * k):
-                mc[c] = mean[i * G + g]
+        _group_mean_per_channel(mean, i, k, mc)
+        _sample_dy_sums(dyn, xn, rows, mc, pd, pdx, sd, sdx)
+        _group_dx_coefficients(sd, sdx, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s)
+        _across_group_dx(dyn, xn, dxn, av, k1v, mc, rcv, k0v)
+
+
+@_loop
+def group_rows_partials(x, rows, dev, m, part, u0, u1):  # type: ignore[no-untyped-def]
+    """Units ``[u0, u1)`` of the spans of x's samples (n,S,C): ``part[u]`` = the column sums
+    of unit u's rows (with ``dev``: of their squared deviations from ``m[n]``, float64
+    (n,C)), as ``_sample_sums`` takes each span."""
+    S = x.shape[1]
+    spans = (S + rows - 1) // rows
+    for u in range(u0, u1):
+        n, r0, r1 = _span_of(u, spans, rows, S)
+        p = part[u]
+        p.fill(0.0)
+        if dev:
+            _across_sq_dev(x[n], r0, r1, 0, m[n], p)
+        else:
+            _across_sum(x[n], r0, r1, 0, p)
+
+
+@_loop
+def group_rows_statistics(part, spans, dev, k, L, eps, w, b, base, mc, mean, rstd, var, sc, bc, m_hi, m_lo):  # type: ignore[no-untyped-def]
+    """Per sample n of ``mc`` (n,C): its spans' partials added in order; without ``dev``
+    (the sums) each channel's group mean into ``mc[n]``; with it (the squared deviations)
+    the statistics of the input's sample ``base + n`` and the output's coefficients
+    (n,C), as ``group_rows_forward`` takes them."""
+    C = mc.shape[1]
+    G = C // k
+    t = np.empty(C)
+    s = np.empty(3, dtype=sc.dtype)
+    for n in range(mc.shape[0]):
+        t.fill(0.0)
+        for u in range(n * spans, (n + 1) * spans):
+            _add_into(t, part[u])
+        if dev:
+            _group_statistics(
+                t, mc[n], k, L, eps, w, b, (base + n) * G, mean, rstd, var, sc[n], bc[n], m_hi[n], m_lo[n], s
+            )
+        else:
+            _group_means(t, k, L, mc[n])
+
+
+@_loop
+def group_rows_affine(x, y, rows, m_hi, m_lo, sc, bc, u0, u1):  # type: ignore[no-untyped-def]
+    """Units ``[u0, u1)`` of the spans of x's samples (n,S,C): ``y = ((x - m_hi) - m_lo)*sc
+    + bc`` on the unit's rows, with its sample's coefficients (n,C)."""
+    S = x.shape[1]
+    spans = (S + rows - 1) // rows
+    for u in range(u0, u1):
+        n, r0, r1 = _span_of(u, spans, rows, S)
+        _across_affine(x[n, r0:r1], y[n, r0:r1], 0, m_hi[n], m_lo[n], sc[n], bc[n])
+
+
+@_loop
+def group_rows_dy_partials(dy, x, rows, m, pd, pdx, u0, u1):  # type: ignore[no-untyped-def]
+    """Units ``[u0, u1)`` of the spans of the samples of dy and x (n,S,C): ``pd[u]``,
+    ``pdx[u]`` = the column sums of dy and dy*(x - m[n]) (``m`` (n,C) in x's dtype) over the
+    unit's rows, as ``_sample_dy_sums`` takes each span."""
+    S = x.shape[1]
+    spans = (S + rows - 1) // rows
+    for u in range(u0, u1):
+        n, r0, r1 = _span_of(u, spans, rows, S)
+        pd[u].fill(0.0)
+        pdx[u].fill(0.0)
+        _across_sums_dy(dy[n], x[n], r0, r1, 0, m[n], pd[u], pdx[u])
+
+
+@_loop
+def group_rows_coefficients(pd, pdx, spans, mean, rstd, w, k, L, base, sdy, sdyx, av, k1v, k0v, rcv):  # type: ignore[no-untyped-def]
+    """Per sample n of ``av`` (n,C): its spans' partials added in order, then dx's
+    coefficients for the input's sample ``base + n`` (n,C each), as
+    ``group_rows_backward`` takes them."""
+    C = av.shape[1]
+    sd = np.empty(C)
+    sdx = np.empty(C)
+    s = np.empty(3, dtype=av.dtype)
+    for n in range(av.shape[0]):
         sd.fill(0.0)
         sdx.fill(0.0)
-        _across_sums_dy(dyn, xn, 0, S, 0, mc, sd, sdx)
-        for g in range(G):
-            rs = np.float64(rstd[i * G + g])
-            sg = 0.0
-            sgx = 0.0
-            for c in range(g * k, (g + 1) * k):
-                sdy[i * C + c] = sd[c]
-                sdyx[i * C + c] = sdx[c]
-                wc = np.float64(w[c])
-                sg += wc * sd[c]
-                sgx += wc * sdx[c]
-            s[1] = -rs * (sgx * rs / L)
-            s[2] = -rs * sg / L
-            for c in range(g * k, (g + 1) * k):
-                s[0] = rs * w[c]
-                av[c] = s[0]
-                k1v[c] = s[1]
-                k0v[c] = s[2]
-                rcv[c] = rstd[i * G + g]
-        _across_group_dx(dyn, xn, dxn, av, k1v, mc, rcv, k0v)
+        for u in range(n * spans, (n + 1) * spans):
+            _add_into(sd, pd[u])
+            _add_into(sdx, pdx[u])
+        _group_dx_coefficients(
+            sd, sdx, base + n, mean, rstd, w, k, L, sdy, sdyx, av[n], k1v[n], k0v[n], rcv[n], s
+        )
+
+
+@_loop
+def group_rows_dx(dy, x, dx, rows, av, k1v, mc, rcv, k0v, u0, u1):  # type: ignore[no-untyped-def]
+    """Units ``[u0, u1)`` of the spans of the samples of dy, x, dx (n,S,C): dx on the
+    unit's rows with its sample's coefficients (n,C each), as ``group_rows_backward``."""
+    S = x.shape[1]
+    spans = (S + rows - 1) // rows
+    for u in range(u0, u1):
+        n, r0, r1 = _span_of(u, spans, rows, S)
+        _across_group_dx(dy[n, r0:r1], x[n, r0:r1], dx[n, r0:r1], av[n], k1v[n], mc[n], rcv[n], k0v[n])
 
 
 # --- float16 <-> float32 ----------------------------------------------------------------

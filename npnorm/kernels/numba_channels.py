@@ -30,9 +30,10 @@ as (N, C, S), S = prod(spatial):
   time instead (``loops.group_backward_short``, see _short_rows). A channels-last input
   (with a channels-last gradient in the backward) is taken sample by sample instead
   (``loops.group_rows_forward`` / ``_backward``): a sample's S rows of C values, summed
-  down the channels' columns, the sample kept in cache between its passes (float16,
-  read-only and other-dtype samples staged in blocks of samples, ``_by_samples``); its
-  output keeps the layout.
+  down the channels' columns in spans of rows, the sample kept in cache between its
+  passes (float16, read-only and other-dtype samples staged in blocks of samples,
+  ``_by_samples``); with fewer samples than threads, the threads split the samples' spans
+  (``_split_samples``), for bitwise the same results; the output keeps the layout.
   Other dtypes and layouts are staged block by block (``_staging``).
 
 dweight and dbias are reduced in float64 from per-channel or per-(sample, channel)
@@ -369,7 +370,12 @@ def _group_forward(
     if last is not None:  # channels-last: by samples
         (xs,), ys = last  # N,S,C  N,S,C
         y = np.empty(xs.shape, dtype=input.dtype) if ys is None else ys  # N,S,C
-        _by_samples(loops.group_rows_forward, [xs], (w, b, k, eps), y, (mean, rstd, var), ct)
+        rows = _span_rows(C)
+        split = _split_samples([xs], y, rows, ct)
+        if split is not None:
+            _group_rows_forward_split(xs, w, b, k, eps, rows, y, mean, rstd, var, *split)
+        else:
+            _by_samples(loops.group_rows_forward, [xs], (w, b, k, eps, rows), y, (mean, rstd, var), ct)
         return (_from_channel_rows(y, input.shape) if out is None else out), mean, rstd, var
     if direct(ct, out, input):  # no staging: each thread's rows in one call
         y = np.empty(input.shape, dtype=ct) if out is None else out
@@ -418,7 +424,12 @@ def _group_backward(
     if last is not None:  # channels-last: by samples
         (xs, dys), dxs = last  # N,S,C each
         d = np.empty(xs.shape, dtype=input.dtype) if dxs is None else dxs  # N,S,C
-        _by_samples(loops.group_rows_backward, [dys, xs], (m, r, w, k), d, (sdy, sdyx), ct)
+        rows = _span_rows(C)
+        split = _split_samples([dys, xs], d, rows, ct)
+        if split is not None:
+            _group_rows_backward_split(dys, xs, m, r, w, k, rows, d, sdy, sdyx, *split)
+        else:
+            _by_samples(loops.group_rows_backward, [dys, xs], (m, r, w, k, rows), d, (sdy, sdyx), ct)
         dx = _from_channel_rows(d, input.shape) if out is None else out
     elif direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
@@ -564,6 +575,112 @@ def _by_samples(
                 cast_into(dst[a0:a1], obuf[: a1 - a0])
 
     run(task, ranges(N, S * C))
+
+
+# A channels-last sample's sums are taken in spans of about SPAN_VALUES values (whole rows
+# of C values; the same spans whatever the thread count, see _numba_loops), which the
+# threads split where there are fewer samples than threads, each thread taking at least
+# SPLIT_SAMPLE_VALUES values: the split costs three hand-offs in the forward and two in
+# the backward, against one. Timed on a 2-vCPU EPYC (float32 GroupNorm(32), one sample,
+# forward+backward, two threads split against one sample per thread): (64, 256, 256)
+# 4.4 against 5.3 ms, (128, 128, 128) 2.1 against 2.5; (256, 64, 64) 1.3 against 1.1 and
+# (512, 32, 32) 1.0 against 0.6 (a hand-off takes 0.05-0.15 ms on that VM). One thread's
+# memory bandwidth is most of the VM's; on hosts with many cores it is a small part.
+SPAN_VALUES = 1 << 14
+SPLIT_SAMPLE_VALUES = 1 << 20
+
+
+def _span_rows(C: int) -> int:
+    """The rows of C values in a span of a channels-last sample's sums."""
+    return max(1, SPAN_VALUES // C)
+
+
+def _split_samples(
+    srcs: list[np.ndarray], dst: np.ndarray, rows: int, ct: np.dtype[Any]
+) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where the threads would take fewer parts by samples than by the samples' spans of
+    ``rows`` rows (fewer samples than threads, each thread's share at least
+    ``SPLIT_SAMPLE_VALUES``), the spans per sample and the threads' ranges of spans; None
+    otherwise, and where an array must be staged (``_by_samples`` takes those, a sample
+    per thread)."""
+    N, S, C = srcs[0].shape
+    per_sample = -(-S // rows)
+    U = N * per_sample  # spans
+    parts = min(get_num_threads(), U, N * S * C // SPLIT_SAMPLE_VALUES)
+    fits = partial(_fits, ct=ct)
+    if parts <= len(ranges(N, S * C)) or not (all(map(fits, srcs)) and fits(dst)):
+        return None
+    return per_sample, [(j * U // parts, (j + 1) * U // parts) for j in range(parts)]
+
+
+def _group_rows_forward_split(
+    xs: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray,
+    k: int,
+    eps: float,
+    rows: int,
+    y: np.ndarray,
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    var: np.ndarray,
+    per_sample: int,
+    units: list[tuple[int, int]],
+) -> None:
+    """``loops.group_rows_forward`` on the (N, S, C) samples xs into y, the threads
+    splitting the samples' spans of ``rows`` rows (``units``): each span's sums, added per
+    sample in order, for the means; the same for the squared deviations, then the output.
+    Bitwise ``group_rows_forward``'s results."""
+    N, S, C = xs.shape
+    part = np.empty((N * per_sample, C))  # spans,C float64
+    mc = np.empty((N, C))  # N,C float64: each channel's group mean
+    sc, bc, m_hi, m_lo = (np.empty((N, C), dtype=y.dtype) for _ in range(4))  # N,C: y's coefficients
+    for dev in (False, True):  # the means, then the statistics
+        run(partial(loops.group_rows_partials, xs, rows, dev, mc, part), units)
+        loops.group_rows_statistics(
+            part, per_sample, dev, k, S * k, eps, w, b, 0, mc, mean, rstd, var, sc, bc, m_hi, m_lo
+        )
+    run(partial(loops.group_rows_affine, xs, y, rows, m_hi, m_lo, sc, bc), units)
+
+
+def _group_rows_backward_split(
+    dys: np.ndarray,
+    xs: np.ndarray,
+    m: np.ndarray,
+    r: np.ndarray,
+    w: np.ndarray,
+    k: int,
+    rows: int,
+    dx: np.ndarray,
+    sdy: np.ndarray,
+    sdyx: np.ndarray,
+    per_sample: int,
+    units: list[tuple[int, int]],
+) -> None:
+    """``loops.group_rows_backward`` on the (N, S, C) samples dys, xs into dx, the threads
+    splitting the samples' spans (``units``): each span's sums, added per sample in order
+    into dx's coefficients, then dx. Bitwise ``group_rows_backward``'s results."""
+    N, S, C = xs.shape
+    mc = np.repeat(m.reshape(N, C // k), k, axis=1)  # N,C: each channel's group mean
+    pd, pdx = np.empty((N * per_sample, C)), np.empty((N * per_sample, C))  # spans,C float64
+    run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, pd, pdx), units)
+    av, k1v, k0v, rcv = (np.empty((N, C), dtype=dx.dtype) for _ in range(4))  # N,C: dx's coefficients
+    loops.group_rows_coefficients(pd, pdx, per_sample, m, r, w, k, S * k, 0, sdy, sdyx, av, k1v, k0v, rcv)
+    run(partial(loops.group_rows_dx, dys, xs, dx, rows, av, k1v, mc, rcv, k0v), units)
+
+
+def compile_split_loops(dtype: str) -> None:
+    """Compile (or load) the loops of a channels-last sample's spans split over the
+    threads, which only samples larger than the threads' share take (``python -m npnorm
+    warmup``), whatever the thread count, and with no setting changed."""
+    ct = np.dtype(dtype)
+    xs = np.ones((1, 4, 16), dtype=ct)  # N,S,C: two spans of two rows
+    y = np.empty_like(xs)
+    w, b = np.ones(16, dtype=ct), np.zeros(16, dtype=ct)
+    mean, rstd, var = np.empty(2, dtype=ct), np.empty(2, dtype=ct), np.empty(2)
+    _group_rows_forward_split(xs, w, b, 8, 1e-5, 2, y, mean, rstd, var, 2, [(0, 1), (1, 2)])
+    sdy, sdyx = np.empty(16), np.empty(16)
+    _group_rows_backward_split(xs, xs, mean, rstd, w, 8, 2, y, sdy, sdyx, 2, [(0, 1), (1, 2)])
 
 
 def _from_channel_rows(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
