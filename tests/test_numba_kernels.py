@@ -68,6 +68,7 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         numba_channels.WIDE_ROW_BYTES,
         numba_channels.PLANE_SAMPLES,
         numba_channels.SPAN_VALUES,
+        numba_channels.SPAN_MIN_ROWS,
         numba_channels.SPLIT_SAMPLE_VALUES,
     )
     _threads.set_num_threads(threads)
@@ -75,7 +76,11 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = 64, 1, 0
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = 0, 12, 1
         numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = 0, 1
-        numba_channels.SPAN_VALUES, numba_channels.SPLIT_SAMPLE_VALUES = 16, 1
+        numba_channels.SPAN_VALUES, numba_channels.SPAN_MIN_ROWS, numba_channels.SPLIT_SAMPLE_VALUES = (
+            16,
+            1,
+            1,
+        )
     if stage_bytes is not None:
         _staging.STAGE_BYTES = stage_bytes
     try:
@@ -85,7 +90,9 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         _staging.STAGE_BYTES, _staging.MIN_PARALLEL, _blocks.SMALL_COPY_BYTES = saved[1:4]
         numba_channels.BLOCK_BYTES, numba_channels.ROW_BYTES, numba_channels.SPLIT_VALUES = saved[4:7]
         numba_channels.WIDE_ROW_BYTES, numba_channels.PLANE_SAMPLES = saved[7:9]
-        numba_channels.SPAN_VALUES, numba_channels.SPLIT_SAMPLE_VALUES = saved[9:]
+        numba_channels.SPAN_VALUES, numba_channels.SPAN_MIN_ROWS, numba_channels.SPLIT_SAMPLE_VALUES = saved[
+            9:
+        ]
 
 
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
@@ -891,10 +898,12 @@ def test_each_loop_compiles_for_float32_and_float64_only():
         for layout in LAYOUTS:
             x = laid_out(rng.normal(size=(3, 4, 5)).astype(dtype), layout)
             _all_results(x, x, None, None, 2)
+    ct_arg = {"group_rows_statistics": -1, "group_rows_coefficients": -1}  # (their first: float64 partials)
     for name, fn in vars(loops).items():
         if hasattr(fn, "signatures") and not name.startswith("_"):
             # (the float16 cast also has a read-only variant: the one input read as given)
-            dtypes = [sig[0].dtype for sig in fn.signatures if sig[0].mutable or name != "half_to_float"]
+            i = ct_arg.get(name, 0)
+            dtypes = [sig[i].dtype for sig in fn.signatures if sig[0].mutable or name != "half_to_float"]
             assert len(dtypes) == len(set(dtypes)) <= 2, (name, fn.signatures)
 
 
@@ -1110,35 +1119,45 @@ def _group_or_instance(op: str, x: np.ndarray, dy: np.ndarray, G: int, w: np.nda
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
 @pytest.mark.parametrize("op", ["group_norm", "instance_norm"])
 @pytest.mark.parametrize("N", [1, 2])
-def test_channels_last_samples_fewer_than_threads_are_split_over_them(op, N, monkeypatch, restore_threads):
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_channels_last_samples_fewer_than_threads_are_split_over_them(
+    op, N, dtype, monkeypatch, restore_threads
+):
     """Channels-last samples ran one per thread: with fewer samples than threads (a batch
     of one image on a many-core host) the other threads stayed idle. A sample's sums are
     now taken in spans of ``SPAN_VALUES``, which the threads split there
-    (``loops.group_rows_partials``): the results and layout of one sample per thread,
-    bitwise, whatever the thread count, and the reference's to rounding."""
+    (``loops.group_rows_partials``, ``group_rows_dy_partials``): the results and layout
+    of one sample per thread, bitwise, whatever the thread count (float64 data whose
+    span sums round: added in another order, they differ), and the reference's to
+    rounding."""
     rng = np.random.default_rng(8)
-    x = laid_out((rng.normal(size=(N, 32, 13, 11)) * 3 + 100).astype(np.float32), "channels_last")
-    dy = laid_out(rng.normal(size=x.shape).astype(np.float32), "channels_last")
-    w = np.linspace(0.5, 1.5, 32).astype(np.float32)
+    x = laid_out((rng.normal(size=(N, 32, 13, 11)) * 3 + 100).astype(dtype), "channels_last")
+    dy = laid_out((rng.normal(size=x.shape) + 0.3).astype(dtype), "channels_last")
+    w = np.linspace(0.5, 1.5, 32).astype(dtype)
     monkeypatch.setattr(
         numba_channels, "SPAN_VALUES", 32 * 5
     )  # spans of 5 rows: 29 of a sample, the last of 3
+    monkeypatch.setattr(numba_channels, "SPAN_MIN_ROWS", 1)
     monkeypatch.setattr(numba_channels, "SPLIT_SAMPLE_VALUES", 1)
     monkeypatch.setattr(_staging, "MIN_PARALLEL", 1)
-    split = []
-    loop = numba_channels.loops.group_rows_partials
-    monkeypatch.setattr(
-        numba_channels.loops, "group_rows_partials", lambda *a: split.append(a[-1] - a[-2]) or loop(*a)
-    )
+    split: dict[str, list[int]] = {"group_rows_partials": [], "group_rows_dy_partials": []}
+    for name, calls in split.items():
+        loop = getattr(numba_channels.loops, name)
+        monkeypatch.setattr(
+            numba_channels.loops, name, lambda *a, _l=loop, _c=calls: _c.append(a[-1] - a[-2]) or _l(*a)
+        )
     results = {}
     with npnorm.use_kernels("numba"):
         for threads in (1, 2, 3):
             _threads.set_num_threads(threads)
-            split.clear()
+            for calls in split.values():
+                calls.clear()
             results[threads] = _group_or_instance(op, x, dy, 8, w)
-            assert bool(split) == (threads > N)
-            if split:  # the spans of the means and of the squared deviations, over the threads
-                assert len(split) == 2 * threads and sum(split) == 2 * N * 29
+            forward, backward = split.values()
+            assert bool(forward) == bool(backward) == (threads > N)
+            if forward:  # the spans of the means and of the squared deviations, then of dy's sums
+                assert len(forward) == 2 * threads and sum(forward) == 2 * N * 29
+                assert len(backward) == threads and sum(backward) == N * 29
     for threads in (2, 3):
         for a, b in zip(results[1], results[threads], strict=True):
             if a is not None:
@@ -1149,7 +1168,8 @@ def test_channels_last_samples_fewer_than_threads_are_split_over_them(op, N, mon
         reference = _group_or_instance(op, x, dy, 8, w)
     for a, b in zip(results[3], reference, strict=True):
         if a is not None:
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()))
+            tol = 2e-5 if dtype == "float32" else 1e-12
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(np.abs(b).max()))
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")

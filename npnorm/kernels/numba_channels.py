@@ -583,16 +583,20 @@ def _by_samples(
 # SPLIT_SAMPLE_VALUES values: the split costs three hand-offs in the forward and two in
 # the backward, against one. Timed on a 2-vCPU EPYC (float32 GroupNorm(32), one sample,
 # forward+backward, two threads split against one sample per thread): (64, 256, 256)
-# 4.4 against 5.3 ms, (128, 128, 128) 2.1 against 2.5; (256, 64, 64) 1.3 against 1.1 and
+# 4.3-4.4 against 5.0-5.3 ms, (128, 128, 128) 1.8-2.1 against 2.3-2.5; (256, 64, 64) 1.3 against 1.1 and
 # (512, 32, 32) 1.0 against 0.6 (a hand-off takes 0.05-0.15 ms on that VM). One thread's
 # memory bandwidth is most of the VM's; on hosts with many cores it is a small part.
+# A span has SPAN_MIN_ROWS rows at least, so that with many channels the partial sums
+# (float64, C per span) stay within an eighth of a float32 input's bytes (a quarter in
+# the backward, which keeps two), and their serial addition a small part of the work.
 SPAN_VALUES = 1 << 14
+SPAN_MIN_ROWS = 32
 SPLIT_SAMPLE_VALUES = 1 << 20
 
 
 def _span_rows(C: int) -> int:
     """The rows of C values in a span of a channels-last sample's sums."""
-    return max(1, SPAN_VALUES // C)
+    return max(SPAN_MIN_ROWS, SPAN_VALUES // C, 1)
 
 
 def _split_samples(
