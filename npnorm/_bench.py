@@ -34,7 +34,9 @@ assertions. Four parts:
    cache (cold) and again with the cache it filled (warm).
 
 Then the figures of the default kernels against the targets of the compiled-kernels
-issue (standard shapes only; ``--quick`` shows them without verdicts).
+issue (standard shapes only; ``--quick`` shows them without verdicts): each verdict is
+the median's, followed by the middle half of the rounds' ratios (first to third
+quartile), which says where a verdict is within the machine's noise.
 """
 
 from __future__ import annotations
@@ -489,6 +491,18 @@ def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> flo
     return statistics.median(scale * a / b for a, b in zip(num, den, strict=True))
 
 
+def _ratio_quartiles(num: list[float], den: list[float], scale: float = 1.0) -> list[float] | None:
+    """The first and third quartiles over rounds of ``scale * num[i] / den[i]``: the
+    middle half of the rounds' ratios (None with fewer than 2 rounds). On a shared or
+    virtual machine one run's median can land on either side of a target; where this
+    range spans the target, a quarter of the rounds at least fell on each side."""
+    ratios = [scale * a / b for a, b in zip(num, den, strict=True)]
+    if len(ratios) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q1, q3]
+
+
 def machine() -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
@@ -548,8 +562,12 @@ def _training(
                     "copy_GBps": 2 * x.nbytes / copy_ms / 1e6,
                     "roofline_fwd": _median_ratio(copy, t["fwd"]),
                     "roofline_fb": _median_ratio(copy, t["fb"], 2.5),
+                    "roofline_fb_quartiles": _ratio_quartiles(copy, t["fb"], 2.5),
                     "extra_memory_x_input": memory.get(impl),
                     "fb_vs_torch": _median_ratio(t["fb"], times["torch"]["fb"])
+                    if torch is not None
+                    else None,
+                    "fb_vs_torch_quartiles": _ratio_quartiles(t["fb"], times["torch"]["fb"])
                     if torch is not None
                     else None,
                     "fb_vs_default_fresh": _median_ratio(t["fb"], fresh),
@@ -633,6 +651,7 @@ def _forward_rows(
             "impl": name,
             "us_per_call": 1e3 * statistics.median(t) / repeat,
             "vs_torch": _median_ratio(t, times["torch"]) if "torch" in times else None,
+            "vs_torch_quartiles": _ratio_quartiles(t, times["torch"]) if "torch" in times else None,
             "times_ms": t,
         }
         rows.append(row)
@@ -753,6 +772,17 @@ def _near(value: float, target: float, decimals: int, percent: bool = False) -> 
     return f"{value * scale:.{decimals}f}" + ("%" if percent else "")
 
 
+def _spread(quartiles: list[float] | None, target: float, decimals: int, percent: bool = False) -> str:
+    """The middle half of the rounds' ratios (``_ratio_quartiles``), said after a verdict,
+    and whether it spans the target (a run's median may then fall on either side)."""
+    if not quartiles:
+        return ""
+    scale, unit = (100, "%") if percent else (1, "")
+    q1, q3 = (f"{q * scale:.{decimals}f}{unit}" for q in quartiles)
+    spans = quartiles[0] <= target <= quartiles[1]
+    return f" (rounds' middle half {q1}-{q3}{', on both sides of the target' if spans else ''})"
+
+
 def _print_targets(
     rows: list[dict[str, Any]],
     inference: list[dict[str, Any]],
@@ -781,13 +811,15 @@ def _print_targets(
             if target is None:
                 checks.append(f"{r['fb_vs_torch']:.2f}x torch (no target)")
             else:
+                spread = _spread(r.get("fb_vs_torch_quartiles"), target, 2)
                 checks.append(
                     f"{_near(r['fb_vs_torch'], target, 2)}x torch (<= {target})"
-                    f"{verdict(r['fb_vs_torch'] <= target)}"
+                    f"{verdict(r['fb_vs_torch'] <= target)}{spread}"
                 )
         ok = r["roofline_fb"] >= TARGET_ROOFLINE
         roofline = _near(r["roofline_fb"], TARGET_ROOFLINE, 0, percent=True)
-        checks.append(f"roofline {roofline} (>= {TARGET_ROOFLINE:.0%}){verdict(ok)}")
+        spread = _spread(r.get("roofline_fb_quartiles"), TARGET_ROOFLINE, 0, percent=True)
+        checks.append(f"roofline {roofline} (>= {TARGET_ROOFLINE:.0%}){verdict(ok)}{spread}")
         ok = r["extra_memory_x_input"] <= TARGET_EXTRA_MEMORY
         checks.append(
             f"extra memory {_near(r['extra_memory_x_input'], TARGET_EXTRA_MEMORY, 2)}x "
@@ -801,4 +833,5 @@ def _print_targets(
                 print(
                     f"  {what:15} {tuple(r['shape'])!s:18} F.layer_norm forward {r['us_per_call']:.1f} us, "
                     f"{_near(r['vs_torch'], target, 2)}x torch (<= {target}){verdict(ok)}"
+                    f"{_spread(r.get('vs_torch_quartiles'), target, 2)}"
                 )

@@ -191,6 +191,46 @@ def test_a_figure_that_rounds_onto_its_target_prints_the_digits_that_judge_it(ca
     assert "extra memory 0.00x" in out and "0.50x torch (<= 1.0) met" in out, out
 
 
+def test_each_verdict_says_the_middle_half_of_the_rounds_and_whether_it_spans_the_target(capsys):
+    """A run's median fell on either side of a target from one run to the next
+    (GroupNorm 0.94x and 0.52x torch against 0.8) with nothing to tell noise from a
+    result. Each verdict now prints the first to third quartile of the rounds' ratios,
+    and says where that range spans the target."""
+    from npnorm import _bench, get_kernels
+
+    target = _bench.TARGET_VS_TORCH[("LayerNorm", (32, 512, 768))]
+    rows = [
+        _row(
+            "LayerNorm",
+            (32, 512, 768),
+            fb_vs_torch=target + 0.02,
+            fb_vs_torch_quartiles=[target - 0.05, target + 0.1],
+            roofline_fb=0.7,
+            roofline_fb_quartiles=[0.65, 0.75],
+            extra_memory_x_input=0.0,
+        )
+    ]
+    impl = f"npnorm {get_kernels()}"
+    inference = [
+        {
+            "impl": impl,
+            "shape": [64, 128, 384],
+            "us_per_call": 1.0,
+            "vs_torch": 0.5,
+            "vs_torch_quartiles": [0.4, 0.6],
+        }
+    ]
+    _bench._print_targets(rows, inference, [], judge=True)
+    out = capsys.readouterr().out
+    spread = f"{target - 0.05:.2f}-{target + 0.1:.2f}"
+    assert f"MISSED (rounds' middle half {spread}, on both sides of the target)" in out, out
+    assert "roofline 70% (>= 50%) met (rounds' middle half 65%-75%)" in out, out
+    assert "0.50x torch (<= 1.0) met (rounds' middle half 0.40-0.60)" in out, out
+    times = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert _bench._ratio_quartiles(times, [1.0] * 5) == [2.0, 4.0]
+    assert _bench._ratio_quartiles([1.0], [1.0]) is None
+
+
 def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):
     """The training rounds share the round-robin loop: the copy leads every round, each
     implementation runs once a round, its untimed forward+backward before its timed calls."""
