@@ -227,7 +227,10 @@ def check_batch_norm(case):
             dy,
             w,
         )
-    assert f[0].flags.c_contiguous and f[1].shape == f[2].shape == (x.shape[1],)
+    # a channels-last input's output is channels-last (as torch's), others C-ordered
+    last = x.ndim > 2 and np.moveaxis(x, 1, -1).flags.c_contiguous
+    assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if last else f[0].flags.c_contiguous
+    assert f[1].shape == f[2].shape == (x.shape[1],)
     assert f[1].dtype == f[2].dtype == ct
     if not training:  # the buffers come back as given
         assert f[3] is rm and f[4] is rv
@@ -501,3 +504,64 @@ def test_an_infinite_gradient_gives_the_references_infinities():
         ours = fast.batch_norm_backward(xp, dy, x, mean, rstd, w, b, True)
     same_results(ours, ref, "batch_norm_backward")
     assert np.isneginf(ours[1][0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "op, training, layout",  # (InstanceNorm with input statistics: GroupNorm's sweeps)
+    [
+        ("batch_norm", True, "channels_last"),
+        ("batch_norm", False, "channels_last"),
+        ("batch_norm", True, "batch_norm1d"),
+        ("batch_norm", False, "batch_norm1d"),
+        ("instance_norm", False, "channels_last"),
+    ],
+)
+def test_channel_columns_keep_the_layout_with_the_references_results(dtype, op, training, layout):
+    """BatchNorm on channels-last input (and InstanceNorm with running statistics) was
+    staged into (N, C, S) rows block by block (2-3x the C-ordered time) and its output
+    and dx came back C-ordered; BatchNorm1d's (N, C) rows of one value took float64
+    statistics in one thread (3x PyTorch's time). Both now run over (M, C) columns
+    (``numpy_fast_columns``): the reference's results, a channels-last output and dx for
+    channels-last input (as PyTorch's), bitwise the same for 1, 2 and 3 threads over
+    blocks of 1 KB; a constant channel and one of offset 1e3 included."""
+    rng = np.random.default_rng(5)
+    shape = (6, 12, 5, 7) if layout == "channels_last" else (211, 12)
+    x = rng.normal(size=shape)
+    x[:, 3] += 1e3
+    x[:, 5] = 0.3
+    x = x.astype(dtype)
+    dy = rng.normal(size=shape).astype(dtype)
+    if layout == "channels_last":
+        x, dy = laid_out(x, "channels_last"), laid_out(dy, "channels_last")
+    w, b = np.linspace(0.5, 1.5, 12).astype(dtype), np.linspace(-1, 1, 12).astype(dtype)
+    rm, rv = np.linspace(-1, 1, 12).astype(dtype), np.linspace(0.5, 2, 12).astype(dtype)
+    if op == "batch_norm":
+        fwd_args = (x, rm.copy(), rv.copy(), w, b, training, 0.1, 1e-5)
+        ops = ("batch_norm_forward", "batch_norm_backward")
+    else:
+        fwd_args = (x, rm.copy(), rv.copy(), w, b, False, 0.1, 1e-5)
+        ops = ("instance_norm_forward", "instance_norm_backward")
+
+    def bwd_args(r):
+        return (dy, x, r[1], r[2], w, b, training)
+
+    ct = compute_dtype(x, w, b, rm)
+    results = []
+    for threads in (1, 2, 3):
+        with config(threads, block_bytes=1024):
+            f, d = compare(ops, fwd_args, bwd_args, ct, x, dy, w)
+        for a in (f[0], d[0]):
+            assert (
+                np.moveaxis(a, 1, -1).flags.c_contiguous
+                if layout == "channels_last"
+                else a.flags.c_contiguous
+            )
+        results.append([a for a in (*f, *d) if a is not None])
+    for other in results[1:]:
+        for a, c in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, c)
+    if training:  # the constant channel: exactly the bias, a variance of exactly 0
+        y = results[0][0]
+        np.testing.assert_array_equal(y[:, 5], np.broadcast_to(b[5], y[:, 5].shape))
+        assert results[0][4][5] == np.asarray((1 - 0.1) * float(rv[5])).astype(dtype)

@@ -40,6 +40,11 @@ The passes ("sweep": one read of the inputs from memory):
 * Running statistics (BatchNorm eval, InstanceNorm without input statistics): one
   sweep ``y = (x - mean_c)*(rstd_c*w_c) + b_c``; backward ``dx = rstd_c*w_c*dy``,
   with the sums for dweight/dbias in the same sweep.
+* BatchNorm on input of one value per channel and sample (BatchNorm1d's (N, C)) or
+  channels-last input (and InstanceNorm's running-statistics mode on the latter): the
+  same passes over its (M, C) columns (``numpy_fast_columns``), the output and dx in
+  the input's layout. Short rows of 2 to ``SHORT_ROW`` values take float64 statistics
+  over blocks of samples (``_short_channel_moments``).
 
 When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
 the subtraction of the mean is folded into the constant term of an elementwise map
@@ -74,6 +79,7 @@ from .._backend import Namespace, no_fp_warnings
 from .._checks import cast, prod, work_dtype
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
+from . import numpy_fast_columns as columns
 from ._blocks import (
     SHORT_ROW,
     Rows,
@@ -195,14 +201,30 @@ def _channel_forward(
     var: np.ndarray | None = None,
 ) -> None:
     """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
-    sweep; the mean folded into the shift, ``y = x * scale_c + shift_c``, when
-    ``_foldable``. ``mean`` may be float64 (batch statistics): the sweep then subtracts
-    its value rounded to ``ct`` and the shift takes what that rounding lost, so that a
-    large common offset costs no accuracy and no pass. A channel of variance 0 (``var``,
-    where given; finite rstd) is constant: its output is exactly the bias, as PyTorch's
-    (scale 0, shift the bias, whichever sweep runs)."""
+    sweep, with the coefficients of ``_affine_coefficients``."""
     B = block_rows(rows.R, rows.L, ct.itemsize)
-    w, b = param(weight, rows.P, ct), param(bias, rows.P, ct)  # C, C
+    center, scale, shift = _affine_coefficients(ct, mean, rstd, weight, bias, var)
+    _affine_sweep(rows, y, ct, _ring(center, B), _Ring(scale, B), _ring(shift, B))
+
+
+def _affine_coefficients(
+    ct: np.dtype[Any],
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    var: np.ndarray | None,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """``(center, scale, shift)`` (C,) of ``ct`` (center and shift may be None) for
+    ``y = (x - center_c) * scale_c + shift_c`` equal to ``(x - mean_c) * rstd_c * w_c + b_c``:
+    the mean folded into the shift, ``y = x * scale_c + shift_c``, when ``_foldable``.
+    ``mean`` may be float64 (batch statistics): the sweep then subtracts its value
+    rounded to ``ct`` and the shift takes what that rounding lost, so that a large
+    common offset costs no accuracy and no pass. A channel of variance 0 (``var``, where
+    given; finite rstd) is constant: its output is exactly the bias, as PyTorch's (scale
+    0, shift the bias, whichever sweep runs)."""
+    C = int(rstd.shape[0])
+    w, b = param(weight, C, ct), param(bias, C, ct)  # C, C
     scale = rstd if w is None else rstd * w  # C, ct
     if var is not None:
         flat = (var == 0) & np.isfinite(rstd)  # C  constant channels (eps > 0)
@@ -212,16 +234,12 @@ def _channel_forward(
     b64 = 0.0 if b is None else b.astype(np.float64)  # C
     mean64 = mean.astype(np.float64)  # C
     if _foldable(mean64, rstd):
-        shift = (b64 - mean64 * scale64).astype(ct)  # C
-        _affine_sweep(rows, y, ct, None, _Ring(scale, B), _Ring(shift, B))
-        return
+        return None, scale, (b64 - mean64 * scale64).astype(ct)  # C
     center = mean.astype(ct)  # C
     lost = mean64 - center.astype(np.float64)  # C: the rounding of the mean
     if b is None and not lost.any():
-        _affine_sweep(rows, y, ct, _Ring(center, B), _Ring(scale, B), None)
-        return
-    shift = (b64 - lost * scale64).astype(ct)  # C
-    _affine_sweep(rows, y, ct, _Ring(center, B), _Ring(scale, B), _Ring(shift, B))
+        return center, scale, None
+    return center, scale, (b64 - lost * scale64).astype(ct)  # C
 
 
 def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -278,24 +296,35 @@ def _merge_rows(
     mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, N: int, C: int, S: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
-    have S values), in float64: with row means ``m_r = mean_r + resid_r``,
-    ``mean_c = mean(m_r)`` and ``M2_c = sum(M2_r - S*resid_r^2) + S*sum((m_r - mean_c)^2)``.
+    have S values), in float64: ``_merge_parts`` of the (N, C) row statistics."""
+    return _merge_parts(np.reshape(mean, (N, C)), np.reshape(resid, (N, C)), np.reshape(m2, (N, C)), S)
+
+
+def _merge_parts(
+    mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, count: float | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Chan et al.'s parallel merge of the (P, C) statistics of P parts of each channel
+    (rows, or blocks of a column), in float64: with part means ``m_p = mean_p + resid_p``
+    of ``count`` values each (a number, or a (P, 1) array), ``mean_c`` their weighted
+    mean and ``M2_c = sum(M2_p - count*resid_p^2) + sum(count*(m_p - mean_c)^2)``.
     Returns ``(mean_c, var_c)``, the mean and the (biased) variance, in float64."""
-    rm = np.reshape(mean, (N, C)).astype(np.float64)  # N,C
-    rd = np.reshape(resid, (N, C)).astype(np.float64)  # N,C
-    rd[~np.isfinite(rm)] = 0.0  # a row mean of inf is inf (its residual, inf - inf, is NaN)
-    mean_c = np.mean(rm + rd, axis=0)  # C
-    dev = (rm - mean_c) + rd  # N,C  row mean - channel mean
-    m2r = np.reshape(m2, (N, C))  # N,C
-    within = np.sum(m2r - S * (rd * rd), axis=0)  # C
-    m2_c = within + S * np.sum(dev * dev, axis=0)  # C
-    m2_c[np.isinf(m2r).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
-    return mean_c, m2_c / (N * S)
+    rm = mean.astype(np.float64)  # P,C
+    rd = resid.astype(np.float64)  # P,C
+    rd[~np.isfinite(rm)] = 0.0  # a part mean of inf is inf (its residual, inf - inf, is NaN)
+    weighted = isinstance(count, np.ndarray)
+    total = float(np.sum(count)) if weighted else count * rm.shape[0]
+    mean_c = np.sum(count * (rm + rd), axis=0) / total if weighted else np.mean(rm + rd, axis=0)  # C
+    dev = (rm - mean_c) + rd  # P,C  part mean - channel mean
+    within = np.sum(m2 - count * (rd * rd), axis=0)  # C
+    between = np.sum(count * (dev * dev), axis=0) if weighted else count * np.sum(dev * dev, axis=0)  # C
+    m2_c = within + between  # C
+    m2_c[np.isinf(m2).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
+    return mean_c, m2_c / total
 
 
 def _short_channel_moments(input: np.ndarray, N: int, C: int, S: int) -> tuple[np.ndarray, np.ndarray]:
     """The (C,) mean and biased variance, in float64, of an input whose channels hold few
-    values per sample (``S <= SHORT_ROW``: BatchNorm1d's (N, C) input has one), where the
+    values per sample (``S <= SHORT_ROW``; one value: the columns path), where the
     row statistics of ``_row_moments`` would cost more than their rows: two passes over
     blocks of samples, the deviations from the float64 mean in float64 (a constant
     channel's are exactly 0)."""
@@ -422,14 +451,32 @@ def _batch_dx_sweep(
     fold: bool,
     B: int,
 ) -> None:
-    """BatchNorm's training ``dx = a*(dy - d) + b*(x - mean)`` in one sweep, from the (C,)
-    sums of ``dy`` and ``dy*(x - mean)`` over ``count`` values per channel:
-    ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/count``, ``d = sum(dy)/count``
-    (``b``, ``d`` formed in float64: ``rstd^3`` underflows float32 for huge inputs). dy
-    is centred before it is scaled, as PyTorch's kernel does (as ``a*dy + c``, a common
-    part of dy of 1e3 over a spread of 1 left ``a*dy``'s rounding in dx: 3-6 times
-    PyTorch's error). With ``fold`` the mean moves into ``d`` and the sweep reads ``x``
-    itself: ``b*(x - mean) = b*x - a*(b*mean/a)``."""
+    """BatchNorm's training dx in one sweep over the rows, with the coefficients of
+    ``_batch_dx_coefficients``."""
+    center, *coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, count, fold)
+    _dx_sweep(rows_dy, rows_x, dx, ct, _ring(center, B), *(_Ring(c, B) for c in coefs))
+
+
+def _batch_dx_coefficients(
+    ct: np.dtype[Any],
+    m: np.ndarray,
+    r: np.ndarray,
+    w: np.ndarray | None,
+    sum_dy: np.ndarray,
+    sum_dyxc: np.ndarray,
+    count: float,
+    fold: bool,
+) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
+    """BatchNorm's training ``dx = a*(dy - d) + b*(x - mean)`` from the (C,) sums of
+    ``dy`` and ``dy*(x - mean)`` over ``count`` values per channel: ``(center, a, b, d)``
+    (C,) of ``ct``, ``a = rstd*w``, ``b = -rstd^3*w*sum(dy*(x - mean))/count``, ``d =
+    sum(dy)/count`` (``b``, ``d`` formed in float64: ``rstd^3`` underflows float32 for
+    huge inputs), ``center`` the mean. dy is centred before it is scaled, as PyTorch's
+    kernel does (as ``a*dy + c``, a common part of dy of 1e3 over a spread of 1 left
+    ``a*dy``'s rounding in dx: 3-6 times PyTorch's error). With ``fold`` the mean moves
+    into ``d`` and the sweep reads ``x`` itself (``center`` None): ``b*(x - mean) = b*x -
+    a*(b*mean/a)``. Raises ``CoefficientOverflow`` (before any write) where ``b`` is
+    beyond ``ct``'s range."""
     a_coef = r if w is None else r * w  # C
     wv = 1.0 if w is None else w.astype(np.float64)
     r64 = r.astype(np.float64)  # C
@@ -443,36 +490,7 @@ def _batch_dx_sweep(
     with np.errstate(invalid="ignore"):
         if np.any(np.isfinite(b64) & (np.abs(b64) > big)):  # (a finite float64 beyond ct)
             raise CoefficientOverflow
-    center = None if fold else _Ring(m, B)
-    rings = (_Ring(a_coef, B), _Ring(b64.astype(ct), B), _Ring(d64.astype(ct), B))
-    _dx_sweep(rows_dy, rows_x, dx, ct, center, *rings)
-
-
-def _short_channel_grad_sums(
-    grad_output: np.ndarray, input: np.ndarray, m: np.ndarray, N: int, C: int, S: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """The (C,) ``sum(dy)`` and ``sum(dy*(x - mean))``, in float64, of channels of one
-    value per sample (BatchNorm1d's (N, C) input), over blocks of samples: the per-row
-    sums of ``_grad_sums_sweep`` were two arrays as large as the input (the backward held
-    2x its input in float32, 4.6x in float16; as fast within noise). At S = 2 to 32 those
-    cost 2/S of the input, and this way (einsum over (n, C, S) blocks) was 1.5-3x slower."""
-    x, dy = np.reshape(input, (N, C, S)), np.reshape(grad_output, (N, C, S))  # N,C,S each
-    B = block_rows(N, C * S, 8)  # samples per block of float64 deviations
-    sum_dy, sum_dyxc = np.zeros(C), np.zeros(C)  # C, C float64
-    for a, e in blocks(0, N, B):
-        sum_dy += np.add.reduce(dy[a:e], axis=(0, 2), dtype=np.float64)  # C
-        xc = np.subtract(x[a:e], m[:, None], dtype=np.float64)  # n,C,S  x - mean
-        sum_dyxc += np.einsum("ncs,ncs->c", dy[a:e], xc, dtype=np.float64)  # C
-    return sum_dy, sum_dyxc
-
-
-def _scale_samples(dy: np.ndarray, dx: np.ndarray, coef: np.ndarray, N: int, C: int) -> None:
-    """``dx = coef*dy`` on (N, C) samples (``coef`` (C,) in the computation dtype, the
-    product rounded to dx's dtype), over blocks of samples."""
-    dy2, dx2 = np.reshape(dy, (N, C)), view(dx, (N, C))  # N,C  N,C
-    assert dx2 is not None
-    for a, e in blocks(0, N, block_rows(N, C, coef.itemsize)):
-        np.multiply(dy2[a:e], coef, out=dx2[a:e], dtype=coef.dtype, casting="unsafe")  # n,C
+    return (None if fold else m), a_coef, b64.astype(ct), d64.astype(ct)
 
 
 def _channel_backward(
@@ -498,34 +516,55 @@ def _channel_backward(
     """
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    rows_x = _rows(input, C, ct)
-    rows_dy = _rows(grad_output, C, ct)
-    B = block_rows(rows_x.R, S, ct.itemsize)
     m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
     r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
     w = param(weight, C, ct)  # C
+    need_dot = batch_stats or weight is not None
+    cols = columns.columns_of(out, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
+    if cols is not None:
+        (x2, dy2), out2 = cols
+        dx, dx2 = (
+            (out, out2) if out is not None and out2 is not None else columns.new_like(input, input.dtype)
+        )
+        if batch_stats:
+            sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot)  # C, C float64
+            assert sum_dyxc is not None
+            coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, _foldable(m, r))
+            columns.batch_dx(dy2, x2, dx2, ct, *coefs)
+        else:  # dx = rstd*w*dy, written by the sums sweep
+            sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot, dx2, r if w is None else r * w)
+        return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
+    rows_x = _rows(input, C, ct)
+    rows_dy = _rows(grad_output, C, ct)
+    B = block_rows(rows_x.R, S, ct.itemsize)
     center = _Ring(m, B)  # the sums take dy*(x - mean) (see the module's docstring)
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
-    need_dot = batch_stats or weight is not None
-    sum_dyxc: np.ndarray | None
-    if S == 1:  # rows of one value: per-row sums would be two more inputs
-        sum_dy, sum_dyxc = _short_channel_grad_sums(grad_output, input, m, N, C, S)  # C, C float64
-        if not batch_stats:  # dx = rstd*w*dy, over blocks of samples
-            _scale_samples(grad_output, dx, r if w is None else r * w, N, C)
-    else:
-        if batch_stats:
-            sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
-        else:  # dx = rstd*w*dy, written by the sums sweep
-            dx_coef = _Ring(r if w is None else r * w, B)  # C
-            sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
-        sum_dy = np.add.reduce(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C
-        sum_dyxc = (  # C: sum(dy*(x - mean))
-            None if sdx is None else np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)
-        )
+    if batch_stats:
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
+    else:  # dx = rstd*w*dy, written by the sums sweep
+        dx_coef = _Ring(r if w is None else r * w, B)  # C
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
+    sum_dy = np.add.reduce(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C
+    sum_dyxc = (  # C: sum(dy*(x - mean))
+        None if sdx is None else np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)
+    )
     if batch_stats:
         assert sum_dyxc is not None
         fold = _foldable(m, r)  # dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
+    return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
+
+
+def _channel_grads(
+    dx: np.ndarray,
+    out: np.ndarray | None,
+    sum_dy: np.ndarray,
+    sum_dyxc: np.ndarray | None,
+    r: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``(dx, dweight, dbias)`` from the (C,) sums of dy and dy*(x - mean), float64."""
     dweight = None if weight is None or sum_dyxc is None else sum_dyxc * r  # C
     dbias = None if bias is None else sum_dy  # C
     return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
@@ -735,12 +774,16 @@ def batch_norm_forward(
     ct = np.dtype(work_dtype(xp, input, weight, bias, running_mean, running_var))  # float32 at least
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    rows = _rows(input, C, ct)
+    cols = columns.columns_of(out, input)  # BatchNorm1d's (N, C), channels-last input
+    rows = _rows(input, C, ct) if cols is None else None
     new_mean, new_var = running_mean, running_var
     if training:
-        if S <= SHORT_ROW:  # rows too short to pay for the row statistics
+        if cols is not None:
+            mean, var = _merge_parts(*columns.moments(cols[0][0], ct))  # C, C (biased), float64
+        elif S <= SHORT_ROW:  # rows too short to pay for the row statistics
             mean, var = _short_channel_moments(input, N, C, S)  # C, C (biased), float64
         else:
+            assert rows is not None
             mean, var = _merge_rows(*_row_moments(rows, ct), N, C, S)  # C, C (biased), float64
         if running_mean is not None and running_var is not None:
             n = N * S  # values per channel
@@ -751,10 +794,35 @@ def batch_norm_forward(
         mean = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
         var = cast(xp, running_var, ct)  # C
     rstd = (1.0 / np.sqrt(var + eps)).astype(ct)  # C
-    y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
-    _channel_forward(y, rows, ct, mean, rstd, weight, bias, var if training else None)  # mean: float64
-    # when training
-    return finish(y, out), mean.astype(ct, copy=False), rstd, new_mean, new_var
+    # (mean: float64 when training)
+    y = _normalized(input, out, cols, rows, ct, mean, rstd, weight, bias, var if training else None)
+    return y, mean.astype(ct, copy=False), rstd, new_mean, new_var
+
+
+def _normalized(
+    input: np.ndarray,
+    out: np.ndarray | None,
+    cols: tuple[list[np.ndarray], np.ndarray | None] | None,
+    rows: Rows | None,
+    ct: np.dtype[Any],
+    mean: np.ndarray,
+    rstd: np.ndarray,
+    weight: np.ndarray | None,
+    bias: np.ndarray | None,
+    var: np.ndarray | None = None,
+) -> np.ndarray:
+    """``(x - mean_c) * rstd_c * w_c + b_c`` (``_channel_forward``'s), in ``out`` where
+    given: over the input's columns (``cols``, ``numpy_fast_columns``; the output in the
+    input's layout) or its rows."""
+    if cols is not None:
+        (x2,), out2 = cols
+        y, y2 = (out, out2) if out is not None and out2 is not None else columns.new_like(input, input.dtype)
+        columns.affine(x2, y2, ct, *_affine_coefficients(ct, mean, rstd, weight, bias, var))
+        return finish(y, out)
+    assert rows is not None
+    y = output(out, input.shape, input.dtype, (rows.R, rows.L), (input,))
+    _channel_forward(y, rows, ct, mean, rstd, weight, bias, var)
+    return finish(y, out)
 
 
 @specialized("batch_norm_backward", NS, kernels="numpy")
@@ -832,10 +900,9 @@ def instance_norm_forward(
     assert running_mean is not None and running_var is not None
     m = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
     r = 1.0 / np.sqrt(cast(xp, running_var, ct) + eps)  # C
-    rows = _rows(input, C, ct)
-    y = output(out, input.shape, input.dtype, (rows.R, S), (input,))
-    _channel_forward(y, rows, ct, m, r, weight, bias)
-    return finish(y, out), m, r, new_mean, new_var
+    cols = columns.columns_of(out, input)  # channels-last input
+    y = _normalized(input, out, cols, _rows(input, C, ct) if cols is None else None, ct, m, r, weight, bias)
+    return y, m, r, new_mean, new_var
 
 
 @specialized("instance_norm_backward", NS, kernels="numpy")
