@@ -565,3 +565,79 @@ def test_channel_columns_keep_the_layout_with_the_references_results(dtype, op, 
         y = results[0][0]
         np.testing.assert_array_equal(y[:, 5], np.broadcast_to(b[5], y[:, 5].shape))
         assert results[0][4][5] == np.asarray((1 - 0.1) * float(rv[5])).astype(dtype)
+
+
+def _columns_layouts(x: np.ndarray) -> list[np.ndarray]:
+    """(M, C) data as BatchNorm1d's input and as a channels-last (M/64, C, 8, 8) input."""
+    M, C = x.shape
+    return [x, np.moveaxis(x[: M - M % 64].reshape(-1, 8, 8, C), -1, 1)]
+
+
+def test_channel_columns_near_constant_channels_keep_their_variance():
+    """A block's mean was one float32 sum of up to 4096 rows, hundreds of ulps off at a
+    large offset: a channel whose values differ by an ulp here and there (quantized data)
+    got a variance 6-60x too large, or negative (rstd NaN with eps=0). The float64 sums of
+    128-row sums keep it within a few ulps of the float64 variance, and never below 0."""
+    rng = np.random.default_rng(1)
+    for base in (1600.3, 5000.3, -771.7):
+        x = np.full((4000, 8), base, np.float32)
+        up = rng.uniform(size=x.shape) < 0.003
+        x[up] = np.nextafter(np.float32(base), np.float32(np.inf))
+        for a in _columns_layouts(x):
+            rm, rv = np.zeros(8, np.float32), np.ones(8, np.float32)
+            _, _, rstd, _, rv = F.batch_norm_forward(a, rm, rv, None, None, True, 1.0, 0.0)
+            x64 = np.moveaxis(a, 1, -1).reshape(-1, 8).astype(np.float64)
+            want = x64.var(axis=0) * (len(x64) / (len(x64) - 1))  # the unbiased batch variance
+            assert np.isfinite(rstd).all()
+            np.testing.assert_allclose(rv, want, rtol=1e-5)
+
+
+def test_channel_columns_of_tiny_values_keep_their_variance():
+    """Squares of float32 values below ~1e-19 underflow: such columns' M2 is taken again
+    in float64 (rstd was 2e-3 off at 1e-22 and NaN at 1e-25 with eps=0)."""
+    x0 = np.random.default_rng(4).normal(size=(256, 5))
+    for scale in (1e-22, 1e-25, 1e-30):
+        x = (x0 * scale).astype(np.float32)
+        for a in _columns_layouts(x):
+            x64 = np.moveaxis(a, 1, -1).reshape(-1, 5).astype(np.float64)
+            _, _, rstd, _, _ = F.batch_norm_forward(a, None, None, None, None, True, 0.1, 0.0)
+            np.testing.assert_allclose(rstd, 1 / np.sqrt(x64.var(axis=0)), rtol=1e-6)
+
+
+def test_channel_columns_a_float64_constant_channel_over_blocks_is_exact():
+    """A float64 channel of one value over several blocks: its mean is that value and its
+    variance exactly 0, so the output is exactly the bias (the blocks' weighted mean was
+    off in the last place: variance -1.4e-44, and y not the bias)."""
+    x = np.random.default_rng(2).normal(size=(10001, 2))
+    b = np.array([0.25, -0.5])
+    for value in (0.1, 1e3 + 0.3, -7.7e-5):
+        x[:, 0] = value
+        y, mean, _, _, rv = F.batch_norm_forward(x, np.zeros(2), np.ones(2), None, b, True, 1.0, 1e-5)
+        assert mean[0] == value and rv[0] == 0.0
+        np.testing.assert_array_equal(y[:, 0], b[0])
+
+
+def test_channel_columns_of_very_wide_input_stay_within_a_fraction_of_it():
+    """With one row per block (from 49152 float32 channels) the per-block statistics
+    were as large as the input, four times over: (64, 50000) took 14x its bytes beyond
+    the outputs (and 4x the time of the float64 path before). Blocks keep 64 rows at least,
+    in panels of columns."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 50000)).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    w, b = np.ones(50000, np.float32), np.zeros(50000, np.float32)
+    with config(threads=1):
+        f = F.batch_norm_forward(x, None, None, w, b, True)
+        F.batch_norm_backward(dy, x, f[1], f[2], w, b, True)
+        tracemalloc.start()
+        try:
+            f = F.batch_norm_forward(x, None, None, w, b, True)
+            d = F.batch_norm_backward(dy, x, f[1], f[2], w, b, True)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    kept = sum(a.nbytes for a in (*f, *d) if isinstance(a, np.ndarray))
+    assert (peak - kept) / x.nbytes <= 0.5
+    with use_kernels("reference"):
+        want = F.batch_norm_forward(x, None, None, w, b, True)[0]
+    np.testing.assert_allclose(f[0], want, rtol=1e-5, atol=1e-5)

@@ -296,30 +296,9 @@ def _merge_rows(
     mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, N: int, C: int, S: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
-    have S values), in float64: ``_merge_parts`` of the (N, C) row statistics."""
-    return _merge_parts(np.reshape(mean, (N, C)), np.reshape(resid, (N, C)), np.reshape(m2, (N, C)), S)
-
-
-def _merge_parts(
-    mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, count: float | np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Chan et al.'s parallel merge of the (P, C) statistics of P parts of each channel
-    (rows, or blocks of a column), in float64: with part means ``m_p = mean_p + resid_p``
-    of ``count`` values each (a number, or a (P, 1) array), ``mean_c`` their weighted
-    mean and ``M2_c = sum(M2_p - count*resid_p^2) + sum(count*(m_p - mean_c)^2)``.
-    Returns ``(mean_c, var_c)``, the mean and the (biased) variance, in float64."""
-    rm = mean.astype(np.float64)  # P,C
-    rd = resid.astype(np.float64)  # P,C
-    rd[~np.isfinite(rm)] = 0.0  # a part mean of inf is inf (its residual, inf - inf, is NaN)
-    weighted = isinstance(count, np.ndarray)
-    total = float(np.sum(count)) if weighted else count * rm.shape[0]
-    mean_c = np.sum(count * (rm + rd), axis=0) / total if weighted else np.mean(rm + rd, axis=0)  # C
-    dev = (rm - mean_c) + rd  # P,C  part mean - channel mean
-    within = np.sum(m2 - count * (rd * rd), axis=0)  # C
-    between = np.sum(count * (dev * dev), axis=0) if weighted else count * np.sum(dev * dev, axis=0)  # C
-    m2_c = within + between  # C
-    m2_c[np.isinf(m2).any(axis=0)] = np.inf  # beyond float64 (not inf - inf = NaN)
-    return mean_c, m2_c / total
+    have S values), in float64: ``numpy_fast_columns.merge_parts`` of the (N, C) row
+    statistics."""
+    return columns.merge_parts(np.reshape(mean, (N, C)), np.reshape(resid, (N, C)), np.reshape(m2, (N, C)), S)
 
 
 def _short_channel_moments(input: np.ndarray, N: int, C: int, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -779,7 +758,7 @@ def batch_norm_forward(
     new_mean, new_var = running_mean, running_var
     if training:
         if cols is not None:
-            mean, var = _merge_parts(*columns.moments(cols[0][0], ct))  # C, C (biased), float64
+            mean, var = columns.moments(cols[0][0], ct)  # C, C (biased), float64
         elif S <= SHORT_ROW:  # rows too short to pay for the row statistics
             mean, var = _short_channel_moments(input, N, C, S)  # C, C (biased), float64
         else:
