@@ -769,6 +769,9 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_
     dy64 = np.abs(dy.astype(np.float64))
     terms = r * w64 * (dy64 + np.max(np.abs(mean_dy)) + r * r * np.max(np.abs(mean_dyxc)) * xc)
     assert fast[2].dtype == ref[2].dtype == np.dtype(dtype) and fast[2].shape == shape
+    # dx of channels-last input and gradient is channels-last (as BatchNorm's), else C-ordered
+    last = len(shape) > 2 and all(np.moveaxis(a, 1, -1).flags.c_contiguous for a in (x, dy))
+    assert np.moveaxis(fast[2], 1, -1).flags.c_contiguous if last else fast[2].flags.c_contiguous
     rounding = 2 * float(np.finfo(dtype).eps) * np.abs(ref[2].astype(np.float64))
     atol = tol * 8 * float(np.max(terms)) + rounding
     got, want = fast[2].astype(np.float64), ref[2].astype(np.float64)

@@ -13,7 +13,9 @@ BatchNorm kernels of ``numpy_fast_channels`` cut where the ranks communicate:
   with coefficients from the *global* means of ``dy`` and ``dy*(x - mean)``.
 
 (The normalization sweep needs no kernel of its own: it is BatchNorm's inference
-forward with the global statistics.) Empty inputs go to the generic kernels.
+forward with the global statistics.) BatchNorm1d's (N, C) input and channels-last input
+take BatchNorm's sweeps over columns (``numpy_fast_columns``; dx in the input's layout).
+Empty inputs go to the generic kernels.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import numpy as np
 from .._backend import Namespace, no_fp_warnings
 from .._checks import prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
+from . import numpy_fast_columns as columns
 from ._blocks import block_rows, huge_spread, param, tiny_spread
 from .numpy_fast_channels import (
     NS,
     CoefficientOverflow,
+    _batch_dx_coefficients,
     _batch_dx_sweep,
     _foldable,
     _grad_sums_sweep,
@@ -50,6 +54,9 @@ def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[
     as the generic kernel returns them."""
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
+    cols = columns.columns_of(None, input)  # BatchNorm1d's (N, C), channels-last input
+    if cols is not None:
+        return columns.moments(cols[0][0], ct)  # C, C
     return _merge_rows(*_row_moments(_rows(input, C, ct), ct), N, C, prod(input.shape[2:]))  # C, C
 
 
@@ -64,6 +71,12 @@ def sync_batch_norm_grad_sums(
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
     m = _per_channel(mean, C, ct)  # C
+    cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
+    if cols is not None:
+        (x2, dy2), _ = cols
+        col_dy, col_dyxc = columns.grad_sums(dy2, x2, ct, m, True)  # C, C float64
+        assert col_dyxc is not None
+        return col_dy.astype(ct), col_dyxc.astype(ct)
     rows_x = _rows(input, C, ct)
     center = _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))  # dy*(x - mean), never folded
     sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True)  # R, R
@@ -95,10 +108,23 @@ def sync_batch_norm_dx(
         return generic_kernel("sync_batch_norm_dx")(
             xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
         )
-    rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
-    B = block_rows(rows_x.R, rows_x.L, ct.itemsize)
     f64 = np.dtype(np.float64)
     mean_dy64, mean_dyxc64 = _per_channel(mean_dy, C, f64), _per_channel(mean_dyxc, C, f64)  # C, C
+    cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
+    if cols is not None:  # dx in the input's layout
+        (x2, dy2), _ = cols
+        w = param(weight, C, ct)  # C
+        try:
+            coefs = _batch_dx_coefficients(ct, m, r, w, mean_dy64, mean_dyxc64, 1.0, _foldable(m, r))
+        except CoefficientOverflow:
+            return generic_kernel("sync_batch_norm_dx")(
+                xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
+            )
+        dx, dx2 = columns.new_like(input, input.dtype)
+        columns.batch_dx(dy2, x2, dx2, ct, *coefs)
+        return dx
+    rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
+    B = block_rows(rows_x.R, rows_x.L, ct.itemsize)
     dx = np.empty(input.shape, dtype=input.dtype)
     # BatchNorm's dx sweep, with the global means as the sums over one value
     try:
