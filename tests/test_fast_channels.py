@@ -641,3 +641,33 @@ def test_channel_columns_of_very_wide_input_stay_within_a_fraction_of_it():
     with use_kernels("reference"):
         want = F.batch_norm_forward(x, None, None, w, b, True)[0]
     np.testing.assert_allclose(f[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_channel_columns_near_float32s_largest_give_the_references_results():
+    """Sums of 128 rows of +-3e38 overflow float32 to +inf in one part and -inf in
+    another: their total was NaN, which the float64 redo (of infinite totals) missed:
+    mean, rstd, y and dbias NaN where the reference is finite."""
+    x = np.zeros((256, 2), np.float32)
+    x[:128, 0], x[128:, 0] = 3e38, -3e38
+    x[:, 1] = np.linspace(-1, 1, 256)
+    dy = np.ones_like(x)
+    dy[128:, 0] = -1.0
+    w, b = np.ones(2, np.float32), np.zeros(2, np.float32)
+    results = []
+    for family in ("numpy", "reference"):
+        with use_kernels(family):
+            f = F.batch_norm_forward(x, None, None, w, b, True)
+            results.append([*f[:3], *F.batch_norm_backward(dy * 3e37, x, f[1], f[2], w, b, True)])
+    for got, want in zip(*results, strict=True):
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)
+
+
+def test_channel_columns_a_single_row_of_inf_has_the_references_nan_variance():
+    """One row per channel (a SyncBatchNorm rank's share) was taken as a constant whatever
+    its value: an inf got variance 0, where the generic kernel (and torch) give NaN."""
+    x = np.array([[np.inf, 1.0, -2.0]], np.float32)
+    got = kernel("sync_batch_norm_moments", xp)(xp, x, np.dtype(np.float32))
+    want = generic_kernel("sync_batch_norm_moments")(xp, x, np.dtype(np.float32))
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])

@@ -3,13 +3,13 @@
 BatchNorm1d's (N, C) input holds one value per channel in each row, and so does a
 channels-last (N, C, *spatial) input (NumPy's ``moveaxis`` of NHWC data, torch's
 ``channels_last``) seen as its (N*S, C) rows. As the N*C rows of S values that
-``numpy_fast_channels`` sweeps, such input is rows of one value (BatchNorm1d: statistics
-in float64 over blocks of samples, one thread) or a strided gather (channels-last: staged
-block by block, the output C-ordered). Here a block is B rows of P columns (all C, but
-for inputs so wide that ``MIN_ROWS`` rows of C values exceed a block), every per-channel
-value a vector broadcast along the block's rows (or repeated on them, ``_tiles``), and
-every sum over the rows a BLAS ``vecmat`` of at most ``SUM_ROWS`` rows, added in float64
-(``_colsum``). The output keeps the input's layout.
+``numpy_fast_channels`` sweeps, such input would be rows of one value, or a strided
+gather. Here a block is B rows of p columns (all C, but for inputs so wide that
+``MIN_ROWS`` rows of C values exceed a block), every per-channel value a vector
+broadcast along the block's rows (or repeated on them, ``_tiles``), and every sum over
+the rows a BLAS matrix-vector product of at most ``SUM_ROWS`` rows (one batched
+``matmul`` per block), added in float64 (``_colsum``). The output keeps the input's
+layout.
 
 The statistics follow ``numpy_fast_channels._row_moments`` column by column: per block its
 mean (float64, rounded to the computation dtype), the residual ``sum(x - mean)/n`` and
@@ -154,7 +154,7 @@ def _on(v: np.ndarray, n: int, c0: int, c1: int) -> np.ndarray:
 
 
 # Column sums are BLAS sums of at most SUM_ROWS rows in the data's dtype (one batched
-# vecmat per block), added in float64: as float32 sums of a block of 4096 rows they left a
+# matmul per block), added in float64: as float32 sums of a block of 4096 rows they left a
 # variance 3.5e-7 off, and a block's mean hundreds of ulps off at a large offset, which
 # made a near-constant channel's variance 10x too large or negative.
 SUM_ROWS = 128
@@ -163,7 +163,8 @@ SUM_ROWS = 128
 def _colsum(a: np.ndarray, ones: np.ndarray) -> np.ndarray:
     """``sum_i a[i, j]`` of an (n, p) block in float64: sums of ``SUM_ROWS`` rows in the
     block's dtype (``ones`` has at least that many ones), added in float64; a column whose
-    sums overflow the block's dtype is summed again in float64."""
+    total is not finite (a sum beyond the block's dtype: inf, or NaN where sums of both
+    signs overflowed) is summed again in float64."""
     n, p = a.shape
     whole = n - n % SUM_ROWS
     total = np.zeros(p)  # p float64
@@ -172,7 +173,7 @@ def _colsum(a: np.ndarray, ones: np.ndarray) -> np.ndarray:
         np.add.reduce(parts, axis=0, dtype=np.float64, out=total)  # p
     if whole < n:
         total += vecmat(ones[: n - whole], a[whole:], out=np.empty(p, dtype=a.dtype))  # p
-    over = np.isinf(total)  # p
+    over = ~np.isfinite(total)  # p
     if over.any() and a.dtype != np.float64:  # (float32 sums beyond ~3.4e38)
         total[over] = np.add.reduce(a[:, over], axis=0, dtype=np.float64)
     return total
@@ -205,11 +206,14 @@ def moments(x: np.ndarray, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
             resid[i, c0:c1] = _colsum(xc, ones) / n  # p  what the rounding of the mean lost
             q = m2[i, c0:c1]  # p
             q[...] = _colsum(np.multiply(xc, xc, out=sqbuf.take(n, p)), ones)  # p  M2
-            redo = np.isinf(q) | (q < n * float(info.tiny) / float(info.eps))  # p  over- or underflown
+            value = flat[i, c0:c1]  # p
+            value[...] = _constant_columns(xb, xc, m, resid[i, c0:c1], q)
+            # squares beyond ct, or below its normal range (all-zero and other constant
+            # columns excepted: their M2 is exact), summed again in float64
+            redo = (np.isinf(q) | (q < n * float(info.tiny) / float(info.eps))) & np.isnan(value)  # p
             if redo.any() and ct != np.float64:
                 wide = xc[:, redo].astype(np.float64)  # n,k
                 q[redo] = np.einsum("ij,ij->j", wide, wide)  # k
-            flat[i, c0:c1] = _constant_columns(xb, xc, m, resid[i, c0:c1], q)
 
     run_chunks(work, M, B, P)
     counts = np.full((nb, 1), float(B))  # blocks,1
@@ -231,17 +235,19 @@ def _constant_columns(
     searched (max == min)."""
     n, p = xc.shape
     value = np.full(p, np.nan, dtype=xb.dtype)  # p
-    if n == 1:  # one value per column: constant
-        value[:] = xb[0]
-        resid[:] = 0.0
-        m2[:] = 0.0
+    if n == 1:  # one value per column: constant where finite (an inf's variance is NaN)
+        finite = np.isfinite(xb[0])  # p
+        value[finite] = xb[0, finite]
+        resid[finite] = 0.0
+        m2[finite] = 0.0
         return value
     ulps = 64 * float(np.finfo(xc.dtype).eps)
     cols = np.flatnonzero(m2 / n <= (mean.astype(np.float64) * ulps) ** 2)  # near-constant
     if cols.size == 0:
         return value
-    near = xb[:, cols]  # n,k
+    near = xb if cols.size == p else xb[:, cols]  # n,k  (every column: no copy)
     cols = cols[np.max(near, axis=0) == np.min(near, axis=0)]  # (NaN columns: not constant)
+    cols = cols[np.isfinite(xb[0, cols])]  # (a column of inf: its variance is NaN)
     d = xc[0, cols].astype(np.float64)  # the rounding of each constant column's mean
     resid[cols] = d
     m2[cols] = n * (d * d)
@@ -252,19 +258,19 @@ def _constant_columns(
 def merge_parts(
     mean: np.ndarray, resid: np.ndarray, m2: np.ndarray, count: float | np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Chan et al.'s parallel merge of the (P, C) statistics of P parts of each channel
+    """Chan et al.'s parallel merge of the (K, C) statistics of K parts of each channel
     (rows of a channel, or blocks of a column), in float64: with part means ``m_p =
-    mean_p + resid_p`` of ``count`` values each (a number, or a (P, 1) array),
+    mean_p + resid_p`` of ``count`` values each (a number, or a (K, 1) array),
     ``mean_c`` their (weighted) mean and ``M2_c = sum(M2_p - count*resid_p^2) +
     sum(count*(m_p - mean_c)^2)``, at least 0. Returns ``(mean_c, var_c)``, the mean and
     the (biased) variance, in float64."""
-    rm = mean.astype(np.float64)  # P,C
-    rd = resid.astype(np.float64)  # P,C
+    rm = mean.astype(np.float64)  # K,C
+    rd = resid.astype(np.float64)  # K,C
     rd[~np.isfinite(rm)] = 0.0  # a part mean of inf is inf (its residual, inf - inf, is NaN)
     weighted = isinstance(count, np.ndarray)
     total = float(np.sum(count)) if weighted else count * rm.shape[0]
     mean_c = np.sum(count * (rm + rd), axis=0) / total if weighted else np.mean(rm + rd, axis=0)  # C
-    dev = (rm - mean_c) + rd  # P,C  part mean - channel mean
+    dev = (rm - mean_c) + rd  # K,C  part mean - channel mean
     within = np.sum(m2 - count * (rd * rd), axis=0)  # C
     between = np.sum(count * (dev * dev), axis=0) if weighted else count * np.sum(dev * dev, axis=0)  # C
     m2_c = np.maximum(within + between, 0.0)  # C  (NaN stays)
