@@ -231,6 +231,27 @@ def test_each_verdict_says_the_middle_half_of_the_rounds_and_whether_it_spans_th
     assert _bench._ratio_quartiles([1.0], [1.0]) is None
 
 
+def test_a_ratio_target_below_the_copy_roofline_is_said_to_be_unreachable(capsys):
+    """With ``--reuse-memory`` PyTorch's LayerNorm took 12.0 ms where 2.5 copies of the input
+    took 9.0: its 0.6x target (7.2 ms) is beyond any implementation on that machine. The
+    verdict says so; a reachable target says nothing more."""
+    from npnorm import _bench
+
+    target = _bench.TARGET_VS_TORCH[("LayerNorm", (32, 512, 768))]
+    common = {"roofline_fb": 0.6, "extra_memory_x_input": 0.0, "copy_ms": 3.6}
+    rows = [
+        _row("LayerNorm", (32, 512, 768), fb_vs_torch=1.12, torch_fb_ms=12.0, **common),
+        _row("LayerNorm", (32, 512, 768), fb_vs_torch=0.34, torch_fb_ms=44.9, **common),
+    ]
+    _bench._print_targets(rows, [], [], judge=True)
+    first, second = capsys.readouterr().out.splitlines()[-2:]
+    assert (
+        f"unreachable here: {target}x torch is {target * 12.0:.1f} ms, below the copy roofline's 9.0 ms"
+        in first
+    )
+    assert "unreachable" not in second
+
+
 def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):
     """The training rounds share the round-robin loop: the copy leads every round, each
     implementation runs once a round, its untimed forward+backward before its timed calls."""
