@@ -410,7 +410,7 @@ def _dx_sweep(
 
 
 class CoefficientOverflow(Exception):
-    """Raised by ``_batch_dx_sweep`` (before any write) and ``_group_backward`` where a
+    """Raised by ``_batch_dx_coefficients`` (before any write) and ``_group_backward`` where a
     coefficient of dx is beyond the computation dtype's range though the sums are finite
     (``rstd^3*sum(g*(x - mean))`` with a tiny spread and a large weight or gradient: inf,
     then inf and NaN in dx): the caller runs the generic kernel instead."""
@@ -421,19 +421,13 @@ def _batch_dx_sweep(
     rows_x: Rows,
     dx: np.ndarray,
     ct: np.dtype[Any],
-    m: np.ndarray,
-    r: np.ndarray,
-    w: np.ndarray | None,
-    sum_dy: np.ndarray,
-    sum_dyxc: np.ndarray,
-    count: float,
-    fold: bool,
+    coefs: tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray],
     B: int,
 ) -> None:
-    """BatchNorm's training dx in one sweep over the rows, with the coefficients of
-    ``_batch_dx_coefficients``."""
-    center, *coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, count, fold)
-    _dx_sweep(rows_dy, rows_x, dx, ct, _ring(center, B), *(_Ring(c, B) for c in coefs))
+    """BatchNorm's training dx in one sweep over the rows, with the coefficients
+    ``(center, a, b, d)`` of ``_batch_dx_coefficients``."""
+    center, *abd = coefs
+    _dx_sweep(rows_dy, rows_x, dx, ct, _ring(center, B), *(_Ring(c, B) for c in abd))
 
 
 def _batch_dx_coefficients(
@@ -530,7 +524,8 @@ def _channel_backward(
     if batch_stats:
         assert sum_dyxc is not None
         fold = _foldable(m, r)  # dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
-        _batch_dx_sweep(rows_dy, rows_x, dx, ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, B)
+        coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold)
+        _batch_dx_sweep(rows_dy, rows_x, dx, ct, coefs, B)
     return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
 
 

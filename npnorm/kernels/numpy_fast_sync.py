@@ -110,40 +110,21 @@ def sync_batch_norm_dx(
         )
     f64 = np.dtype(np.float64)
     mean_dy64, mean_dyxc64 = _per_channel(mean_dy, C, f64), _per_channel(mean_dyxc, C, f64)  # C, C
-    cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
-    if cols is not None:  # dx in the input's layout
-        (x2, dy2), _ = cols
-        w = param(weight, C, ct)  # C
-        try:
-            coefs = _batch_dx_coefficients(ct, m, r, w, mean_dy64, mean_dyxc64, 1.0, _foldable(m, r))
-        except CoefficientOverflow:
-            return generic_kernel("sync_batch_norm_dx")(
-                xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
-            )
-        dx, dx2 = columns.new_like(input, input.dtype)
-        columns.batch_dx(dy2, x2, dx2, ct, *coefs)
-        return dx
-    rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
-    B = block_rows(rows_x.R, rows_x.L, ct.itemsize)
-    dx = np.empty(input.shape, dtype=input.dtype)
-    # BatchNorm's dx sweep, with the global means as the sums over one value
-    try:
-        _batch_dx_sweep(
-            rows_dy,
-            rows_x,
-            dx,
-            ct,
-            m,
-            r,
-            param(weight, C, ct),
-            mean_dy64,
-            mean_dyxc64,
-            1.0,
-            _foldable(m, r),
-            B,
+    try:  # BatchNorm's dx coefficients, with the global means as the sums over one value
+        coefs = _batch_dx_coefficients(
+            ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, _foldable(m, r)
         )
     except CoefficientOverflow:
         return generic_kernel("sync_batch_norm_dx")(
             xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
         )
+    cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
+    if cols is not None:  # dx in the input's layout
+        (x2, dy2), _ = cols
+        dx, dx2 = columns.new_like(input, input.dtype)
+        columns.batch_dx(dy2, x2, dx2, ct, *coefs)
+        return dx
+    rows_x, rows_dy = _rows(input, C, ct), _rows(grad_output, C, ct)
+    dx = np.empty(input.shape, dtype=input.dtype)
+    _batch_dx_sweep(rows_dy, rows_x, dx, ct, coefs, block_rows(rows_x.R, rows_x.L, ct.itemsize))
     return dx
