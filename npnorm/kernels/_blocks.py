@@ -54,6 +54,23 @@ def view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
         return None
 
 
+def channels_last_rows(a: np.ndarray) -> np.ndarray | None:
+    """A channels-last ``(N, C, *spatial)`` array (C its fastest axis: NumPy's
+    ``moveaxis`` of an ``(N, *spatial, C)`` array, as torch's ``channels_last``) as its
+    ``(N*S, C)`` rows of one value per channel, a view (C-ordered where the other axes
+    are); None for other layouts, fewer than three axes or one channel."""
+    if a.ndim < 3 or a.shape[1] <= 1 or a.strides[1] != a.itemsize:
+        return None  # (the stride test first: NCHW input skips moveaxis, 3 us a call)
+    return view(np.moveaxis(a, 1, -1), (-1, int(a.shape[1])))  # N*S,C
+
+
+def from_channel_rows(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """``(N*S, C)`` rows (or ``(N, S, C)`` samples) as the channels-last ``(N, C,
+    *spatial)`` array of ``shape`` they hold (a view: the output keeps the input's
+    layout, as torch's and NumPy's elementwise results do)."""
+    return np.moveaxis(rows.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
+
+
 class Rows:
     """Read access to an array as ``R = N*P`` rows of ``L`` values, block by block, in
     the computation dtype ``ct``: every kernel's way into its input.

@@ -56,7 +56,7 @@ from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from . import _staging
-from ._blocks import extreme_coefficients, finish, grad_as, output
+from ._blocks import channels_last_rows, extreme_coefficients, finish, from_channel_rows, grad_as, output
 from ._staging import (
     Source,
     Target,
@@ -376,7 +376,7 @@ def _group_forward(
             _group_rows_forward_split(xs, w, b, k, eps, rows, y, mean, rstd, var, *split)
         else:
             _by_samples(loops.group_rows_forward, [xs], (w, b, k, eps, rows), y, (mean, rstd, var), ct)
-        return (_from_channel_rows(y, input.shape) if out is None else out), mean, rstd, var
+        return (from_channel_rows(y, input.shape) if out is None else out), mean, rstd, var
     if direct(ct, out, input):  # no staging: each thread's rows in one call
         y = np.empty(input.shape, dtype=ct) if out is None else out
         x2, y2 = input.reshape(R, L), y.reshape(R, L)  # R,L  R,L
@@ -430,7 +430,7 @@ def _group_backward(
             _group_rows_backward_split(dys, xs, m, r, w, k, rows, d, sdy, sdyx, *split)
         else:
             _by_samples(loops.group_rows_backward, [dys, xs], (m, r, w, k, rows), d, (sdy, sdyx), ct)
-        dx = _from_channel_rows(d, input.shape) if out is None else out
+        dx = from_channel_rows(d, input.shape) if out is None else out
     elif direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
         dy2, x2, dx2 = grad_output.reshape(R, L), input.reshape(R, L), dx.reshape(R, L)  # R,L each
@@ -485,10 +485,8 @@ def _as_channel_rows(a: np.ndarray | None) -> np.ndarray | None:
     ``channels_last``) as its ``(N*S, C)`` rows, a view; None for any other layout. The
     rows are BatchNorm1d's (N, C) input: a channel is a column, read without the whole
     copy that staging it as (N, C, S) cost (4-5x torch's time in inference)."""
-    if a is None or a.ndim < 3 or a.shape[1] <= 1 or a.strides[1] != a.itemsize:
-        return None  # (the stride test first: NCHW input skips moveaxis, 3 us a call)
-    moved = np.moveaxis(a, 1, -1)  # N,*spatial,C
-    return moved.reshape(-1, a.shape[1]) if moved.flags.c_contiguous else None
+    rows = None if a is None else channels_last_rows(a)  # N*S,C
+    return rows if rows is not None and rows.flags.c_contiguous else None
 
 
 # Channels-last inputs take ``loops.group_rows_*`` where a sample's row of C values has
@@ -687,13 +685,6 @@ def compile_split_loops(dtype: str) -> None:
     _group_rows_backward_split(xs, xs, mean, rstd, w, 8, 2, y, sdy, sdyx, 2, [(0, 1), (1, 2)])
 
 
-def _from_channel_rows(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """``(N*S, C)`` rows (or ``(N, S, C)`` samples) as the channels-last ``(N, C,
-    *spatial)`` array they hold (a view: the output keeps the input's layout, as torch's
-    and NumPy's elementwise results do)."""
-    return np.moveaxis(rows.reshape(shape[0], *shape[2:], shape[1]), -1, 1)
-
-
 def _as_channel_planes(a: np.ndarray | None) -> np.ndarray | None:
     """A Fortran-ordered ``(N, C, *spatial)`` array (N its fastest axis: ``np.asfortranarray``,
     a pandas frame's ``.values``, ``x.T`` of a C-ordered ``(C, N)``) as the C-ordered
@@ -735,7 +726,7 @@ def _channel_views(
     the same layout, or None for the whole) and the map from a result's view back to the
     array in that layout. None for C-ordered and other layouts."""
     shape = tuple(int(d) for d in arrays[0].shape)
-    for view, back in ((_as_channel_rows, _from_channel_rows), (_as_channel_planes, _from_channel_planes)):
+    for view, back in ((_as_channel_rows, from_channel_rows), (_as_channel_planes, _from_channel_planes)):
         views = [v for v in map(view, arrays) if v is not None]
         if len(views) < len(arrays):
             continue

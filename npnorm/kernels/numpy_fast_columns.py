@@ -27,20 +27,28 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import prod
 from . import _blocks
-from ._blocks import LONG_ROW, block_rows, blocks, needs_staging, run_chunks, vecmat, view
+from ._blocks import (
+    LONG_ROW,
+    block_rows,
+    blocks,
+    channels_last_rows,
+    from_channel_rows,
+    needs_staging,
+    run_chunks,
+    vecmat,
+    view,
+)
 
 
 def as_columns(a: np.ndarray) -> np.ndarray | None:
     """An (N, C, *spatial) array (or (N, C)) as its (M, C) rows of one value per channel,
     a view: any array of one value per channel and sample (S = 1), and channels-last
     ones; None for other layouts."""
-    N, C = int(a.shape[0]), int(a.shape[1])
     if a.ndim == 2 or all(int(d) == 1 for d in a.shape[2:]):
-        return view(a, (N, C))  # N,C
-    if a.strides[1] != a.itemsize or C == 1:  # (NCHW input skips moveaxis)
-        return None
-    return view(np.moveaxis(a, 1, -1), (-1, C))  # N*S,C where channels-last, else None
+        return view(a, (int(a.shape[0]), int(a.shape[1])))  # N,C
+    return channels_last_rows(a)  # N*S,C
 
 
 def columns_of(
@@ -61,16 +69,14 @@ def columns_of(
 
 
 def new_like(a: np.ndarray, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """A fresh array of ``a``'s shape and ``dtype`` whose (M, C) view (``as_columns``)
-    exists, in ``a``'s layout where that is channels-last, and that view."""
-    N, C = int(a.shape[0]), int(a.shape[1])
-    if a.ndim == 2 or all(int(d) == 1 for d in a.shape[2:]):
-        y = np.empty(a.shape, dtype=dtype)
-    else:
-        y = np.moveaxis(np.empty((N, *a.shape[2:], C), dtype=dtype), -1, 1)
-    y2 = as_columns(y)
-    assert y2 is not None
-    return y, y2
+    """A fresh array of ``a``'s shape and ``dtype`` laid out as its (M, C) rows (the
+    channels-last layout; C-ordered where S = 1), and those rows."""
+    shape = tuple(int(d) for d in a.shape)
+    if prod(shape[2:]) == 1:  # one value per channel and sample
+        y = np.empty(shape, dtype=dtype)
+        return y, y.reshape(shape[0], shape[1])  # N,C
+    rows = np.empty((prod(shape) // shape[1], shape[1]), dtype=dtype)  # N*S,C
+    return from_channel_rows(rows, shape), rows
 
 
 # A block has MIN_ROWS rows at least (or all M): with fewer, the per-block statistics of
