@@ -190,23 +190,6 @@ def _affine_sweep(
     run_chunks(work, R, B, S)
 
 
-def _channel_forward(
-    y: np.ndarray,
-    rows: Rows,
-    ct: np.dtype[Any],
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    weight: np.ndarray | None,
-    bias: np.ndarray | None,
-    var: np.ndarray | None = None,
-) -> None:
-    """``y = (x - mean_c) * rstd_c * w_c + b_c`` into ``y`` from (C,) statistics, one
-    sweep, with the coefficients of ``_affine_coefficients``."""
-    B = block_rows(rows.R, rows.L, ct.itemsize)
-    center, scale, shift = _affine_coefficients(ct, mean, rstd, weight, bias, var)
-    _affine_sweep(rows, y, ct, _ring(center, B), _Ring(scale, B), _ring(shift, B))
-
-
 def _affine_coefficients(
     ct: np.dtype[Any],
     mean: np.ndarray,
@@ -785,17 +768,20 @@ def _normalized(
     bias: np.ndarray | None,
     var: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``(x - mean_c) * rstd_c * w_c + b_c`` (``_channel_forward``'s), in ``out`` where
-    given: over the input's columns (``cols``, ``numpy_fast_columns``; the output in the
-    input's layout) or its rows."""
+    """``y = (x - mean_c) * rstd_c * w_c + b_c`` from (C,) statistics, one sweep with the
+    coefficients of ``_affine_coefficients``, in ``out`` where given: over the input's
+    columns (``cols``, ``numpy_fast_columns``; the output in the input's layout) or its
+    rows."""
+    center, scale, shift = _affine_coefficients(ct, mean, rstd, weight, bias, var)  # C each
     if cols is not None:
         (x2,), out2 = cols
         y, y2 = (out, out2) if out is not None and out2 is not None else columns.new_like(input, input.dtype)
-        columns.affine(x2, y2, ct, *_affine_coefficients(ct, mean, rstd, weight, bias, var))
+        columns.affine(x2, y2, ct, center, scale, shift)
         return finish(y, out)
     assert rows is not None
     y = output(out, input.shape, input.dtype, (rows.R, rows.L), (input,))
-    _channel_forward(y, rows, ct, mean, rstd, weight, bias, var)
+    B = block_rows(rows.R, rows.L, ct.itemsize)
+    _affine_sweep(rows, y, ct, _ring(center, B), _Ring(scale, B), _ring(shift, B))
     return finish(y, out)
 
 
