@@ -36,9 +36,12 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     b8, b4 = np.zeros(8, dtype), np.zeros(4, dtype)
     rm, rv = np.zeros(4, dtype), np.ones(4, dtype)
 
-    def layer_norm() -> None:
+    long_row = rng.standard_normal((2, 256)).astype(dtype)  # rows of loops.LONG_ROW values
+
+    def layer_norm() -> None:  # short rows (pipelined) and long ones
         _, mean, rstd = F.layer_norm_forward(rows, 8, w8, b8)
         F.layer_norm_backward(rows, rows, 8, mean, rstd, w8, b8)
+        F.layer_norm_forward(long_row, 256)
 
     def rms_norm() -> None:
         _, rstd = F.rms_norm_forward(rows, 8, w8)
@@ -59,8 +62,8 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     last = np.moveaxis(rng.standard_normal((2, 3, 3, 16)).astype(dtype), -1, 1)  # channels-last, C = 16
 
     def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
-        for x in (img, wide, last):  # the backward's short rows (one at a time), long ones,
-            C = x.shape[1]  # and a channels-last input's samples
+        for x in (img, wide, last):  # short rows and long ones (each direction has a loop
+            C = x.shape[1]  # for each), and a channels-last input's samples
             _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
             F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
         from .kernels import numba_channels

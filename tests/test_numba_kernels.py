@@ -649,6 +649,67 @@ def test_short_group_rows_rule(monkeypatch):
         np.testing.assert_allclose(dx, ref, rtol=1e-4 if dtype == "float32" else 1e-10, atol=1e-5)
 
 
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from(("float32", "float64")),
+    n=st.integers(1, 4),
+    groups=st.integers(1, 3),
+    k=st.integers(1, 3),
+    S=st.sampled_from((1, 7, 85, 255, 256, 257, 600)),
+    threads=st.sampled_from((1, 2, 3)),
+    layout=st.sampled_from(("C", "sliced")),
+    data=st.data(),
+)
+def test_long_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, threads, layout, data):
+    """LayerNorm's and GroupNorm's forward loops for long rows (one row at a time, no
+    pipeline: ``layer_norm_forward_long``, ``group_forward_long``) give bitwise the
+    pipelined loops' y, mean and rstd, whichever loop the rows would go to, split over
+    threads, staged in blocks (``sliced``) or not."""
+    from npnorm.kernels import _numba_loops as loops
+
+    shape = (n, groups * k, S)
+    x = data.draw(values(dtype, shape)) * np.asarray(3, dtype) + np.asarray(7, dtype)
+    x = laid_out(x + rounding(dtype, shape, 1 / 3), layout)  # plus values whose sums round
+    w = np.linspace(0.5, 1.5, groups * k).astype(dtype)
+    b = np.linspace(-1, 1, groups * k).astype(dtype)
+    wS, bS = np.linspace(0.5, 1.5, S).astype(dtype), np.linspace(-1, 1, S).astype(dtype)
+    calls = [("group_norm_forward", (x, groups, w, b, 1e-5)), ("layer_norm_forward", (x, (S,), wS, bS, 1e-5))]
+    for op, args in calls:
+        results = {}
+        for long_row in (1, 1 << 30):  # every row long, none
+            with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
+                mp.setattr(loops, "LONG_ROW", long_row)
+                results[long_row] = family_kernel(op, "numba")(xp, *args)
+        for a, c in zip(results[1], results[1 << 30], strict=True):
+            np.testing.assert_array_equal(a, c, err_msg=op)
+
+
+def test_long_rows_rule(monkeypatch):
+    """Which forward loop LayerNorm and GroupNorm rows go to: rows of ``LONG_ROW`` values
+    and more one at a time, shorter ones pipelined."""
+    from npnorm.kernels import _numba_loops as loops
+
+    assert loops.LONG_ROW == loops.CHUNK
+    called: list[str] = []
+    for name in ("layer_norm_forward", "layer_norm_forward_long", "group_forward", "group_forward_long"):
+        loop = getattr(loops, name)
+        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    rng = np.random.default_rng(6)
+    cases = [
+        (lambda x: F.layer_norm(x, 255), (3, 255), "layer_norm_forward"),
+        (lambda x: F.layer_norm(x, 256), (3, 256), "layer_norm_forward_long"),
+        (lambda x: F.layer_norm(x, (4, 64)), (2, 4, 64), "layer_norm_forward_long"),  # rows of 256 values
+        (lambda x: F.group_norm(x, 4), (2, 4, 7, 7), "group_forward"),  # InstanceNorm's rows of 49
+        (lambda x: F.group_norm(x, 2), (2, 4, 8, 16), "group_forward_long"),  # two channels of 128
+        (lambda x: F.instance_norm(x), (2, 3, 16, 16), "group_forward_long"),
+    ]
+    for call, shape, expected in cases:
+        for dtype in ("float32", "float64"):
+            called.clear()
+            call(rng.normal(size=shape).astype(dtype))
+            assert set(called) == {expected}, (shape, dtype, called)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
 def test_short_channels_the_same_in_any_blocks(dtype, shape, monkeypatch):

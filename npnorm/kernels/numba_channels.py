@@ -25,9 +25,10 @@ as (N, C, S), S = prod(spatial):
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
-  so that reading memory overlaps writing it (such rows are too long for the hardware to
-  fetch the next one in time on its own); the backward takes rows of a few KB one at a
-  time instead (``loops.group_backward_short``, see _short_rows). A channels-last input
+  so that reading memory overlaps writing it; the forward takes rows of
+  ``loops.LONG_ROW`` values and more one at a time instead (``group_forward_long``, see
+  ``_numba_loops``), and the backward rows of a few KB (``loops.group_backward_short``,
+  see _short_rows). A channels-last input
   (with a channels-last gradient in the backward) is taken sample by sample instead
   (``loops.group_rows_forward`` / ``_backward``): a sample's S rows of C values, summed
   down the channels' columns in spans of rows, the sample kept in cache between its
@@ -349,6 +350,13 @@ def _channel_backward(
 # --- per-group statistics: GroupNorm, InstanceNorm --------------------------------------
 
 
+def _group_forward_loop(L: int) -> Any:
+    """GroupNorm's forward loop for (sample, group) rows of L values: pipelined for short
+    rows, one row at a time from ``loops.LONG_ROW`` values (bitwise the same results;
+    see there)."""
+    return loops.group_forward_long if L >= loops.LONG_ROW else loops.group_forward
+
+
 def _group_forward(
     input: np.ndarray,
     G: int,
@@ -358,8 +366,9 @@ def _group_forward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``loops.group_forward`` over the N*G (sample, group) rows. Returns ``(y, mean,
-    rstd, var)``, the statistics (N*G,), ``var`` (biased) in float64."""
+    """``loops.group_forward`` (``group_forward_long`` for rows of ``loops.LONG_ROW``
+    values and more) over the N*G (sample, group) rows. Returns ``(y, mean, rstd,
+    var)``, the statistics (N*G,), ``var`` (biased) in float64."""
     C = int(input.shape[1])
     R, k = int(input.shape[0]) * G, C // G
     L = input.size // R
@@ -380,19 +389,20 @@ def _group_forward(
     if direct(ct, out, input):  # no staging: each thread's rows in one call
         y = np.empty(input.shape, dtype=ct) if out is None else out
         x2, y2 = input.reshape(R, L), y.reshape(R, L)  # R,L  R,L
-        run(partial(loops.group_forward, x2, w, b, k, eps, y2, mean, rstd, var, 0), ranges(R, L))
+        run(partial(_group_forward_loop(L), x2, w, b, k, eps, y2, mean, rstd, var, 0), ranges(R, L))
         return y, mean, rstd, var
     src = _source(input, G, ct)
     y = output(out, input.shape, input.dtype, (R, L), (input,), contiguous=True)
     dst = Target(y, R, L, ct)
     B = block_size((src,), (dst,), R, L, ct)
+    loop = _group_forward_loop(L)
 
     def task(start: int, stop: int) -> None:
         xbuf, ybuf = src.buffer(B), dst.buffer(B)
         for a, e in spans(start, stop, B):
             yb = dst.block(a, e, ybuf)  # n,L
             xb = src.block(a, e, xbuf)  # n,L
-            loops.group_forward(xb, w, b, k, eps, yb, mean[a:e], rstd[a:e], var[a:e], a, 0, e - a)
+            loop(xb, w, b, k, eps, yb, mean[a:e], rstd[a:e], var[a:e], a, 0, e - a)
             dst.done(a, e, yb)
 
     run(task, ranges(R, L))

@@ -12,8 +12,9 @@ sums (in the data's dtype, flushed into float64 every ``_numba_loops.FLUSH_ROWS`
 the threads' float64 sums are added in thread order at the end: bitwise reproducible
 for a fixed thread count). The loops are pipelined: while a row's output is written,
 chunk by chunk, the next rows' sums are taken, so that reading memory overlaps writing
-it. See ``_numba_loops`` for the loops and ``_staging`` for how inputs
-of other dtypes and layouts reach them.
+it; LayerNorm's forward takes rows of ``loops.LONG_ROW`` values and more one at a time
+instead (``layer_norm_forward_long``), which measured faster there. See ``_numba_loops``
+for the loops and ``_staging`` for how inputs of other dtypes and layouts reach them.
 
 Anything the loops do not compile for (a computation dtype other than float32/float64,
 say longdouble) and empty inputs go to the ``"numpy"`` family's kernels.
@@ -72,6 +73,12 @@ def _partials(D: int, ct: np.dtype[Any], count: int) -> list[np.ndarray]:
 # --- LayerNorm ---------------------------------------------------------------------------
 
 
+def _forward_loop(D: int) -> Any:
+    """LayerNorm's forward loop for rows of D values: pipelined for short rows, one row
+    at a time from ``loops.LONG_ROW`` values (bitwise the same results; see there)."""
+    return loops.layer_norm_forward_long if D >= loops.LONG_ROW else loops.layer_norm_forward
+
+
 @specialized("layer_norm_forward", NUMPY, kernels="numba")
 def layer_norm_forward(
     xp: Namespace,
@@ -82,7 +89,8 @@ def layer_norm_forward(
     eps: float,
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """LayerNorm forward: one visit per row (``loops.layer_norm_forward``)."""
+    """LayerNorm forward: one visit per row (``loops.layer_norm_forward``, or
+    ``layer_norm_forward_long`` for rows of ``loops.LONG_ROW`` values and more)."""
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     if input.size == 0 or not compiled(ct):
         return _fallback("layer_norm_forward", xp, input, shape, weight, bias, eps, out)
@@ -96,7 +104,7 @@ def layer_norm_forward(
     if direct(ct, out, input):  # the common call: no staging (and no NumPy arithmetic to silence)
         y = np.empty(input.shape, dtype=ct) if out is None else out
         x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
-        run(partial(loops.layer_norm_forward, x2, w, b, eps, y2, mean, rstd), ranges(R, D))
+        run(partial(_forward_loop(D), x2, w, b, eps, y2, mean, rstd), ranges(R, D))
         return y, mean.reshape(batch), rstd.reshape(batch)
     return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
 
@@ -120,12 +128,13 @@ def _layer_norm_forward(
     src = Source(input, *row_layout(input, len(shape)), ct)
     dst = Target(y, R, D, ct)
     B = block_size((src,), (dst,), R, D, ct)
+    loop = _forward_loop(D)
 
     def task(start: int, stop: int) -> None:
         xbuf, ybuf = src.buffer(B), dst.buffer(B)
         for a, e in spans(start, stop, B):
             yb = dst.block(a, e, ybuf)  # n,D
-            loops.layer_norm_forward(src.block(a, e, xbuf), w, b, eps, yb, mean[a:e], rstd[a:e], 0, e - a)
+            loop(src.block(a, e, xbuf), w, b, eps, yb, mean[a:e], rstd[a:e], 0, e - a)
             dst.done(a, e, yb)
 
     run(task, ranges(R, D))
