@@ -36,12 +36,14 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     b8, b4 = np.zeros(8, dtype), np.zeros(4, dtype)
     rm, rv = np.zeros(4, dtype), np.ones(4, dtype)
 
-    long_row = rng.standard_normal((2, 256)).astype(dtype)  # rows of loops.LONG_ROW values
+    from .kernels import _numba_loops as loops
+
+    long_row = rng.standard_normal((2, loops.LONG_FORWARD_ROW)).astype(dtype)  # (its own forward loop)
 
     def layer_norm() -> None:  # short rows (pipelined) and long ones
         _, mean, rstd = F.layer_norm_forward(rows, 8, w8, b8)
         F.layer_norm_backward(rows, rows, 8, mean, rstd, w8, b8)
-        F.layer_norm_forward(long_row, 256)
+        F.layer_norm_forward(long_row, long_row.shape[1])
 
     def rms_norm() -> None:
         _, rstd = F.rms_norm_forward(rows, 8, w8)

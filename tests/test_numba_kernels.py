@@ -678,18 +678,18 @@ def test_long_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, threads
         results = {}
         for long_row in (1, 1 << 30):  # every row long, none
             with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
-                mp.setattr(loops, "LONG_ROW", long_row)
+                mp.setattr(loops, "LONG_FORWARD_ROW", long_row)
                 results[long_row] = family_kernel(op, "numba")(xp, *args)
         for a, c in zip(results[1], results[1 << 30], strict=True):
             np.testing.assert_array_equal(a, c, err_msg=op)
 
 
 def test_long_rows_rule(monkeypatch):
-    """Which forward loop LayerNorm and GroupNorm rows go to: rows of ``LONG_ROW`` values
-    and more one at a time, shorter ones pipelined."""
+    """Which forward loop LayerNorm and GroupNorm rows go to, C-ordered or staged: rows of
+    ``LONG_FORWARD_ROW`` values and more one at a time, shorter ones pipelined."""
     from npnorm.kernels import _numba_loops as loops
 
-    assert loops.LONG_ROW == loops.CHUNK
+    assert loops.LONG_FORWARD_ROW == 256  # the cases below straddle it
     called: list[str] = []
     for name in ("layer_norm_forward", "layer_norm_forward_long", "group_forward", "group_forward_long"):
         loop = getattr(loops, name)
@@ -705,9 +705,10 @@ def test_long_rows_rule(monkeypatch):
     ]
     for call, shape, expected in cases:
         for dtype in ("float32", "float64"):
-            called.clear()
-            call(rng.normal(size=shape).astype(dtype))
-            assert set(called) == {expected}, (shape, dtype, called)
+            for layout in ("C", "sliced"):  # run directly, and staged in blocks
+                called.clear()
+                call(laid_out(rng.normal(size=shape).astype(dtype), layout))
+                assert set(called) == {expected}, (shape, dtype, layout, called)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

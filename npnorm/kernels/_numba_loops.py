@@ -299,34 +299,35 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
 # --- pipelined rows: LayerNorm, RMSNorm, GroupNorm, InstanceNorm (and BatchNorm's channels)
 #
 # Reading a row for its sums and then writing its output would run as two phases, each
-# leaving memory half idle: the hardware does not fetch the next row in time on its own
-# (rows of a few KB and more; 16 KB for LayerNorm at D = 4096, 12.5 KB for an
-# InstanceNorm row of 56x56 float32). So these loops pipeline the rows: they visit a row
-# in chunks of CHUNK values, and with each chunk of row r that they write they take the
-# same chunk of the rows ahead (the forward of LayerNorm and GroupNorm: row r + 1's
-# squared deviations, from cache, and row r + 2's sum, from memory; RMSNorm's forward: row
-# r + 1's sum of squares; the backwards: row r + 1's sums). The loop starts one or two rows
-# before r0 with the writes off while the pipeline fills (``_one_ahead``, ``_two_ahead``),
-# so that every row's sums are taken by the same code, chunk by chunk in the same order,
-# wherever a thread's range or a staged block begins: the results do not depend on how the
-# rows are split.
+# leaving memory half idle where the hardware does not fetch the next row in time on its
+# own. So these loops pipeline the rows: they visit a row in chunks of CHUNK values, and
+# with each chunk of row r that they write they take the same chunk of the rows ahead
+# (the forward of LayerNorm and GroupNorm: row r + 1's squared deviations, from cache, and
+# row r + 2's sum, from memory; RMSNorm's forward: row r + 1's sum of squares; the
+# backwards: row r + 1's sums). The loop starts one or two rows before r0 with the writes
+# off while the pipeline fills (``_one_ahead``, ``_two_ahead``), so that every row's sums
+# are taken by the same code, chunk by chunk in the same order, wherever a thread's range
+# or a staged block begins: the results do not depend on how the rows are split.
 #
-# The forwards of LayerNorm and GroupNorm take rows of LONG_ROW values and more one at a
-# time instead (``layer_norm_forward_long``, ``group_forward_long``: the row's sum from
-# memory, its squared deviations from cache, then its output; bitwise the same results).
-# Timed against the pipeline on a 2-vCPU AMD EPYC (1 MiB of L2 per core, 32 MiB of L3),
-# the loops alone on two threads, float32: 0.78-0.87x its time for LayerNorm at (16384,
-# 768) and (16384, 4096), 0.79x at (2048, 65536), 0.74x at (256, 1048576); 0.69-0.75x for
-# GroupNorm and InstanceNorm at (32, 64, 56, 56) (64, 32 and 1 groups) and (8, 64, 128,
-# 128), 0.84x at (16, 32, 224, 224); 0.93-1.03x with rows of 256 to 784 values. Shorter
-# rows stay pipelined: one at a time they took 1.1-1.3x the pipeline's time (LayerNorm
-# (65536, 64), InstanceNorm at 4x4, 7x7 and 10x10), the steps of a row too short to hide
-# one another's latency. (A pipeline one row deep, the next row's sum taken under this
-# row's output and its squared deviations after, measured between the two.) When the
-# forwards were first pipelined, the pipeline measured 13-19% faster than one row at a
-# time for GroupNorm and InstanceNorm at (32, 64, 56, 56), on a host not recorded: the
-# better loop shape differs between hosts.
-LONG_ROW = CHUNK
+# Which loop shape is faster depends on the host. When the forwards were first pipelined,
+# the pipeline measured 13-19% faster than one row at a time for GroupNorm and
+# InstanceNorm at (32, 64, 56, 56), on a host not recorded. On a 2-vCPU AMD EPYC (1 MiB of
+# L2 per core, 32 MiB of L3), the forwards of LayerNorm and GroupNorm were faster one row
+# at a time for rows of LONG_FORWARD_ROW values and more, so they take such rows so
+# (``layer_norm_forward_long``, ``group_forward_long``: the row's sum from memory, its
+# squared deviations from cache, then its output; bitwise the same results). Timed there
+# against the pipeline, the loops alone on two threads, float32: 0.78-0.87x its time for
+# LayerNorm at (16384, 768) and (16384, 4096), 0.79x at (2048, 65536), 0.74x at (256,
+# 1048576); 0.69-0.75x for GroupNorm and InstanceNorm at (32, 64, 56, 56) (64, 32 and 1
+# groups) and (8, 64, 128, 128), 0.84x at (16, 32, 224, 224); 0.93-1.03x, break-even, with
+# rows of 256 to 784 values. Shorter rows stay pipelined: one at a time they took 1.1-1.3x
+# the pipeline's time (LayerNorm (65536, 64), InstanceNorm at 4x4, 7x7 and 10x10), the
+# steps of a row too short to hide one another's latency. (A pipeline one row deep, the
+# next row's sum taken under this row's output and its squared deviations after, measured
+# between the two.) The backwards and RMSNorm's forward stay pipelined one row deep (but
+# GroupNorm's short rows, see ``group_backward_short``): one row at a time they measured
+# 1.0-1.3x the pipeline's time there.
+LONG_FORWARD_ROW = 256
 
 
 @_loop
@@ -399,10 +400,10 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
 
 @_loop
 def layer_norm_forward_long(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-untyped-def]
-    """``layer_norm_forward`` for rows of CHUNK values and more (see ``LONG_ROW``): one
-    row at a time, no pipeline: its sum from memory, its squared deviations from cache,
-    then its output. The same sums, chunk by chunk in the same order: bitwise the
-    pipelined loop's results."""
+    """``layer_norm_forward`` for long rows (the callers: LONG_FORWARD_ROW values and
+    more; correct for any length): one row at a time, no pipeline: its sum from memory,
+    its squared deviations from cache, then its output. The same sums, chunk by chunk in
+    the same order: bitwise the pipelined loop's results."""
     D = x.shape[1]
     s = np.empty(3, dtype=y.dtype)
     for r in range(r0, r1):
@@ -913,11 +914,12 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
 #
-# Pipelined as the rows above. The forward's sums take the row in chunks of CHUNK values
-# whatever its channels, and write each chunk's output channel by channel (a row of
-# short channels, 16 of 7x7 values, then costs a few calls per pass instead of one per
-# channel: 18% faster at (32, 512, 7, 7) with 32 groups); the backward needs each
-# channel's own sums, so its chunks never straddle two channels.
+# Pipelined as the rows above (the forward's long rows one at a time). The forward's sums
+# take the row in chunks of CHUNK values whatever its channels (a row of short channels,
+# 16 of 7x7 values, then costs a few sum calls per pass instead of one per channel: with
+# the pipelined loop writing each chunk's output channel by channel too, 18% faster at
+# (32, 512, 7, 7) with 32 groups); the backward needs each channel's own sums, so its
+# chunks never straddle two channels.
 
 
 @_loop
@@ -965,8 +967,9 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
 
 @_loop
 def group_forward_long(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: ignore[no-untyped-def]
-    """``group_forward`` for rows of CHUNK values and more (see ``LONG_ROW``): one row at
-    a time, no pipeline, as ``layer_norm_forward_long``; the output channel by channel.
+    """``group_forward`` for long rows (the callers: LONG_FORWARD_ROW values and more;
+    correct for any length): one row at a time, no pipeline, as
+    ``layer_norm_forward_long``; the output channel by channel, one call per channel.
     Bitwise the pipelined loop's results."""
     L = x.shape[1]
     S = L // k

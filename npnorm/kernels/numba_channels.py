@@ -26,7 +26,7 @@ as (N, C, S), S = prod(spatial):
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
   so that reading memory overlaps writing it; the forward takes rows of
-  ``loops.LONG_ROW`` values and more one at a time instead (``group_forward_long``, see
+  ``loops.LONG_FORWARD_ROW`` values and more one at a time instead (``group_forward_long``, see
   ``_numba_loops``), and the backward rows of a few KB (``loops.group_backward_short``,
   see _short_rows). A channels-last input
   (with a channels-last gradient in the backward) is taken sample by sample instead
@@ -352,9 +352,9 @@ def _channel_backward(
 
 def _group_forward_loop(L: int) -> Any:
     """GroupNorm's forward loop for (sample, group) rows of L values: pipelined for short
-    rows, one row at a time from ``loops.LONG_ROW`` values (bitwise the same results;
+    rows, one row at a time from ``loops.LONG_FORWARD_ROW`` values (bitwise the same results;
     see there)."""
-    return loops.group_forward_long if L >= loops.LONG_ROW else loops.group_forward
+    return loops.group_forward_long if L >= loops.LONG_FORWARD_ROW else loops.group_forward
 
 
 def _group_forward(
@@ -366,7 +366,7 @@ def _group_forward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``loops.group_forward`` (``group_forward_long`` for rows of ``loops.LONG_ROW``
+    """``loops.group_forward`` (``group_forward_long`` for rows of ``loops.LONG_FORWARD_ROW``
     values and more) over the N*G (sample, group) rows. Returns ``(y, mean, rstd,
     var)``, the statistics (N*G,), ``var`` (biased) in float64."""
     C = int(input.shape[1])
