@@ -316,17 +316,18 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
 # at a time for rows of LONG_FORWARD_ROW values and more, so they take such rows so
 # (``layer_norm_forward_long``, ``group_forward_long``: the row's sum from memory, its
 # squared deviations from cache, then its output; bitwise the same results). Timed there
-# against the pipeline, the loops alone on two threads, float32: 0.78-0.87x its time for
+# against the pipeline, the loops alone on two threads, float32: 0.73-0.87x its time for
 # LayerNorm at (16384, 768) and (16384, 4096), 0.79x at (2048, 65536), 0.74x at (256,
 # 1048576); 0.69-0.75x for GroupNorm and InstanceNorm at (32, 64, 56, 56) (64, 32 and 1
-# groups) and (8, 64, 128, 128), 0.84x at (16, 32, 224, 224); 0.93-1.03x, break-even, with
-# rows of 256 to 784 values. Shorter rows stay pipelined: one at a time they took 1.1-1.3x
-# the pipeline's time (LayerNorm (65536, 64), InstanceNorm at 4x4, 7x7 and 10x10), the
-# steps of a row too short to hide one another's latency. (A pipeline one row deep, the
-# next row's sum taken under this row's output and its squared deviations after, measured
-# between the two.) The backwards and RMSNorm's forward stay pipelined one row deep (but
-# GroupNorm's short rows, see ``group_backward_short``): one row at a time they measured
-# 1.0-1.3x the pipeline's time there.
+# groups) and (8, 64, 128, 128), 0.84x at (16, 32, 224, 224); 0.87-1.06x, about break-even,
+# with rows of 256 to 784 values (LayerNorm at D = 256: 1.06x). Shorter rows stay
+# pipelined: one at a time they took 1.1-1.3x the pipeline's time (LayerNorm (65536, 64),
+# InstanceNorm at 4x4, 7x7 and 10x10), the steps of a row too short to hide one another's
+# latency. (A pipeline one row deep, the next row's sum taken under this row's output and
+# its squared deviations after, measured between the two.) The backwards and RMSNorm's
+# forward stay pipelined one row deep (but GroupNorm's short rows, see
+# ``group_backward_short``): one row at a time they measured 1.0-1.3x the pipeline's time
+# there.
 LONG_FORWARD_ROW = 256
 
 
