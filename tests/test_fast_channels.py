@@ -25,6 +25,7 @@ from npnorm import _threads
 from npnorm.functional._dispatch import generic_kernel, kernel, use_kernels
 from npnorm.kernels import _blocks
 from npnorm.kernels import numpy_fast_channels as fast
+from npnorm.kernels import numpy_fast_columns as columns
 
 OPS = (
     "batch_norm_forward",
@@ -280,6 +281,61 @@ def check_group_norm(case):
             w,
         )
     assert f[1].shape == f[2].shape == (x.shape[0], g) and f[1].dtype == ct
+    # a channels-last input's output is channels-last (as torch's), others C-ordered
+    assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if channels_last(x) else f[0].flags.c_contiguous
+
+
+def channels_last(a: np.ndarray) -> bool:
+    return a.ndim > 2 and np.moveaxis(a, 1, -1).flags.c_contiguous
+
+
+@settings(max_examples=DRAWN)
+@given(case=cases("group"), instance=st.booleans(), dy_last=st.booleans())
+def test_channels_last_samples_match_generic(case, instance, dy_last):
+    """GroupNorm and InstanceNorm (input statistics) on channels-last input, every sample
+    taken as its (S, C) rows (``numpy_fast_columns.group_forward``/``_backward``, here
+    from one value up): as the reference to rounding, output and dx (with a channels-last
+    gradient) channels-last; with another gradient the rows' way, dx channels-last too."""
+    case = {**case, "layout": "channels_last", "dy_layout": "channels_last" if dy_last else "C"}
+    if instance:
+        case["groups"] = case["shape"][1]
+    x, dy, w, b, _, _ = make_inputs(case)
+    g = case["groups"]
+    ct = compute_dtype(x, w, b)
+    with pytest.MonkeyPatch.context() as mp, config(case["threads"], case["block_bytes"], case["small_copy"]):
+        mp.setattr(columns, "SAMPLE_VALUES", 1)
+        f, fb = compare(
+            ("group_norm_forward", "group_norm_backward"),
+            (x, g, w, b, 1e-5),
+            lambda r: (dy, x, g, r[1], r[2], w, b),
+            ct,
+            x,
+            dy,
+            w,
+        )
+    last = channels_last(x)
+    assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if last else f[0].flags.c_contiguous
+    assert np.moveaxis(fb[0], 1, -1).flags.c_contiguous if last else fb[0].flags.c_contiguous
+
+
+def test_channels_last_samples_take_their_own_sweep(monkeypatch):
+    """Which way channels-last GroupNorm goes: samples of ``SAMPLE_VALUES`` values and
+    more by samples (forward and backward), smaller ones the rows' way; the output and dx
+    channels-last either way."""
+    calls: list[str] = []
+    for name in ("group_forward", "group_backward"):
+        f = getattr(columns, name)
+        monkeypatch.setattr(columns, name, lambda *a, f=f, name=name: (calls.append(name), f(*a))[1])
+    rng = np.random.default_rng(3)
+    for shape, expected in (((2, 64, 32, 32), ["group_forward", "group_backward"]), ((2, 8, 4, 4), [])):
+        x = laid_out(rng.normal(size=shape).astype(np.float32), "channels_last")
+        calls.clear()
+        y, mean, rstd = F.group_norm_forward(x, 4)
+        dx = F.group_norm_backward(x, x, 4, mean, rstd)[0]
+        assert calls == expected, (shape, calls)
+        assert np.moveaxis(y, 1, -1).flags.c_contiguous and np.moveaxis(dx, 1, -1).flags.c_contiguous
+        ref = generic_kernel("group_norm_forward")(xp, x, 4, None, None, 1e-5)[0]
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 
 
 # --- sizes spanning several default blocks and both threads -------------------------------

@@ -45,6 +45,10 @@ The passes ("sweep": one read of the inputs from memory):
   same passes over its (M, C) columns (``numpy_fast_columns``), the output and dx in
   the input's layout. Short rows of 2 to ``SHORT_ROW`` values take float64 statistics
   over blocks of samples (``_short_channel_moments``).
+* GroupNorm and InstanceNorm (input statistics) on channels-last input with samples of
+  ``numpy_fast_columns.SAMPLE_VALUES`` values and more: sample by sample over its (S, C)
+  rows (``numpy_fast_columns.group_forward`` / ``_backward``); smaller samples go the
+  rows' way, their output and dx copied into the input's layout.
 
 When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
 the subtraction of the mean is folded into the constant term of an elementwise map
@@ -551,6 +555,15 @@ def _group_forward(
     (biased, float64) only when ``keep_var``. ``y`` is ``out`` when that was given.
     """
     C = int(input.shape[1])
+    samples = columns.samples_of(out, input)  # channels-last input: its (N, S, C) samples
+    if samples is not None:
+        (x3,), out3 = samples
+        y, y3 = (
+            (out, out3) if out is not None and out3 is not None else columns.new_samples(input, input.dtype)
+        )
+        w_c, b_c = param(weight, C, ct), param(bias, C, ct)  # C, C
+        mean_s, rstd_s, var_s = columns.group_forward(x3, y3, G, w_c, b_c, eps, ct, keep_var)
+        return finish(y, out), mean_s, rstd_s, var_s
     rows = _rows(input, G, ct)
     R, L, k = rows.R, rows.L, rows.tail[0]
     S = L // k
@@ -596,7 +609,8 @@ def _group_forward(
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,L  to the output dtype
 
     run_chunks(work, R, B, S)
-    return finish(y, out), mean, rstd, var
+    y = finish(y, out)
+    return (columns.keep_layout(input, y) if out is None else y), mean, rstd, var
 
 
 def _group_backward(
@@ -626,6 +640,23 @@ def _group_backward(
     ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
     """
     N, C = int(input.shape[0]), int(input.shape[1])
+    samples = columns.samples_of(out, input, grad_output)  # channels-last input and gradient
+    if samples is not None:
+        (x3, dy3), out3 = samples
+        dx, dx3 = (
+            (out, out3) if out is not None and out3 is not None else columns.new_samples(input, input.dtype)
+        )
+        m_s = np.ascontiguousarray(np.reshape(mean, (N * G,)), dtype=ct)  # N*G
+        r_s = np.ascontiguousarray(np.reshape(rstd, (N * G,)), dtype=ct)  # N*G
+        sums = columns.group_backward(dy3, x3, dx3, G, m_s, r_s, param(weight, C, ct), ct)
+        if sums is None:
+            raise CoefficientOverflow
+        sdy_s, sdx_s = sums  # N,C float64 each: sum(dy), sum(dy*(x - mean))
+        dweight_s = None
+        if weight is not None:
+            dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_s, (N, G)), C // G, axis=1), axis=0)  # C
+        dbias_s = None if bias is None else np.sum(sdy_s, axis=0)  # C
+        return finish(dx, out), grad_as(dweight_s, weight), grad_as(dbias_s, bias)
     rows_x = _rows(input, G, ct)
     rows_dy = _rows(grad_output, G, ct)
     R, L, k = rows_x.R, rows_x.L, rows_x.tail[0]
@@ -703,7 +734,12 @@ def _group_backward(
         dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
     if bias is not None:
         dbias = np.sum(np.reshape(sdy_all, (N, C)), axis=0)  # C
-    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
+    dx = finish(dx, out)
+    return (
+        (columns.keep_layout(input, dx) if out is None else dx),
+        grad_as(dweight, weight),
+        grad_as(dbias, bias),
+    )
 
 
 # --- BatchNorm ---------------------------------------------------------------------------
