@@ -281,8 +281,10 @@ def check_group_norm(case):
             w,
         )
     assert f[1].shape == f[2].shape == (x.shape[0], g) and f[1].dtype == ct
-    # a channels-last input's output is channels-last (as torch's), others C-ordered
-    assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if channels_last(x) else f[0].flags.c_contiguous
+    # channels-last samples of SAMPLE_VALUES values and more keep the layout (as torch's),
+    # smaller ones and other layouts come back C-ordered
+    by_samples = channels_last(x) and x.size // x.shape[0] >= columns.SAMPLE_VALUES
+    assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if by_samples else f[0].flags.c_contiguous
 
 
 def channels_last(a: np.ndarray) -> bool:
@@ -294,8 +296,8 @@ def channels_last(a: np.ndarray) -> bool:
 def test_channels_last_samples_match_generic(case, instance, dy_last):
     """GroupNorm and InstanceNorm (input statistics) on channels-last input, every sample
     taken as its (S, C) rows (``numpy_fast_columns.group_forward``/``_backward``, here
-    from one value up): as the reference to rounding, output and dx (with a channels-last
-    gradient) channels-last; with another gradient the rows' way, dx channels-last too."""
+    from one value up): as the reference to rounding, the output channels-last, and dx
+    too with a channels-last gradient (another gradient goes the rows' way, C-ordered)."""
     case = {**case, "layout": "channels_last", "dy_layout": "channels_last" if dy_last else "C"}
     if instance:
         case["groups"] = case["shape"][1]
@@ -313,15 +315,16 @@ def test_channels_last_samples_match_generic(case, instance, dy_last):
             dy,
             w,
         )
-    last = channels_last(x)
+    last = channels_last(x) and x.size > x.shape[0] * x.shape[1]  # (S = 1: C-ordered too)
     assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if last else f[0].flags.c_contiguous
-    assert np.moveaxis(fb[0], 1, -1).flags.c_contiguous if last else fb[0].flags.c_contiguous
+    both = last and channels_last(dy)
+    assert np.moveaxis(fb[0], 1, -1).flags.c_contiguous if both else fb[0].flags.c_contiguous
 
 
 def test_channels_last_samples_take_their_own_sweep(monkeypatch):
     """Which way channels-last GroupNorm goes: samples of ``SAMPLE_VALUES`` values and
-    more by samples (forward and backward), smaller ones the rows' way; the output and dx
-    channels-last either way."""
+    more by samples (forward and backward), the output and dx channels-last; smaller ones
+    the rows' way, C-ordered."""
     calls: list[str] = []
     for name in ("group_forward", "group_backward"):
         f = getattr(columns, name)
@@ -333,7 +336,8 @@ def test_channels_last_samples_take_their_own_sweep(monkeypatch):
         y, mean, rstd = F.group_norm_forward(x, 4)
         dx = F.group_norm_backward(x, x, 4, mean, rstd)[0]
         assert calls == expected, (shape, calls)
-        assert np.moveaxis(y, 1, -1).flags.c_contiguous and np.moveaxis(dx, 1, -1).flags.c_contiguous
+        for a in (y, dx):
+            assert np.moveaxis(a, 1, -1).flags.c_contiguous if expected else a.flags.c_contiguous
         ref = generic_kernel("group_norm_forward")(xp, x, 4, None, None, 1e-5)[0]
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
 

@@ -45,10 +45,10 @@ The passes ("sweep": one read of the inputs from memory):
   same passes over its (M, C) columns (``numpy_fast_columns``), the output and dx in
   the input's layout. Short rows of 2 to ``SHORT_ROW`` values take float64 statistics
   over blocks of samples (``_short_channel_moments``).
-* GroupNorm and InstanceNorm (input statistics) on channels-last input with samples of
-  ``numpy_fast_columns.SAMPLE_VALUES`` values and more: sample by sample over its (S, C)
-  rows (``numpy_fast_columns.group_forward`` / ``_backward``); smaller samples go the
-  rows' way, their output and dx copied into the input's layout.
+* GroupNorm and InstanceNorm (input statistics) on channels-last input (and gradient)
+  with samples of ``numpy_fast_columns.SAMPLE_VALUES`` values and more: sample by sample
+  over its (S, C) rows (``numpy_fast_columns.group_forward`` / ``_backward``), the output
+  and dx in the input's layout; smaller samples go the rows' way, C-ordered.
 
 When every mean is within ``FOLD_LIMIT`` standard deviations of 0 (``_foldable``),
 the subtraction of the mean is folded into the constant term of an elementwise map
@@ -609,8 +609,7 @@ def _group_forward(
                 np.copyto(y2[a:e], out, casting="same_kind")  # n,L  to the output dtype
 
     run_chunks(work, R, B, S)
-    y = finish(y, out)
-    return (columns.keep_layout(input, y) if out is None else y), mean, rstd, var
+    return finish(y, out), mean, rstd, var
 
 
 def _group_backward(
@@ -734,12 +733,7 @@ def _group_backward(
         dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
     if bias is not None:
         dbias = np.sum(np.reshape(sdy_all, (N, C)), axis=0)  # C
-    dx = finish(dx, out)
-    return (
-        (columns.keep_layout(input, dx) if out is None else dx),
-        grad_as(dweight, weight),
-        grad_as(dbias, bias),
-    )
+    return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
 # --- BatchNorm ---------------------------------------------------------------------------

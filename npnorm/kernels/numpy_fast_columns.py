@@ -23,12 +23,14 @@ block-aligned chunks of rows).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .._checks import prod
+from .._threads import get_num_threads, run_parallel
 from . import _blocks
 from ._blocks import (
     LONG_ROW,
@@ -36,6 +38,7 @@ from ._blocks import (
     blocks,
     channels_last_rows,
     from_channel_rows,
+    loop_mode,
     needs_staging,
     run_chunks,
     vecmat,
@@ -79,6 +82,8 @@ def new_like(a: np.ndarray, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarra
     rows = np.empty((prod(shape) // shape[1], shape[1]), dtype=dtype)  # N*S,C
     return from_channel_rows(rows, shape), rows
 
+
+T = TypeVar("T")
 
 # A block has MIN_ROWS rows at least (or all M): with fewer, the per-block statistics of
 # very wide input (one row per block from 49152 float32 channels) were as large as the
@@ -441,12 +446,13 @@ class _Columns:
 
 
 # Samples of fewer than SAMPLE_VALUES values (S*C) go the rows' way instead
-# (``numpy_fast_channels``: staged into (sample, group) rows), and their output is copied
-# into the channels-last layout: a sample's sweeps cost some 40 NumPy calls, which small
-# samples do not pay for. Forward+backward against the rows' way, float32, two threads:
-# 0.55x at (1, 32, 256, 256), 0.75x at (8, 256, 28, 28), 0.84x at (4, 512, 14, 14) (100K
-# values a sample), 0.94x at (32, 64, 56, 56) (200K); 2.3x at (32, 32, 28, 28) (25K), 2.4x
-# at (64, 64, 16, 16) (16K), 7.9x at (256, 64, 7, 7).
+# (``numpy_fast_channels``: staged into (sample, group) rows, the output C-ordered): a
+# sample's sweeps cost some 40 NumPy calls, which small samples do not pay for.
+# Forward+backward against the rows' way, float32, two threads, on an idle 2-vCPU host:
+# 0.72x at (1, 32, 256, 256), 0.90x at (4, 512, 14, 14) (100K values a sample), 0.99-1.03x
+# at (8, 256, 28, 28) and (32, 64, 56, 56) (200K), where it keeps the layout for free
+# (copying the rows' output into it cost 0.39 ms at (64, 64, 16, 16), 1.2-1.6x there);
+# 2.0-3.3x at 16K-25K values, 9-12x at 3-4K.
 SAMPLE_VALUES = 1 << 16
 
 
@@ -476,27 +482,28 @@ def samples_of(
     return views, out_view
 
 
-def keep_layout(like: np.ndarray, result: np.ndarray) -> np.ndarray:
-    """``result`` (the shape of ``like``) in ``like``'s channels-last layout: a copy where
-    ``like`` is channels-last with S > 1 values per channel and ``result`` is not."""
-    if as_samples(like) is None or as_samples(result) is not None:
-        return result
-    y, _ = new_like(like, result.dtype)
-    np.copyto(y, result)
-    return y
-
-
 def new_samples(a: np.ndarray, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
     """A fresh channels-last array of ``a``'s shape and ``dtype``, and its (N, S, C) view."""
     y, rows = new_like(a, dtype)
     return y, rows.reshape(int(a.shape[0]), -1, int(a.shape[1]))
 
 
-def _sample_geometry(S: int, C: int, ct: np.dtype[Any]) -> tuple[int, int]:
-    """Rows per block of a sample (about ``_blocks.BLOCK_BYTES``) and samples per chunk
-    of the threads' work (enough for a few blocks each)."""
-    B = max(1, min(S, block_rows(S, C, ct.itemsize)))
-    return B, max(1, -(-4 * B // S))
+def _sample_rows(S: int, C: int, ct: np.dtype[Any]) -> int:
+    """Rows per block of a sample: about ``_blocks.BLOCK_BYTES``."""
+    return max(1, min(S, block_rows(S, C, ct.itemsize)))
+
+
+def _run_samples(work: Callable[[int, int], T], N: int, C: int) -> list[T]:
+    """``work(n0, n1)`` over the N samples, one contiguous range of whole samples per
+    thread (a sample has ``SAMPLE_VALUES`` values at least: worth a thread), as
+    ``run_chunks`` runs its chunks; results in range order."""
+    n = max(1, min(get_num_threads(), N))
+
+    def task(n0: int, n1: int) -> T:
+        with np.errstate(all="ignore"), loop_mode(C):
+            return work(n0, n1)
+
+    return run_parallel([partial(task, i * N // n, (i + 1) * N // n) for i in range(n)])
 
 
 def _group_sums(v: np.ndarray, G: int) -> np.ndarray:
@@ -522,7 +529,7 @@ def group_forward(
     N, S, C = (int(d) for d in x.shape)
     k = C // G
     L = k * S  # values per (sample, group)
-    B, per = _sample_geometry(S, C, ct)
+    B = _sample_rows(S, C, ct)
     mean = np.empty(N * G, dtype=ct)  # N*G
     rstd = np.empty(N * G, dtype=ct)  # N*G
     var = np.empty(N * G) if keep_var else None  # N*G float64
@@ -590,7 +597,7 @@ def group_forward(
                 sh.apply(np.add, out, out)
                 _written(ys, a, e, 0, C, out, obuf)
 
-    run_chunks(work, N, per, C)
+    _run_samples(work, N, C)
     return mean, rstd, var
 
 
@@ -605,16 +612,17 @@ def group_backward(
     ct: np.dtype[Any],
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """GroupNorm's backward over the (N, S, C) samples dy, x into dx, from the (N*G,)
-    statistics (``ct``): per sample and column ``sum(dy)`` and ``sum(dy*(x - mean - d))``
-    (float64; ``d = mean(x - mean)`` over the group, what the saved mean's rounding lost),
-    then ``dx = rstd*w_c*dy + b_g*(x - mean) + c_g`` with ``b = -rstd^3*sum(g*(x -
-    mean))/L``, ``c = -rstd*sum(g)/L - b*d``, ``g = dy*w``. Returns the (N, C) float64
-    sums ``(sum(dy), sum(dy*(x - mean)))`` for dweight and dbias, or None where a
-    coefficient is beyond ``ct`` with finite sums (the caller falls back)."""
+    statistics (``ct``): per sample and column ``sum(dy)`` and ``sum(dy*(x - m - d))``
+    (float64; m the saved mean, ``d = mean(x - m)`` over the group, what its rounding
+    lost: x - m - d is x less the true mean), then ``dx = rstd*w_c*dy + b_g*(x - m) +
+    c_g`` with ``b = -rstd^3*sum(g*(x - m - d))/L``, ``c = -rstd*sum(g)/L - b*d``, ``g =
+    dy*w``. Returns the (N, C) float64 sums ``(sum(dy), sum(dy*(x - m - d)))`` for
+    dweight and dbias, or None where a coefficient is beyond ``ct`` with finite sums (the
+    caller falls back)."""
     N, S, C = (int(d) for d in x.shape)
     k = C // G
     L = k * S
-    B, per = _sample_geometry(S, C, ct)
+    B = _sample_rows(S, C, ct)
     sdy_all, sdx_all = np.empty((N, C)), np.empty((N, C))  # N,C float64
     w64 = None if w is None else w.astype(np.float64)  # C
 
@@ -670,6 +678,6 @@ def group_backward(
                 _written(dxs, a, e, 0, C, out, obuf)
         return True
 
-    if not all(run_chunks(work, N, per, C)):
+    if not all(_run_samples(work, N, C)):
         return None
     return sdy_all, sdx_all
