@@ -404,7 +404,9 @@ def layer_norm_forward_long(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignor
     """``layer_norm_forward`` for long rows (the callers: LONG_FORWARD_ROW values and
     more; correct for any length): one row at a time, no pipeline: its sum from memory,
     its squared deviations from cache, then its output. The same sums, chunk by chunk in
-    the same order: bitwise the pipelined loop's results."""
+    the same order: bitwise the pipelined loop's results. (The two sums are written out
+    here and in ``group_forward_long``: as a helper returning both, called from these
+    loops, they measured 1.04x and 1.3x the time at (16384, 768) and (8192, 384).)"""
     D = x.shape[1]
     s = np.empty(3, dtype=y.dtype)
     for r in range(r0, r1):

@@ -56,15 +56,17 @@ def as_columns(a: np.ndarray) -> np.ndarray | None:
 
 
 def columns_of(
-    out: np.ndarray | None, *arrays: np.ndarray
+    out: np.ndarray | None,
+    *arrays: np.ndarray,
+    as_view: Callable[[np.ndarray], np.ndarray | None] = as_columns,
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
-    """The (M, C) views of ``arrays`` (``as_columns``) and of ``out`` (None where no
-    ``out`` is given, or where it has no such view, shares memory with an input or is
-    read-only: the result is then copied into it); None unless every array has one."""
-    views = [v for v in map(as_columns, arrays) if v is not None]
+    """The (M, C) views of ``arrays`` (``as_columns``, or ``as_view``) and of ``out`` (None
+    where no ``out`` is given, or where it has no such view, shares memory with an input or
+    is read-only: the result is then copied into it); None unless every array has one."""
+    views = [v for v in map(as_view, arrays) if v is not None]
     if len(views) < len(arrays):
         return None
-    out_view = None if out is None else as_columns(out)
+    out_view = None if out is None else as_view(out)
     if out_view is not None and (
         not out.flags.writeable or any(np.may_share_memory(out, a) for a in arrays)  # type: ignore[union-attr]
     ):
@@ -468,18 +470,13 @@ def as_samples(a: np.ndarray) -> np.ndarray | None:
 def samples_of(
     out: np.ndarray | None, *arrays: np.ndarray
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
-    """``columns_of`` for ``as_samples``: the (N, S, C) views of ``arrays`` and of ``out``
-    (None where it has none, or shares memory with an input, or is read-only); None
-    unless every array has one and the samples have ``SAMPLE_VALUES`` values at least."""
-    views = [v for v in map(as_samples, arrays) if v is not None]
-    if len(views) < len(arrays) or views[0].shape[1] * views[0].shape[2] < SAMPLE_VALUES:
+    """``columns_of`` for ``as_samples``: the (N, S, C) views of ``arrays`` and ``out``;
+    None unless every array has one and the samples have ``SAMPLE_VALUES`` values at
+    least."""
+    views = columns_of(out, *arrays, as_view=as_samples)
+    if views is None or views[0][0].shape[1] * views[0][0].shape[2] < SAMPLE_VALUES:
         return None
-    out_view = None if out is None else as_samples(out)
-    if out_view is not None and (
-        not out.flags.writeable or any(np.may_share_memory(out, a) for a in arrays)  # type: ignore[union-attr]
-    ):
-        out_view = None
-    return views, out_view
+    return views
 
 
 def new_samples(a: np.ndarray, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
