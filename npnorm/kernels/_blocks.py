@@ -237,8 +237,14 @@ def chunks(R: int, B: int) -> list[tuple[int, int]]:
 
 
 def run_chunks(work: Callable[[int, int], T], R: int, B: int, row: int = 0) -> list[T]:
-    """``work(start, stop)`` over the chunks of ``R`` rows, in parallel, in
-    ``loop_mode(row)``; results in chunk order. The kernels raise no floating-point
+    """``work(start, stop)`` over the chunks of ``R`` rows, in parallel (``run_ranges``);
+    results in chunk order."""
+    return run_ranges(work, chunks(R, B), row)
+
+
+def run_ranges(work: Callable[[int, int], T], parts: list[tuple[int, int]], row: int = 0) -> list[T]:
+    """``work(start, stop)`` over the ranges ``parts``, in parallel, in
+    ``loop_mode(row)``; results in range order. The kernels raise no floating-point
     warnings (see ``npnorm._backend.no_fp_warnings``); NumPy's error settings are per
     thread, so the workers silence them too."""
 
@@ -246,7 +252,7 @@ def run_chunks(work: Callable[[int, int], T], R: int, B: int, row: int = 0) -> l
         with np.errstate(all="ignore"), loop_mode(row):
             return work(start, stop)
 
-    return run_parallel([partial(task, a, b) for a, b in chunks(R, B)])
+    return run_parallel([partial(task, a, b) for a, b in parts])
 
 
 def sum_in_order(partials: list[np.ndarray | None]) -> np.ndarray | None:

@@ -24,13 +24,12 @@ block-aligned chunks of rows).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 
 from .._checks import prod
-from .._threads import get_num_threads, run_parallel
+from .._threads import get_num_threads
 from . import _blocks
 from ._blocks import (
     LONG_ROW,
@@ -38,9 +37,9 @@ from ._blocks import (
     blocks,
     channels_last_rows,
     from_channel_rows,
-    loop_mode,
     needs_staging,
     run_chunks,
+    run_ranges,
     vecmat,
     view,
 )
@@ -492,15 +491,10 @@ def _sample_rows(S: int, C: int, ct: np.dtype[Any]) -> int:
 
 def _run_samples(work: Callable[[int, int], T], N: int, C: int) -> list[T]:
     """``work(n0, n1)`` over the N samples, one contiguous range of whole samples per
-    thread (a sample has ``SAMPLE_VALUES`` values at least: worth a thread), as
-    ``run_chunks`` runs its chunks; results in range order."""
+    thread (a sample has ``SAMPLE_VALUES`` values at least: worth a thread; ``run_chunks``
+    would want a few blocks per thread); results in range order."""
     n = max(1, min(get_num_threads(), N))
-
-    def task(n0: int, n1: int) -> T:
-        with np.errstate(all="ignore"), loop_mode(C):
-            return work(n0, n1)
-
-    return run_parallel([partial(task, i * N // n, (i + 1) * N // n) for i in range(n)])
+    return run_ranges(work, [(i * N // n, (i + 1) * N // n) for i in range(n)], C)
 
 
 def _group_sums(v: np.ndarray, G: int) -> np.ndarray:
