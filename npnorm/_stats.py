@@ -152,6 +152,12 @@ def standardize_backward(
     of ``dxhat`` (``dy = 1e3 + noise``) cancels there exactly, before anything rounds at
     its scale.
 
+    ``xhat`` has mean 0, but the backward recomputes it from the mean as saved, rounded
+    to the input's dtype, so it is first centred again. On a nearly constant row (rstd
+    ~300 at eps = 1e-5) that rounding made ``mean(xhat)`` 1e-4, which term 3 multiplied
+    by ``mean(dxhat)``: a constant ``dy``, whose exact ``dx`` is 0, gave float32 ``dx`` of
+    1e-2 (3x PyTorch's error there; now 1e-5).
+
     Where the affine weight is one number per statistic (BatchNorm's and InstanceNorm's
     channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:
     ``dxhat = dy * w`` with ``w`` constant over the reduced axes, so ``w`` factors out of
@@ -160,6 +166,8 @@ def standardize_backward(
     (:func:`scaled`).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
+    if center:
+        xhat = xhat - wide_mean(xp, xhat, axes)  # same shape as x: centred again (see above)
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
     inner = dxhat  # term 1 / rstd
     if center:
