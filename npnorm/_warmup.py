@@ -76,18 +76,23 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
 
 
 # the loops that convert float16 data to float32 and back (float16 runs the float32 loops)
-CASTS = ("half_to_float", "float_to_half")
+CASTS = ("half_to_float", "float_to_half", "half_columns_to_float", "float_to_half_columns")
 
 
 def _float16_casts() -> None:
     """A float16 LayerNorm forward: its input and output go through both casts; and a
-    read-only input (a second type to numba, the one array the loops read as given)."""
+    read-only input (a second type to numba, the one array the loops read as given); and
+    float16 BatchNorm forwards likewise (its blocks of channels: the column casts)."""
     import npnorm.functional as F
 
     x = np.ones((2, 4), dtype=np.float16)
     F.layer_norm_forward(x, 4)
     x.flags.writeable = False
     F.layer_norm_forward(x, 4)
+    x = np.arange(8, dtype=np.float16).reshape(2, 2, 2)
+    F.batch_norm_forward(x, None, None, training=True)
+    x.flags.writeable = False
+    F.batch_norm_forward(x, None, None, training=True)
 
 
 def _compiled_loops() -> int:

@@ -1478,3 +1478,20 @@ def float_to_half(f, out):  # type: ignore[no-untyped-def]
         else:  # rebias the exponent (127 -> 15), round the 13 dropped bits to nearest even
             o = (a + uint32(0xC8000FFF) + ((a >> uint32(13)) & uint32(1))) >> uint32(13)
         out[i] = uint16(o | ((u >> uint32(16)) & uint32(0x8000)))
+
+
+@_loop
+def half_columns_to_float(h, lo, hi, out):  # type: ignore[no-untyped-def]
+    """``out[n] = float32(h[n, lo:hi])`` for every row n: ``h`` (N, W) the bits (uint16)
+    of C-ordered float16 values, ``out`` (N, hi - lo) float32 (BatchNorm's staged blocks
+    of channels: columns of the (N, C*S) input)."""
+    for n in range(h.shape[0]):
+        half_to_float(h[n, lo:hi], out[n])
+
+
+@_loop
+def float_to_half_columns(f, lo, out):  # type: ignore[no-untyped-def]
+    """``out[n, lo:lo + W]`` = the bits of ``float16(f[n])`` for every row n: ``f`` (N, W)
+    float32, ``out`` (N, *) uint16 (the staged blocks' way back)."""
+    for n in range(f.shape[0]):
+        float_to_half(f[n], out[n, lo : lo + f.shape[1]])

@@ -20,8 +20,10 @@ as (N, C, S), S = prod(spatial):
   sums are added in the same order by every loop, so a channel's results do not depend
   on the split, the blocks or the thread count. A channels-last input (and gradient) is
   taken as its (N*S, C) rows, BatchNorm1d's input, and a Fortran-ordered one as the (S, C,
-  N) planes of its ``.T``, without a copy (``_channel_views``); another input that is not
-  C-ordered in the computation dtype is first copied whole (one copy of the input).
+  N) planes of its ``.T``, without a copy (``_channel_views``). A C-ordered input the loops
+  cannot take as it is (float16, read-only, another dtype or byte order) is staged in
+  blocks of channels (``_by_channel_blocks``), a few blocks' scratch per thread; any other
+  layout is first copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -225,6 +227,70 @@ def compile_span_loops(dtype: str) -> None:
     _span_backward(x, x, np.empty_like(x), 1, m, r, w, True, np.empty(C), np.empty(C), parts)
 
 
+# Staged BatchNorm (float16, read-only or other-dtype C-ordered input) takes blocks of
+# channels: a thread copies a block's (N, k*S) columns in the computation dtype into
+# scratch, runs the channel loops there, and copies the output's columns back, so that
+# the scratch is about STAGE_BYTES a thread, not a float32 copy of the whole input and
+# output (4x a float16 input's size, as before). Each sample's part of a block is read
+# as one span of at least STAGED_SPAN_BYTES of the input (BatchNorm1d's short rows take
+# many channels a block). The loops see each channel's values as they would unstaged, so
+# the results are bitwise the same.
+STAGED_SPAN_BYTES = 1024
+
+
+def _staged_channels(N: int, C: int, S: int, ct: np.dtype[Any], itemsize: int) -> int:
+    """Channels per block of ``_by_channel_blocks``."""
+    fit = _staging.STAGE_BYTES // max(1, N * S * ct.itemsize)
+    return max(1, min(C, max(fit, -(-STAGED_SPAN_BYTES // (S * itemsize)))))
+
+
+def _read_columns(a: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> None:
+    """Columns ``[lo, hi)`` of ``a`` (N, W), C-ordered, into ``buf`` (N, hi - lo) of the
+    computation dtype (float16 by the compiled casts)."""
+    if a.dtype == _staging.HALF and buf.dtype == _staging.SINGLE and loops.CASTS_COMPILED:
+        loops.half_columns_to_float(a.view(np.uint16), lo, hi, buf)
+    else:
+        np.copyto(buf, a[:, lo:hi], casting="unsafe")
+
+
+def _write_columns(buf: np.ndarray, a: np.ndarray, lo: int) -> None:
+    """``buf`` (N, k) into columns ``[lo, lo + k)`` of ``a`` (N, W), converted to its dtype."""
+    if a.dtype == _staging.HALF and buf.dtype == _staging.SINGLE and loops.CASTS_COMPILED:
+        loops.float_to_half_columns(buf, lo, a.view(np.uint16))
+    else:
+        np.copyto(a[:, lo : lo + buf.shape[1]], buf, casting="unsafe")
+
+
+def _by_channel_blocks(
+    sources: list[np.ndarray],
+    target: np.ndarray,
+    N: int,
+    C: int,
+    S: int,
+    ct: np.dtype[Any],
+    block: Callable[[list[np.ndarray], np.ndarray, int, int], None],
+) -> None:
+    """``block(staged sources, staged output, a, e)`` for blocks of channels ``[a, e)``,
+    each staged as (N, (e - a)*S) arrays of ``ct``; ``sources`` and ``target`` are
+    C-ordered (N, C, *spatial) arrays. The threads take ranges of channels."""
+    k = _staged_channels(N, C, S, ct, max(a.dtype.itemsize for a in sources))
+    src2 = [a.reshape(N, C * S) for a in sources]  # N,C*S each
+    dst2 = target.reshape(N, C * S)  # N,C*S
+
+    def task(c0: int, c1: int) -> None:
+        size = N * min(k, c1 - c0) * S  # a block's values
+        bufs = [np.empty(size, dtype=ct) for _ in range(len(sources) + 1)]
+        for a, e in spans(c0, c1, k):
+            n = (e - a) * S
+            staged = [buf[: N * n].reshape(N, n) for buf in bufs]  # N,n each
+            for src, st in zip(src2, staged, strict=False):
+                _read_columns(src, a * S, e * S, st)
+            block(staged[:-1], staged[-1], a, e)
+            _write_columns(staged[-1], dst2, a * S)
+
+    run(task, ranges(C, N * S))
+
+
 def _channel_forward(
     input: np.ndarray,
     weight: np.ndarray | None,
@@ -280,6 +346,19 @@ def _channel_forward(
         y = np.empty(input.shape, dtype=ct) if out is None else out
         sweep(input.reshape(N, C, S), y.reshape(N, C, S))
         return y, rstd
+    if input.flags.c_contiguous:  # float16, read-only, another dtype: blocks of channels
+
+        def block(src: list[np.ndarray], yb: np.ndarray, a: int, e: int) -> None:  # src [x] (N,k*S)
+            args = (w[a:e], b[a:e], eps, training, mean[a:e], var[a:e], rstd[a:e])
+            if B:
+                loops.channel_block_forward(src[0], *args, yb, B, 0, e - a)
+            else:
+                x3, y3 = src[0].reshape(N, e - a, S), yb.reshape(N, e - a, S)  # N,k,S each
+                loops.channel_forward(x3, *args, y3, 0, e - a)
+
+        y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
+        _by_channel_blocks([input], y, N, C, S, ct, block)
+        return finish(y, out), rstd
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
     dst = Target(y, N * C, S, ct)
@@ -336,6 +415,19 @@ def _channel_backward(
         dx = np.empty(input.shape, dtype=ct) if out is None else out
         sweep(grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S))
         return dx, grad_as(dw, weight), grad_as(db, bias)
+    if input.flags.c_contiguous and grad_output.flags.c_contiguous:  # blocks of channels
+
+        def block(src: list[np.ndarray], dxb: np.ndarray, a: int, e: int) -> None:  # [dy, x] (N,k*S)
+            args = (m[a:e], r[a:e], w[a:e], training)
+            if B:
+                loops.channel_block_backward(*src, *args, dxb, dw[a:e], db[a:e], B, 0, e - a)
+            else:
+                dy3, x3 = (v.reshape(N, e - a, S) for v in src)  # N,k,S each
+                loops.channel_backward(dy3, x3, *args, dxb.reshape(N, e - a, S), dw[a:e], db[a:e], 0, e - a)
+
+        dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
+        _by_channel_blocks([grad_output, input], dx, N, C, S, ct, block)
+        return finish(dx, out), grad_as(dw, weight), grad_as(db, bias)
     x = _source(input, C, ct).whole().reshape(N, C, S)  # N,C,S
     dy = _source(grad_output, C, ct).whole().reshape(N, C, S)  # N,C,S
     dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
