@@ -89,10 +89,10 @@ def _float16_casts() -> None:
     F.layer_norm_forward(x, 4)
     x.flags.writeable = False
     F.layer_norm_forward(x, 4)
-    x = np.arange(8, dtype=np.float16).reshape(2, 2, 2)
-    F.batch_norm_forward(x, None, None, training=True)
-    x.flags.writeable = False
-    F.batch_norm_forward(x, None, None, training=True)
+    channels = np.arange(8, dtype=np.float16).reshape(2, 2, 2)
+    F.batch_norm_forward(channels, None, None, training=True)
+    channels.flags.writeable = False
+    F.batch_norm_forward(channels, None, None, training=True)
 
 
 def _compiled_loops() -> int:
