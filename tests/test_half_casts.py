@@ -9,6 +9,8 @@ its float32 call rounded once.
 
 from __future__ import annotations
 
+import platform
+
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
@@ -25,12 +27,31 @@ pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast'
 from npnorm.kernels import _numba_loops as loops
 from npnorm.kernels import _staging
 
+# both ways of each cast: in integer arithmetic (any CPU), and by the CPU's conversion
+# instruction (where it has one: ``loops.CASTS_BY_INSTRUCTION``), which the staging uses there
+WAYS = [
+    pytest.param(
+        way,
+        marks=pytest.mark.skipif(
+            way == "instruction" and not loops.CASTS_BY_INSTRUCTION,
+            reason="no float16 conversion instruction here",
+        ),
+    )
+    for way in ("bits", "instruction")
+]
 
-def to_half(f: np.ndarray) -> np.ndarray:
-    """``loops.float_to_half`` of a float32 array, as float16."""
+
+def to_half(f: np.ndarray, way: str = "bits") -> np.ndarray:
+    """``float_to_half`` (the ``way`` given) of a float32 array, as float16."""
     out = np.empty(f.shape, np.uint16)
-    loops.float_to_half(np.ascontiguousarray(f).reshape(-1), out.reshape(-1))
+    getattr(loops, f"_float_to_half_{way}")(np.ascontiguousarray(f).reshape(-1), out.reshape(-1))
     return out.view(np.float16)
+
+
+def test_the_staging_casts_by_instruction_where_the_cpu_has_one():
+    way = "instruction" if loops.CASTS_BY_INSTRUCTION else "bits"
+    assert loops.half_to_float is getattr(loops, f"_half_to_float_{way}")
+    assert loops.float_to_half is getattr(loops, f"_float_to_half_{way}")
 
 
 def same_halves(ours: np.ndarray, f: np.ndarray) -> None:
@@ -44,10 +65,11 @@ def same_halves(ours: np.ndarray, f: np.ndarray) -> None:
     assert not bad.any(), (f[bad][:5], ours[bad][:5], want[bad][:5])
 
 
-def test_every_half_to_float_is_numpys():
+@pytest.mark.parametrize("way", WAYS)
+def test_every_half_to_float_is_numpys(way):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every float16 (NaNs too)
     ours = np.empty(bits.shape, np.float32)
-    loops.half_to_float(bits, ours)
+    getattr(loops, f"_half_to_float_{way}")(bits, ours)
     want = bits.view(np.float16).astype(np.float32)
     assert (ours.view(np.uint32) == want.view(np.uint32)).all()  # NaN payloads included
 
@@ -69,23 +91,125 @@ def _boundaries() -> np.ndarray:
     return np.concatenate([pos, -pos])
 
 
-def test_float_to_half_is_numpys_at_every_rounding_boundary():
+@pytest.mark.parametrize("way", WAYS)
+def test_float_to_half_is_numpys_at_every_rounding_boundary(way):
     f = _boundaries()
-    same_halves(to_half(f), f)
+    same_halves(to_half(f, way), f)
 
 
+@pytest.mark.parametrize("way", WAYS)
 @settings(max_examples=200)
 @given(f=hnp.arrays(np.float32, hnp.array_shapes(max_dims=1, max_side=300), elements=st.floats(width=32)))
-def test_float_to_half_is_numpys(f):
-    same_halves(to_half(f), f)
+def test_float_to_half_is_numpys(way, f):
+    same_halves(to_half(f, way), f)
 
 
+@pytest.mark.parametrize("way", WAYS)
 @settings(max_examples=100)
 @given(bits=hnp.arrays(np.uint32, hnp.array_shapes(max_dims=1, max_side=300)))
-def test_float_to_half_of_any_bits_is_numpys(bits):
+def test_float_to_half_of_any_bits_is_numpys(way, bits):
     """Any 32 bits as a float32 (NaN payloads, subnormals, every exponent)."""
     f = bits.view(np.float32)
-    same_halves(to_half(f), f)
+    same_halves(to_half(f, way), f)
+
+
+@pytest.mark.parametrize(
+    "machine, cpu_name, features, want",
+    [
+        ("x86_64", "generic", None, False),  # a portable target: no F16C assumed
+        ("x86_64", "generic", "+avx2,+f16c", True),
+        ("x86_64", "skylake", "", False),
+        ("aarch64", None, None, True),  # in ARMv8's floating point
+        ("ppc64le", None, None, False),
+    ],
+)
+def test_instructions_only_where_numba_compiles_for_them(monkeypatch, machine, cpu_name, features, want):
+    """The instruction casts compile to a call numba does not link on a target without
+    the instruction: a float16 call crashed the process under NUMBA_CPU_NAME=generic."""
+    from numba.core import config as numba_config
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(numba_config, "CPU_NAME", cpu_name, raising=False)
+    monkeypatch.setattr(numba_config, "CPU_FEATURES", features, raising=False)
+    assert loops._instructions_convert_halves() is want
+
+
+@pytest.mark.slow
+def test_a_portable_target_casts_without_the_instructions():
+    """Under NUMBA_CPU_NAME=generic (portable caches) a float16 LayerNorm runs, in integer
+    arithmetic, and gives the values it gives on this CPU."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, npnorm.functional as F\n"
+        "from npnorm.kernels import _numba_loops as loops\n"
+        "x = np.linspace(-3, 3, 64, dtype=np.float16).reshape(4, 16)\n"
+        "print(loops.CASTS_BY_INSTRUCTION, F.layer_norm(x, 16).view(np.uint16).sum())\n"
+    )
+    env = {**__import__("os").environ, "NUMBA_CPU_NAME": "generic"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    x = np.linspace(-3, 3, 64, dtype=np.float16).reshape(4, 16)
+    from npnorm import functional as F
+
+    assert out.stdout.split() == ["False", str(F.layer_norm(x, 16).view(np.uint16).sum())]
+
+
+def _mxcsr_access():  # type: ignore[no-untyped-def]
+    """Compiled ``(get, set)`` of this thread's MXCSR (x86-64: SSE's control register)."""
+    import numba
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    def call(builder, name, ptr):  # type: ignore[no-untyped-def]
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr])
+
+    @intrinsic
+    def _load(typingctx, v):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            ptr = builder.alloca(ir.IntType(32))
+            builder.store(args[0], ptr)
+            call(builder, "llvm.x86.sse.ldmxcsr", ptr)
+            return context.get_dummy_value()
+
+        return numba.types.void(numba.types.uint32), codegen
+
+    @intrinsic
+    def _store(typingctx):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            ptr = builder.alloca(ir.IntType(32))
+            call(builder, "llvm.x86.sse.stmxcsr", ptr)
+            return builder.load(ptr)
+
+        return numba.types.uint32(), codegen
+
+    return numba.njit(lambda: _store()), numba.njit(lambda v: _load(np.uint32(v)))
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86's")
+@pytest.mark.parametrize("way", WAYS)
+def test_casts_are_exact_where_the_thread_flushes_subnormals(way):
+    """A library built with -ffast-math sets the thread's MXCSR to flush subnormal results
+    to zero and read subnormal inputs as zero (FTZ, DAZ); the casts still give every half
+    and every float below float16's normal range as NumPy does."""
+    get, put = _mxcsr_access()
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    tiny = np.concatenate([_boundaries(), np.float32(2.0**-14) * np.linspace(-1, 1, 4097, dtype=np.float32)])
+    tiny = tiny[np.abs(tiny) < 2.0**-13]  # float16's subnormals and their neighbours
+    up, down = np.empty(halves.shape, np.float32), np.empty(tiny.shape, np.uint16)
+    saved = get()
+    put(saved | 0x8040)  # FTZ | DAZ
+    try:
+        assert get() & 0x8040 == 0x8040
+        getattr(loops, f"_half_to_float_{way}")(halves, up)
+        getattr(loops, f"_float_to_half_{way}")(tiny, down)
+    finally:
+        put(saved)
+    assert (up.view(np.uint32) == halves.view(np.float16).astype(np.float32).view(np.uint32)).all()
+    same_halves(down.view(np.float16), tiny)
 
 
 def test_cast_into_takes_numpy_where_the_loops_cannot():

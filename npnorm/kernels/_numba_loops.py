@@ -36,6 +36,7 @@ live in. Where numba has nowhere to write the cache, the loops compile uncached
 
 from __future__ import annotations
 
+import platform
 import warnings
 from typing import Any
 
@@ -1414,7 +1415,8 @@ def group_rows_dx(dy, x, dx, rows, av, k1v, mc, rcv, k0v, u0, u1):  # type: igno
 # sign (NumPy keeps the payload's top bits). Both are written
 # in integer arithmetic on the float32 bits, with no float32 subnormal in between: a
 # process whose MXCSR flushes subnormals (a library built with -ffast-math) still gets
-# the exact halves.
+# the exact halves. Where the CPU converts in one instruction, the staging calls the
+# instruction's loops below instead (``half_to_float``, ``float_to_half``).
 
 
 # the casts run compiled (their bit casts have no Python version: under
@@ -1443,7 +1445,7 @@ def _bits_float(typingctx, u):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def half_to_float(h, out):  # type: ignore[no-untyped-def]
+def _half_to_float_bits(h, out):  # type: ignore[no-untyped-def]
     """``out[i] = float32(h[i])``, ``h`` (n,) the bits of float16 values (uint16), ``out``
     (n,) float32. A half's 5 exponent bits and 10 mantissa bits move up to float32's 8 and
     23 (the exponent's bias from 15 to 127); a subnormal half is its mantissa times 2^-24
@@ -1463,7 +1465,7 @@ def half_to_float(h, out):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def float_to_half(f, out):  # type: ignore[no-untyped-def]
+def _float_to_half_bits(f, out):  # type: ignore[no-untyped-def]
     """``out[i]`` = the bits (uint16) of ``float16(f[i])``, ``f`` (n,) float32, rounded to
     the nearest half, ties to even; beyond the largest half, infinity (as NumPy's cast)."""
     for i in range(uint64(0), uint64(f.shape[0])):
@@ -1478,6 +1480,90 @@ def float_to_half(f, out):  # type: ignore[no-untyped-def]
         else:  # rebias the exponent (127 -> 15), round the 13 dropped bits to nearest even
             o = (a + uint32(0xC8000FFF) + ((a >> uint32(13)) & uint32(1))) >> uint32(13)
         out[i] = uint16(o | ((u >> uint32(16)) & uint32(0x8000)))
+
+
+# --- the same casts in one instruction each, where the CPU has them ---------------------
+#
+# x86-64 CPUs with F16C (Intel since 2012, AMD since 2011) and 64-bit ARM convert between
+# float16 and float32 in one instruction (vcvtph2ps/vcvtps2ph, fcvt), which LLVM emits for
+# a float16 ``fpext``/``fptrunc``: 4x faster than the integer arithmetic above (0.06 against
+# 0.26 ns per value on a 2-vCPU EPYC; forward+backward of float16 LayerNorm (32, 512, 768),
+# BatchNorm2d, GroupNorm(32) and InstanceNorm2d at (32, 64, 56, 56) took 0.60-0.73x the
+# time). The instructions round to nearest even whatever the thread's MXCSR (flushing
+# subnormals or not: tested on halves and floats below float16's normal range), as NumPy
+# does; a float16 signalling NaN comes back quiet from them, so half_to_float puts back
+# NumPy's bits for NaNs. Elsewhere LLVM would call a runtime conversion that numba does not
+# link (a process compiling for NUMBA_CPU_NAME=generic crashed), so the casts stay in
+# integer arithmetic there.
+
+
+def _instructions_convert_halves() -> bool:
+    """Whether numba compiles for a CPU with float16 conversion instructions."""
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True  # (in ARMv8's floating point)
+    if machine not in ("x86_64", "amd64"):
+        return False
+    features = numba_config.CPU_FEATURES  # type: ignore[attr-defined]  # (set at run time)
+    if numba_config.CPU_NAME not in (None, "host"):  # type: ignore[attr-defined]  # a named target
+        return features is not None and "+f16c" in features.split(",")
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("f16c", False))
+    except Exception:  # (no host feature query on this platform)
+        return False
+
+
+CASTS_BY_INSTRUCTION = _instructions_convert_halves()
+
+
+@intrinsic
+def _half_float(typingctx, u):  # type: ignore[no-untyped-def]
+    """float32 of the float16 whose bits are the uint16 ``u`` (LLVM's ``fpext``)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _float_half(typingctx, f):  # type: ignore[no-untyped-def]
+    """The bits (uint16) of float16(``f``), rounded to nearest even (LLVM's ``fptrunc``)."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@_loop
+def _half_to_float_instruction(h, out):  # type: ignore[no-untyped-def]
+    """``_half_to_float_bits`` by the CPU's conversion; a NaN gets its bits as there."""
+    for i in range(uint64(0), uint64(h.shape[0])):
+        u = uint32(h[i])
+        f = _half_float(h[i])
+        if (u & uint32(0x7FFF)) > uint32(0x7C00):  # a NaN: its payload kept, not made quiet
+            f = _bits_float(
+                ((u & uint32(0x7FFF)) << uint32(13))
+                | uint32(0x7F800000)
+                | ((u & uint32(0x8000)) << uint32(16))
+            )
+        out[i] = f
+
+
+@_loop
+def _float_to_half_instruction(f, out):  # type: ignore[no-untyped-def]
+    """``_float_to_half_bits`` by the CPU's conversion (a NaN keeps the top of its payload,
+    as NumPy's cast does)."""
+    for i in range(uint64(0), uint64(f.shape[0])):
+        out[i] = _float_half(f[i])
+
+
+# the casts the staging calls (the fastest this CPU has)
+half_to_float = _half_to_float_instruction if CASTS_BY_INSTRUCTION else _half_to_float_bits
+float_to_half = _float_to_half_instruction if CASTS_BY_INSTRUCTION else _float_to_half_bits
 
 
 @_loop
