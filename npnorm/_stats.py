@@ -156,7 +156,7 @@ def standardize_backward(
     to the input's dtype, so it is first centred again. On a nearly constant row (rstd
     ~300 at eps = 1e-5) that rounding made ``mean(xhat)`` 1e-4, which term 3 multiplied
     by ``mean(dxhat)``: a constant ``dy``, whose exact ``dx`` is 0, gave float32 ``dx`` of
-    1e-2 (3x PyTorch's error there; now 1e-5).
+    1e-2 (3x PyTorch's error there; now 1e-7).
 
     Where the affine weight is one number per statistic (BatchNorm's and InstanceNorm's
     channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:

@@ -89,7 +89,7 @@ def _float16_casts() -> None:
     F.layer_norm_forward(x, 4)
     x.flags.writeable = False
     F.layer_norm_forward(x, 4)
-    channels = np.arange(8, dtype=np.float16).reshape(2, 2, 2)
+    channels = np.arange(2048, dtype=np.float16).reshape(2, 2, 512)  # channels of 1 KB a sample
     F.batch_norm_forward(channels, None, None, training=True)
     channels.flags.writeable = False
     F.batch_norm_forward(channels, None, None, training=True)

@@ -78,6 +78,7 @@ CACHED = _cache_writable()
 # the options of every loop, and of the row sums (vectorized by reassociation)
 _loop: Any = njit(cache=CACHED, nogil=True, error_model="numpy")
 _sum_loop: Any = njit(cache=CACHED, nogil=True, error_model="numpy", fastmath={"reassoc"})
+_value: Any = njit(cache=CACHED, nogil=True, error_model="numpy", inline="always")  # one value's helper
 
 # dweight/dbias of LayerNorm and RMSNorm are summed over rows in the data's dtype, and
 # added into float64 partial sums after every row whose index in the input is a multiple
@@ -1444,42 +1445,56 @@ def _bits_float(typingctx, u):  # type: ignore[no-untyped-def]
     return types.float32(types.uint32), codegen
 
 
+@_value
+def _half_value_bits(h):  # type: ignore[no-untyped-def]
+    """float32 of the float16 whose bits are ``h`` (uint16). A half's 5 exponent bits and 10
+    mantissa bits move up to float32's 8 and 23 (the exponent's bias from 15 to 127); a
+    subnormal half is its mantissa times 2^-24 (an integer conversion, exact); infinities
+    and NaNs keep float32's all-ones exponent."""
+    u = uint32(h)
+    em = u & uint32(0x7FFF)  # exponent and mantissa, without the sign
+    bits = (em << uint32(13)) + uint32(0x38000000)  # a normal half: exponent + (127 - 15)
+    if em >= uint32(0x7C00):  # infinity or NaN
+        bits = (em << uint32(13)) | uint32(0x7F800000)
+    f = _bits_float(bits | ((u & uint32(0x8000)) << uint32(16)))
+    if em < uint32(0x0400):  # zero or a subnormal half: mantissa * 2^-24, with the sign
+        f = float32(int32(em)) * float32(2.0**-24)  # (int32: vectorizes without AVX-512)
+        if u & uint32(0x8000):
+            f = -f
+    return f
+
+
 @_loop
 def _half_to_float_bits(h, out):  # type: ignore[no-untyped-def]
     """``out[i] = float32(h[i])``, ``h`` (n,) the bits of float16 values (uint16), ``out``
-    (n,) float32. A half's 5 exponent bits and 10 mantissa bits move up to float32's 8 and
-    23 (the exponent's bias from 15 to 127); a subnormal half is its mantissa times 2^-24
-    (an integer conversion, exact); infinities and NaNs keep float32's all-ones exponent."""
+    (n,) float32 (``_half_value_bits``)."""
     for i in range(uint64(0), uint64(h.shape[0])):
-        u = uint32(h[i])
-        em = u & uint32(0x7FFF)  # exponent and mantissa, without the sign
-        bits = (em << uint32(13)) + uint32(0x38000000)  # a normal half: exponent + (127 - 15)
-        if em >= uint32(0x7C00):  # infinity or NaN
-            bits = (em << uint32(13)) | uint32(0x7F800000)
-        f = _bits_float(bits | ((u & uint32(0x8000)) << uint32(16)))
-        if em < uint32(0x0400):  # zero or a subnormal half: mantissa * 2^-24, with the sign
-            f = float32(int32(em)) * float32(2.0**-24)  # (int32: vectorizes without AVX-512)
-            if u & uint32(0x8000):
-                f = -f
-        out[i] = f
+        out[i] = _half_value_bits(h[i])
+
+
+@_value
+def _half_bits_value(x):  # type: ignore[no-untyped-def]
+    """The bits (uint16) of float16(``x``), ``x`` a float32, rounded to the nearest half,
+    ties to even; beyond the largest half, infinity (as NumPy's cast)."""
+    u = _float_bits(x)
+    a = u & uint32(0x7FFFFFFF)  # the magnitude's bits
+    if a >= uint32(0x47800000):  # 2^16 and beyond: infinity (or NaN, quiet)
+        o = uint32(0x7E00) if a > uint32(0x7F800000) else uint32(0x7C00)
+    elif a < uint32(0x38800000):  # below 2^-14, the smallest normal half
+        # adding 0.5 puts the value's multiple of 2^-24 (a half subnormal's unit) in the
+        # float's low mantissa bits, rounded to nearest even by the float addition
+        o = _float_bits(_bits_float(a) + float32(0.5)) - uint32(0x3F000000)
+    else:  # rebias the exponent (127 -> 15), round the 13 dropped bits to nearest even
+        o = (a + uint32(0xC8000FFF) + ((a >> uint32(13)) & uint32(1))) >> uint32(13)
+    return uint16(o | ((u >> uint32(16)) & uint32(0x8000)))
 
 
 @_loop
 def _float_to_half_bits(f, out):  # type: ignore[no-untyped-def]
-    """``out[i]`` = the bits (uint16) of ``float16(f[i])``, ``f`` (n,) float32, rounded to
-    the nearest half, ties to even; beyond the largest half, infinity (as NumPy's cast)."""
+    """``out[i]`` = the bits (uint16) of ``float16(f[i])``, ``f`` (n,) float32
+    (``_half_bits_value``)."""
     for i in range(uint64(0), uint64(f.shape[0])):
-        u = _float_bits(f[i])
-        a = u & uint32(0x7FFFFFFF)  # the magnitude's bits
-        if a >= uint32(0x47800000):  # 2^16 and beyond: infinity (or NaN, quiet)
-            o = uint32(0x7E00) if a > uint32(0x7F800000) else uint32(0x7C00)
-        elif a < uint32(0x38800000):  # below 2^-14, the smallest normal half
-            # adding 0.5 puts the value's multiple of 2^-24 (a half subnormal's unit) in the
-            # float's low mantissa bits, rounded to nearest even by the float addition
-            o = _float_bits(_bits_float(a) + float32(0.5)) - uint32(0x3F000000)
-        else:  # rebias the exponent (127 -> 15), round the 13 dropped bits to nearest even
-            o = (a + uint32(0xC8000FFF) + ((a >> uint32(13)) & uint32(1))) >> uint32(13)
-        out[i] = uint16(o | ((u >> uint32(16)) & uint32(0x8000)))
+        out[i] = _half_bits_value(f[i])
 
 
 # --- the same casts in one instruction each, where the CPU has them ---------------------
@@ -1489,24 +1504,29 @@ def _float_to_half_bits(f, out):  # type: ignore[no-untyped-def]
 # a float16 ``fpext``/``fptrunc``: 4x faster than the integer arithmetic above (0.06 against
 # 0.26 ns per value on a 2-vCPU EPYC; forward+backward of float16 LayerNorm (32, 512, 768),
 # BatchNorm2d, GroupNorm(32) and InstanceNorm2d at (32, 64, 56, 56) took 0.60-0.73x the
-# time). The instructions round to nearest even whatever the thread's MXCSR (flushing
-# subnormals or not: tested on halves and floats below float16's normal range), as NumPy
-# does; a float16 signalling NaN comes back quiet from them, so half_to_float puts back
-# NumPy's bits for NaNs. Elsewhere LLVM would call a runtime conversion that numba does not
-# link (a process compiling for NUMBA_CPU_NAME=generic crashed), so the casts stay in
-# integer arithmetic there.
+# time). Under the default rounding mode the instructions round to nearest even, as NumPy
+# does, whether or not the thread's MXCSR flushes subnormals (tested on halves and floats
+# below float16's normal range; another rounding mode changes them, as it changes the
+# integer casts' subnormals); a float16 signalling NaN comes back quiet from them, so the
+# half-to-float values put back NumPy's bits for NaNs. Where numba compiles for another
+# target, LLVM would call a runtime conversion that numba does not link (a process
+# compiling for NUMBA_CPU_NAME=generic, or with NUMBA_CPU_FEATURES=-f16c, crashed), so
+# the casts stay in integer arithmetic there.
 
 
 def _instructions_convert_halves() -> bool:
-    """Whether numba compiles for a CPU with float16 conversion instructions."""
+    """Whether numba compiles for a CPU with float16 conversion instructions: this host's,
+    where numba targets it as it is (NUMBA_CPU_NAME and NUMBA_CPU_FEATURES unset). A target
+    set by either (a portable cache, features taken away) gets the integer arithmetic:
+    whether it has the instruction is LLVM's to work out from the names (``-avx`` takes
+    F16C away too), and a wrong guess crashes the process."""
+    if numba_config.CPU_NAME is not None or numba_config.CPU_FEATURES is not None:  # type: ignore[attr-defined]
+        return False
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
         return True  # (in ARMv8's floating point)
     if machine not in ("x86_64", "amd64"):
         return False
-    features = numba_config.CPU_FEATURES  # type: ignore[attr-defined]  # (set at run time)
-    if numba_config.CPU_NAME not in (None, "host"):  # type: ignore[attr-defined]  # a named target
-        return features is not None and "+f16c" in features.split(",")
     try:
         from llvmlite import binding
 
@@ -1538,46 +1558,85 @@ def _float_half(typingctx, f):  # type: ignore[no-untyped-def]
     return types.uint16(types.float32), codegen
 
 
+@_value
+def _half_value_instruction(h):  # type: ignore[no-untyped-def]
+    """``_half_value_bits`` by the CPU's conversion; a NaN gets its bits as there (the
+    instruction makes a signalling NaN quiet)."""
+    u = uint32(h)
+    f = _half_float(h)
+    if (u & uint32(0x7FFF)) > uint32(0x7C00):  # a NaN: its payload kept, not made quiet
+        f = _bits_float(
+            ((u & uint32(0x7FFF)) << uint32(13)) | uint32(0x7F800000) | ((u & uint32(0x8000)) << uint32(16))
+        )
+    return f
+
+
 @_loop
 def _half_to_float_instruction(h, out):  # type: ignore[no-untyped-def]
-    """``_half_to_float_bits`` by the CPU's conversion; a NaN gets its bits as there."""
+    """``_half_to_float_bits`` by the CPU's conversion (``_half_value_instruction``)."""
     for i in range(uint64(0), uint64(h.shape[0])):
-        u = uint32(h[i])
-        f = _half_float(h[i])
-        if (u & uint32(0x7FFF)) > uint32(0x7C00):  # a NaN: its payload kept, not made quiet
-            f = _bits_float(
-                ((u & uint32(0x7FFF)) << uint32(13))
-                | uint32(0x7F800000)
-                | ((u & uint32(0x8000)) << uint32(16))
-            )
-        out[i] = f
+        out[i] = _half_value_instruction(h[i])
 
 
 @_loop
 def _float_to_half_instruction(f, out):  # type: ignore[no-untyped-def]
-    """``_float_to_half_bits`` by the CPU's conversion (a NaN keeps the top of its payload,
-    as NumPy's cast does)."""
+    """``_float_to_half_bits`` by the CPU's conversion (a NaN keeps its sign, its payload
+    as the instruction leaves it)."""
     for i in range(uint64(0), uint64(f.shape[0])):
         out[i] = _float_half(f[i])
 
 
-# the casts the staging calls (the fastest this CPU has)
-half_to_float = _half_to_float_instruction if CASTS_BY_INSTRUCTION else _half_to_float_bits
-float_to_half = _float_to_half_instruction if CASTS_BY_INSTRUCTION else _float_to_half_bits
-
-
 @_loop
-def half_columns_to_float(h, lo, hi, out):  # type: ignore[no-untyped-def]
+def _half_columns_to_float_bits(h, lo, hi, out):  # type: ignore[no-untyped-def]
     """``out[n] = float32(h[n, lo:hi])`` for every row n: ``h`` (N, W) the bits (uint16)
     of C-ordered float16 values, ``out`` (N, hi - lo) float32 (BatchNorm's staged blocks
-    of channels: columns of the (N, C*S) input)."""
+    of channels: columns of the (N, C*S) input), the values converted in line (a call per
+    row took 1 ns a value on rows of 32 values, this 0.13)."""
+    start = uint64(lo)  # (unsigned indices: no check for negative ones, so it vectorizes)
     for n in range(h.shape[0]):
-        half_to_float(h[n, lo:hi], out[n])
+        hn, on = h[n], out[n]
+        for i in range(uint64(0), uint64(hi - lo)):
+            on[i] = _half_value_bits(hn[start + i])
 
 
 @_loop
-def float_to_half_columns(f, lo, out):  # type: ignore[no-untyped-def]
+def _half_columns_to_float_instruction(h, lo, hi, out):  # type: ignore[no-untyped-def]
+    """``_half_columns_to_float_bits`` by the CPU's conversion."""
+    start = uint64(lo)
+    for n in range(h.shape[0]):
+        hn, on = h[n], out[n]
+        for i in range(uint64(0), uint64(hi - lo)):
+            on[i] = _half_value_instruction(hn[start + i])
+
+
+@_loop
+def _float_to_half_columns_bits(f, lo, out):  # type: ignore[no-untyped-def]
     """``out[n, lo:lo + W]`` = the bits of ``float16(f[n])`` for every row n: ``f`` (N, W)
     float32, ``out`` (N, *) uint16 (the staged blocks' way back)."""
+    start = uint64(lo)
     for n in range(f.shape[0]):
-        float_to_half(f[n], out[n, lo : lo + f.shape[1]])
+        fn, on = f[n], out[n]
+        for i in range(uint64(0), uint64(f.shape[1])):
+            on[start + i] = _half_bits_value(fn[i])
+
+
+@_loop
+def _float_to_half_columns_instruction(f, lo, out):  # type: ignore[no-untyped-def]
+    """``_float_to_half_columns_bits`` by the CPU's conversion."""
+    start = uint64(lo)
+    for n in range(f.shape[0]):
+        fn, on = f[n], out[n]
+        for i in range(uint64(0), uint64(f.shape[1])):
+            on[start + i] = _float_half(fn[i])
+
+
+# the casts the staging calls: the fastest this CPU has. (Each loop calls one way's value
+# helpers by name: numba's cache keeps a loop with the functions it called when it
+# compiled, and a process that chose the other way would load it with those.)
+if CASTS_BY_INSTRUCTION:
+    half_to_float, float_to_half = _half_to_float_instruction, _float_to_half_instruction
+    half_columns_to_float = _half_columns_to_float_instruction
+    float_to_half_columns = _float_to_half_columns_instruction
+else:
+    half_to_float, float_to_half = _half_to_float_bits, _float_to_half_bits
+    half_columns_to_float, float_to_half_columns = _half_columns_to_float_bits, _float_to_half_columns_bits

@@ -22,8 +22,9 @@ as (N, C, S), S = prod(spatial):
   taken as its (N*S, C) rows, BatchNorm1d's input, and a Fortran-ordered one as the (S, C,
   N) planes of its ``.T``, without a copy (``_channel_views``). A C-ordered input the loops
   cannot take as it is (float16, read-only, another dtype or byte order) is staged in
-  blocks of channels (``_by_channel_blocks``), a few blocks' scratch per thread; any other
-  layout is first copied whole (one copy of the input).
+  blocks of channels (``_by_channel_blocks``), a block per staged array and thread, where
+  its channels have 1 KB a sample or more; shorter channels and any other layout are first
+  copied whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -227,21 +228,29 @@ def compile_span_loops(dtype: str) -> None:
     _span_backward(x, x, np.empty_like(x), 1, m, r, w, True, np.empty(C), np.empty(C), parts)
 
 
-# Staged BatchNorm (float16, read-only or other-dtype C-ordered input) takes blocks of
-# channels: a thread copies a block's (N, k*S) columns in the computation dtype into
-# scratch, runs the channel loops there, and copies the output's columns back, so that
-# the scratch is about STAGE_BYTES a thread, not a float32 copy of the whole input and
-# output (4x a float16 input's size, as before). Each sample's part of a block is read
-# as one span of at least STAGED_SPAN_BYTES of the input (BatchNorm1d's short rows take
-# many channels a block). The loops see each channel's values as they would unstaged, so
-# the results are bitwise the same.
+# Staged BatchNorm (float16, read-only or other-dtype C-ordered input) with channels of
+# STAGED_SPAN_BYTES or more per sample takes blocks of channels: a thread copies a block's
+# (N, k*S) columns in the computation dtype into scratch, runs the channel loops there,
+# and copies the output's columns back. Its scratch is one block per staged array (2 in
+# the forward, 3 in the backward), a block holding STAGE_BYTES of channels or one channel
+# (N*S values) where that is more, not a float32 copy of the whole input and output (5x a
+# float16 input's bytes before). The loops see each channel's values as they would
+# unstaged, so the results are bitwise the same. Shorter channels (BatchNorm1d's one
+# value) are copied whole as before: read in blocks of channels, each sample's part of a
+# block was a few bytes, and with few channels the threads split the channels instead of
+# the samples' spans (float16 (262144, 4) took 46 ms, against 7-9 copied whole).
 STAGED_SPAN_BYTES = 1024
 
 
-def _staged_channels(N: int, C: int, S: int, ct: np.dtype[Any], itemsize: int) -> int:
+def _channel_blocks(input: np.ndarray, S: int, *others: np.ndarray) -> bool:
+    """Whether a staged input (and gradient) go by blocks of channels."""
+    arrays = (input, *others)
+    return all(a.flags.c_contiguous for a in arrays) and S * input.dtype.itemsize >= STAGED_SPAN_BYTES
+
+
+def _staged_channels(N: int, C: int, S: int, ct: np.dtype[Any]) -> int:
     """Channels per block of ``_by_channel_blocks``."""
-    fit = _staging.STAGE_BYTES // max(1, N * S * ct.itemsize)
-    return max(1, min(C, max(fit, -(-STAGED_SPAN_BYTES // (S * itemsize)))))
+    return max(1, min(C, _staging.STAGE_BYTES // max(1, N * S * ct.itemsize)))
 
 
 def _read_columns(a: np.ndarray, lo: int, hi: int, buf: np.ndarray) -> None:
@@ -273,7 +282,7 @@ def _by_channel_blocks(
     """``block(staged sources, staged output, a, e)`` for blocks of channels ``[a, e)``,
     each staged as (N, (e - a)*S) arrays of ``ct``; ``sources`` and ``target`` are
     C-ordered (N, C, *spatial) arrays. The threads take ranges of channels."""
-    k = _staged_channels(N, C, S, ct, max(a.dtype.itemsize for a in sources))
+    k = _staged_channels(N, C, S, ct)
     src2 = [a.reshape(N, C * S) for a in sources]  # N,C*S each
     dst2 = target.reshape(N, C * S)  # N,C*S
 
@@ -346,7 +355,7 @@ def _channel_forward(
         y = np.empty(input.shape, dtype=ct) if out is None else out
         sweep(input.reshape(N, C, S), y.reshape(N, C, S))
         return y, rstd
-    if input.flags.c_contiguous:  # float16, read-only, another dtype: blocks of channels
+    if _channel_blocks(input, S):  # float16, read-only, another dtype: blocks of channels
 
         def block(src: list[np.ndarray], yb: np.ndarray, a: int, e: int) -> None:  # src [x] (N,k*S)
             args = (w[a:e], b[a:e], eps, training, mean[a:e], var[a:e], rstd[a:e])
@@ -415,7 +424,7 @@ def _channel_backward(
         dx = np.empty(input.shape, dtype=ct) if out is None else out
         sweep(grad_output.reshape(N, C, S), input.reshape(N, C, S), dx.reshape(N, C, S))
         return dx, grad_as(dw, weight), grad_as(db, bias)
-    if input.flags.c_contiguous and grad_output.flags.c_contiguous:  # blocks of channels
+    if _channel_blocks(input, S, grad_output):  # blocks of channels
 
         def block(src: list[np.ndarray], dxb: np.ndarray, a: int, e: int) -> None:  # [dy, x] (N,k*S)
             args = (m[a:e], r[a:e], w[a:e], training)
