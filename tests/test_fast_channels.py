@@ -266,12 +266,14 @@ def test_group_norm_matches_generic(case):
     check_group_norm(case)
 
 
-def check_group_norm(case):
+def group_norm_results(case):
+    """``(x, dy, groups, ct, forward results, backward results)`` of GroupNorm on the
+    case's inputs, compared with the generic kernels (``compare``)."""
     x, dy, w, b, _, _ = make_inputs(case)
     g = case["groups"]
     ct = compute_dtype(x, w, b)
     with config(case["threads"], case["block_bytes"], case["small_copy"]):
-        f, _ = compare(
+        f, fb = compare(
             ("group_norm_forward", "group_norm_backward"),
             (x, g, w, b, 1e-5),
             lambda r: (dy, x, g, r[1], r[2], w, b),
@@ -280,6 +282,11 @@ def check_group_norm(case):
             dy,
             w,
         )
+    return x, dy, g, ct, f, fb
+
+
+def check_group_norm(case):
+    x, _, g, ct, f, _ = group_norm_results(case)
     assert f[1].shape == f[2].shape == (x.shape[0], g) and f[1].dtype == ct
     # channels-last samples of SAMPLE_VALUES values and more keep the layout (as torch's),
     # smaller ones and other layouts come back C-ordered
@@ -301,20 +308,9 @@ def test_channels_last_samples_match_generic(case, instance, dy_last):
     case = {**case, "layout": "channels_last", "dy_layout": "channels_last" if dy_last else "C"}
     if instance:
         case["groups"] = case["shape"][1]
-    x, dy, w, b, _, _ = make_inputs(case)
-    g = case["groups"]
-    ct = compute_dtype(x, w, b)
-    with pytest.MonkeyPatch.context() as mp, config(case["threads"], case["block_bytes"], case["small_copy"]):
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(columns, "SAMPLE_VALUES", 1)
-        f, fb = compare(
-            ("group_norm_forward", "group_norm_backward"),
-            (x, g, w, b, 1e-5),
-            lambda r: (dy, x, g, r[1], r[2], w, b),
-            ct,
-            x,
-            dy,
-            w,
-        )
+        x, dy, _, _, f, fb = group_norm_results(case)
     last = channels_last(x) and x.size > x.shape[0] * x.shape[1]  # (S = 1: C-ordered too)
     assert np.moveaxis(f[0], 1, -1).flags.c_contiguous if last else f[0].flags.c_contiguous
     both = last and channels_last(dy)
