@@ -555,14 +555,15 @@ def _group_forward(
     (biased, float64) only when ``keep_var``. ``y`` is ``out`` when that was given.
     """
     C = int(input.shape[1])
+    w = param(weight, C, ct)  # C
+    b = param(bias, C, ct)  # C
     samples = columns.samples_of(out, input)  # channels-last input: its (N, S, C) samples
     if samples is not None:
         (x3,), out3 = samples
         y, y3 = (
             (out, out3) if out is not None and out3 is not None else columns.new_samples(input, input.dtype)
         )
-        w_c, b_c = param(weight, C, ct), param(bias, C, ct)  # C, C
-        mean_s, rstd_s, var_s = columns.group_forward(x3, y3, G, w_c, b_c, eps, ct, keep_var)
+        mean_s, rstd_s, var_s = columns.group_forward(x3, y3, G, w, b, eps, ct, keep_var)
         return finish(y, out), mean_s, rstd_s, var_s
     rows = _rows(input, G, ct)
     R, L, k = rows.R, rows.L, rows.tail[0]
@@ -574,8 +575,6 @@ def _group_forward(
     rstd = np.empty(R, dtype=ct)  # R
     var = np.empty(R, dtype=np.float64) if keep_var else None  # R
     B = block_rows(R, L, ct.itemsize)
-    w = param(weight, C, ct)  # C
-    b = param(bias, C, ct)  # C
     w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
     b_ring = None if b is None else _Ring(np.reshape(b, (G, k)), B)
     direct = y.dtype == ct
@@ -639,34 +638,32 @@ def _group_backward(
     ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
     """
     N, C = int(input.shape[0]), int(input.shape[1])
+    m_all = np.ascontiguousarray(np.reshape(mean, (N * G,)), dtype=ct)  # N*G
+    r_all = np.ascontiguousarray(np.reshape(rstd, (N * G,)), dtype=ct)  # N*G
+    w = param(weight, C, ct)  # C
     samples = columns.samples_of(out, input, grad_output)  # channels-last input and gradient
     if samples is not None:
         (x3, dy3), out3 = samples
         dx, dx3 = (
             (out, out3) if out is not None and out3 is not None else columns.new_samples(input, input.dtype)
         )
-        m_s = np.ascontiguousarray(np.reshape(mean, (N * G,)), dtype=ct)  # N*G
-        r_s = np.ascontiguousarray(np.reshape(rstd, (N * G,)), dtype=ct)  # N*G
-        sums = columns.group_backward(dy3, x3, dx3, G, m_s, r_s, param(weight, C, ct), ct)
+        sums = columns.group_backward(dy3, x3, dx3, G, m_all, r_all, w, ct)
         if sums is None:
             raise CoefficientOverflow
         sdy_s, sdx_s = sums  # N,C float64 each: sum(dy), sum(dy*(x - mean))
         dweight_s = None
         if weight is not None:
-            dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_s, (N, G)), C // G, axis=1), axis=0)  # C
+            dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_all, (N, G)), C // G, axis=1), axis=0)  # C
         dbias_s = None if bias is None else np.sum(sdy_s, axis=0)  # C
         return finish(dx, out), grad_as(dweight_s, weight), grad_as(dbias_s, bias)
     rows_x = _rows(input, G, ct)
     rows_dy = _rows(grad_output, G, ct)
     R, L, k = rows_x.R, rows_x.L, rows_x.tail[0]
     S = L // k
-    m_all = np.ascontiguousarray(np.reshape(mean, (R,)), dtype=ct)  # R
-    r_all = np.ascontiguousarray(np.reshape(rstd, (R,)), dtype=ct)  # R
     r64 = r_all.astype(np.float64)  # R
     nb_all = (r64 * r64) / -L  # R: b = nb * (rstd * sgx) (float64; rstd * sgx is O(1))
     nc_all = r_all / -L  # R: c = nc * sg
     B = block_rows(R, L, ct.itemsize)
-    w = param(weight, C, ct)  # C
     w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
     # d(dx)/d(dy) per channel row: rstd*w (R,k), or rstd per group row without weight
     a_all = None if w is None else np.reshape(r_all, (R, 1)) * np.tile(np.reshape(w, (G, k)), (N, 1))
