@@ -76,6 +76,7 @@ from ._staging import (
 )
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
+Params = tuple[np.ndarray, ...]  # per-channel arrays a channel loop reads or fills
 
 
 def _fallback(op: str, *args: Any) -> Any:
@@ -326,12 +327,20 @@ def _channel_forward(
     rstd = np.empty(C, dtype=ct)  # C
     B = _channel_block(N, S, ct)
 
-    def loop(x: np.ndarray, y: np.ndarray, c0: int, c1: int, r: np.ndarray, stats: bool) -> None:
-        if B:  # x, y (n,C,S) as n,C*S: the rows of the blocks
-            x2, y2 = x.reshape(x.shape[0], C * S), y.reshape(x.shape[0], C * S)
-            loops.channel_block_forward(x2, w, b, eps, stats, mean, var, r, y2, B, c0, c1)
+    def loop(
+        x: np.ndarray,
+        y: np.ndarray,
+        c0: int,
+        c1: int,
+        r: np.ndarray,
+        stats: bool,
+        p: Params = (w, b, mean, var),
+    ) -> None:  # x, y (n,C',S); p: the C' channels' w, b, mean, var (all C, or a staged block's)
+        if B:  # x, y as n,C'*S: the rows of the blocks
+            x2, y2 = x.reshape(x.shape[0], -1), y.reshape(x.shape[0], -1)
+            loops.channel_block_forward(x2, p[0], p[1], eps, stats, p[2], p[3], r, y2, B, c0, c1)
         else:
-            loops.channel_forward(x, w, b, eps, stats, mean, var, r, y, c0, c1)
+            loops.channel_forward(x, p[0], p[1], eps, stats, p[2], p[3], r, y, c0, c1)
 
     def sweep(x: np.ndarray, y: np.ndarray) -> None:  # x, y: N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if training and B else None
@@ -358,12 +367,8 @@ def _channel_forward(
     if _channel_blocks(input, S):  # float16, read-only, another dtype: blocks of channels
 
         def block(src: list[np.ndarray], yb: np.ndarray, a: int, e: int) -> None:  # src [x] (N,k*S)
-            args = (w[a:e], b[a:e], eps, training, mean[a:e], var[a:e], rstd[a:e])
-            if B:
-                loops.channel_block_forward(src[0], *args, yb, B, 0, e - a)
-            else:
-                x3, y3 = src[0].reshape(N, e - a, S), yb.reshape(N, e - a, S)  # N,k,S each
-                loops.channel_forward(x3, *args, y3, 0, e - a)
+            x3, y3 = src[0].reshape(N, e - a, S), yb.reshape(N, e - a, S)  # N,k,S each
+            loop(x3, y3, 0, e - a, rstd[a:e], training, (w[a:e], b[a:e], mean[a:e], var[a:e]))
 
         y = output(out, input.shape, input.dtype, (N * C, S), (input,), contiguous=True)
         _by_channel_blocks([input], y, N, C, S, ct, block)
@@ -405,12 +410,14 @@ def _channel_backward(
     dw, db = np.empty(C), np.empty(C)  # C, C float64
     B = _channel_block(N, S, ct)
 
-    def loop(dy: np.ndarray, x: np.ndarray, dx: np.ndarray, c0: int, c1: int) -> None:  # N,C,S
-        if B:  # as N,C*S: the rows of the blocks
-            dy2, x2, dx2 = dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S)
-            loops.channel_block_backward(dy2, x2, m, r, w, training, dx2, dw, db, B, c0, c1)
+    def loop(
+        dy: np.ndarray, x: np.ndarray, dx: np.ndarray, c0: int, c1: int, p: Params = (m, r, w, dw, db)
+    ) -> None:  # N,C',S; p: the C' channels' mean, rstd, w, dw, db (all C, or a staged block's)
+        if B:  # as N,C'*S: the rows of the blocks
+            dy2, x2, dx2 = dy.reshape(N, -1), x.reshape(N, -1), dx.reshape(N, -1)
+            loops.channel_block_backward(dy2, x2, p[0], p[1], p[2], training, dx2, p[3], p[4], B, c0, c1)
         else:
-            loops.channel_backward(dy, x, m, r, w, training, dx, dw, db, c0, c1)
+            loops.channel_backward(dy, x, p[0], p[1], p[2], training, dx, p[3], p[4], c0, c1)
 
     def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if B else None
@@ -427,12 +434,8 @@ def _channel_backward(
     if _channel_blocks(input, S, grad_output):  # blocks of channels
 
         def block(src: list[np.ndarray], dxb: np.ndarray, a: int, e: int) -> None:  # [dy, x] (N,k*S)
-            args = (m[a:e], r[a:e], w[a:e], training)
-            if B:
-                loops.channel_block_backward(*src, *args, dxb, dw[a:e], db[a:e], B, 0, e - a)
-            else:
-                dy3, x3 = (v.reshape(N, e - a, S) for v in src)  # N,k,S each
-                loops.channel_backward(dy3, x3, *args, dxb.reshape(N, e - a, S), dw[a:e], db[a:e], 0, e - a)
+            dy3, x3, dx3 = (v.reshape(N, e - a, S) for v in (*src, dxb))  # N,k,S each
+            loop(dy3, x3, dx3, 0, e - a, (m[a:e], r[a:e], w[a:e], dw[a:e], db[a:e]))
 
         dx = output(out, input.shape, input.dtype, (N * C, S), (input, grad_output), contiguous=True)
         _by_channel_blocks([grad_output, input], dx, N, C, S, ct, block)
