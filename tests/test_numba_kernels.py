@@ -340,7 +340,7 @@ def test_batch_norm(p):
 
 @pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight", "byte-swapped"])
 @pytest.mark.parametrize("shape", [(3, 5, 300), (40, 6, 2), (7, 3), (2, 4, 3, 5)])
-def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restore_threads):
+def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restore_threads, monkeypatch):
     """BatchNorm input the loops cannot take as it is (float16, read-only, a computation
     dtype other than the input's, the other byte order) is staged in blocks of channels
     (``numba_channels._by_channel_blocks``): bitwise the results of the same values
@@ -371,12 +371,10 @@ def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restor
             # (span 0: any channels by blocks; 1 MB: these copied whole, as short channels are)
             for threads, span in [(1, 0), (2, 0), (3, 0), (2, 1 << 20)]:
                 _threads.set_num_threads(threads)
-                saved = numba_channels.STAGED_SPAN_BYTES, _staging.STAGE_BYTES
-                numba_channels.STAGED_SPAN_BYTES, _staging.STAGE_BYTES = span, 64  # 1 channel a block
-                try:
-                    got = both(*staged, training)
-                finally:
-                    numba_channels.STAGED_SPAN_BYTES, _staging.STAGE_BYTES = saved
+                monkeypatch.setattr(numba_channels, "STAGED_SPAN_BYTES", span)
+                monkeypatch.setattr(_staging, "STAGE_BYTES", 64)  # 1 channel a block
+                got = both(*staged, training)
+                monkeypatch.undo()
                 for g, v in zip(got, want, strict=True):
                     if v is None:
                         assert g is None
@@ -408,7 +406,7 @@ def test_staged_batch_norm_takes_blocks_of_channels_of_1kb_a_sample(shape, dtype
     assert calls == ([1, 1] if blocks else [])
 
 
-def test_staged_batch_norm_needs_no_copy_of_the_input(restore_threads):
+def test_staged_batch_norm_needs_no_copy_of_the_input(restore_threads, monkeypatch):
     """float16 BatchNorm was staged as float32 copies of the whole input and output
     (forward) or input, gradient and dx (backward): 4-6x the input's bytes on top of the
     result. In blocks of channels it needs a few blocks' scratch per thread."""
@@ -419,20 +417,16 @@ def test_staged_batch_norm_needs_no_copy_of_the_input(restore_threads):
     with npnorm.use_kernels("numba"):
         f = F.batch_norm_forward(x, None, None, training=True)  # (compiled before measuring)
         F.batch_norm_backward(dy, x, f[1], f[2], training=True)
-        saved = _staging.STAGE_BYTES
-        _staging.STAGE_BYTES = 1 << 16
-        try:
-            for step in ("forward", "backward"):
-                tracemalloc.start()
-                if step == "forward":
-                    F.batch_norm_forward(x, None, None, training=True)
-                else:
-                    F.batch_norm_backward(dy, x, f[1], f[2], training=True)
-                peak = tracemalloc.get_traced_memory()[1]
-                tracemalloc.stop()
-                assert peak - x.nbytes < 0.25 * x.nbytes, (step, peak / x.nbytes)
-        finally:
-            _staging.STAGE_BYTES = saved
+        monkeypatch.setattr(_staging, "STAGE_BYTES", 1 << 16)
+        for step in ("forward", "backward"):
+            tracemalloc.start()
+            if step == "forward":
+                F.batch_norm_forward(x, None, None, training=True)
+            else:
+                F.batch_norm_backward(dy, x, f[1], f[2], training=True)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            assert peak - x.nbytes < 0.25 * x.nbytes, (step, peak / x.nbytes)
 
 
 # a running mean of 0.0292 from terms of 0.34 (see compare): the tolerance lacked them
