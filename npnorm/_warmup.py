@@ -76,13 +76,14 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
 
 
 # the loops that convert float16 data to float32 and back (float16 runs the float32 loops)
-CASTS = ("half_to_float", "float_to_half", "half_columns_to_float", "float_to_half_columns")
+CASTS = ("half_columns_to_float", "float_to_half_columns")
 
 
 def _float16_casts() -> None:
-    """A float16 LayerNorm forward: its input and output go through both casts; and a
-    read-only input (a second type to numba, the one array the loops read as given); and
-    float16 BatchNorm forwards likewise (its blocks of channels: the column casts)."""
+    """A float16 LayerNorm forward: its input and output go through both casts (the
+    whole array as one row); and a read-only input (a second type to numba, the one array
+    the loops read as given); and float16 BatchNorm forwards likewise (its blocks of
+    channels: columns of the rows; the same signatures as the whole arrays)."""
     import npnorm.functional as F
 
     x = np.ones((2, 4), dtype=np.float16)

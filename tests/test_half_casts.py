@@ -1,8 +1,8 @@
 """float16 data and the compiled kernels: the casts to float32 and back.
 
 The "numba" family computes float16 in float32 (numba has no float16 type on the CPU),
-converting each staged block with its own compiled casts (``half_to_float``,
-``float_to_half``) instead of NumPy's, which took most of a float16 call's time. They
+converting each staged block with its own compiled casts (``half_columns_to_float``,
+``float_to_half_columns``) instead of NumPy's, which took most of a float16 call's time. They
 must give NumPy's values bit for bit (a NaN's payload aside), so that a float16 call is
 its float32 call rounded once.
 """
@@ -42,16 +42,25 @@ WAYS = [
 
 
 def to_half(f: np.ndarray, way: str = "bits") -> np.ndarray:
-    """``float_to_half`` (the ``way`` given) of a float32 array, as float16."""
+    """``float_to_half_columns`` (the ``way`` given) of a float32 array (as one row), as
+    float16."""
     out = np.empty(f.shape, np.uint16)
-    getattr(loops, f"_float_to_half_{way}")(np.ascontiguousarray(f).reshape(-1), out.reshape(-1))
+    row = np.ascontiguousarray(f).reshape(1, -1)
+    getattr(loops, f"_float_to_half_columns_{way}")(row, 0, out.reshape(1, -1))
     return out.view(np.float16)
+
+
+def to_float(bits: np.ndarray, way: str = "bits") -> np.ndarray:
+    """``half_columns_to_float`` (the ``way`` given) of float16 bits (as one row)."""
+    out = np.empty(bits.shape, np.float32)
+    getattr(loops, f"_half_columns_to_float_{way}")(bits.reshape(1, -1), 0, bits.size, out.reshape(1, -1))
+    return out
 
 
 def test_the_staging_casts_by_instruction_where_the_cpu_has_one():
     way = "instruction" if loops.CASTS_BY_INSTRUCTION else "bits"
-    assert loops.half_to_float is getattr(loops, f"_half_to_float_{way}")
-    assert loops.float_to_half is getattr(loops, f"_float_to_half_{way}")
+    assert loops.half_columns_to_float is getattr(loops, f"_half_columns_to_float_{way}")
+    assert loops.float_to_half_columns is getattr(loops, f"_float_to_half_columns_{way}")
 
 
 def same_halves(ours: np.ndarray, f: np.ndarray) -> None:
@@ -68,8 +77,7 @@ def same_halves(ours: np.ndarray, f: np.ndarray) -> None:
 @pytest.mark.parametrize("way", WAYS)
 def test_every_half_to_float_is_numpys(way):
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)  # every float16 (NaNs too)
-    ours = np.empty(bits.shape, np.float32)
-    getattr(loops, f"_half_to_float_{way}")(bits, ours)
+    ours = to_float(bits, way)
     want = bits.view(np.float16).astype(np.float32)
     assert (ours.view(np.uint32) == want.view(np.uint32)).all()  # NaN payloads included
 
@@ -226,8 +234,8 @@ def test_casts_are_exact_where_the_thread_flushes_subnormals(way):
     put(saved | 0x8040)  # FTZ | DAZ
     try:
         assert get() & 0x8040 == 0x8040
-        getattr(loops, f"_half_to_float_{way}")(halves, up)
-        getattr(loops, f"_float_to_half_{way}")(tiny, down)
+        getattr(loops, f"_half_columns_to_float_{way}")(halves[None], 0, halves.size, up[None])
+        getattr(loops, f"_float_to_half_columns_{way}")(tiny[None], 0, down[None])
     finally:
         put(saved)
     assert (up.view(np.uint32) == halves.view(np.float16).astype(np.float32).view(np.uint32)).all()

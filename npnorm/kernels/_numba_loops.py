@@ -1417,7 +1417,9 @@ def group_rows_dx(dy, x, dx, rows, av, k1v, mc, rcv, k0v, u0, u1):  # type: igno
 # in integer arithmetic on the float32 bits, with no float32 subnormal in between: a
 # process whose MXCSR flushes subnormals (a library built with -ffast-math) still gets
 # the exact halves. Where the CPU converts in one instruction, the staging calls the
-# instruction's loops below instead (``half_to_float``, ``float_to_half``).
+# instruction's loops below instead. Each way has two loops, one each way of the cast,
+# over columns ``[lo, hi)`` of an (N, W) array's rows: BatchNorm's staged blocks of
+# channels, and a whole C-ordered array as one row of all its values.
 
 
 # the casts run compiled (their bit casts have no Python version: under
@@ -1464,14 +1466,6 @@ def _half_value_bits(h):  # type: ignore[no-untyped-def]
     return f
 
 
-@_loop
-def _half_to_float_bits(h, out):  # type: ignore[no-untyped-def]
-    """``out[i] = float32(h[i])``, ``h`` (n,) the bits of float16 values (uint16), ``out``
-    (n,) float32 (``_half_value_bits``)."""
-    for i in range(uint64(0), uint64(h.shape[0])):
-        out[i] = _half_value_bits(h[i])
-
-
 @_value
 def _half_bits_value(x):  # type: ignore[no-untyped-def]
     """The bits (uint16) of float16(``x``), ``x`` a float32, rounded to the nearest half,
@@ -1487,14 +1481,6 @@ def _half_bits_value(x):  # type: ignore[no-untyped-def]
     else:  # rebias the exponent (127 -> 15), round the 13 dropped bits to nearest even
         o = (a + uint32(0xC8000FFF) + ((a >> uint32(13)) & uint32(1))) >> uint32(13)
     return uint16(o | ((u >> uint32(16)) & uint32(0x8000)))
-
-
-@_loop
-def _float_to_half_bits(f, out):  # type: ignore[no-untyped-def]
-    """``out[i]`` = the bits (uint16) of ``float16(f[i])``, ``f`` (n,) float32
-    (``_half_bits_value``)."""
-    for i in range(uint64(0), uint64(f.shape[0])):
-        out[i] = _half_bits_value(f[i])
 
 
 # --- the same casts in one instruction each, where the CPU has them ---------------------
@@ -1572,26 +1558,10 @@ def _half_value_instruction(h):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _half_to_float_instruction(h, out):  # type: ignore[no-untyped-def]
-    """``_half_to_float_bits`` by the CPU's conversion (``_half_value_instruction``)."""
-    for i in range(uint64(0), uint64(h.shape[0])):
-        out[i] = _half_value_instruction(h[i])
-
-
-@_loop
-def _float_to_half_instruction(f, out):  # type: ignore[no-untyped-def]
-    """``_float_to_half_bits`` by the CPU's conversion (a NaN keeps its sign, its payload
-    as the instruction leaves it)."""
-    for i in range(uint64(0), uint64(f.shape[0])):
-        out[i] = _float_half(f[i])
-
-
-@_loop
 def _half_columns_to_float_bits(h, lo, hi, out):  # type: ignore[no-untyped-def]
     """``out[n] = float32(h[n, lo:hi])`` for every row n: ``h`` (N, W) the bits (uint16)
-    of C-ordered float16 values, ``out`` (N, hi - lo) float32 (BatchNorm's staged blocks
-    of channels: columns of the (N, C*S) input), the values converted in line (a call per
-    row took 1 ns a value on rows of 32 values, this 0.13)."""
+    of C-ordered float16 values, ``out`` (N, hi - lo) float32 (``_half_value_bits``; the
+    rows in one call: a call per row took 1 ns a value on rows of 32 values, this 0.13)."""
     start = uint64(lo)  # (unsigned indices: no check for negative ones, so it vectorizes)
     for n in range(h.shape[0]):
         hn, on = h[n], out[n]
@@ -1612,7 +1582,7 @@ def _half_columns_to_float_instruction(h, lo, hi, out):  # type: ignore[no-untyp
 @_loop
 def _float_to_half_columns_bits(f, lo, out):  # type: ignore[no-untyped-def]
     """``out[n, lo:lo + W]`` = the bits of ``float16(f[n])`` for every row n: ``f`` (N, W)
-    float32, ``out`` (N, *) uint16 (the staged blocks' way back)."""
+    float32, ``out`` (N, *) uint16 (``_half_bits_value``)."""
     start = uint64(lo)
     for n in range(f.shape[0]):
         fn, on = f[n], out[n]
@@ -1622,7 +1592,8 @@ def _float_to_half_columns_bits(f, lo, out):  # type: ignore[no-untyped-def]
 
 @_loop
 def _float_to_half_columns_instruction(f, lo, out):  # type: ignore[no-untyped-def]
-    """``_float_to_half_columns_bits`` by the CPU's conversion."""
+    """``_float_to_half_columns_bits`` by the CPU's conversion (a NaN keeps its sign, its
+    payload as the instruction leaves it)."""
     start = uint64(lo)
     for n in range(f.shape[0]):
         fn, on = f[n], out[n]
@@ -1634,9 +1605,7 @@ def _float_to_half_columns_instruction(f, lo, out):  # type: ignore[no-untyped-d
 # helpers by name: numba's cache keeps a loop with the functions it called when it
 # compiled, and a process that chose the other way would load it with those.)
 if CASTS_BY_INSTRUCTION:
-    half_to_float, float_to_half = _half_to_float_instruction, _float_to_half_instruction
     half_columns_to_float = _half_columns_to_float_instruction
     float_to_half_columns = _float_to_half_columns_instruction
 else:
-    half_to_float, float_to_half = _half_to_float_bits, _float_to_half_bits
     half_columns_to_float, float_to_half_columns = _half_columns_to_float_bits, _float_to_half_columns_bits
