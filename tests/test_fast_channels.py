@@ -573,16 +573,24 @@ def test_an_infinite_gradient_gives_the_references_infinities():
         ("instance_norm", False, "channels_last"),
     ],
 )
-def test_channel_columns_keep_the_layout_with_the_references_results(dtype, op, training, layout):
+@pytest.mark.parametrize("many_blocks", [False, True])
+def test_channel_columns_keep_the_layout_with_the_references_results(
+    dtype, op, training, layout, many_blocks
+):
     """BatchNorm on channels-last input (and InstanceNorm with running statistics) was
     staged into (N, C, S) rows block by block (2-3x the C-ordered time) and its output
     and dx came back C-ordered; BatchNorm1d's (N, C) rows of one value took float64
     statistics in one thread (3x PyTorch's time). Both now run over (M, C) columns
     (``numpy_fast_columns``): the reference's results, a channels-last output and dx for
     channels-last input (as PyTorch's), bitwise the same for 1, 2 and 3 threads over
-    blocks of 1 KB; a constant channel and one of offset 1e3 included."""
+    blocks of 1 KB; a constant channel and one of offset 1e3 included. ``many_blocks``:
+    ``TILE_BLOCKS`` blocks of rows or more, where the per-channel coefficients are
+    repeated on a block's rows (no drawn case has that many rows)."""
     rng = np.random.default_rng(5)
-    shape = (6, 12, 5, 7) if layout == "channels_last" else (211, 12)
+    if many_blocks:  # 1100 rows (B = 64 at 1 KB blocks; 1100 = 17 * 64 + 12)
+        shape = (22, 12, 5, 10) if layout == "channels_last" else (1100, 12)
+    else:
+        shape = (6, 12, 5, 7) if layout == "channels_last" else (211, 12)
     x = rng.normal(size=shape)
     x[:, 3] += 1e3
     x[:, 5] = 0.3

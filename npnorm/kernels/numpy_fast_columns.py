@@ -7,7 +7,7 @@ channels-last (N, C, *spatial) input (NumPy's ``moveaxis`` of NHWC data, torch's
 ``numpy_fast_channels`` sweeps, such input would be rows of one value, or a strided
 gather. Here a block is B rows of p columns (all C, but for inputs so wide that
 ``MIN_ROWS`` rows of C values exceed a block), every per-channel value a vector
-broadcast along the block's rows (or repeated on them, ``_tiles``), and every sum over
+broadcast along the block's rows (or repeated on them, ``_Columns``), and every sum over
 the rows a BLAS matrix-vector product of at most ``SUM_ROWS`` rows (one batched
 ``matmul`` per block), added in float64 (``_colsum``). The output keeps the input's
 layout.
@@ -145,25 +145,68 @@ def _written(
         np.copyto(dst[a:e, c0:c1], block, casting="same_kind")  # n,p to the output's dtype
 
 
-# A per-channel (C,) vector is repeated on a block's rows (``_tiles``) for inputs of at
-# least TILE_BLOCKS blocks with fewer than TILE_WIDTH channels: an operation with a
-# broadcast (C,) operand costs NumPy a loop call per row (a block of 1536 rows of 64
-# float32 values: 17 against 7 us), but the tiles are a block each, whose allocation
-# costs more than that saves on small inputs ((256, 512): 1.4 against 0.45 ms).
+# A per-column (C,) operand broadcast along a block's rows costs NumPy a loop call per row
+# (a block of 1536 rows of 64 float32 values: 17 against 7 us as one loop). ``_Columns``
+# repeats it on r rows and takes a C-ordered block as rows of r*C values, and the rows
+# left over as one run of values:
+# - BatchNorm's blocks (``_block_repeat``): r = B, a whole block in one loop, for inputs of
+#   at least TILE_BLOCKS blocks with fewer than TILE_WIDTH channels; the repeat is a block,
+#   whose allocation costs more than it saves on smaller inputs ((256, 512): 1.4 against
+#   0.45 ms), which broadcast (r = 1);
+# - GroupNorm's samples: r = WIDE // C.
 TILE_BLOCKS = 16
 TILE_WIDTH = 256
+WIDE = 1024
 
 
-def _tiles(B: int, M: int, *vectors: np.ndarray | None) -> list[np.ndarray | None]:
-    """Each (C,) vector repeated on B rows (B,C), or left as it is (see TILE_BLOCKS);
-    ``_on`` takes a block's operand from either."""
-    if any(v is not None and v.shape[0] >= TILE_WIDTH for v in vectors) or M < TILE_BLOCKS * B:
-        return list(vectors)
-    return [None if v is None else np.tile(v, (B, 1)) for v in vectors]  # B,C each
+class _Columns:
+    """A per-column vector ``v`` (C,) and its repeat over r rows (r*C,)."""
+
+    def __init__(self, v: np.ndarray, r: int) -> None:
+        self.v, self.r = v, max(1, r)
+        self._wide: np.ndarray | None = None  # r*C, made on first use
+
+    def _repeated(self) -> np.ndarray:
+        if self._wide is None:  # (two threads may both make it: the same values)
+            wide = np.empty(self.r * self.v.shape[0], dtype=self.v.dtype)  # r*C
+            wide.reshape(self.r, -1)[...] = self.v
+            self._wide = wide
+        return self._wide
+
+    def apply(
+        self, ufunc: Any, a: np.ndarray, out: np.ndarray, c0: int = 0, c1: int | None = None
+    ) -> np.ndarray:
+        """``ufunc(a, v[c0:c1], out=out)`` for (n, c1 - c0) blocks (all C columns by
+        default): as rows of r*C values and one run of the rest where the block is all C
+        columns and both are C-ordered, else broadcast."""
+        C = int(self.v.shape[0])
+        if c1 is not None and (c0, c1) != (0, C):
+            return ufunc(a, self.v[c0:c1], out=out)  # a panel of columns: broadcast
+        if self.r == 1 or not (a.flags.c_contiguous and out.flags.c_contiguous):
+            return ufunc(a, self.v, out=out)  # n,C
+        n, wide = int(a.shape[0]), self._repeated()  # r*C
+        h = n - n % self.r
+        if h:
+            W = wide.shape[0]
+            ufunc(a[:h].reshape(-1, W), wide, out=out[:h].reshape(-1, W))  # h/r,r*C
+        if h < n:
+            rest = (n - h) * C
+            ufunc(a[h:].reshape(-1), wide[:rest], out=out[h:].reshape(-1))  # (n - h)*C
+        return out
 
 
-def _on(v: np.ndarray, n: int, c0: int, c1: int) -> np.ndarray:
-    return v[:n, c0:c1] if v.ndim == 2 else v[c0:c1]  # n,p or p
+def _block_repeat(B: int, M: int, C: int) -> int:
+    """r for BatchNorm's ``_Columns`` over blocks of B of the M rows (see TILE_BLOCKS)."""
+    return B if M >= TILE_BLOCKS * B and C < TILE_WIDTH else 1
+
+
+def _columns(r: int, *vectors: np.ndarray | None) -> list[_Columns | None]:
+    return [None if v is None else _Columns(v, r) for v in vectors]
+
+
+def _sample_columns(v: np.ndarray) -> _Columns:
+    """A (C,) vector as GroupNorm's samples take it (r = WIDE // C)."""
+    return _Columns(v, WIDE // int(v.shape[0]))
 
 
 # Column sums are BLAS sums of at most SUM_ROWS rows in the data's dtype (one batched
@@ -304,23 +347,22 @@ def affine(
     ``shift``)."""
     M, C = int(x.shape[0]), int(x.shape[1])
     B, P = geometry(M, C, ct)
-    center_t, scale_t, shift_t = _tiles(B, M, center, scale, shift)  # B,C or C each
-    assert scale_t is not None
+    center_c, scale_c, shift_c = _columns(_block_repeat(B, M, C), center, scale, shift)
+    assert scale_c is not None
 
     def work(start: int, stop: int) -> None:
         xbuf = _staged(x, B, P, ct)
         obuf = _scratch(y.dtype != ct, B, P, ct)
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
-            n = e - a
             xb = _read(x, a, e, c0, c1, xbuf)  # n,p
             out = _target(y, a, e, c0, c1, obuf)  # n,p
-            if center_t is not None:
-                np.subtract(xb, _on(center_t, n, c0, c1), out=out)  # n,p
-                np.multiply(out, _on(scale_t, n, c0, c1), out=out)  # n,p
+            if center_c is not None:
+                center_c.apply(np.subtract, xb, out, c0, c1)  # n,p  x - center
+                scale_c.apply(np.multiply, out, out, c0, c1)  # n,p
             else:
-                np.multiply(xb, _on(scale_t, n, c0, c1), out=out)  # n,p
-            if shift_t is not None:
-                np.add(out, _on(shift_t, n, c0, c1), out=out)  # n,p
+                scale_c.apply(np.multiply, xb, out, c0, c1)  # n,p
+            if shift_c is not None:
+                shift_c.apply(np.add, out, out, c0, c1)  # n,p
             _written(y, a, e, c0, c1, out, obuf)
 
     run_chunks(work, M, B, P)
@@ -344,7 +386,8 @@ def grad_sums(
     nb = -(-M // B)
     sdy = np.empty((nb, C))  # blocks,C float64
     sdx = np.empty((nb, C)) if need_dot else None  # blocks,C float64
-    center_t, a_t = _tiles(B, M, center if need_dot else None, a_coef if dx is not None else None)
+    r = _block_repeat(B, M, C)
+    center_c, a_c = _columns(r, center if need_dot else None, a_coef if dx is not None else None)
 
     def work(start: int, stop: int) -> None:
         dybuf = _staged(dy, B, P, ct)
@@ -357,13 +400,13 @@ def grad_sums(
             dyb = _read(dy, a, e, c0, c1, dybuf)  # n,p
             sdy[i, c0:c1] = _colsum(dyb, ones)  # p  sum(dy)
             if sdx is not None:
-                assert tbuf is not None and center_t is not None
+                assert tbuf is not None and center_c is not None
                 xb = _read(x, a, e, c0, c1, xbuf)  # n,p
-                t = np.subtract(xb, _on(center_t, n, c0, c1), out=tbuf.take(n, c1 - c0))  # n,p  x - mean
+                t = center_c.apply(np.subtract, xb, tbuf.take(n, c1 - c0), c0, c1)  # n,p  x - mean
                 sdx[i, c0:c1] = _colsum(np.multiply(t, dyb, out=t), ones)  # p
-            if dx is not None and a_t is not None:
+            if dx is not None and a_c is not None:
                 out = _target(dx, a, e, c0, c1, obuf)  # n,p
-                np.multiply(dyb, _on(a_t, n, c0, c1), out=out)  # n,p
+                a_c.apply(np.multiply, dyb, out, c0, c1)  # n,p
                 _written(dx, a, e, c0, c1, out, obuf)
 
     run_chunks(work, M, B, P)
@@ -384,25 +427,24 @@ def batch_dx(
     over the rows of dy, x, dx (M, C): dy centred before it is scaled."""
     M, C = int(x.shape[0]), int(x.shape[1])
     B, P = geometry(M, C, ct)
-    center_t, a_t, b_t, d_t = _tiles(B, M, center, a_coef, b_coef, d_coef)  # B,C or C each
-    assert a_t is not None and b_t is not None and d_t is not None
+    center_c, a_c, b_c, d_c = _columns(_block_repeat(B, M, C), center, a_coef, b_coef, d_coef)
+    assert a_c is not None and b_c is not None and d_c is not None
 
     def work(start: int, stop: int) -> None:
         xbuf, dybuf = _staged(x, B, P, ct), _staged(dy, B, P, ct)
         tbuf = _Scratch(B, P, ct)
         obuf = _scratch(dx.dtype != ct, B, P, ct)
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
-            n = e - a
             xb, dyb = _read(x, a, e, c0, c1, xbuf), _read(dy, a, e, c0, c1, dybuf)  # n,p  n,p
-            t = tbuf.take(n, c1 - c0)  # n,p
+            t = tbuf.take(e - a, c1 - c0)  # n,p
             out = _target(dx, a, e, c0, c1, obuf)  # n,p
-            if center_t is not None:
-                np.subtract(xb, _on(center_t, n, c0, c1), out=t)  # n,p  x - mean
-                np.multiply(t, _on(b_t, n, c0, c1), out=t)  # n,p
+            if center_c is not None:
+                center_c.apply(np.subtract, xb, t, c0, c1)  # n,p  x - mean
+                b_c.apply(np.multiply, t, t, c0, c1)  # n,p
             else:
-                np.multiply(xb, _on(b_t, n, c0, c1), out=t)  # n,p
-            np.subtract(dyb, _on(d_t, n, c0, c1), out=out)  # n,p
-            np.multiply(out, _on(a_t, n, c0, c1), out=out)  # n,p
+                b_c.apply(np.multiply, xb, t, c0, c1)  # n,p
+            d_c.apply(np.subtract, dyb, out, c0, c1)  # n,p  dy - d
+            a_c.apply(np.multiply, out, out, c0, c1)  # n,p
             np.add(out, t, out=out)  # n,p
             _written(dx, a, e, c0, c1, out, obuf)
 
@@ -417,33 +459,6 @@ def batch_dx(
 # rounded to the computation dtype, the residual ``sum(x - mean)`` and ``M2 = sum((x -
 # mean)^2)`` of its columns (float64), then the output. The threads take whole samples:
 # the same bits for any thread count. Output and dx keep the input's layout.
-
-
-# A per-column (C,) operand broadcast along a block's rows costs NumPy a loop call per row;
-# for narrow samples the block is taken as rows of WIDE values (r rows of C values each),
-# the operand repeated r times.
-WIDE = 1024
-
-
-class _Columns:
-    """A per-column vector ``v`` (C,) and its repeat over r rows (r*C,), r = WIDE // C."""
-
-    def __init__(self, v: np.ndarray) -> None:
-        C = int(v.shape[0])
-        self.v, self.r = v, max(1, WIDE // C)
-        self.wide = np.tile(v, self.r) if self.r > 1 else v  # r*C
-
-    def apply(self, ufunc: Any, a: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``ufunc(a, v, out=out)`` for (n, C) blocks, as rows of r*C values where both
-        are C-ordered."""
-        n = int(a.shape[0])
-        h = n - n % self.r if self.r > 1 and a.flags.c_contiguous and out.flags.c_contiguous else 0
-        if h:
-            W = self.wide.shape[0]
-            ufunc(a[:h].reshape(-1, W), self.wide, out=out[:h].reshape(-1, W))
-        if h < n:
-            ufunc(a[h:], self.v, out=out[h:])
-        return out
 
 
 # Samples of fewer than SAMPLE_VALUES values (S*C) go the rows' way instead
@@ -534,7 +549,7 @@ def group_forward(
             col += _colsum(_read(xs, a, e, 0, C, xbuf), ones)
         m64 = _group_sums(col, G) / L  # G float64
         m = m64.astype(ct)  # G  the mean, rounded
-        mc = _Columns(np.repeat(m, k))  # C
+        mc = _sample_columns(np.repeat(m, k))  # C
         rs, q = np.zeros(C), np.zeros(C)  # C float64: sum(x - m), sum((x - m)^2) per column
         for a, e in blocks(0, S, B):
             t = mc.apply(np.subtract, _read(xs, a, e, 0, C, xbuf), tbuf.take(e - a, C))  # n,C
@@ -580,7 +595,7 @@ def group_forward(
             with np.errstate(all="ignore"):
                 shift = -d * scale if b is None else b - d * scale  # C float64: (x - m - d)*scale + b
             shift = np.where(d == 0, 0.0 if b is None else b, shift).astype(ct)  # C (0*inf: not NaN)
-            mc, sc, sh = _Columns(np.repeat(m, k)), _Columns(scale), _Columns(shift)  # C each
+            mc, sc, sh = (_sample_columns(v) for v in (np.repeat(m, k), scale, shift))  # C each
             for a, e in blocks(0, S, B):
                 out = _target(ys, a, e, 0, C, obuf)  # n,C
                 mc.apply(np.subtract, _read(xs, a, e, 0, C, xbuf), out)
@@ -628,7 +643,7 @@ def group_backward(
         for n in range(n0, n1):
             xs, dys, dxs = x[n], dy[n], dx[n]  # S,C each
             g0 = n * G
-            mc = _Columns(np.repeat(mean[g0 : g0 + G], k))  # C  (ct)
+            mc = _sample_columns(np.repeat(mean[g0 : g0 + G], k))  # C  (ct)
             rs = rstd[g0 : g0 + G]  # G  (ct)
             sx, sd, sdx = np.zeros(C), sdy_all[n], sdx_all[n]  # C float64 each
             sd[...] = 0.0
@@ -657,7 +672,7 @@ def group_backward(
                 cc = (cc - bc.astype(np.float64) * d).astype(ct)  # G
             rc = np.repeat(rs, k)  # C
             a_c = rc if w is None else np.multiply(rc, w)  # C  rstd*w
-            ac, b_c, c_c = _Columns(a_c), _Columns(np.repeat(bc, k)), _Columns(np.repeat(cc, k))  # C each
+            ac, b_c, c_c = (_sample_columns(v) for v in (a_c, np.repeat(bc, k), np.repeat(cc, k)))  # C each
             for a, e in blocks(0, S, B):
                 dyb = _read(dys, a, e, 0, C, dybuf)  # n,C
                 t = mc.apply(np.subtract, _read(xs, a, e, 0, C, xbuf), tbuf.take(e - a, C))  # n,C
