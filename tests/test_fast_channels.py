@@ -587,7 +587,7 @@ def test_channel_columns_keep_the_layout_with_the_references_results(
     ``TILE_BLOCKS`` blocks of rows or more, where the per-channel coefficients are
     repeated on a block's rows (no drawn case has that many rows)."""
     rng = np.random.default_rng(5)
-    if many_blocks:  # 1100 rows (B = 64 at 1 KB blocks; 1100 = 17 * 64 + 12)
+    if many_blocks:  # 1100 rows (1100 = 17 * 64 + 12)
         shape = (22, 12, 5, 10) if layout == "channels_last" else (1100, 12)
     else:
         shape = (6, 12, 5, 7) if layout == "channels_last" else (211, 12)
@@ -611,9 +611,12 @@ def test_channel_columns_keep_the_layout_with_the_references_results(
         return (dy, x, r[1], r[2], w, b, training)
 
     ct = compute_dtype(x, w, b, rm)
+    # blocks of 1 KB; with many_blocks, of 64 rows of all 12 channels (a smaller block
+    # would be taken in panels of columns, which broadcast)
+    block_bytes = 64 * 12 * np.dtype(ct).itemsize if many_blocks else 1024
     results = []
     for threads in (1, 2, 3):
-        with config(threads, block_bytes=1024):
+        with config(threads, block_bytes=block_bytes):
             f, d = compare(ops, fwd_args, bwd_args, ct, x, dy, w)
         for a in (f[0], d[0]):
             assert (

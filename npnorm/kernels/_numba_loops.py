@@ -1417,9 +1417,9 @@ def group_rows_dx(dy, x, dx, rows, av, k1v, mc, rcv, k0v, u0, u1):  # type: igno
 # in integer arithmetic on the float32 bits, with no float32 subnormal in between: a
 # process whose MXCSR flushes subnormals (a library built with -ffast-math) still gets
 # the exact halves. Where the CPU converts in one instruction, the staging calls the
-# instruction's loops below instead. Each way has two loops, one each way of the cast,
-# over columns ``[lo, hi)`` of an (N, W) array's rows: BatchNorm's staged blocks of
-# channels, and a whole C-ordered array as one row of all its values.
+# instruction's loops below instead. Each way (integer arithmetic, instruction) has two
+# loops, float16 to float32 and back, over columns ``[lo, hi)`` of an (N, W) array's
+# rows: BatchNorm's staged blocks of channels, and a whole C-ordered array as one row.
 
 
 # the casts run compiled (their bit casts have no Python version: under

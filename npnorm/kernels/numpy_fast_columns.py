@@ -147,8 +147,8 @@ def _written(
 
 # A per-column (C,) operand broadcast along a block's rows costs NumPy a loop call per row
 # (a block of 1536 rows of 64 float32 values: 17 against 7 us as one loop). ``_Columns``
-# repeats it on r rows and takes a C-ordered block as rows of r*C values, and the rows
-# left over as one run of values:
+# repeats it on r rows: a block of r rows or fewer takes that many of them (``on``: one
+# loop), a longer C-ordered block is taken as rows of r*C values (``apply``):
 # - BatchNorm's blocks (``_block_repeat``): r = B, a whole block in one loop, for inputs of
 #   at least TILE_BLOCKS blocks with fewer than TILE_WIDTH channels; the repeat is a block,
 #   whose allocation costs more than it saves on smaller inputs ((256, 512): 1.4 against
@@ -160,38 +160,37 @@ WIDE = 1024
 
 
 class _Columns:
-    """A per-column vector ``v`` (C,) and its repeat over r rows (r*C,)."""
+    """A per-column vector ``v`` (C,) and, for r > 1, its repeat on r rows (r, C)."""
 
     def __init__(self, v: np.ndarray, r: int) -> None:
         self.v, self.r = v, max(1, r)
-        self._wide: np.ndarray | None = None  # r*C, made on first use
+        self.rows = None if self.r == 1 else np.empty((self.r, v.shape[0]), dtype=v.dtype)  # r,C
+        if self.rows is not None:
+            self.rows[...] = v
 
-    def _repeated(self) -> np.ndarray:
-        if self._wide is None:  # (two threads may both make it: the same values)
-            wide = np.empty(self.r * self.v.shape[0], dtype=self.v.dtype)  # r*C
-            wide.reshape(self.r, -1)[...] = self.v
-            self._wide = wide
-        return self._wide
+    def on(self, n: int, c0: int = 0, c1: int | None = None) -> np.ndarray:
+        """The operand of a block of n rows (n <= r where r > 1), columns ``[c0, c1)``:
+        the repeat's first n rows (n,p), or ``v`` to broadcast (p,)."""
+        return self.v[c0:c1] if self.rows is None else self.rows[:n, c0:c1]
 
     def apply(
         self, ufunc: Any, a: np.ndarray, out: np.ndarray, c0: int = 0, c1: int | None = None
     ) -> np.ndarray:
         """``ufunc(a, v[c0:c1], out=out)`` for (n, c1 - c0) blocks (all C columns by
-        default): as rows of r*C values and one run of the rest where the block is all C
-        columns and both are C-ordered, else broadcast."""
-        C = int(self.v.shape[0])
-        if c1 is not None and (c0, c1) != (0, C):
-            return ufunc(a, self.v[c0:c1], out=out)  # a panel of columns: broadcast
-        if self.r == 1 or not (a.flags.c_contiguous and out.flags.c_contiguous):
-            return ufunc(a, self.v, out=out)  # n,C
-        n, wide = int(a.shape[0]), self._repeated()  # r*C
+        default): a block of r rows or fewer with the repeat's rows, a longer one (all C
+        columns, both C-ordered) as rows of r*C values and the rest with the repeat's
+        rows; else broadcast."""
+        rows, n = self.rows, a.shape[0]
+        if rows is None or n <= self.r:
+            return ufunc(a, self.on(n, c0, c1), out=out)  # n,p
+        C = rows.shape[1]
+        if (c0, c1) not in ((0, None), (0, C)) or not (a.flags.c_contiguous and out.flags.c_contiguous):
+            return ufunc(a, self.v[c0:c1], out=out)  # n,p
         h = n - n % self.r
-        if h:
-            W = wide.shape[0]
-            ufunc(a[:h].reshape(-1, W), wide, out=out[:h].reshape(-1, W))  # h/r,r*C
+        W = self.r * C
+        ufunc(a[:h].reshape(-1, W), rows.reshape(W), out=out[:h].reshape(-1, W))  # h/r,r*C
         if h < n:
-            rest = (n - h) * C
-            ufunc(a[h:].reshape(-1), wide[:rest], out=out[h:].reshape(-1))  # (n - h)*C
+            ufunc(a[h:], rows[: n - h], out=out[h:])  # n - h,C
         return out
 
 
@@ -354,15 +353,16 @@ def affine(
         xbuf = _staged(x, B, P, ct)
         obuf = _scratch(y.dtype != ct, B, P, ct)
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
+            n = e - a
             xb = _read(x, a, e, c0, c1, xbuf)  # n,p
             out = _target(y, a, e, c0, c1, obuf)  # n,p
             if center_c is not None:
-                center_c.apply(np.subtract, xb, out, c0, c1)  # n,p  x - center
-                scale_c.apply(np.multiply, out, out, c0, c1)  # n,p
+                np.subtract(xb, center_c.on(n, c0, c1), out=out)  # n,p
+                np.multiply(out, scale_c.on(n, c0, c1), out=out)  # n,p
             else:
-                scale_c.apply(np.multiply, xb, out, c0, c1)  # n,p
+                np.multiply(xb, scale_c.on(n, c0, c1), out=out)  # n,p
             if shift_c is not None:
-                shift_c.apply(np.add, out, out, c0, c1)  # n,p
+                np.add(out, shift_c.on(n, c0, c1), out=out)  # n,p
             _written(y, a, e, c0, c1, out, obuf)
 
     run_chunks(work, M, B, P)
@@ -402,11 +402,11 @@ def grad_sums(
             if sdx is not None:
                 assert tbuf is not None and center_c is not None
                 xb = _read(x, a, e, c0, c1, xbuf)  # n,p
-                t = center_c.apply(np.subtract, xb, tbuf.take(n, c1 - c0), c0, c1)  # n,p  x - mean
+                t = np.subtract(xb, center_c.on(n, c0, c1), out=tbuf.take(n, c1 - c0))  # n,p  x - mean
                 sdx[i, c0:c1] = _colsum(np.multiply(t, dyb, out=t), ones)  # p
             if dx is not None and a_c is not None:
                 out = _target(dx, a, e, c0, c1, obuf)  # n,p
-                a_c.apply(np.multiply, dyb, out, c0, c1)  # n,p
+                np.multiply(dyb, a_c.on(n, c0, c1), out=out)  # n,p
                 _written(dx, a, e, c0, c1, out, obuf)
 
     run_chunks(work, M, B, P)
@@ -435,16 +435,17 @@ def batch_dx(
         tbuf = _Scratch(B, P, ct)
         obuf = _scratch(dx.dtype != ct, B, P, ct)
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
+            n = e - a
             xb, dyb = _read(x, a, e, c0, c1, xbuf), _read(dy, a, e, c0, c1, dybuf)  # n,p  n,p
-            t = tbuf.take(e - a, c1 - c0)  # n,p
+            t = tbuf.take(n, c1 - c0)  # n,p
             out = _target(dx, a, e, c0, c1, obuf)  # n,p
             if center_c is not None:
-                center_c.apply(np.subtract, xb, t, c0, c1)  # n,p  x - mean
-                b_c.apply(np.multiply, t, t, c0, c1)  # n,p
+                np.subtract(xb, center_c.on(n, c0, c1), out=t)  # n,p  x - mean
+                np.multiply(t, b_c.on(n, c0, c1), out=t)  # n,p
             else:
-                b_c.apply(np.multiply, xb, t, c0, c1)  # n,p
-            d_c.apply(np.subtract, dyb, out, c0, c1)  # n,p  dy - d
-            a_c.apply(np.multiply, out, out, c0, c1)  # n,p
+                np.multiply(xb, b_c.on(n, c0, c1), out=t)  # n,p
+            np.subtract(dyb, d_c.on(n, c0, c1), out=out)  # n,p
+            np.multiply(out, a_c.on(n, c0, c1), out=out)  # n,p
             np.add(out, t, out=out)  # n,p
             _written(dx, a, e, c0, c1, out, obuf)
 
