@@ -406,14 +406,17 @@ def test_staged_batch_norm_takes_blocks_of_channels_of_1kb_a_sample(shape, dtype
     assert calls == ([1, 1] if blocks else [])
 
 
-def test_staged_batch_norm_needs_no_copy_of_the_input(restore_threads, monkeypatch):
+@pytest.mark.parametrize("layout", ["C", "channels_last", "batch_norm1d"])
+def test_staged_batch_norm_needs_no_copy_of_the_input(layout, restore_threads, monkeypatch):
     """float16 BatchNorm was staged as float32 copies of the whole input and output
     (forward) or input, gradient and dx (backward): 4-6x the input's bytes on top of the
-    result. In blocks of channels it needs a few blocks' scratch per thread."""
+    result. In blocks of channels (or of rows, for one value per channel and sample:
+    channels-last input, BatchNorm1d) it needs a few blocks' scratch per thread."""
     _threads.set_num_threads(2)
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(8, 64, 64, 64)).astype(np.float16)
-    dy = rng.normal(size=x.shape).astype(np.float16)
+    shape = (8 * 64 * 64, 64) if layout == "batch_norm1d" else (8, 64, 64, 64)
+    x = laid_out(rng.normal(size=shape).astype(np.float16), layout)
+    dy = laid_out(rng.normal(size=x.shape).astype(np.float16), layout)
     with npnorm.use_kernels("numba"):
         f = F.batch_norm_forward(x, None, None, training=True)  # (compiled before measuring)
         F.batch_norm_backward(dy, x, f[1], f[2], training=True)
@@ -427,6 +430,63 @@ def test_staged_batch_norm_needs_no_copy_of_the_input(restore_threads, monkeypat
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
             assert peak - x.nbytes < 0.25 * x.nbytes, (step, peak / x.nbytes)
+
+
+@pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight", "byte-swapped"])
+@pytest.mark.parametrize(
+    "shape, channels_last", [((300, 5), False), ((6, 5, 7, 8), True), ((129, 2, 1, 1), False)]
+)
+def test_batch_norm_of_one_value_per_channel_staged_by_rows_as_unstaged(
+    kind, shape, channels_last, restore_threads, monkeypatch
+):
+    """Staged BatchNorm input with one value per channel and sample (BatchNorm1d's (N, C),
+    channels-last input's (N*S, C) rows) was copied whole into float32 with its output
+    (float16: 8x the input's bytes at peak). It goes by blocks of rows
+    (``numba_channels._staged_rows``): bitwise the results of the same values passed
+    unstaged, for blocks of one span of rows and more, 1-3 threads taking the spans,
+    training and eval."""
+    rng = np.random.default_rng(3)
+    C = shape[1]
+    dtype = "float16" if kind == "float16" else "float32"
+    x = (rng.normal(size=shape) * 3 + 1).astype(dtype)
+    dy = rng.normal(size=shape).astype(dtype)
+    ct = "float64" if kind == "float64 weight" else "float32"
+    w, b = rng.normal(size=C).astype(ct), rng.normal(size=C).astype(ct)
+    rm, rv = rng.normal(size=C).astype(ct), rng.uniform(0.5, 2, size=C).astype(ct)
+    if channels_last:
+        x, dy = laid_out(x, "channels_last"), laid_out(dy, "channels_last")
+    plain = [x.astype(ct), dy.astype(ct)]  # unstaged (astype keeps the layout)
+    staged = [x, dy]
+    if kind == "read-only":
+        for a in staged:
+            a.flags.writeable = False
+    if kind == "byte-swapped":
+        staged = [a.astype(a.dtype.newbyteorder()) for a in staged]
+    calls = []
+    real = numba_channels._staged_rows
+
+    def both(x, dy, training):
+        f = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, b, training=training)
+        return [*f, *F.batch_norm_backward(dy, x, f[1], f[2], w, b, training=training)]
+
+    with npnorm.use_kernels("numba"):
+        for training in (True, False):
+            want = both(*plain, training)
+            for threads, stage in [(1, 64), (2, 64), (3, 64), (2, 1 << 12)]:  # (a span of rows a block, more)
+                _threads.set_num_threads(threads)
+                monkeypatch.setattr(_staging, "STAGE_BYTES", stage)
+                monkeypatch.setattr(_staging, "MIN_PARALLEL", 1)  # (the threads split even these)
+                monkeypatch.setattr(numba_channels, "_staged_rows", lambda *a: calls.append(1) or real(*a))
+                got = both(*staged, training)
+                monkeypatch.undo()
+                for g, v in zip(got, want, strict=True):
+                    if v is None:
+                        assert g is None
+                    else:  # (float16: the output is the float32 result rounded)
+                        np.testing.assert_array_equal(g, v.astype(g.dtype), err_msg=f"{threads} {stage}")
+                if channels_last:
+                    assert np.moveaxis(got[0], 1, -1).flags.c_contiguous  # (the layout kept)
+    assert calls
 
 
 # a running mean of 0.0292 from terms of 0.34 (see compare): the tolerance lacked them
