@@ -368,7 +368,8 @@ def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restor
     with npnorm.use_kernels("numba"):
         for training in (True, False):
             want = both(*plain, training)
-            # (span 0: any channels by blocks; 1 MB: these copied whole, as short channels are)
+            # (span 0: any channels by blocks; 1 MB: these copied whole, as short channels are,
+            # but (7, 3), whose one value per channel and sample goes by blocks of rows)
             for threads, span in [(1, 0), (2, 0), (3, 0), (2, 1 << 20)]:
                 _threads.set_num_threads(threads)
                 monkeypatch.setattr(numba_channels, "STAGED_SPAN_BYTES", span)

@@ -12,8 +12,9 @@ Memory beyond the outputs is then a few blocks per thread, a block being at leas
 row (rows longer than ``STAGE_BYTES``, few huge LayerNorm rows or InstanceNorm planes,
 take a row's scratch per staged array and thread: a float16 InstanceNorm of two 2048x2048
 planes used 4x its input's bytes in the forward, 6x in the backward). BatchNorm, whose
-loop needs all of a channel's samples at once, stages such an input whole
-(``Source.whole``), and such an output through a whole-size scratch array.
+loop needs all of a channel's samples at once, stages such an input in blocks of channels
+or of rows where it can (``numba_channels``), else whole (``Source.whole``), and such an
+output through a whole-size scratch array.
 
 Threads: the rows (or channels) are split into one contiguous range per thread
 (``ranges``), fixed by the thread count (``npnorm.set_num_threads``) and the size, and

@@ -23,8 +23,10 @@ as (N, C, S), S = prod(spatial):
   N) planes of its ``.T``, without a copy (``_channel_views``). A C-ordered input the loops
   cannot take as it is (float16, read-only, another dtype or byte order) is staged in
   blocks of channels (``_by_channel_blocks``), a block per staged array and thread, where
-  its channels have 1 KB a sample or more; shorter channels and any other layout are first
-  copied whole (one copy of the input).
+  its channels have 1 KB a sample or more, and in blocks of rows (``_staged_rows``) where
+  they have one value a sample (BatchNorm1d's, channels-last rows) and the input more than
+  a block per thread; other channels, small inputs and any other layout are first copied
+  whole (one copy of the input).
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
@@ -236,10 +238,11 @@ def compile_span_loops(dtype: str) -> None:
 # the forward, 3 in the backward), a block holding STAGE_BYTES of channels or one channel
 # (N*S values) where that is more, not a float32 copy of the whole input and output (5x a
 # float16 input's bytes before). The loops see each channel's values as they would
-# unstaged, so the results are bitwise the same. Shorter channels (BatchNorm1d's one
-# value) are copied whole as before: read in blocks of channels, each sample's part of a
-# block was a few bytes, and with few channels the threads split the channels instead of
-# the samples' spans (float16 (262144, 4) took 46 ms, against 7-9 copied whole).
+# unstaged, so the results are bitwise the same. Shorter channels do not go so: read in
+# blocks of channels, each sample's part of a block was a few bytes, and with few channels
+# the threads split the channels instead of the samples' spans (float16 (262144, 4) took
+# 46 ms, against 7-9 copied whole); those of one value a sample go by blocks of rows
+# (below), the others are copied whole.
 STAGED_SPAN_BYTES = 1024
 
 
@@ -304,22 +307,27 @@ def _by_channel_blocks(
 # Staged BatchNorm whose channels have one value a sample (BatchNorm1d's (N, C) input,
 # channels-last input as its (N*S, C) rows) goes by blocks of rows: each thread converts
 # blocks of about STAGE_BYTES (whole spans of ``loops.SPAN`` rows) into scratch of the
-# computation dtype, for the spans' sums (the statistics, or dy's sums: the loops the
-# threads take unstaged where they split the spans, ``_span_statistics``,
-# ``_span_backward``), then again for the output or dx. The sums are those the unstaged
+# computation dtype, for the spans' sums (the statistics' two passes, or dy's sums: the
+# loops the threads take unstaged where they split the spans, ``_span_statistics``,
+# ``_span_backward``), then again for the output or dx (three conversions in a training
+# forward, two in a backward). The sums are those the unstaged
 # loops take, span by span, added in the same order: bitwise the same results, with a
 # few blocks of scratch per thread instead of float32 copies of the whole input and
 # output (float16 (100352, 64) forward+backward, two threads: 0.49-0.53x the time of
 # the whole copies, and 2.6x the input's bytes at peak, outputs included, against 8.1x).
-# Inputs of one block or less are copied whole still (they take one block either way,
-# and the blocks' three conversions cost (256, 64) 1.18x the time).
+# Inputs of one block per thread or less are copied whole still: at (256, 64) the blocks'
+# conversions cost 1.18x the time, and with few rows of many channels (float16 (32,
+# 65536), a span of 64 rows is one block larger than STAGE_BYTES) the spans' sums ran in
+# one thread where the whole copy's channel loops split the channels (a review: 1.6x the
+# time, and more memory).
 
 
 def _by_rows(input: np.ndarray, ct: np.dtype[Any], *others: np.ndarray) -> bool:
-    """Whether a staged input (and gradient) of one value per channel and sample go by
-    blocks of rows: C-ordered, larger than a block."""
+    """Whether a staged input (and gradient) of one value per channel and sample, (M, C)
+    rows, go by blocks of rows: C-ordered, more than a block (``_row_block``) per thread."""
     arrays = (input, *others)
-    return all(a.flags.c_contiguous for a in arrays) and input.size * ct.itemsize > _staging.STAGE_BYTES
+    M, C = int(input.shape[0]), int(input.shape[1])
+    return all(a.flags.c_contiguous for a in arrays) and M > get_num_threads() * _row_block(C, ct)
 
 
 def _row_block(C: int, ct: np.dtype[Any]) -> int:
