@@ -338,6 +338,28 @@ def test_batch_norm(p):
         assert f[3] is rm and f[4] is rv
 
 
+def staged_batch_norm_case(kind: str, shape: tuple[int, ...], seed: int, layout: str = "C") -> tuple:
+    """BatchNorm inputs the loops must stage (``kind``: float16, read-only, a float64
+    weight, the other byte order) in ``layout``, and the same values as the loops take
+    them unstaged: ``(w, b, running_mean, running_var, [x, dy] unstaged, [x, dy] staged)``."""
+    rng = np.random.default_rng(seed)
+    C = shape[1]
+    dtype = "float16" if kind == "float16" else "float32"
+    x = laid_out((rng.normal(size=shape) * 3 + 1).astype(dtype), layout)
+    dy = laid_out(rng.normal(size=shape).astype(dtype), layout)
+    ct = "float64" if kind == "float64 weight" else "float32"
+    w, b = rng.normal(size=C).astype(ct), rng.normal(size=C).astype(ct)
+    rm, rv = rng.normal(size=C).astype(ct), rng.uniform(0.5, 2, size=C).astype(ct)
+    plain = [x.astype(ct), dy.astype(ct)]  # unstaged: writable, of ct (astype keeps the layout)
+    staged = [x, dy]
+    if kind == "read-only":
+        for a in staged:
+            a.flags.writeable = False
+    if kind == "byte-swapped":
+        staged = [a.astype(a.dtype.newbyteorder()) for a in staged]
+    return w, b, rm, rv, plain, staged
+
+
 @pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight", "byte-swapped"])
 @pytest.mark.parametrize("shape", [(3, 5, 300), (40, 6, 2), (7, 3), (2, 4, 3, 5)])
 def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restore_threads, monkeypatch):
@@ -345,21 +367,7 @@ def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restor
     dtype other than the input's, the other byte order) is staged in blocks of channels
     (``numba_channels._by_channel_blocks``): bitwise the results of the same values
     passed unstaged, for blocks of 1 channel and more and 1-3 threads, training and eval."""
-    rng = np.random.default_rng(7)
-    C = shape[1]
-    dtype = "float16" if kind == "float16" else "float32"
-    x = (rng.normal(size=shape) * 3 + 1).astype(dtype)
-    dy = rng.normal(size=shape).astype(dtype)
-    ct = "float64" if kind == "float64 weight" else "float32"
-    w, b = rng.normal(size=C).astype(ct), rng.normal(size=C).astype(ct)
-    rm, rv = rng.normal(size=C).astype(ct), rng.uniform(0.5, 2, size=C).astype(ct)
-    plain = [x.astype(ct), dy.astype(ct)]  # unstaged: C-ordered, writable, of ct
-    staged = [x, dy]
-    if kind == "read-only":
-        for a in staged:
-            a.flags.writeable = False
-    if kind == "byte-swapped":
-        staged = [a.astype(a.dtype.newbyteorder()) for a in staged]
+    w, b, rm, rv, plain, staged = staged_batch_norm_case(kind, shape, seed=7)
 
     def both(x, dy, training):
         f = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, b, training=training)
@@ -446,23 +454,8 @@ def test_batch_norm_of_one_value_per_channel_staged_by_rows_as_unstaged(
     (``numba_channels._staged_rows``): bitwise the results of the same values passed
     unstaged, for blocks of one span of rows and more, 1-3 threads taking the spans,
     training and eval."""
-    rng = np.random.default_rng(3)
-    C = shape[1]
-    dtype = "float16" if kind == "float16" else "float32"
-    x = (rng.normal(size=shape) * 3 + 1).astype(dtype)
-    dy = rng.normal(size=shape).astype(dtype)
-    ct = "float64" if kind == "float64 weight" else "float32"
-    w, b = rng.normal(size=C).astype(ct), rng.normal(size=C).astype(ct)
-    rm, rv = rng.normal(size=C).astype(ct), rng.uniform(0.5, 2, size=C).astype(ct)
-    if channels_last:
-        x, dy = laid_out(x, "channels_last"), laid_out(dy, "channels_last")
-    plain = [x.astype(ct), dy.astype(ct)]  # unstaged (astype keeps the layout)
-    staged = [x, dy]
-    if kind == "read-only":
-        for a in staged:
-            a.flags.writeable = False
-    if kind == "byte-swapped":
-        staged = [a.astype(a.dtype.newbyteorder()) for a in staged]
+    layout = "channels_last" if channels_last else "C"
+    w, b, rm, rv, plain, staged = staged_batch_norm_case(kind, shape, seed=3, layout=layout)
     calls = []
     real = numba_channels._staged_rows
 

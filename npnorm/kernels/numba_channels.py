@@ -189,6 +189,27 @@ def _span_statistics(
         stat /= x.shape[0] * S  # C
 
 
+def _span_grads(
+    sums: tuple[np.ndarray, np.ndarray],
+    r: np.ndarray,
+    w: np.ndarray,
+    M: int,
+    dw: np.ndarray,
+    db: np.ndarray,
+    ct: np.dtype[Any],
+) -> tuple[np.ndarray, ...]:
+    """From the spans' ``sum(dy)``, ``sum(dy*(x - mean))`` (float64 (spans, C) each, added
+    in span order): dweight and dbias (into ``dw``, ``db``) and dx's coefficients per
+    channel ``(a, k1, d_hi, d_lo)`` in ``ct`` (``loops.channel_grads``; M values per channel)."""
+    C = r.shape[0]
+    sd, sdx = np.empty(C), np.empty(C)  # C float64
+    loops.add_spans(sums[0], sd)
+    loops.add_spans(sums[1], sdx)
+    av, k1v, dhv, dlv = (np.empty(C, dtype=ct) for _ in range(4))  # C each
+    loops.channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, dhv, dlv)
+    return av, k1v, dhv, dlv
+
+
 def _span_backward(
     dy: np.ndarray,
     x: np.ndarray,
@@ -207,11 +228,7 @@ def _span_backward(
     N, C = x.shape[0], m.shape[0]
     sums = np.empty((parts[-1][1], C)), np.empty((parts[-1][1], C))  # spans,C: sum(dy), sum(dy*(x - mean))
     run(partial(loops.channel_span_dy_sums, dy, x, S, m, *sums), parts)
-    sd, sdx = np.empty(C), np.empty(C)  # C float64
-    loops.add_spans(sums[0], sd)
-    loops.add_spans(sums[1], sdx)
-    av, k1v, dhv, dlv = (np.empty(C, dtype=dx.dtype) for _ in range(4))  # dx's coefficients per channel
-    loops.channel_grads(r, w, sd, sdx, N * S, dw, db, av, k1v, dhv, dlv)
+    av, k1v, dhv, dlv = _span_grads(sums, r, w, N * S, dw, db, dx.dtype)
 
     def samples(r0: int, r1: int) -> None:
         loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, dhv, dlv)
@@ -409,11 +426,7 @@ def _staged_row_backward(
         loops.channel_span_dy_sums(blocks[0], blocks[1], 1, m, sums[0][k : k + n], sums[1][k : k + n], 0, n)
 
     _staged_spans([dy, x], ct, span_sums)
-    sd, sdx = np.empty(C), np.empty(C)  # C float64
-    loops.add_spans(sums[0], sd)
-    loops.add_spans(sums[1], sdx)
-    av, k1v, dhv, dlv = (np.empty(C, dtype=ct) for _ in range(4))  # dx's coefficients per channel
-    loops.channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, dhv, dlv)
+    av, k1v, dhv, dlv = _span_grads(sums, r, w, M, dw, db, ct)
 
     def rows_dx(a: int, e: int, blocks: list[np.ndarray]) -> None:
         dyb, xb, dxb = blocks if training else (blocks[0], blocks[0], blocks[1])  # (eval: dx = a*dy)
