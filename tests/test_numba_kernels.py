@@ -360,6 +360,21 @@ def staged_batch_norm_case(kind: str, shape: tuple[int, ...], seed: int, layout:
     return w, b, rm, rv, plain, staged
 
 
+def batch_norm_results(x, dy, w, b, rm, rv, training) -> list:
+    """BatchNorm's forward (on copies of the running statistics) and backward: every result."""
+    f = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, b, training=training)
+    return [*f, *F.batch_norm_backward(dy, x, f[1], f[2], w, b, training=training)]
+
+
+def assert_staged_as_unstaged(got: list, want: list, what: str) -> None:
+    """Staged results bitwise the unstaged ones (float16: the float32 result rounded)."""
+    for g, v in zip(got, want, strict=True):
+        if v is None:
+            assert g is None
+        else:
+            np.testing.assert_array_equal(g, v.astype(g.dtype), err_msg=what)
+
+
 @pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight", "byte-swapped"])
 @pytest.mark.parametrize("shape", [(3, 5, 300), (40, 6, 2), (7, 3), (2, 4, 3, 5)])
 def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restore_threads, monkeypatch):
@@ -369,26 +384,18 @@ def test_batch_norm_staged_in_blocks_of_channels_as_unstaged(kind, shape, restor
     passed unstaged, for blocks of 1 channel and more and 1-3 threads, training and eval."""
     w, b, rm, rv, plain, staged = staged_batch_norm_case(kind, shape, seed=7)
 
-    def both(x, dy, training):
-        f = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, b, training=training)
-        return [*f, *F.batch_norm_backward(dy, x, f[1], f[2], w, b, training=training)]
-
     with npnorm.use_kernels("numba"):
         for training in (True, False):
-            want = both(*plain, training)
+            want = batch_norm_results(*plain, w, b, rm, rv, training)
             # (span 0: any channels by blocks; 1 MB: these copied whole, as short channels are,
             # but (7, 3), whose one value per channel and sample goes by blocks of rows)
             for threads, span in [(1, 0), (2, 0), (3, 0), (2, 1 << 20)]:
                 _threads.set_num_threads(threads)
                 monkeypatch.setattr(numba_channels, "STAGED_SPAN_BYTES", span)
                 monkeypatch.setattr(_staging, "STAGE_BYTES", 64)  # 1 channel a block
-                got = both(*staged, training)
+                got = batch_norm_results(*staged, w, b, rm, rv, training)
                 monkeypatch.undo()
-                for g, v in zip(got, want, strict=True):
-                    if v is None:
-                        assert g is None
-                    else:  # (float16: the output is the float32 result rounded)
-                        np.testing.assert_array_equal(g, v.astype(g.dtype), err_msg=f"{threads} {span}")
+                assert_staged_as_unstaged(got, want, f"{threads} {span}")
 
 
 @pytest.mark.parametrize(
@@ -459,25 +466,17 @@ def test_batch_norm_of_one_value_per_channel_staged_by_rows_as_unstaged(
     calls = []
     real = numba_channels._staged_rows
 
-    def both(x, dy, training):
-        f = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, b, training=training)
-        return [*f, *F.batch_norm_backward(dy, x, f[1], f[2], w, b, training=training)]
-
     with npnorm.use_kernels("numba"):
         for training in (True, False):
-            want = both(*plain, training)
+            want = batch_norm_results(*plain, w, b, rm, rv, training)
             for threads, stage in [(1, 64), (2, 64), (3, 64), (2, 1 << 12)]:  # (a span of rows a block, more)
                 _threads.set_num_threads(threads)
                 monkeypatch.setattr(_staging, "STAGE_BYTES", stage)
                 monkeypatch.setattr(_staging, "MIN_PARALLEL", 1)  # (the threads split even these)
                 monkeypatch.setattr(numba_channels, "_staged_rows", lambda *a: calls.append(1) or real(*a))
-                got = both(*staged, training)
+                got = batch_norm_results(*staged, w, b, rm, rv, training)
                 monkeypatch.undo()
-                for g, v in zip(got, want, strict=True):
-                    if v is None:
-                        assert g is None
-                    else:  # (float16: the output is the float32 result rounded)
-                        np.testing.assert_array_equal(g, v.astype(g.dtype), err_msg=f"{threads} {stage}")
+                assert_staged_as_unstaged(got, want, f"{threads} {stage}")
                 if channels_last:
                     assert np.moveaxis(got[0], 1, -1).flags.c_contiguous  # (the layout kept)
     assert calls

@@ -181,12 +181,25 @@ def _span_statistics(
 ) -> None:
     """Each channel's mean and biased variance (float64 (C,), into ``mean``, ``var``) of
     x (N, C*S), the threads taking the spans of samples of ``parts`` (see _numba_loops)."""
-    C = mean.shape[0]
-    sums = np.empty((parts[-1][1], C))  # spans,C float64
-    for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
+
+    def fill(dev: bool, sums: np.ndarray) -> None:
         run(partial(loops.channel_span_sums, x, S, dev, mean, sums), parts)
+
+    _moments_of_spans(fill, parts[-1][1], x.shape[0] * S, mean, var)
+
+
+def _moments_of_spans(
+    fill: Callable[[bool, np.ndarray], None], count: int, M: int, mean: np.ndarray, var: np.ndarray
+) -> None:
+    """``mean`` and the biased ``var`` (float64 (C,)) of M values per channel from the
+    sums of ``count`` spans: ``fill(dev, sums)`` puts each span's sums (of the values, or
+    with ``dev`` of their squared deviations from ``mean``) in ``sums`` (spans, C), added
+    in span order (``loops.add_spans``), as every BatchNorm loop adds them."""
+    sums = np.empty((count, mean.shape[0]))  # spans,C float64
+    for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
+        fill(dev, sums)
         loops.add_spans(sums, stat)
-        stat /= x.shape[0] * S  # C
+        stat /= M  # C
 
 
 def _span_grads(
@@ -393,16 +406,15 @@ def _staged_spans(
 
 def _staged_row_statistics(x: np.ndarray, mean: np.ndarray, var: np.ndarray, ct: np.dtype[Any]) -> None:
     """``_span_statistics`` of x (M, C), C-ordered, staged by blocks of rows."""
-    M, C = int(x.shape[0]), int(x.shape[1])
-    sums = np.empty((-(-M // loops.SPAN), C))  # spans,C float64
-    for dev, stat in ((False, mean), (True, var)):  # the mean, then the variance
+    M = int(x.shape[0])
 
-        def work(k: int, n: int, blocks: list[np.ndarray], dev: bool = dev) -> None:
+    def fill(dev: bool, sums: np.ndarray) -> None:
+        def work(k: int, n: int, blocks: list[np.ndarray]) -> None:
             loops.channel_span_sums(blocks[0], 1, dev, mean, sums[k : k + n], 0, n)
 
         _staged_spans([x], ct, work)
-        loops.add_spans(sums, stat)
-        stat /= M  # C
+
+    _moments_of_spans(fill, -(-M // loops.SPAN), M, mean, var)
 
 
 def _staged_row_backward(
