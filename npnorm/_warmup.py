@@ -96,6 +96,22 @@ def _float16_casts() -> None:
     F.batch_norm_forward(channels, None, None, training=True)
 
 
+def _transposing_copies() -> None:
+    """The copy that stages blocks of Fortran-ordered input (``loops.transpose_into``), per
+    dtype, for the four kinds of block numba types apart: a whole array (C-ordered
+    transposed) and a part of one, each writable and read-only (a pandas frame's
+    ``.values`` under copy-on-write is read-only)."""
+    from .kernels import _numba_loops as loops
+
+    for dtype in DTYPES:
+        whole = np.asfortranarray(np.ones((3, 16), dtype))
+        for block in (whole, whole[:, ::2]):
+            for writable in (True, False):
+                src = block.view()
+                src.flags.writeable = writable
+                loops.transpose_into(src.T, np.empty(src.shape, dtype))
+
+
 def _compiled_loops() -> int:
     """How many (loop, signature) pairs are compiled or loaded (the helpers they call
     not counted)."""
@@ -129,6 +145,9 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
         t = time.perf_counter()
         _float16_casts()
         result["seconds"]["float16 casts"] = time.perf_counter() - t
+        t = time.perf_counter()
+        _transposing_copies()
+        result["seconds"]["transposing copies"] = time.perf_counter() - t
     result["total_s"] = time.perf_counter() - t0
     result["compiled_loops"] = _compiled_loops()
     result["cached"] = _cached()
@@ -136,7 +155,7 @@ def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
         print(f"numba imported in {result['import_s']:.2f} s")
         for key, s in result["seconds"].items():
             print(f"  {key:20} {s:6.2f} s")
-        kinds = f"{' and '.join(DTYPES)}, and {len(CASTS)} float16 casts"
+        kinds = f"{' and '.join(DTYPES)}, {len(CASTS)} float16 casts and the transposing copy"
         loops = f"{result['compiled_loops']} compiled loops ({kinds})"
         print(f"{loops} ready in {result['total_s']:.2f} s")
         if not result["cached"]:
