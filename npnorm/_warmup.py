@@ -98,12 +98,12 @@ def _float16_casts() -> None:
 
 def _transposing_copies() -> None:
     """The copy that stages blocks of Fortran-ordered input (``loops.transpose_into``), per
-    dtype, for the four kinds of block numba types apart: a whole array (C-ordered
-    transposed) and a part of one, each writable and read-only (a pandas frame's
-    ``.values`` under copy-on-write is read-only)."""
+    dtype (and for float16's bits), for the four kinds of block numba types apart: a whole
+    array (C-ordered transposed) and a part of one, each writable and read-only (a pandas
+    frame's ``.values`` under copy-on-write is read-only)."""
     from .kernels import _numba_loops as loops
 
-    for dtype in DTYPES:
+    for dtype in (*DTYPES, "uint16"):
         whole = np.asfortranarray(np.ones((3, 16), dtype))
         for block in (whole, whole[:, ::2]):
             for writable in (True, False):

@@ -205,7 +205,7 @@ def test_warmup_compiles_every_loop_for_both_dtypes(tmp_path):
         f"{n} {d}" for n in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm") for d in _warmup.DTYPES
     } | {"float16 casts", "transposing copies"}
     kinds = {(str(sig[0].dtype), sig[0].layout, sig[0].mutable) for sig in loops.transpose_into.signatures}
-    assert kinds >= {(d, lay, m) for d in _warmup.DTYPES for lay in "CA" for m in (True, False)}
+    assert kinds >= {(d, lay, m) for d in (*_warmup.DTYPES, "uint16") for lay in "CA" for m in (True, False)}
 
 
 @pytest.mark.skipif(not HAS_NUMBA, reason="needs numba")

@@ -649,8 +649,8 @@ def fortran_blocks(draw: st.DrawFn) -> np.ndarray:
     """An (n, L) block whose columns are contiguous, as the staging meets them: rows of a
     Fortran-ordered array (all of it, or a part) whose columns lie 4 KiB apart (a
     power-of-two number of rows) or not, its columns every one, every other or reversed,
-    writable or not; any bits (NaNs with payloads, infinities, -0.0)."""
-    dtype = np.dtype(draw(st.sampled_from(["float32", "float64"])))
+    writable or not, float16/32/64; any bits (NaNs with payloads, infinities, -0.0)."""
+    dtype = np.dtype(draw(st.sampled_from(["float16", "float32", "float64"])))
     n, L = draw(st.integers(2, 40)), draw(st.integers(2, 40))
     rows = draw(st.sampled_from([n, n + 3, _staging.ALIASING_BYTES // dtype.itemsize]))  # the array's
     start = draw(st.integers(0, rows - n))
@@ -667,33 +667,37 @@ def fortran_blocks(draw: st.DrawFn) -> np.ndarray:
 def test_fortran_blocks_take_the_transposing_copy(block):
     """A block of a Fortran-ordered input staged into C-ordered scratch of its dtype goes
     through the compiled transposing copy where its columns lie a multiple of 4 KiB apart
-    (NumPy's copy took 7-14x its time there), else through NumPy's; bit for bit."""
+    (NumPy's copy took 7-14x its time there), else through NumPy's; a float16 block into
+    float32 scratch through it wherever they lie (its bits, then the compiled cast); bit
+    for bit NumPy's values."""
     from unittest import mock
 
     from npnorm.kernels import _numba_loops as loops
 
-    dst = np.empty(block.shape, block.dtype)
+    half = block.dtype == np.float16
+    dst = np.empty(block.shape, np.float32 if half else block.dtype)
     with mock.patch.object(loops, "transpose_into", wraps=loops.transpose_into) as spy:
         _staging.cast_into(dst, block)
-    assert spy.call_count == (block.strides[1] % 4096 == 0)
-    uint = f"u{block.itemsize}"
-    np.testing.assert_array_equal(dst.view(uint), np.ascontiguousarray(block).view(uint))
+    assert spy.call_count == (half or block.strides[1] % 4096 == 0)
+    uint = f"u{dst.itemsize}"
+    np.testing.assert_array_equal(dst.view(uint), block.astype(dst.dtype).view(uint))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_fortran_ordered_rows_as_c_ordered(dtype, threads):
     """LayerNorm and RMSNorm on a Fortran-ordered input and gradient (a pandas frame's
     ``.values``) of 1024 rows, staged in blocks of a few rows through the transposing
-    copy, the last block a part one, split over the threads with no serial threshold:
-    bitwise the C-ordered call's results, dweight and dbias too."""
+    copy (float16: of its bits, then cast), the last block a part one, split over the
+    threads with no serial threshold: bitwise the C-ordered call's results, dweight and
+    dbias too."""
     rng = np.random.default_rng(12)
     x = (rng.normal(size=(1024, 29)) * 3 + 7).astype(dtype)
     dy = rng.normal(size=x.shape).astype(dtype)
     w, b = rng.uniform(0.5, 1.5, 29).astype(dtype), rng.normal(size=29).astype(dtype)
 
     def results(x, dy):
-        with config(threads, small=True, stage_bytes=29 * 8 * 13):  # 13 rows of float64, 26 of float32
+        with config(threads, small=True, stage_bytes=29 * 8 * 13):  # 13 float64 rows, 26 of float32 or 16
             y, mean, rstd = family_kernel("layer_norm_forward", "numba")(xp, x, (29,), w, b, 1e-5)
             ln = family_kernel("layer_norm_backward", "numba")(xp, dy, x, (29,), mean, rstd, w, b)
             z, r = family_kernel("rms_norm_forward", "numba")(xp, x, (29,), w, 1e-6)
@@ -1191,7 +1195,8 @@ def test_each_loop_compiles_for_float32_and_float64_only():
         if hasattr(fn, "signatures") and not name.startswith("_"):
             if name in ("half_columns_to_float", "transpose_into"):  # (input first, scratch last)
                 kinds = [(sig[0].dtype, sig[0].layout, sig[0].mutable) for sig in fn.signatures]
-                assert len(kinds) == len(set(kinds)) and len({k[0] for k in kinds}) <= 2, (name, kinds)
+                # (the transposing copy: float32, float64 and float16's bits)
+                assert len(kinds) == len(set(kinds)) and len({k[0] for k in kinds}) <= 3, (name, kinds)
                 assert all(sig[-1].layout == "C" and sig[-1].mutable for sig in fn.signatures), name
                 continue
             dtypes = [sig[ct_arg.get(name, 0)].dtype for sig in fn.signatures]
