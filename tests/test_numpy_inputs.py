@@ -192,3 +192,24 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(family):
             part = F.layer_norm_forward(x[:n], (24,))
             for a, b in zip(part, full, strict=True):
                 np.testing.assert_array_equal(a, b[:n])
+
+
+@given(
+    dtypes=st.lists(
+        st.sampled_from(["float16", "float32", "float64", ">f4", ">f8", "<f2", None]), min_size=1, max_size=5
+    ).filter(lambda d: d[0] is not None),
+    subclass=st.booleans(),
+)
+def test_work_dtype_is_the_widest_with_float32(dtypes, subclass):
+    """The computation dtype (the shortcut for NumPy arrays of one float32 or float64
+    dtype included): the widest of the arrays' dtypes and float32, native."""
+    import array_api_compat.numpy as xp
+
+    from npnorm._checks import work_dtype
+
+    arrays = [None if d is None else np.zeros(2, d) for d in dtypes]
+    if subclass:
+        arrays[-1] = None if arrays[-1] is None else arrays[-1].view(Tagged)
+    expected = np.result_type(np.float32, *(np.dtype(d) for d in dtypes if d is not None))
+    ct = work_dtype(xp, *arrays)
+    assert ct == expected and ct.isnative

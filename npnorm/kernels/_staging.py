@@ -188,8 +188,12 @@ def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bo
     the same arrays through a few layers of Python, this saves 15-40 us a call; with 2
     threads, LayerNorm's forward at (2, 128, 384) took 50 against 67 us, GroupNorm's
     backward at (8, 64, 14, 14) 120 against 154 us.)"""
-    if any(a.dtype != ct or not a.flags.c_contiguous or not a.flags.writeable for a in inputs):
-        return False  # (a read-only input is staged: see ``writable``)
+    for a in inputs:  # (a loop, not any(...): a tenth of a tiny call less)
+        if a.dtype != ct:
+            return False
+        flags = a.flags
+        if not (flags.c_contiguous and flags.writeable):
+            return False  # (a read-only input is staged: see ``writable``)
     if out is None:
         return True
     return out.dtype == ct and out.flags.c_contiguous and not any(np.may_share_memory(out, a) for a in inputs)
