@@ -652,7 +652,7 @@ def fortran_blocks(draw: st.DrawFn) -> np.ndarray:
     writable or not, float16/32/64; any bits (NaNs with payloads, infinities, -0.0)."""
     dtype = np.dtype(draw(st.sampled_from(["float16", "float32", "float64"])))
     n, L = draw(st.integers(2, 40)), draw(st.integers(2, 40))
-    rows = draw(st.sampled_from([n, n + 3, _staging.ALIASING_BYTES // dtype.itemsize]))  # the array's
+    rows = draw(st.sampled_from([n, n + 3, _blocks.ALIASING_BYTES // dtype.itemsize]))  # the array's
     start = draw(st.integers(0, rows - n))
     step = draw(st.sampled_from([1, 2, -1]))
     bits = draw(hnp.arrays(np.dtype(f"u{dtype.itemsize}"), (n, abs(step) * L)))

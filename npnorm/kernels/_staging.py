@@ -123,7 +123,7 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     LayerNorm's forward+backward to 6.7x the C-ordered input's time); else by NumPy."""
     if (
         dst.flags.c_contiguous
-        and _column_major(src)
+        and _blocks.column_major(src)
         and src.dtype == HALF
         and dst.dtype == SINGLE
         and dst.shape == src.shape
@@ -135,7 +135,7 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
         return
     if (
         dst.flags.c_contiguous
-        and _column_major(src)
+        and _blocks.column_major(src)
         and _transposing_pays(src)
         and dst.shape == src.shape
         and src.dtype == dst.dtype
@@ -154,27 +154,15 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     _blocks.cast_into(dst, src)
 
 
-def _column_major(a: np.ndarray) -> bool:
-    """Whether ``a`` is an (n, L) block, n and L above 1, whose columns are contiguous (a
-    Fortran-ordered array's rows; its values along the rows may lie anywhere)."""
-    return a.ndim == 2 and a.shape[0] > 1 and a.shape[1] > 1 and a.strides[0] == a.itemsize
-
-
-# Addresses a multiple of this many bytes apart compete for the same sets of the CPU's
-# caches (4 KiB: the span of an L1 cache's sets on the x86-64 cores of the last decade).
-ALIASING_BYTES = 4096
-
-
 def _transposing_pays(src: np.ndarray) -> bool:
     """Whether the transposing copy beats NumPy's for the column-major block ``src``:
-    where its columns lie a multiple of ALIASING_BYTES apart (a Fortran-ordered input
-    of a power-of-two number of rows, as batches of 2**k samples give). NumPy's copy
-    walks the scratch's rows, reading the block's values a column apart: there 4-7 ns a
-    value on the 2-vCPU AMD EPYC here, against 0.4-1 ns for the transposing copy; at
-    other distances NumPy's took 0.7-1 ns, and the transposing copy gained nothing
-    (LayerNorm forward+backward 0.95-1.09x at (15000, 512), (15000, 768), (10000, 1000)
-    float32; 5-11% slower where the scratch rows lie 4 KiB apart, (15000, 512) float64)."""
-    return src.strides[1] % ALIASING_BYTES == 0
+    where its columns alias (``_blocks.aliased_columns``), there 0.4-1 ns a value
+    against NumPy's 4-7 (whose copy of such a block, a few columns at a time, is 1.5-3x
+    faster than in one call, still about 3x slower than this one). At other distances
+    NumPy's took 0.7-1 ns, and the transposing copy gained nothing (LayerNorm
+    forward+backward 0.95-1.09x at (15000, 512), (15000, 768), (10000, 1000) float32;
+    5-11% slower where the scratch rows lie 4 KiB apart, (15000, 512) float64)."""
+    return _blocks.aliased_columns(src)
 
 
 def compiled(ct: np.dtype[Any]) -> bool:
