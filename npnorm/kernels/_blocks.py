@@ -221,19 +221,30 @@ def aliased_columns(a: np.ndarray) -> bool:
     samples give): NumPy's copy of it into C-ordered scratch walks the scratch's rows,
     reading the block's values a column apart, and there every read competes for the
     same cache sets (4-7 ns a value on the 2-vCPU AMD EPYC here, 0.7-1 elsewhere)."""
-    return a.strides[1] % ALIASING_BYTES == 0
+    return a.strides[1] != 0 and a.strides[1] % ALIASING_BYTES == 0  # (0: a broadcast, in cache)
+
+
+TILE_ROWS = 16  # the fewest rows of a block that cast_into copies in tiles of columns
 
 
 def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``src`` copied into ``dst`` (the same shape), converted to ``dst``'s dtype; a
-    column-major block with aliased columns into C-ordered scratch a few columns at a
-    time (16 to 64, each copy of about 1024 values at least), whose reads then stay in
-    cache: the "numpy" kernels' blocks of a Fortran-ordered float32 input at (16384, 768)
-    were copied in 17 against 48 ms, at (2048, 2048) 8-10 against 28 (LayerNorm's
-    forward+backward there 0.8-0.9x the time; these copies, about 2 ns a value, are
-    still most of its gap to C-ordered input: the "numba" kernels copy such blocks with
-    ``_numba_loops.transpose_into``)."""
-    if dst.flags.c_contiguous and column_major(src) and aliased_columns(src) and dst.shape == src.shape:
+    column-major block of TILE_ROWS rows or more with aliased columns into C-ordered
+    scratch a few columns at a time (16 to 64, each copy of about 1024 values), whose
+    reads then stay in cache: the "numpy" kernels' blocks of a Fortran-ordered float32
+    input at (16384, 768) were copied in 14-17 against 48-49 ms, at (2048, 2048) 8-10
+    against 28 (LayerNorm's forward+backward there 0.6-0.9x the time; these copies,
+    about 2 ns a value, are still most of its gap to C-ordered input: the "numba"
+    kernels copy such blocks with ``_numba_loops.transpose_into``). With fewer rows the
+    copies' own cost won ((1024, 49152) float32 in blocks of 2 rows took 1.2-1.6x the
+    time in tiles)."""
+    if (
+        dst.flags.c_contiguous
+        and column_major(src)
+        and src.shape[0] >= TILE_ROWS
+        and aliased_columns(src)
+        and dst.shape == src.shape
+    ):
         n, L = src.shape
         T = min(64, max(16, 1024 // n))  # columns per copy
         for j in range(0, L, T):

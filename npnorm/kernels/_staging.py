@@ -157,8 +157,9 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
 def _transposing_pays(src: np.ndarray) -> bool:
     """Whether the transposing copy beats NumPy's for the column-major block ``src``:
     where its columns alias (``_blocks.aliased_columns``), there 0.4-1 ns a value
-    against NumPy's 4-7 (whose copy of such a block, a few columns at a time, is 1.5-3x
-    faster than in one call, still about 3x slower than this one). At other distances
+    against NumPy's 4-7 (whose copy of such a block of 16 rows or more, a few columns at
+    a time, is 1.5-3x faster than in one call, still about 3x slower than this one). At
+    other distances
     NumPy's took 0.7-1 ns, and the transposing copy gained nothing (LayerNorm
     forward+backward 0.95-1.09x at (15000, 512), (15000, 768), (10000, 1000) float32;
     5-11% slower where the scratch rows lie 4 KiB apart, (15000, 512) float64)."""
