@@ -121,36 +121,24 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     ``_transposing_pays``), and a float16 one into float32 scratch, wherever its columns
     lie, by that copy of its bits and the compiled cast (NumPy's cast of such a block took
     LayerNorm's forward+backward to 6.7x the C-ordered input's time); else by NumPy."""
-    if (
-        dst.flags.c_contiguous
-        and _blocks.column_major(src)
-        and src.dtype == HALF
-        and dst.dtype == SINGLE
-        and dst.shape == src.shape
-        and loops.CASTS_COMPILED
-    ):
-        bits = np.empty(src.shape, np.uint16)  # n,L: the block C-ordered, still float16
-        loops.transpose_into(src.view(np.uint16).T, bits)
-        loops.half_columns_to_float(bits.reshape(1, -1), 0, bits.size, dst.reshape(1, -1))
-        return
-    if (
-        dst.flags.c_contiguous
-        and _blocks.column_major(src)
-        and _transposing_pays(src)
-        and dst.shape == src.shape
-        and src.dtype == dst.dtype
-        and src.dtype in COMPILED
-        and loops.CASTS_COMPILED  # (also: the loops run compiled)
-    ):
-        loops.transpose_into(src.T, dst)
-        return
-    if dst.flags.c_contiguous and src.flags.c_contiguous and dst.shape == src.shape and loops.CASTS_COMPILED:
-        if src.dtype == HALF and dst.dtype == SINGLE:
-            loops.half_columns_to_float(src.reshape(1, -1).view(np.uint16), 0, src.size, dst.reshape(1, -1))
-            return
-        if src.dtype == SINGLE and dst.dtype == HALF:
-            loops.float_to_half_columns(src.reshape(1, -1), 0, dst.reshape(1, -1).view(np.uint16))
-            return
+    if dst.flags.c_contiguous and dst.shape == src.shape and loops.CASTS_COMPILED:
+        if _blocks.column_major(src):  # a block of a Fortran-ordered input
+            if src.dtype == HALF and dst.dtype == SINGLE:
+                bits = np.empty(src.shape, np.uint16)  # n,L: the block C-ordered, still float16
+                loops.transpose_into(src.view(np.uint16).T, bits)
+                loops.half_columns_to_float(bits.reshape(1, -1), 0, bits.size, dst.reshape(1, -1))
+                return
+            if src.dtype == dst.dtype and src.dtype in COMPILED and _transposing_pays(src):
+                loops.transpose_into(src.T, dst)
+                return
+        elif src.flags.c_contiguous:  # the whole array as one row
+            row, out = src.reshape(1, -1), dst.reshape(1, -1)
+            if src.dtype == HALF and dst.dtype == SINGLE:
+                loops.half_columns_to_float(row.view(np.uint16), 0, src.size, out)
+                return
+            if src.dtype == SINGLE and dst.dtype == HALF:
+                loops.float_to_half_columns(row, 0, out.view(np.uint16))
+                return
     _blocks.cast_into(dst, src)
 
 
@@ -159,10 +147,9 @@ def _transposing_pays(src: np.ndarray) -> bool:
     where its columns alias (``_blocks.aliased_columns``), there 0.4-1 ns a value
     against NumPy's 4-7 (whose copy of such a block of 16 rows or more, a few columns at
     a time, is 1.5-3x faster than in one call, still about 3x slower than this one). At
-    other distances
-    NumPy's took 0.7-1 ns, and the transposing copy gained nothing (LayerNorm
-    forward+backward 0.95-1.09x at (15000, 512), (15000, 768), (10000, 1000) float32;
-    5-11% slower where the scratch rows lie 4 KiB apart, (15000, 512) float64)."""
+    other distances NumPy's took 0.7-1 ns, and the transposing copy gained nothing
+    (LayerNorm forward+backward 0.95-1.09x at (15000, 512), (15000, 768), (10000, 1000)
+    float32; 5-11% slower where the scratch rows lie 4 KiB apart, (15000, 512) float64)."""
     return _blocks.aliased_columns(src)
 
 
