@@ -31,6 +31,7 @@ import numpy as np
 from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, default_eps, prod, work_dtype
 from ..functional._dispatch import NUMPY, family_kernel, specialized
+from . import _memory_order as memory
 from . import _numba_loops as loops
 from ._blocks import finish, grad_as, huge_spread, output, per_row, row_layout
 from ._staging import Source, Target, block_size, compiled, direct, param_or, ranges, run, spans, writable
@@ -107,6 +108,9 @@ def layer_norm_forward(
         x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
         run(partial(_forward_loop(D), x2, w, b, eps, y2, mean, rstd), ranges(R, D))
         return y, mean.reshape(batch), rstd.reshape(batch)
+    order = memory.memory_order(input, len(shape))
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input)
+        return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
     return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
 
 
@@ -161,6 +165,10 @@ def layer_norm_backward(
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     if input.size == 0 or not compiled(ct):
         return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
+    order = memory.rows_order(len(shape), input, grad_output)
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
+        arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
+        return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
     D = prod(shape)
     R = input.size // D
     mean_c = writable(per_row(mean, R, ct, "mean"))  # R
@@ -231,6 +239,9 @@ def rms_norm_forward(
         x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
         run(partial(loops.rms_norm_forward, x2, w, eps_value, y2, rstd), ranges(R, D))
         return y, rstd.reshape(_batch(input, shape))
+    order = memory.memory_order(input, len(shape))
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input)
+        return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
     src = Source(input, *row_layout(input, len(shape)), ct)
     dst = Target(y, R, D, ct)
@@ -263,6 +274,11 @@ def rms_norm_backward(
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     if input.size == 0 or not compiled(ct):
         return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
+    order = memory.rows_order(len(shape), input, grad_output)
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
+        return memory.rms_norm_backward(
+            rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out
+        )
     D = prod(shape)
     R = input.size // D
     rstd_c = writable(per_row(rstd, R, ct, "rstd"))  # R

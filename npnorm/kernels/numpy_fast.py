@@ -39,6 +39,7 @@ import numpy as np
 from .._backend import Namespace, no_fp_warnings
 from .._checks import Shape, default_eps, prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
+from . import _memory_order as memory
 from ._blocks import (
     Rows,
     block_rows,
@@ -103,6 +104,9 @@ def layer_norm_forward(
     mean's rounding to ``ct`` lost (``recentre``); then ``xc *= rstd``, ``*= w``, ``+= b``
     in place. mean and rstd are written straight into the (R,) outputs.
     """
+    order = memory.memory_order(input, len(shape))
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input)
+        return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
@@ -176,6 +180,10 @@ def layer_norm_backward(
 
     The per-thread partials are added in thread order at the end.
     """
+    order = memory.rows_order(len(shape), input, grad_output)
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
+        arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
+        return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
@@ -264,6 +272,9 @@ def rms_norm_forward(
     """RMSNorm forward, block by block: ``rstd = 1 / sqrt(rowdot(x, x) / D + eps)``
     then ``y = x * rstd * w`` in the output block (or a scratch block converted on
     the way out)."""
+    order = memory.memory_order(input, len(shape))
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input)
+        return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
     eps_value = default_eps(xp, input) if eps is None else eps
     D = prod(shape)
@@ -317,6 +328,11 @@ def rms_norm_backward(
     is subtracted, so working with ``x`` rather than ``xhat`` loses nothing; ``k``'s row
     sums are taken again in float64 where they overflow (``scaled_rowdot``).
     """
+    order = memory.rows_order(len(shape), input, grad_output)
+    if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
+        return memory.rms_norm_backward(
+            rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out
+        )
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
