@@ -11,6 +11,7 @@ its batch axes in the input's order in memory, and the statistics C-ordered.
 from __future__ import annotations
 
 import contextlib
+import tracemalloc
 from collections.abc import Iterator
 
 import array_api_compat.numpy as xp
@@ -130,7 +131,7 @@ def test_rows_walked_in_memory_order(family, case, threads):
     if order is not None:
         for out in (got[0], got[6]):  # y, RMSNorm's y
             assert np.transpose(out, order).flags.c_contiguous
-    order = _memory_order.rows_order(k, x, dy)  # the backwards'
+    order = _memory_order.rows_order(k, x, dy, None)  # the backwards'
     if order is not None:
         for out in (got[3], got[8]):  # dx, RMSNorm's dx
             assert np.transpose(out, order).flags.c_contiguous
@@ -151,22 +152,25 @@ def test_fortran_ordered_batch_is_one_column_major_matrix():
     assert _memory_order.memory_order(np.asfortranarray(np.zeros((4, 6, 8, 2))), 2) is None
 
 
+@pytest.mark.parametrize("walked", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_out_and_saved_statistics_in_memory_order(family):
-    """With ``out=`` (C-ordered, for a Fortran-ordered input) the kernels write and return
-    ``out`` itself; statistics passed flat (R,) or of a wrong size behave as for a
-    C-ordered input (the same values; the same error)."""
+def test_out_and_saved_statistics_in_memory_order(family, walked):
+    """With ``out=`` for a Fortran-ordered input the kernels write and return ``out``
+    itself: one laid out as the output of the rows walked in memory order (``walked``)
+    takes that order, a C-ordered one the input's own order; statistics passed flat (R,)
+    or of a wrong size behave as for a C-ordered input (the same values; the same error)."""
     rng = np.random.default_rng(3)
     c = rng.normal(size=(3, 5, 7))
     x, dy = np.asfortranarray(c), np.asfortranarray(rng.normal(size=c.shape))
     w = rng.uniform(0.5, 1.5, 7)
-    out = np.empty_like(c)
+    expected_y = family_kernel("layer_norm_forward", family)(xp, x, (7,), w, None, 1e-5)[0]
+    out = np.empty_like(expected_y) if walked else np.empty_like(c)
+    assert (_memory_order.memory_order(x, 1, out) is not None) == walked
     y, mean, rstd = family_kernel("layer_norm_forward", family)(xp, x, (7,), w, None, 1e-5, out)
     assert y is out
-    np.testing.assert_array_equal(
-        out, family_kernel("layer_norm_forward", family)(xp, c, (7,), w, None, 1e-5)[0]
-    )
-    dx_out = np.empty_like(c)
+    np.testing.assert_array_equal(out, expected_y)
+    dx_out = np.empty_like(out)
+    assert (_memory_order.rows_order(1, x, dy, dx_out) is not None) == walked
     dx, _, _ = family_kernel("layer_norm_backward", family)(
         xp, dy, x, (7,), mean.ravel(), rstd, w, None, dx_out
     )
@@ -179,3 +183,26 @@ def test_out_and_saved_statistics_in_memory_order(family):
         family_kernel("layer_norm_backward", family)(xp, dy, x, (7,), mean[:2], rstd, w, None)
     with pytest.raises(ValueError, match="rstd must have one value per row"):
         family_kernel("rms_norm_backward", family)(xp, dy, x, (7,), rstd[:, :3], w)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_out_of_another_order_takes_no_temporary(family):
+    """A C-ordered ``out`` for a Fortran-ordered input is written directly, not through a
+    full-size temporary (the rows walked in memory order would need one: 1.07x the input's
+    bytes at peak, where ``out=`` is meant to save them; failed before)."""
+    rng = np.random.default_rng(4)
+    x = np.asfortranarray(rng.normal(size=(16, 512, 128)))  # 8 MiB
+    w = np.ones(128)
+    y, mean, rstd = family_kernel("layer_norm_forward", family)(xp, x, (128,), w, None, 1e-5)
+    out = np.empty(x.shape)
+    saved = _threads.get_num_threads()
+    _threads.set_num_threads(1)  # (scratch blocks of 1 MiB per staged array and thread)
+    tracemalloc.start()
+    try:
+        family_kernel("layer_norm_forward", family)(xp, x, (128,), w, None, 1e-5, out)
+        family_kernel("layer_norm_backward", family)(xp, y, x, (128,), mean, rstd, w, None, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        _threads.set_num_threads(saved)
+    assert peak < 0.4 * x.nbytes

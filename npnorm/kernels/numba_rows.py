@@ -108,7 +108,7 @@ def layer_norm_forward(
         x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
         run(partial(_forward_loop(D), x2, w, b, eps, y2, mean, rstd), ranges(R, D))
         return y, mean.reshape(batch), rstd.reshape(batch)
-    order = memory.memory_order(input, len(shape))
+    order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
         return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
     return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
@@ -165,7 +165,7 @@ def layer_norm_backward(
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     if input.size == 0 or not compiled(ct):
         return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
-    order = memory.rows_order(len(shape), input, grad_output)
+    order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
         arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
         return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
@@ -239,7 +239,7 @@ def rms_norm_forward(
         x2, y2 = input.reshape(R, D), y.reshape(R, D)  # R,D  R,D
         run(partial(loops.rms_norm_forward, x2, w, eps_value, y2, rstd), ranges(R, D))
         return y, rstd.reshape(_batch(input, shape))
-    order = memory.memory_order(input, len(shape))
+    order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
         return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
@@ -274,7 +274,7 @@ def rms_norm_backward(
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     if input.size == 0 or not compiled(ct):
         return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
-    order = memory.rows_order(len(shape), input, grad_output)
+    order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
         return memory.rms_norm_backward(
             rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out

@@ -104,7 +104,7 @@ def layer_norm_forward(
     mean's rounding to ``ct`` lost (``recentre``); then ``xc *= rstd``, ``*= w``, ``+= b``
     in place. mean and rstd are written straight into the (R,) outputs.
     """
-    order = memory.memory_order(input, len(shape))
+    order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
         return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
@@ -180,7 +180,7 @@ def layer_norm_backward(
 
     The per-thread partials are added in thread order at the end.
     """
-    order = memory.rows_order(len(shape), input, grad_output)
+    order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
         arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
         return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
@@ -272,7 +272,7 @@ def rms_norm_forward(
     """RMSNorm forward, block by block: ``rstd = 1 / sqrt(rowdot(x, x) / D + eps)``
     then ``y = x * rstd * w`` in the output block (or a scratch block converted on
     the way out)."""
-    order = memory.memory_order(input, len(shape))
+    order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
         return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
@@ -328,7 +328,7 @@ def rms_norm_backward(
     is subtracted, so working with ``x`` rather than ``xhat`` loses nothing; ``k``'s row
     sums are taken again in float64 where they overflow (``scaled_rowdot``).
     """
-    order = memory.rows_order(len(shape), input, grad_output)
+    order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
         return memory.rms_norm_backward(
             rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out
