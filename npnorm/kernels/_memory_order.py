@@ -10,7 +10,7 @@ Fortran-ordered frame) is a view of rows only in ``(t, b)`` order: the column-ma
 rows came from its own cache line: LayerNorm forward+backward at (32, 512, 768) float32
 took 120-133 ms against 14-17 ms for the C-ordered input.
 
-``memory_order`` finds the order, and the ops below run a family's kernel on the
+``memory_order`` finds the order, and ``forward`` and ``backward`` run a family's kernel on the
 transposed views (``np.transpose``, no copy) and return its results for the input:
 
 * the output (or dx) is the kernel's output transposed back: its rows C-ordered, its
@@ -32,6 +32,7 @@ Fortran-ordered gradient keeps its own order, the gradient staged sample by samp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,75 +110,37 @@ def _restored_stats(s: np.ndarray, order: Order) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(s, np.argsort(order[: s.ndim])))
 
 
-def _batch(input: np.ndarray, shape: Shape) -> Shape:
-    return tuple(input.shape[: input.ndim - len(shape)])
-
-
-def layer_norm_forward(
-    kernel: Any,
+def forward(
+    kernel: Callable[..., tuple[np.ndarray, ...]],
     order: Order,
     xp: Namespace,
     input: np.ndarray,
-    shape: Shape,
-    weight: np.ndarray | None,
-    bias: np.ndarray | None,
-    eps: float,
+    rest: tuple[Any, ...],
     out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``kernel`` (a family's ``layer_norm_forward``) with the rows walked in ``order``."""
-    y, mean, rstd = kernel(xp, np.transpose(input, order), shape, weight, bias, eps, _out(out, order))
-    return _restored(y, out, order), _restored_stats(mean, order), _restored_stats(rstd, order)
+) -> Any:
+    """``kernel(xp, input, *rest, out)`` (a family's ``layer_norm_forward`` or
+    ``rms_norm_forward``: the output, then per-row statistics) with the rows walked in
+    ``order``."""
+    y, *stats = kernel(xp, np.transpose(input, order), *rest, _out(out, order))
+    return (_restored(y, out, order), *(_restored_stats(s, order) for s in stats))
 
 
-def layer_norm_backward(
-    kernel: Any,
+def backward(
+    kernel: Callable[..., tuple[Any, ...]],
     order: Order,
     xp: Namespace,
     grad_output: np.ndarray,
     input: np.ndarray,
     shape: Shape,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    weight: np.ndarray | None,
-    bias: np.ndarray | None,
+    stats: tuple[np.ndarray, ...],
+    params: tuple[np.ndarray | None, ...],
     out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``kernel`` (a family's ``layer_norm_backward``) with the rows walked in ``order``."""
-    batch = _batch(input, shape)
+) -> Any:
+    """``kernel(xp, grad_output, input, shape, *stats, *params, out)`` (a family's
+    ``layer_norm_backward`` or ``rms_norm_backward``: dx, then the parameters'
+    gradients) with the rows walked in ``order``."""
+    batch = tuple(input.shape[: input.ndim - len(shape)])
     dy, x = np.transpose(grad_output, order), np.transpose(input, order)
-    m, r = _stats(mean, batch, order), _stats(rstd, batch, order)
-    dx, dweight, dbias = kernel(xp, dy, x, shape, m, r, weight, bias, _out(out, order))
-    return _restored(dx, out, order), dweight, dbias
-
-
-def rms_norm_forward(
-    kernel: Any,
-    order: Order,
-    xp: Namespace,
-    input: np.ndarray,
-    shape: Shape,
-    weight: np.ndarray | None,
-    eps: float | None,
-    out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``kernel`` (a family's ``rms_norm_forward``) with the rows walked in ``order``."""
-    y, rstd = kernel(xp, np.transpose(input, order), shape, weight, eps, _out(out, order))
-    return _restored(y, out, order), _restored_stats(rstd, order)
-
-
-def rms_norm_backward(
-    kernel: Any,
-    order: Order,
-    xp: Namespace,
-    grad_output: np.ndarray,
-    input: np.ndarray,
-    shape: Shape,
-    rstd: np.ndarray,
-    weight: np.ndarray | None,
-    out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """``kernel`` (a family's ``rms_norm_backward``) with the rows walked in ``order``."""
-    dy, x = np.transpose(grad_output, order), np.transpose(input, order)
-    r = _stats(rstd, _batch(input, shape), order)
-    dx, dweight = kernel(xp, dy, x, shape, r, weight, _out(out, order))
-    return _restored(dx, out, order), dweight
+    saved = (_stats(s, batch, order) for s in stats)
+    dx, *grads = kernel(xp, dy, x, shape, *saved, *params, _out(out, order))
+    return (_restored(dx, out, order), *grads)

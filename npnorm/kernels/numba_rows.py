@@ -110,7 +110,7 @@ def layer_norm_forward(
         return y, mean.reshape(batch), rstd.reshape(batch)
     order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
-        return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
+        return memory.forward(layer_norm_forward, order, xp, input, (shape, weight, bias, eps), out)
     return _layer_norm_forward(input, shape, R, w, b, eps, mean, rstd, ct, out)
 
 
@@ -167,8 +167,8 @@ def layer_norm_backward(
         return _fallback("layer_norm_backward", xp, grad_output, input, shape, mean, rstd, weight, bias, out)
     order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
-        arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
-        return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
+        saved, params = (mean, rstd), (weight, bias)
+        return memory.backward(layer_norm_backward, order, xp, grad_output, input, shape, saved, params, out)
     D = prod(shape)
     R = input.size // D
     mean_c = writable(per_row(mean, R, ct, "mean"))  # R
@@ -241,7 +241,7 @@ def rms_norm_forward(
         return y, rstd.reshape(_batch(input, shape))
     order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
-        return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
+        return memory.forward(rms_norm_forward, order, xp, input, (shape, weight, eps), out)
     y = output(out, input.shape, input.dtype, (R, D), (input,), contiguous=True)
     src = Source(input, *row_layout(input, len(shape)), ct)
     dst = Target(y, R, D, ct)
@@ -276,8 +276,8 @@ def rms_norm_backward(
         return _fallback("rms_norm_backward", xp, grad_output, input, shape, rstd, weight, out)
     order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
-        return memory.rms_norm_backward(
-            rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out
+        return memory.backward(
+            rms_norm_backward, order, xp, grad_output, input, shape, (rstd,), (weight,), out
         )
     D = prod(shape)
     R = input.size // D

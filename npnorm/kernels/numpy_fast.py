@@ -106,7 +106,7 @@ def layer_norm_forward(
     """
     order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
-        return memory.layer_norm_forward(layer_norm_forward, order, xp, input, shape, weight, bias, eps, out)
+        return memory.forward(layer_norm_forward, order, xp, input, (shape, weight, bias, eps), out)
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
@@ -182,8 +182,8 @@ def layer_norm_backward(
     """
     order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
-        arrays = (grad_output, input, shape, mean, rstd, weight, bias, out)
-        return memory.layer_norm_backward(layer_norm_backward, order, xp, *arrays)
+        saved, params = (mean, rstd), (weight, bias)
+        return memory.backward(layer_norm_backward, order, xp, grad_output, input, shape, saved, params, out)
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean, rstd))
     D = prod(shape)
     x = _rows(input, shape, ct)  # R rows of D values
@@ -274,7 +274,7 @@ def rms_norm_forward(
     the way out)."""
     order = memory.memory_order(input, len(shape), out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input)
-        return memory.rms_norm_forward(rms_norm_forward, order, xp, input, shape, weight, eps, out)
+        return memory.forward(rms_norm_forward, order, xp, input, (shape, weight, eps), out)
     ct = np.dtype(work_dtype(xp, input, weight))  # float32 at least
     eps_value = default_eps(xp, input) if eps is None else eps
     D = prod(shape)
@@ -330,8 +330,8 @@ def rms_norm_backward(
     """
     order = memory.rows_order(len(shape), input, grad_output, out)
     if order is not None:  # rows walked in memory order (a Fortran-ordered input or gradient)
-        return memory.rms_norm_backward(
-            rms_norm_backward, order, xp, grad_output, input, shape, rstd, weight, out
+        return memory.backward(
+            rms_norm_backward, order, xp, grad_output, input, shape, (rstd,), (weight,), out
         )
     ct = np.dtype(work_dtype(xp, input, weight, rstd))
     D = prod(shape)
