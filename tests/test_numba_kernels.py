@@ -18,7 +18,7 @@ import array_api_compat.numpy as xp
 import numpy as np
 import pytest
 from helpers import op_calls, same_results
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -1639,3 +1639,58 @@ def _op_results(x, dy, w, b):
         f = family_kernel(op + "_forward", "numba")(xp, *fwd)
         out.append((op, f, lambda f, bwd=bwd, op=op: family_kernel(op + "_backward", "numba")(xp, *bwd(f))))
     return out
+
+
+@st.composite
+def small_channel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """A small C-ordered BatchNorm input (N, C, *spatial) or (N, C) of float32/float64,
+    with or without a weight and a bias: one thread's work."""
+    dtype = draw(st.sampled_from(["float32", "float64"]))
+    shape = draw(hnp.array_shapes(min_dims=2, max_dims=4, min_side=1, max_side=9))
+    finite = st.floats(-1e3, 1e3, width=32)
+    x = draw(hnp.arrays(dtype, shape, elements=finite))
+    C = shape[1]
+    w = draw(st.none() | hnp.arrays(dtype, C, elements=st.floats(0.25, 4, width=32)))
+    b = draw(st.none() | hnp.arrays(dtype, C, elements=finite))
+    return x, w, b
+
+
+@given(case=small_channel_inputs(), training=st.booleans(), given_out=st.booleans())
+def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training, given_out):
+    """A small C-ordered BatchNorm forward runs as one loop call (``_small_direct``: the
+    eval forward at (2, 8, 4, 4) spent most of its 21-35 us in layout tests and closures):
+    bitwise the general way's output, statistics and running buffers, in training and in
+    eval, with or without ``out=``."""
+    from unittest import mock
+
+    x, w, b = case
+    C = x.shape[1]
+    assume(not training or x.size > C)  # (training needs two values a channel: F.batch_norm checks)
+    rng = np.random.default_rng(0)
+    rm0, rv0 = rng.normal(size=C).astype(x.dtype), rng.uniform(0.5, 2, C).astype(x.dtype)
+    kernel = family_kernel("batch_norm_forward", "numba")
+
+    def forward() -> list[np.ndarray]:
+        rm, rv = rm0.copy(), rv0.copy()
+        out = np.empty_like(x) if given_out else None
+        got = kernel(xp, x, rm, rv, w, b, training, 0.1, 1e-5, out)
+        assert out is None or got[0] is out
+        return [*got[:3], rm, rv, *(a for a in got[3:] if a is not None)]
+
+    taken: list[bool] = []
+    real = numba_channels._small_direct
+
+    def spy(*args):
+        result = real(*args)
+        taken.append(result is not None)
+        return result
+
+    with mock.patch.object(numba_channels, "_small_direct", spy):
+        fast = forward()
+    # (S = 1 with spatial axes is channels-last too: its (N*S, C) view may take it after)
+    assert taken[0] == (x.ndim == 2 or x[0, 0].size > 1)
+    with mock.patch.object(numba_channels, "_small_direct", return_value=None):
+        general = forward()
+    for a, e in zip(fast, general, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        np.testing.assert_array_equal(a, e)
