@@ -1657,7 +1657,7 @@ def small_channel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None
 
 @given(case=small_channel_inputs(), training=st.booleans(), given_out=st.booleans())
 def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training, given_out):
-    """A small C-ordered BatchNorm forward runs as one loop call (``_small_direct``: the
+    """A small C-ordered BatchNorm forward runs as one loop call (``_one_call``: the
     eval forward at (2, 8, 4, 4) spent most of its 21-35 us in layout tests and closures):
     bitwise the general way's output, statistics and running buffers, in training and in
     eval, with or without ``out=``."""
@@ -1678,18 +1678,17 @@ def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training,
         return [*got[:3], rm, rv, *(a for a in got[3:] if a is not None)]
 
     taken: list[bool] = []
-    real = numba_channels._small_direct
+    real = numba_channels._one_call
 
     def spy(*args):
-        result = real(*args)
-        taken.append(result is not None)
-        return result
+        taken.append(real(*args))
+        return taken[-1]
 
-    with mock.patch.object(numba_channels, "_small_direct", spy):
+    with mock.patch.object(numba_channels, "_one_call", spy):
         fast = forward()
     # (S = 1 with spatial axes is channels-last too: its (N*S, C) view may take it after)
     assert taken[0] == (x.ndim == 2 or x[0, 0].size > 1)
-    with mock.patch.object(numba_channels, "_small_direct", return_value=None):
+    with mock.patch.object(numba_channels, "_one_call", return_value=False):
         general = forward()
     for a, e in zip(fast, general, strict=True):
         assert a.dtype == e.dtype and a.shape == e.shape

@@ -449,43 +449,23 @@ def _staged_row_backward(
     run(lambda r0, r1: _staged_rows(srcs, 1, ct, r0, r1, rows_dx), ranges(M, C))
 
 
-def _small_direct(
-    input: np.ndarray,
-    weight: np.ndarray | None,
-    bias: np.ndarray | None,
-    eps: float,
-    training: bool,
-    mean: np.ndarray,
-    var: np.ndarray,
-    ct: np.dtype[Any],
-    out: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """``_channel_forward`` of a small C-ordered input (one thread's work) as one loop
-    call, what ``_channel_forward``'s sweep calls there, without its layout tests and
-    closures (BatchNorm's eval forward at (2, 8, 4, 4) took 21-35 us a call); None for any
-    other input. (A C-ordered input is channels-last too where it has one value per
-    channel and sample: S = 1 with three axes or more; that one takes the general way.)"""
+def _one_call(input: np.ndarray, training: bool, ct: np.dtype[Any], out: np.ndarray | None) -> bool:
+    """Whether ``_channel_forward`` of ``input`` is one loop call over all its channels in
+    the calling thread, as its sweep makes for a small C-ordered input (one thread's
+    work), which it then makes at once, without its layout tests and the threads'
+    closures (BatchNorm's eval forward at (2, 8, 4, 4) took 14-23 us a call, 12-15 so).
+    (A C-ordered input is channels-last too where it has one value per channel and
+    sample, S = 1 with three axes or more: that one takes the general way.)"""
     if not 0 < input.size < 2 * _staging.MIN_PARALLEL or not direct(ct, out, input):
-        return None
+        return False
     N, C = int(input.shape[0]), int(input.shape[1])
     S = input.size // (N * C)
     if S == 1 and input.ndim >= 3:
-        return None
-    B = _channel_block(N, S, ct)
-    if training and B:
+        return False
+    if training and _channel_block(N, S, ct):  # short channels: unless their spans are split
         parts = _span_parts(N, C, S, ct.itemsize)
-        if parts is not None and len(parts) > 1:  # (spans split over the threads)
-            return None
-    w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
-    rstd = np.empty(C, dtype=ct)  # C
-    y = np.empty(input.shape, dtype=ct) if out is None else out
-    x3, y3 = input.reshape(N, C, S), y.reshape(N, C, S)  # N,C,S each
-    if B:
-        x2, y2 = x3.reshape(N, C * S), y3.reshape(N, C * S)  # the rows of the blocks
-        loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, 0, C)
-    else:
-        loops.channel_forward(x3, w, b, eps, training, mean, var, rstd, y3, 0, C)
-    return y, rstd
+        return parts is None or len(parts) == 1
+    return True
 
 
 def _channel_forward(
@@ -503,19 +483,26 @@ def _channel_forward(
     and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``.
     A channels-last or Fortran-ordered input is taken as a C-ordered view
     (``_channel_views``), y in its layout."""
-    small = _small_direct(input, weight, bias, eps, training, mean, var, ct, out)
-    if small is not None:
-        return small
-    views = _channel_views(out, input)
-    if views is not None:  # channels-last or Fortran order, as a C-ordered view
-        (x_v,), out_v, back = views
-        y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
-        return (back(y) if out is None else out), rstd
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     rstd = np.empty(C, dtype=ct)  # C
     B = _channel_block(N, S, ct)
+    if _one_call(input, training, ct, out):  # the sweep's one call, made at once
+        y = np.empty(input.shape, dtype=ct) if out is None else out
+        if B:  # x, y as N,C*S: the rows of the blocks
+            x2, y2 = input.reshape(N, C * S), y.reshape(N, C * S)
+            loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, 0, C)
+        else:
+            loops.channel_forward(
+                input.reshape(N, C, S), w, b, eps, training, mean, var, rstd, y.reshape(N, C, S), 0, C
+            )
+        return y, rstd
+    views = _channel_views(out, input)
+    if views is not None:  # channels-last or Fortran order, as a C-ordered view
+        (x_v,), out_v, back = views
+        y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
+        return (back(y) if out is None else out), rstd
 
     def loop(
         x: np.ndarray,
