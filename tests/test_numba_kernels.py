@@ -1643,10 +1643,12 @@ def _op_results(x, dy, w, b):
 
 @st.composite
 def small_channel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """A small C-ordered BatchNorm input (N, C, *spatial) or (N, C) of float32/float64,
-    with or without a weight and a bias: one thread's work."""
+    """A small C-ordered BatchNorm input (N, C, *spatial) or (N, C) of float32/float64
+    (up to 300 samples: spans of samples the threads may split), with or without a
+    weight and a bias."""
     dtype = draw(st.sampled_from(["float32", "float64"]))
-    shape = draw(hnp.array_shapes(min_dims=2, max_dims=4, min_side=1, max_side=9))
+    spatial = draw(hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=4))
+    shape = (draw(st.integers(1, 300)), draw(st.integers(1, 9)), *spatial)
     finite = st.floats(-1e3, 1e3, width=32)
     x = draw(hnp.arrays(dtype, shape, elements=finite))
     C = shape[1]
@@ -1655,12 +1657,20 @@ def small_channel_inputs(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray | None
     return x, w, b
 
 
-@given(case=small_channel_inputs(), training=st.booleans(), given_out=st.booleans())
-def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training, given_out):
-    """A small C-ordered BatchNorm forward runs as one loop call (``_one_call``: the
-    eval forward at (2, 8, 4, 4) spent most of its 21-35 us in layout tests and closures):
-    bitwise the general way's output, statistics and running buffers, in training and in
-    eval, with or without ``out=``."""
+@settings(max_examples=100)  # (about a second)
+@given(
+    case=small_channel_inputs(),
+    training=st.booleans(),
+    given_out=st.booleans(),
+    thresholds=st.sampled_from([None, (1 << 16, 1), (64, 1 << 21), (64, 1)]),
+)
+def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training, given_out, thresholds):
+    """A small C-ordered BatchNorm forward calls its loop at once (``_one_call``): only
+    where the general way makes that one call in the calling thread (none of its work
+    handed to the pool, with 2 threads, at the default thresholds or lowered ones:
+    ``_staging.MIN_PARALLEL``, ``numba_channels.SPLIT_VALUES``), and then bitwise the
+    general way's output, statistics and running buffers, in training and in eval, with
+    or without ``out=``."""
     from unittest import mock
 
     x, w, b = case
@@ -1684,12 +1694,25 @@ def test_small_batch_norm_forward_in_one_call_as_the_general_way(case, training,
         taken.append(real(*args))
         return taken[-1]
 
-    with mock.patch.object(numba_channels, "_one_call", spy):
-        fast = forward()
-    # (S = 1 with spatial axes is channels-last too: its (N*S, C) view may take it after)
-    assert taken[0] == (x.ndim == 2 or x[0, 0].size > 1)
-    with mock.patch.object(numba_channels, "_one_call", return_value=False):
-        general = forward()
+    saved = _threads.get_num_threads(), _staging.MIN_PARALLEL, numba_channels.SPLIT_VALUES
+    _threads.set_num_threads(2)
+    if thresholds is not None:
+        _staging.MIN_PARALLEL, numba_channels.SPLIT_VALUES = thresholds
+    try:
+        with mock.patch.object(numba_channels, "_one_call", spy):
+            fast = forward()
+        with (
+            mock.patch.object(numba_channels, "_one_call", return_value=False),
+            mock.patch.object(_staging, "run_parallel", wraps=_staging.run_parallel) as pool,
+        ):
+            general = forward()
+    finally:
+        _threads.set_num_threads(saved[0])
+        _staging.MIN_PARALLEL, numba_channels.SPLIT_VALUES = saved[1:]
+    if taken[0]:
+        assert pool.call_count == 0  # the general way's work all in the calling thread too
+    if thresholds is None:  # (S = 1 with spatial axes is channels-last too: its view may take it)
+        assert taken[0] == (x.ndim == 2 or x[0, 0].size > 1)
     for a, e in zip(fast, general, strict=True):
         assert a.dtype == e.dtype and a.shape == e.shape
         np.testing.assert_array_equal(a, e)

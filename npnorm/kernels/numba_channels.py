@@ -450,12 +450,14 @@ def _staged_row_backward(
 
 
 def _one_call(input: np.ndarray, training: bool, ct: np.dtype[Any], out: np.ndarray | None) -> bool:
-    """Whether ``_channel_forward`` of ``input`` is one loop call over all its channels in
-    the calling thread, as its sweep makes for a small C-ordered input (one thread's
-    work), which it then makes at once, without its layout tests and the threads'
-    closures (BatchNorm's eval forward at (2, 8, 4, 4) took 14-23 us a call, 12-15 so).
-    (A C-ordered input is channels-last too where it has one value per channel and
-    sample, S = 1 with three axes or more: that one takes the general way.)"""
+    """Whether ``_channel_forward`` calls its loop at once for ``input``: a small
+    C-ordered input of the computation dtype, writable, with no ``out`` or a C-ordered
+    one of that dtype apart from it (``direct``), one thread's work, whose general path
+    (its sweep) makes one loop call over all channels in the calling thread; the short
+    cut makes that call without the layout tests and the threads' closures (BatchNorm's
+    eval forward at (2, 8, 4, 4): 11-15 against 13-23 us a call). Not for a C-ordered
+    input with one value per channel and sample (S = 1 with three axes or more): it is
+    channels-last too, and goes through that view (which may then take the short cut)."""
     if not 0 < input.size < 2 * _staging.MIN_PARALLEL or not direct(ct, out, input):
         return False
     N, C = int(input.shape[0]), int(input.shape[1])
@@ -483,12 +485,18 @@ def _channel_forward(
     and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``.
     A channels-last or Fortran-ordered input is taken as a C-ordered view
     (``_channel_views``), y in its layout."""
+    one = _one_call(input, training, ct, out)
+    views = None if one else _channel_views(out, input)
+    if views is not None:  # channels-last or Fortran order, as a C-ordered view
+        (x_v,), out_v, back = views
+        y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
+        return (back(y) if out is None else out), rstd
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     rstd = np.empty(C, dtype=ct)  # C
     B = _channel_block(N, S, ct)
-    if _one_call(input, training, ct, out):  # the sweep's one call, made at once
+    if one:  # the sweep's one call, made at once
         y = np.empty(input.shape, dtype=ct) if out is None else out
         if B:  # x, y as N,C*S: the rows of the blocks
             x2, y2 = input.reshape(N, C * S), y.reshape(N, C * S)
@@ -498,11 +506,6 @@ def _channel_forward(
                 input.reshape(N, C, S), w, b, eps, training, mean, var, rstd, y.reshape(N, C, S), 0, C
             )
         return y, rstd
-    views = _channel_views(out, input)
-    if views is not None:  # channels-last or Fortran order, as a C-ordered view
-        (x_v,), out_v, back = views
-        y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
-        return (back(y) if out is None else out), rstd
 
     def loop(
         x: np.ndarray,
