@@ -10,6 +10,7 @@ way for every row. torch is imported only when a conversion runs.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -226,7 +227,14 @@ def to_torch(module: Module) -> Any:
             f"got {type(module).__module__}.{type(module).__qualname__}"
         )
     tdtype = getattr(torch, dtype_name(module.xp, module.dtype))
-    ref = getattr(torch.nn, pair.torch_name)(**pair.arguments(module), dtype=tdtype)
+    cls = getattr(torch.nn, pair.torch_name)
+    arguments = pair.arguments(module)
+    # torch before 2.13 has no bias= in BatchNorm, InstanceNorm and GroupNorm: build the layer
+    # with its bias, then unset it, which leaves what bias=False builds (no parameter, no key)
+    has_bias = arguments.pop("bias", True) if "bias" not in inspect.signature(cls).parameters else True
+    ref = cls(**arguments, dtype=tdtype)
+    if not has_bias:
+        ref.bias = None
     _drop_unset_buffers(module, ref)
     state = OrderedDict((k, torch.from_numpy(to_host(v))) for k, v in module.state_dict().items())
     # the module's own version, as a torch state_dict carries it: a BatchNorm whose counter

@@ -229,3 +229,23 @@ def test_torch_is_imported_lazily_and_its_absence_is_a_clear_error():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "npnorm.to_torch needs PyTorch" in out.stdout and "pip install torch" in out.stdout
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_to_torch_on_a_torch_without_the_bias_argument(torch, monkeypatch, rng, bias):
+    # torch before 2.13 (the GPU machine's 2.11) has no bias= in BatchNorm: to_torch passed it
+    # and raised TypeError ("unexpected keyword argument 'bias'")
+    class BatchNorm2dWithoutBiasArgument(torch.nn.BatchNorm2d):
+        def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                     device=None, dtype=None):  # fmt: skip
+            super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+
+    monkeypatch.setattr(torch.nn, "BatchNorm2d", BatchNorm2dWithoutBiasArgument)
+    ours = npnorm.BatchNorm2d(3, bias=bias, dtype="float64")
+    ours(rng.normal(size=(4, 3, 2, 2)))  # moves the running statistics
+    ref = npnorm.to_torch(ours)
+    assert (ref.bias is not None) == bias
+    assert ref.state_dict().keys() == ours.state_dict().keys()
+    ref.eval(), ours.eval()
+    x = rng.normal(size=(2, 3, 2, 2))
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
