@@ -17,7 +17,9 @@ else ``"numpy"``. ``set_kernels(name)`` changes it for the process,
 ``"reference"`` runs the generic kernels for every backend.
 
 Another backend may register its own kernels (``specialized(op, namespace_name)``);
-they run unless ``"reference"`` is selected. The math modules never branch on the
+they run unless ``"reference"`` is selected. CuPy arrays have fused CUDA kernels for
+LayerNorm, RMSNorm and BatchNorm (``npnorm.kernels.cupy_fused``), imported the first
+time a CuPy array is seen. The math modules never branch on the
 backend themselves: they ask ``kernel(op, xp)``. The kernel modules are imported the
 first time their family is used, so ``import npnorm`` imports neither numba nor them.
 """
@@ -64,8 +66,8 @@ _GENERIC: dict[str, Callable[..., Any]] = {}
 # (op, family) for NumPy families, (op, namespace name) for other backends' kernels
 _SPECIALIZED: dict[tuple[str, str], Callable[..., Any]] = {}
 # Modules holding the kernels of another backend, imported the first time one of its
-# arrays is seen (none today; NumPy's families are in _FAMILIES).
-_PROVIDERS: dict[str, tuple[str, ...]] = {}
+# arrays is seen (NumPy's families are in _FAMILIES).
+_PROVIDERS: dict[str, tuple[str, ...]] = {"array_api_compat.cupy": ("npnorm.kernels.cupy_fused",)}
 
 _LOCK = threading.RLock()
 _LOADED: set[str] = set()  # families and namespaces whose modules are imported

@@ -1,0 +1,191 @@
+"""The fused CuPy kernels (npnorm.kernels.cupy_fused) against the generic kernels, on the GPU.
+
+Every case runs an op twice on the same CuPy arrays, with the default dispatch (the fused
+kernels) and under ``use_kernels("reference")`` (the generic Array API kernels), and
+compares every result: outputs, saved statistics, running buffers and gradients. Shapes,
+dtypes, flags and values are drawn. Without a GPU every case skips (conftest).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+from npnorm._backend import to_host
+from npnorm.functional import _dispatch
+
+pytestmark = pytest.mark.parametrize("backend", ["cupy"], indirect=True)
+
+TOL = {"float16": 4e-3, "float32": 2e-5, "float64": 1e-12}
+
+
+def _close(fused, ref, dtype: str, what: str) -> None:
+    """Equal to rounding: the largest difference within TOL of the reference's scale."""
+    if ref is None:
+        assert fused is None, what
+        return
+    a, b = to_host(fused), to_host(ref)
+    assert a.shape == b.shape and a.dtype == b.dtype, (what, a.shape, b.shape, a.dtype, b.dtype)
+    finite = np.isfinite(b)
+    assert np.array_equal(a[~finite], b[~finite], equal_nan=True), what  # the same NaN and inf
+    a, b = a[finite].astype(np.float64), b[finite].astype(np.float64)
+    scale = max(1.0, float(np.abs(b).max())) if b.size else 1.0
+    err = float(np.abs(a - b).max()) if b.size else 0.0
+    assert err <= TOL[dtype] * scale, f"{what}: {err:.3g} > {TOL[dtype]:.0e} x {scale:.3g}"
+
+
+def _both(fn):
+    """``fn()`` with the default (fused) kernels and with the reference kernels."""
+    fused = fn()
+    with npnorm.use_kernels("reference"):
+        ref = fn()
+    return fused, ref
+
+
+def _data(backend, rng, shape, dtype, offset=0.0):
+    return backend.asarray(offset + rng.standard_normal(shape), dtype)
+
+
+def test_cupy_arrays_take_the_fused_kernels(backend):
+    from npnorm.kernels import cupy_fused
+
+    for op in ("layer_norm", "rms_norm", "batch_norm"):
+        for step in ("forward", "backward"):
+            name = f"{op}_{step}"
+            assert _dispatch.kernel(name, backend.xp) is getattr(cupy_fused, name)
+            with npnorm.use_kernels("reference"):
+                assert _dispatch.kernel(name, backend.xp) is _dispatch.generic_kernel(name)
+
+
+ROW_D = st.sampled_from([1, 3, 8, 32, 33, 100, 768, 1000, 2048, 4096, 4097])  # 4097: generic
+
+
+@settings(max_examples=60)
+@given(
+    batch=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    D=ROW_D,
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    affine=st.sampled_from(["none", "weight", "both"]),
+    offset=st.sampled_from([0.0, 1e3]),
+    seed=st.integers(0, 2**16),
+    transposed=st.booleans(),
+)
+def test_layer_norm_fused_equals_reference(backend, batch, D, dtype, affine, offset, seed, transposed):
+    rng = np.random.default_rng(seed)
+    shape = (*batch, D)
+    x = _data(backend, rng, shape, dtype, offset)
+    if transposed and len(batch) > 1:  # not C-ordered
+        x = backend.xp.permute_dims(_data(backend, rng, (batch[1], batch[0], *batch[2:], D), dtype, offset),
+                                    (1, 0, *range(2, len(shape))))  # fmt: skip
+        shape = tuple(x.shape)
+    dy = _data(backend, rng, shape, dtype)
+    w = None if affine == "none" else _data(backend, rng, (D,), dtype)
+    b = _data(backend, rng, (D,), dtype) if affine == "both" else None
+    (y, mean, rstd), (ry, rmean, rrstd) = _both(lambda: F.layer_norm_forward(x, D, w, b))
+    for what, f, r in (("y", y, ry), ("mean", mean, rmean), ("rstd", rstd, rrstd)):
+        _close(f, r, dtype, what)
+    # both backwards from the same saved statistics
+    fused, ref = _both(lambda: F.layer_norm_backward(dy, x, D, rmean, rrstd, w, b))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, dtype, what)
+
+
+@settings(max_examples=40)
+@given(
+    batch=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    D=ROW_D,
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    weighted=st.booleans(),
+    eps=st.sampled_from([None, 1e-6]),
+    seed=st.integers(0, 2**16),
+)
+def test_rms_norm_fused_equals_reference(backend, batch, D, dtype, weighted, eps, seed):
+    rng = np.random.default_rng(seed)
+    x = _data(backend, rng, (*batch, D), dtype, 0.5)
+    dy = _data(backend, rng, (*batch, D), dtype)
+    w = _data(backend, rng, (D,), dtype) if weighted else None
+    (y, rstd), (ry, rrstd) = _both(lambda: F.rms_norm_forward(x, D, w, eps))
+    _close(y, ry, dtype, "y")
+    _close(rstd, rrstd, dtype, "rstd")
+    fused, ref = _both(lambda: F.rms_norm_backward(dy, x, D, rrstd, w))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, dtype, what)
+
+
+@settings(max_examples=60)
+@given(
+    N=st.integers(1, 6),
+    C=st.integers(1, 70),
+    spatial=st.sampled_from([(), (5,), (32,), (7, 9), (56, 56), (3, 4, 5), (2, 16, 16)]),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    affine=st.booleans(),
+    running=st.booleans(),
+    training=st.booleans(),
+    momentum=st.sampled_from([0.1, 1.0, 0.0]),
+    offset=st.sampled_from([0.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_batch_norm_fused_equals_reference(
+    backend, N, C, spatial, dtype, affine, running, training, momentum, offset, seed
+):
+    training = training or not running  # without running statistics only batch statistics
+    assume(not training or N * int(np.prod(spatial)) > 1)  # training needs two values per channel
+    rng = np.random.default_rng(seed)
+    shape = (N, C, *spatial)
+    x = _data(backend, rng, shape, dtype, offset)
+    dy = _data(backend, rng, shape, dtype)
+    w = _data(backend, rng, (C,), dtype) if affine else None
+    b = _data(backend, rng, (C,), dtype) if affine else None
+    rm0 = rng.standard_normal(C)
+    rv0 = rng.uniform(0.5, 2.0, C)
+
+    def forward():
+        rm = backend.asarray(rm0, "float32") if running else None
+        rv = backend.asarray(rv0, "float32") if running else None
+        res = F.batch_norm_forward(x, rm, rv, w, b, training, momentum, 1e-5)
+        return (*res, rm, rv)
+
+    fused, ref = _both(forward)
+    names = ("y", "mean", "rstd", "new_mean", "new_var", "running_mean", "running_var")
+    for what, f, r in zip(names, fused, ref, strict=True):
+        _close(f, r, "float32" if what.startswith(("running", "new")) else dtype, what)
+    mean, rstd = ref[1], ref[2]
+    fused, ref = _both(lambda: F.batch_norm_backward(dy, x, mean, rstd, w, b, training))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, dtype, what)
+
+
+def test_fused_kernels_write_out_and_repeat_bitwise(backend, rng):
+    xp = backend.xp
+    x = _data(backend, rng, (6, 7, 768), "float32", 3.0)
+    dy = _data(backend, rng, (6, 7, 768), "float32")
+    w, b = _data(backend, rng, (768,), "float32"), _data(backend, rng, (768,), "float32")
+    out = xp.empty_like(x)
+    y, mean, rstd = F.layer_norm_forward(x, 768, w, b, out=out)
+    assert y is out
+    y2, _, _ = F.layer_norm_forward(x, 768, w, b)
+    assert np.array_equal(to_host(y), to_host(y2))
+    g1 = F.layer_norm_backward(dy, x, 768, mean, rstd, w, b)
+    g2 = F.layer_norm_backward(dy, x, 768, mean, rstd, w, b)
+    for a, c in zip(g1, g2, strict=True):
+        assert np.array_equal(to_host(a), to_host(c))  # deterministic: fixed blocks, fixed order
+    xb = _data(backend, rng, (8, 16, 40, 40), "float32", 3.0)
+    r1 = F.batch_norm_forward(xb, None, None, None, None, True)
+    r2 = F.batch_norm_forward(xb, None, None, None, None, True)
+    for a, c in zip(r1[:3], r2[:3], strict=True):
+        assert np.array_equal(to_host(a), to_host(c))
+
+
+def test_fused_float32_is_accurate_on_a_large_offset(backend, rng):
+    """float32 data of mean 1e3 and spread 1: the fused kernels' error against a float64
+    computation is no larger than the generic kernels' (sums in float64 in both)."""
+    x64 = 1e3 + rng.standard_normal((64, 1024))
+    exact = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
+    x = backend.asarray(x64, "float32")
+    (y, _, _), (ry, _, _) = _both(lambda: F.layer_norm_forward(x, 1024))
+    err = np.abs(to_host(y) - exact).max()
+    assert err <= 1.5 * np.abs(to_host(ry) - exact).max() + 1e-6
