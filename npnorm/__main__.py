@@ -50,7 +50,7 @@ def _int_at_least(least: int, what: str) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1, "a positive integer")  # a count
-_non_negative_int = _int_at_least(0, "a non-negative integer")  # a seed
+_non_negative_int = _int_at_least(0, "a non-negative integer")  # a seed, a count that may be 0
 
 
 def _output_file(path: str) -> str:
@@ -199,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     gpu.add_argument("--quick", action="store_true", help="benchmark the small shapes of bench --quick")
     gpu.add_argument(
+        "--workers",
+        type=_non_negative_int,
+        default=None,
+        help="pytest-xdist workers for the tests stage (default: up to 8 where xdist is installed "
+        "and there are 4 cores or more; 0: one process)",
+    )
+    gpu.add_argument(
         "--rounds", type=_positive_int, default=10, help="timed benchmark rounds per shape (default 10)"
     )
     for stage in ("tests", "main", "bench"):
@@ -248,6 +255,7 @@ def _run(args: argparse.Namespace) -> int:
             quick=args.quick,
             rounds=args.rounds,
             stand_in=args.stand_in,
+            workers=args.workers,
         )
     if args.command == "demo":
         from .demo.cli import run as run_demo

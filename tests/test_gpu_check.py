@@ -6,6 +6,7 @@ there and consistent."""
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import json
 import os
 import re
@@ -241,3 +242,50 @@ def test_tests_stage_without_pytest_says_why(tmp_path, monkeypatch):
     res = _gpu_check.stage_tests(tmp_path, timeout=60)
     assert res["status"] == _gpu_check.FAILED
     assert "exit status 1" in res["note"] and "No module named pytest" in res["note"]
+
+
+def _pretend_xdist(monkeypatch, installed: bool) -> None:
+    """pytest-xdist installed or not, as gpu-check finds it (whatever this machine has)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        _gpu_check.importlib.util,
+        "find_spec",
+        lambda name, *args: (object() if installed else None) if name == "xdist" else real(name, *args),
+    )
+
+
+@pytest.mark.parametrize("xdist", [True, False])
+@pytest.mark.parametrize("workers", [0, 3])
+def test_tests_stage_command_workers_and_no_benchmark_plugin(monkeypatch, tmp_path, xdist, workers):
+    # -p no:benchmark always: pytest-benchmark's warning under xdist, an error under the
+    # project's settings, stopped the stage on the GPU machine before it collected anything
+    _pretend_xdist(monkeypatch, xdist)
+    cmd = _gpu_check.pytest_command(tmp_path / "junit.xml", workers)
+    assert cmd[:3] == [sys.executable, "-m", "pytest"]
+    assert ["-p", "no:benchmark"] == cmd[cmd.index("no:benchmark") - 1 : cmd.index("no:benchmark") + 1]
+    assert ("-n" in cmd) == (xdist and workers > 0)
+    if "-n" in cmd:
+        assert cmd[cmd.index("-n") + 1] == "3"
+    assert cmd[-4:] == ["-k", "cupy", f"--junit-xml={tmp_path / 'junit.xml'}", "tests"]
+
+
+@pytest.mark.parametrize(
+    ("cores", "xdist", "expected"), [(16, True, 8), (4, True, 4), (2, True, 0), (16, False, 0)]
+)
+def test_default_workers(monkeypatch, cores, xdist, expected):
+    monkeypatch.setattr(_gpu_check.os, "cpu_count", lambda: cores)
+    _pretend_xdist(monkeypatch, xdist)
+    assert _gpu_check.default_workers() == expected
+
+
+def test_gpu_check_passes_workers_to_the_tests_stage(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(
+        _gpu_check,
+        "stage_tests",
+        lambda out, limit, workers: seen.append(workers) or {"status": _gpu_check.SKIPPED},
+    )
+    _gpu_check.run(tmp_path, stages=("tests",), workers=5, stand_in=True)
+    monkeypatch.setattr(_gpu_check, "default_workers", lambda: 7)
+    _gpu_check.run(tmp_path, stages=("tests",), stand_in=True)
+    assert seen == [5, 7]

@@ -20,7 +20,8 @@ usage() {
 usage: bash tools/gpu_check.sh OUT_DIR [gpu-check options]
   OUT_DIR   folder for the report (gpu_check.md, gpu_check.json) and logs; created
   options   passed to `python -m npnorm gpu-check`: --stages tests,main,bench, --quick,
-            --rounds N, --tests-timeout S, --main-timeout S, --bench-timeout S, --stand-in
+            --rounds N, --workers N, --tests-timeout S, --main-timeout S, --bench-timeout S,
+            --stand-in
 environment: PYTHON (default python3), NPNORM_WHEELS (default .whl/ of this repository)
 EOF
 }
