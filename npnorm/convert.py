@@ -231,7 +231,9 @@ def to_torch(module: Module) -> Any:
     arguments = pair.arguments(module)
     # torch before 2.13 has no bias= in BatchNorm, InstanceNorm and GroupNorm: build the layer
     # with its bias, then unset it, which leaves what bias=False builds (no parameter, no key)
-    has_bias = arguments.pop("bias", True) if "bias" not in inspect.signature(cls).parameters else True
+    has_bias = True
+    if "bias" not in inspect.signature(cls).parameters:
+        has_bias = arguments.pop("bias", True)
     ref = cls(**arguments, dtype=tdtype)
     if not has_bias:
         ref.bias = None

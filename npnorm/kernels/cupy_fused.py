@@ -271,8 +271,8 @@ def _c_ordered(a: Array, dtype: Any) -> Array:
 
 
 def _rows_fit(input: Array, D: int) -> bool:
-    R = input.size // D if D else 0
-    return R > 0 and 0 < D <= KMAX * MAX_THREADS
+    """Rows (D > 0, as ``as_shape`` ensures) that one block holds, and at least one of them."""
+    return input.size > 0 and D <= KMAX * MAX_THREADS
 
 
 def _rows_forward(
@@ -307,11 +307,7 @@ def _rows_backward(
     bias: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
     """dx, and the float64 sums of dweight and dbias (dbias where ``bias`` is given)."""
-    ct = (
-        work_dtype(xp, input, weight, bias, rstd)
-        if mean is None
-        else work_dtype(xp, input, weight, bias, mean, rstd)
-    )
+    ct = work_dtype(xp, input, weight, bias, mean, rstd)  # the absent ones skipped
     need_dbias = bias is not None
     x = _c_ordered(input, ct)
     dy = _c_ordered(grad_output, ct)
