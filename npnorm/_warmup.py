@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,8 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     def layer_norm() -> None:  # short rows (pipelined) and long ones
         _, mean, rstd = F.layer_norm_forward(rows, 8, w8, b8)
         F.layer_norm_backward(rows, rows, 8, mean, rstd, w8, b8)
-        F.layer_norm_forward(long_row, long_row.shape[1])
+        with _long_rows_alone():
+            F.layer_norm_forward(long_row, long_row.shape[1])
 
     def rms_norm() -> None:
         _, rstd = F.rms_norm_forward(rows, 8, w8)
@@ -66,13 +68,29 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
         for x in (img, wide, last):  # short rows and long ones (each direction has a loop
             C = x.shape[1]  # for each), and a channels-last input's samples
-            _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
+            with _long_rows_alone():
+                _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
             F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
         from .kernels import numba_channels
 
         numba_channels.compile_split_loops(dtype)  # (samples fewer than the threads take them)
 
     return {"LayerNorm": layer_norm, "RMSNorm": rms_norm, "BatchNorm": batch_norm, "GroupNorm": group_norm}
+
+
+@contextmanager
+def _long_rows_alone() -> Iterator[None]:
+    """Inside the block, the forwards take long rows one at a time whatever the host, so
+    that warmup compiles those loops too (``_numba_loops.one_row_at_a_time``: a host
+    takes long rows one way or the other)."""
+    from .kernels import _numba_loops as loops
+
+    before = loops.LONG_ROWS_ALONE
+    loops.LONG_ROWS_ALONE = True
+    try:
+        yield
+    finally:
+        loops.LONG_ROWS_ALONE = before
 
 
 # the loops that convert float16 data to float32 and back (float16 runs the float32 loops)

@@ -899,18 +899,22 @@ def test_long_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, threads
         results = {}
         for long_row in (1, 1 << 30):  # every row long, none
             with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
+                mp.setattr(loops, "LONG_ROWS_ALONE", True)  # (the AMD hosts' rule)
                 mp.setattr(loops, "LONG_FORWARD_ROW", long_row)
                 results[long_row] = family_kernel(op, "numba")(xp, *args)
         for a, c in zip(results[1], results[1 << 30], strict=True):
             np.testing.assert_array_equal(a, c, err_msg=op)
 
 
-def test_long_rows_rule(monkeypatch):
-    """Which forward loop LayerNorm and GroupNorm rows go to, C-ordered or staged: rows of
-    ``LONG_FORWARD_ROW`` values and more one at a time, shorter ones pipelined."""
+@pytest.mark.parametrize("alone", [True, False])
+def test_long_rows_rule(monkeypatch, alone):
+    """Which forward loop LayerNorm and GroupNorm rows go to, C-ordered or staged: where
+    long rows go alone (AMD hosts), rows of ``LONG_FORWARD_ROW`` values and more one at a
+    time and shorter ones pipelined; elsewhere every row pipelined."""
     from npnorm.kernels import _numba_loops as loops
 
     assert loops.LONG_FORWARD_ROW == 256  # the cases below straddle it
+    monkeypatch.setattr(loops, "LONG_ROWS_ALONE", alone)
     called: list[str] = []
     for name in ("layer_norm_forward", "layer_norm_forward_long", "group_forward", "group_forward_long"):
         loop = getattr(loops, name)
@@ -925,11 +929,35 @@ def test_long_rows_rule(monkeypatch):
         (lambda x: F.instance_norm(x), (2, 3, 16, 16), "group_forward_long"),
     ]
     for call, shape, expected in cases:
+        if not alone:
+            expected = expected.removesuffix("_long")
         for dtype in ("float32", "float64"):
             for layout in ("C", "sliced"):  # run directly, and staged in blocks
                 called.clear()
                 call(laid_out(rng.normal(size=shape).astype(dtype), layout))
                 assert set(called) == {expected}, (shape, dtype, layout, called)
+
+
+@pytest.mark.parametrize(
+    ("text", "vendor"),
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "AuthenticAMD"),
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n", "GenuineIntel"),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", ""),  # 64-bit ARM: no vendor_id
+        (None, ""),  # no /proc/cpuinfo (macOS, Windows)
+    ],
+)
+def test_long_rows_go_alone_on_amd_processors(tmp_path, text, vendor):
+    """The host's x86 vendor, read from /proc/cpuinfo, picks the long rows' forward loop:
+    one row at a time on AMD processors (faster on an AMD EPYC), pipelined elsewhere
+    (faster on an Intel Xeon; see ``_numba_loops``); this host's choice follows its own."""
+    from npnorm.kernels import _numba_loops as loops
+
+    path = tmp_path / "cpuinfo"
+    if text is not None:
+        path.write_text(text)
+    assert loops._x86_vendor(str(path)) == vendor
+    assert loops.LONG_ROWS_ALONE == (loops._x86_vendor() == "AuthenticAMD")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])

@@ -315,22 +315,53 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
 # the pipeline measured 13-19% faster than one row at a time for GroupNorm and
 # InstanceNorm at (32, 64, 56, 56), on a host not recorded. On a 2-vCPU AMD EPYC (1 MiB of
 # L2 per core, 32 MiB of L3), the forwards of LayerNorm and GroupNorm were faster one row
-# at a time for rows of LONG_FORWARD_ROW values and more, so they take such rows so
-# (``layer_norm_forward_long``, ``group_forward_long``: the row's sum from memory, its
-# squared deviations from cache, then its output; bitwise the same results). Timed there
-# against the pipeline, the loops alone on two threads, float32: 0.73-0.87x its time for
-# LayerNorm at (16384, 768) and (16384, 4096), 0.79x at (2048, 65536), 0.74x at (256,
-# 1048576); 0.69-0.75x for GroupNorm and InstanceNorm at (32, 64, 56, 56) (64, 32 and 1
-# groups) and (8, 64, 128, 128), 0.84x at (16, 32, 224, 224); 0.87-1.06x, about break-even,
-# with rows of 256 to 784 values (LayerNorm at D = 256: 1.06x). Shorter rows stay
-# pipelined: one at a time they took 1.1-1.3x the pipeline's time (LayerNorm (65536, 64),
-# InstanceNorm at 4x4, 7x7 and 10x10), the steps of a row too short to hide one another's
-# latency. (A pipeline one row deep, the next row's sum taken under this row's output and
-# its squared deviations after, measured between the two.) The backwards and RMSNorm's
-# forward stay pipelined one row deep (but GroupNorm's short rows, see
-# ``group_backward_short``): one row at a time they measured 1.0-1.3x the pipeline's time
-# there.
+# at a time for rows of LONG_FORWARD_ROW values and more (``layer_norm_forward_long``,
+# ``group_forward_long``: the row's sum from memory, its squared deviations from cache,
+# then its output; bitwise the same results). Timed there against the pipeline, the
+# loops alone on two threads, float32: 0.73-0.87x its time for LayerNorm at (16384, 768)
+# and (16384, 4096), 0.79x at (2048, 65536), 0.74x at (256, 1048576); 0.69-0.75x for
+# GroupNorm and InstanceNorm at (32, 64, 56, 56) (64, 32 and 1 groups) and (8, 64, 128,
+# 128), 0.84x at (16, 32, 224, 224); 0.87-1.06x, about break-even, with rows of 256 to 784
+# values (LayerNorm at D = 256: 1.06x). On a 2-vCPU Intel Xeon (2 MiB of L2 per core) it
+# was the other way round: the pipeline took 0.86x the one-at-a-time loop's time for
+# LayerNorm at (16384, 4096), 0.91x at (16384, 768), 0.92x at (4096, 512), 1.00x at (1024,
+# 256); 0.87-0.88x for GroupNorm at (32, 64, 56, 56) (32 and 64 groups), 0.76x at (8, 64,
+# 128, 128), 1.02x at (32, 512, 7, 7). So long rows go one at a time on AMD processors
+# (``LONG_ROWS_ALONE``, from the x86 vendor) and stay pipelined elsewhere, the shape the
+# Intel hosts preferred (and the one untimed processors, ARM's among them, keep). Shorter
+# rows stay pipelined everywhere: one at a time they took 1.1-1.3x the pipeline's time on
+# the AMD host (LayerNorm (65536, 64), InstanceNorm at 4x4, 7x7 and 10x10), the steps of
+# a row too short to hide one another's latency. (A pipeline one row deep, the next row's
+# sum taken under this row's output and its squared deviations after, measured between
+# the two there.) The backwards and RMSNorm's forward stay pipelined one row deep (but
+# GroupNorm's short rows, see ``group_backward_short``): one row at a time they measured
+# 1.0-1.3x the pipeline's time on the AMD host.
 LONG_FORWARD_ROW = 256
+
+
+def _x86_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The processor's vendor as Linux reports it (``vendor_id``: "AuthenticAMD",
+    "GenuineIntel"), or "" where there is none (another system, or an ARM processor)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+# whether the forwards of LayerNorm and GroupNorm take rows of LONG_FORWARD_ROW values and
+# more one at a time (on AMD processors; see above)
+LONG_ROWS_ALONE = _x86_vendor() == "AuthenticAMD"
+
+
+def one_row_at_a_time(L: int) -> bool:
+    """Whether the forward loops take rows of L values one at a time (``*_forward_long``)
+    rather than pipelined: long rows, on a host where that measured faster (see above).
+    The two give bitwise the same results."""
+    return LONG_ROWS_ALONE and L >= LONG_FORWARD_ROW
 
 
 @_loop
@@ -403,8 +434,8 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
 
 @_loop
 def layer_norm_forward_long(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-untyped-def]
-    """``layer_norm_forward`` for long rows (the callers: LONG_FORWARD_ROW values and
-    more; correct for any length): one row at a time, no pipeline: its sum from memory,
+    """``layer_norm_forward`` for long rows (the callers: ``one_row_at_a_time``; correct
+    for any length): one row at a time, no pipeline: its sum from memory,
     its squared deviations from cache, then its output. The same sums, chunk by chunk in
     the same order: bitwise the pipelined loop's results. (The two sums are written out
     here and in ``group_forward_long``: as a helper returning both, called from these
@@ -972,8 +1003,8 @@ def group_forward(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: i
 
 @_loop
 def group_forward_long(x, w, b, k, eps, y, mean, rstd, var, base, r0, r1):  # type: ignore[no-untyped-def]
-    """``group_forward`` for long rows (the callers: LONG_FORWARD_ROW values and more;
-    correct for any length): one row at a time, no pipeline, as
+    """``group_forward`` for long rows (the callers: ``one_row_at_a_time``; correct for
+    any length): one row at a time, no pipeline, as
     ``layer_norm_forward_long``; the output channel by channel, one call per channel.
     Bitwise the pipelined loop's results."""
     L = x.shape[1]

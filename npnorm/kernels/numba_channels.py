@@ -30,11 +30,11 @@ as (N, C, S), S = prod(spatial):
 * GroupNorm and InstanceNorm with input statistics work one (sample, group) row of
   ``(C/G)*S`` values at a time (``loops.group_forward`` / ``group_backward``), pipelined
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
-  so that reading memory overlaps writing it; the forward takes rows of
-  ``loops.LONG_FORWARD_ROW`` values and more one at a time instead (``group_forward_long``, see
-  ``_numba_loops``), and the backward rows of a few KB (``loops.group_backward_short``,
-  see _short_rows). A channels-last input
-  (with a channels-last gradient in the backward) is taken sample by sample instead
+  so that reading memory overlaps writing it; on AMD processors the forward takes rows of
+  ``loops.LONG_FORWARD_ROW`` values and more one at a time instead (``group_forward_long``,
+  see ``_numba_loops.one_row_at_a_time``), and the backward rows of a few KB
+  (``loops.group_backward_short``, see _short_rows). A channels-last input (with a
+  channels-last gradient in the backward) is taken sample by sample instead
   (``loops.group_rows_forward`` / ``_backward``): a sample's S rows of C values, summed
   down the channels' columns in spans of rows, the sample kept in cache between its
   passes (float16, read-only and other-dtype samples staged in blocks of samples,
@@ -656,10 +656,10 @@ def _channel_backward(
 
 
 def _group_forward_loop(L: int) -> Any:
-    """GroupNorm's forward loop for (sample, group) rows of L values: pipelined for short
-    rows, one row at a time from ``loops.LONG_FORWARD_ROW`` values (bitwise the same results;
-    see there)."""
-    return loops.group_forward_long if L >= loops.LONG_FORWARD_ROW else loops.group_forward
+    """GroupNorm's forward loop for (sample, group) rows of L values: pipelined, or one
+    row at a time for rows of ``loops.LONG_FORWARD_ROW`` values and more on hosts where
+    that is faster (``loops.one_row_at_a_time``; bitwise the same results; see there)."""
+    return loops.group_forward_long if loops.one_row_at_a_time(L) else loops.group_forward
 
 
 def _group_forward(
@@ -671,9 +671,9 @@ def _group_forward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``loops.group_forward`` (``group_forward_long`` for rows of ``loops.LONG_FORWARD_ROW``
-    values and more) over the N*G (sample, group) rows. Returns ``(y, mean, rstd,
-    var)``, the statistics (N*G,), ``var`` (biased) in float64."""
+    """``loops.group_forward`` (or ``group_forward_long``: see ``_group_forward_loop``)
+    over the N*G (sample, group) rows. Returns ``(y, mean, rstd, var)``, the statistics
+    (N*G,), ``var`` (biased) in float64."""
     C = int(input.shape[1])
     R, k = int(input.shape[0]) * G, C // G
     L = input.size // R

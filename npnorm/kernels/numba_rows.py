@@ -12,10 +12,10 @@ sums (in the data's dtype, flushed into float64 every ``_numba_loops.FLUSH_ROWS`
 the threads' float64 sums are added in thread order at the end: bitwise reproducible
 for a fixed thread count). The loops are pipelined: while a row's output is written,
 chunk by chunk, the next rows' sums are taken, so that reading memory overlaps writing
-it; LayerNorm's forward takes rows of ``loops.LONG_FORWARD_ROW`` values and more one at
-a time instead (``layer_norm_forward_long``), which measured faster on the host where it
-was tuned. See ``_numba_loops`` for the loops and ``_staging`` for how inputs of other
-dtypes and layouts reach them.
+it; on AMD processors LayerNorm's forward takes rows of ``loops.LONG_FORWARD_ROW`` values
+and more one at a time instead (``layer_norm_forward_long``), which measured faster there
+and slower on an Intel Xeon (``loops.one_row_at_a_time``). See ``_numba_loops`` for the
+loops and ``_staging`` for how inputs of other dtypes and layouts reach them.
 
 Anything the loops do not compile for (a computation dtype other than float32/float64,
 say longdouble) and empty inputs go to the ``"numpy"`` family's kernels.
@@ -76,9 +76,10 @@ def _partials(D: int, ct: np.dtype[Any], count: int) -> list[np.ndarray]:
 
 
 def _forward_loop(D: int) -> Any:
-    """LayerNorm's forward loop for rows of D values: pipelined for short rows, one row
-    at a time from ``loops.LONG_FORWARD_ROW`` values (bitwise the same results; see there)."""
-    return loops.layer_norm_forward_long if D >= loops.LONG_FORWARD_ROW else loops.layer_norm_forward
+    """LayerNorm's forward loop for rows of D values: pipelined, or one row at a time
+    for rows of ``loops.LONG_FORWARD_ROW`` values and more on hosts where that is faster
+    (``loops.one_row_at_a_time``; bitwise the same results; see there)."""
+    return loops.layer_norm_forward_long if loops.one_row_at_a_time(D) else loops.layer_norm_forward
 
 
 @specialized("layer_norm_forward", NUMPY, kernels="numba")
@@ -92,7 +93,7 @@ def layer_norm_forward(
     out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """LayerNorm forward: one visit per row (``loops.layer_norm_forward``, or
-    ``layer_norm_forward_long`` for rows of ``loops.LONG_FORWARD_ROW`` values and more)."""
+    ``layer_norm_forward_long``: see ``_forward_loop``)."""
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     if input.size == 0 or not compiled(ct):
         return _fallback("layer_norm_forward", xp, input, shape, weight, bias, eps, out)
