@@ -710,6 +710,10 @@ def run(
     info["freed memory"] = "kept for reuse (--reuse-memory)" if reuse_memory else "the C library's default"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
+    if "numba" in info["kernels_available"]:  # which forward loop long rows take on this host
+        from .kernels import _numba_loops as loops
+
+        info["long_rows"] = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()

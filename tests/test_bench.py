@@ -48,7 +48,11 @@ def test_bench_quick_writes_every_figure(tmp_path):
         rows = data[part]
         assert {r["impl"] for r in rows} >= {f"npnorm {k}" for k in families} | {f"npnorm {default} out="}
         assert all(r["shape"] == shape and r["us_per_call"] > 0 for r in rows)
-    if "numba" in families:
+    if "numba" in families:  # the loop shape the figures of long rows come from
+        from npnorm.kernels import _numba_loops as loops
+
+        long_rows = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"
+        assert data["machine"]["long_rows"] == long_rows and f"long_rows={long_rows}" in out.stdout
         for label in ("cold", "warm"):
             assert data["compile"][label]["compile_s"] > 0
         assert "compile (python -m npnorm warmup" in out.stdout
