@@ -197,8 +197,29 @@ def check_out(xp: Namespace, out: Array | None, like: Array, what: str = "out") 
     dtype (as torch's ``out=``: no broadcasting, no casting; NumPy's byte order aside),
     each element at its own memory location (no zero stride), not masked, and, while
     torch's grad mode is on, not a torch tensor that requires grad."""
-    if out is None:
+    if out is None or plain_out(xp, out, like, what):
         return
+    check_out_fully(xp, out, like, what)
+
+
+def plain_out(xp: Namespace, out: Array, like: Array, what: str = "out") -> bool:
+    """Whether ``out`` is the common ``out=``, a plain writable C-ordered NumPy array of
+    ``like``'s shape and dtype, not empty (so no zero stride: an empty view can have them,
+    and ``check_out_fully`` refuses those), which passes every check of
+    ``check_out_fully``: a few attribute tests (0.4 us) instead of 1.3 us of checks."""
+    return bool(
+        type(out) is np.ndarray
+        and out.size
+        and out.shape == like.shape
+        and out.dtype == like.dtype
+        and out.flags.c_contiguous
+        and out.flags.writeable
+        and namespace_of(out, what=what) is xp
+    )
+
+
+def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -> None:
+    """``check_out``'s checks, each with its error."""
     if isinstance(out, np.ma.MaskedArray):  # the families would disagree on its mask
         raise TypeError(f"{what}: masked arrays are not supported: pass a plain array (out.data)")
     if namespace_of(out, what=what) is not xp:

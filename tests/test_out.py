@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 import npnorm
 import npnorm.functional as F
@@ -196,3 +199,54 @@ def test_out_that_requires_grad_is_refused_as_torchs_out_refuses_it():
         y = F.layer_norm_forward(x, 4, out=out)[0]
         torch.add(x, x, out=torch.zeros((2, 4), requires_grad=True))
     assert y is out and bool((out == 0).all())
+
+
+@st.composite
+def _outs(draw):
+    """An ``out`` candidate of every kind ``check_out`` tells apart: shape, dtype (byte
+    order too), layout (C, Fortran, strided, broadcast), read-only, masked, a subclass."""
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3))
+    like = np.zeros(shape, np.float32)
+    oshape = draw(st.sampled_from([shape, shape[::-1], (*shape, 1), shape[1:]]))
+    dtype = draw(st.sampled_from(["float32", ">f4", "float64", "float16"]))
+    kind = draw(st.sampled_from(["C", "F", "strided", "broadcast", "read-only", "masked", "memmap-like"]))
+    out = np.zeros(oshape, dtype)
+    if kind == "F":
+        out = np.asfortranarray(out)
+    elif kind == "strided" and oshape:
+        out = np.zeros((*oshape[:-1], 2 * oshape[-1]), dtype)[..., ::2]
+    elif kind == "broadcast" and oshape:
+        out = np.broadcast_to(np.zeros(oshape[-1:], dtype), oshape)
+    elif kind == "read-only":
+        out.flags.writeable = False
+    elif kind == "masked":
+        out = np.ma.masked_array(out)
+    elif kind == "memmap-like":
+        out = out.view(type("Sub", (np.ndarray,), {}))
+    return like, out
+
+
+@settings(max_examples=300)
+@given(_outs())
+def test_plain_out_shortcut_accepts_only_what_the_full_checks_accept(case):
+    """``check_out`` takes a shortcut for a plain writable C-ordered NumPy ``out`` of the
+    input's shape and dtype; it must never accept an ``out`` that the full checks refuse
+    (and what it does not take goes through them, with their errors)."""
+    from npnorm._backend import namespace_of
+    from npnorm._checks import check_out, check_out_fully, plain_out
+
+    like, out = case
+    xp = namespace_of(like)
+    try:
+        check_out_fully(xp, out, like)
+        full = None
+    except (TypeError, ValueError) as err:
+        full = (type(err), str(err))
+    if plain_out(xp, out, like):
+        assert full is None, full
+    try:
+        check_out(xp, out, like)
+        got = None
+    except (TypeError, ValueError) as err:
+        got = (type(err), str(err))
+    assert got == full
