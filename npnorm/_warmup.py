@@ -44,7 +44,7 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     def layer_norm() -> None:  # short rows (pipelined) and long ones
         _, mean, rstd = F.layer_norm_forward(rows, 8, w8, b8)
         F.layer_norm_backward(rows, rows, 8, mean, rstd, w8, b8)
-        with _long_rows_alone():
+        with _loop_rule("LONG_ROWS_ALONE", True):
             F.layer_norm_forward(long_row, long_row.shape[1])
 
     def rms_norm() -> None:
@@ -58,6 +58,9 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
             for training in (True, False):
                 _, mean, rstd, _, _ = F.batch_norm_forward(x, rm, rv, w4, b4, training=training)
                 F.batch_norm_backward(x, x, mean, rstd, w4, b4, training=training)
+        for in_memory_order in (True, False):  # long channels' two training forwards
+            with _loop_rule("CHANNELS_IN_MEMORY_ORDER", in_memory_order):
+                F.batch_norm_forward(long_rows, rm, rv, w4, b4, training=True)
         from .kernels import numba_channels
 
         numba_channels.compile_span_loops(dtype)  # (only inputs of millions of values take them)
@@ -68,7 +71,7 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
     def group_norm() -> None:  # InstanceNorm with input statistics runs the same loops
         for x in (img, wide, last):  # short rows and long ones (each direction has a loop
             C = x.shape[1]  # for each), and a channels-last input's samples
-            with _long_rows_alone():
+            with _loop_rule("LONG_ROWS_ALONE", True):
                 _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
             F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
         from .kernels import numba_channels
@@ -79,18 +82,18 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
 
 
 @contextmanager
-def _long_rows_alone() -> Iterator[None]:
-    """Inside the block, the forwards take long rows one at a time whatever the host, so
-    that warmup compiles those loops too (``_numba_loops.one_row_at_a_time``: a host
-    takes long rows one way or the other)."""
+def _loop_rule(name: str, value: bool) -> Iterator[None]:
+    """Inside the block, the host-dependent choice ``_numba_loops.<name>`` is ``value``, so
+    that warmup compiles the loops of both choices whatever the host
+    (``LONG_ROWS_ALONE``, ``CHANNELS_IN_MEMORY_ORDER``: a host takes one of each)."""
     from .kernels import _numba_loops as loops
 
-    before = loops.LONG_ROWS_ALONE
-    loops.LONG_ROWS_ALONE = True
+    before = getattr(loops, name)
+    setattr(loops, name, value)
     try:
         yield
     finally:
-        loops.LONG_ROWS_ALONE = before
+        setattr(loops, name, before)
 
 
 # the loops that convert float16 data to float32 and back (float16 runs the float32 loops)

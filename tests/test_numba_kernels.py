@@ -938,6 +938,82 @@ def test_long_rows_rule(monkeypatch, alone):
                 assert set(called) == {expected}, (shape, dtype, layout, called)
 
 
+@pytest.mark.parametrize("in_memory_order", [True, False])
+def test_batch_norm_training_forward_rule(monkeypatch, in_memory_order):
+    """BatchNorm's training forward of channels of ``CHUNK`` values a sample and more (C-ordered
+    or staged in blocks) runs ``channel_forward`` (memory order, AMD processors) or
+    ``channel_forward_pipelined`` (elsewhere) as ``CHANNELS_IN_MEMORY_ORDER`` says; with
+    running statistics, ``channel_forward``; short channels, the blocks' loop."""
+    from npnorm.kernels import _numba_loops as loops
+
+    monkeypatch.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
+    called: list[str] = []
+    for name in ("channel_forward", "channel_forward_pipelined", "channel_block_forward"):
+        loop = getattr(loops, name)
+        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    training_loop = "channel_forward" if in_memory_order else "channel_forward_pipelined"
+    rng = np.random.default_rng(8)
+    for shape, training, expected in [
+        ((2, 3, 16, 16), True, training_loop),
+        ((2, 3, 16, 16), False, "channel_forward"),
+        ((3, 4, 255), True, "channel_block_forward"),
+    ]:
+        C = shape[1]
+        for dtype in ("float32", "float64"):
+            for layout in ("C", "sliced"):
+                called.clear()
+                x = laid_out(rng.normal(size=shape).astype(dtype), layout)
+                F.batch_norm_forward(x, np.zeros(C, dtype), np.ones(C, dtype), training=training)
+                assert set(called) == {expected}, (shape, training, dtype, layout, called)
+
+
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from(("float32", "float64")),
+    n=st.integers(1, 4),
+    C=st.integers(1, 5),
+    S=st.sampled_from((256, 257, 600, 4097)),
+    offset=st.sampled_from((0.0, 1e3, 1e6)),
+    data=st.data(),
+)
+def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
+    """BatchNorm's two training forwards (memory order; the channels pipelined): each gives
+    bitwise the same results on 1, 2 and 3 threads and staged in blocks, the statistics of
+    both are float64's two-pass ones to float64 rounding (at offsets up to 1e6 times the
+    spread too), and their outputs agree to the data's rounding."""
+    from npnorm.kernels import _numba_loops as loops
+
+    x = data.draw(values(dtype, (n, C, S))) + np.asarray(offset, dtype)
+    assume(n * S > 1)
+    x = x + rounding(dtype, x.shape, 1 / 3)
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    b = np.linspace(-1, 1, C).astype(dtype)
+    x64 = x.astype(np.float64)
+    true_mean = x64.mean(axis=(0, 2))
+    true_var = ((x64 - true_mean[:, None]) ** 2).mean(axis=(0, 2))
+    results = {}
+    for in_memory_order in (True, False):
+        runs = []
+        for threads, layout in ((1, "C"), (2, "C"), (3, "C"), (2, "sliced")):
+            with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
+                mp.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
+                rm, rv = np.zeros(C, dtype), np.ones(C, dtype)
+                runs.append(F.batch_norm_forward(laid_out(x, layout), rm, rv, w, b, training=True))
+        for other in runs[1:]:
+            for a, c in zip(runs[0], other, strict=True):
+                np.testing.assert_array_equal(a, c, err_msg=str(in_memory_order))
+        results[in_memory_order] = runs[0]
+    spread = np.sqrt(true_var) + np.abs(true_mean) * 1e-12
+    # float64 rounding of the mean, relative to the spread (1e6 against about 1: ~1e-10)
+    lost = 64 * np.finfo(np.float64).eps * float(np.max(np.abs(true_mean) / spread))
+    tol = (2e-6 if dtype == "float32" else 1e-12) + lost
+    for _, mean, rstd, _, _ in results.values():
+        np.testing.assert_allclose(mean, true_mean.astype(dtype), rtol=0, atol=float(np.max(spread)) * 1e-6)
+        np.testing.assert_allclose(rstd, (1 / np.sqrt(true_var + 1e-5)).astype(dtype), rtol=tol)
+    for a, c in zip(results[True], results[False], strict=True):
+        np.testing.assert_allclose(a, c, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize(
     ("text", "vendor"),
     [

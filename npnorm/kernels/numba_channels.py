@@ -8,7 +8,10 @@ as (N, C, S), S = prod(spatial):
 * BatchNorm's forward (and the running-statistics mode of InstanceNorm) reads the input
   in memory order, sample by sample (``loops.channel_forward``): once for the statistics,
   each row's pieces two-pass from cache and merged into their channel's (float64), and
-  once for the output. The backward works one channel at a time
+  once for the output; except in training on processors other than AMD's, where the
+  channels are pipelined as the backward's (``loops.channel_forward_pipelined``, see
+  ``_channel_loop``): each host takes the one that measured faster there. The backward
+  works one channel at a time
   (``loops.channel_backward``): the channel's N*S values are read from memory once and
   stay in cache for its two sums and ``dx``, the channels pipelined as the rows below
   (while channel c's dx is written, the next channel's sums are taken). Channels of fewer
@@ -470,6 +473,17 @@ def _one_call(input: np.ndarray, training: bool, ct: np.dtype[Any], out: np.ndar
     return True
 
 
+def _channel_loop(training: bool) -> Any:
+    """BatchNorm's forward loop for channels of ``loops.CHUNK`` values a sample and more:
+    in training, the input in memory order (``loops.channel_forward``) on AMD processors,
+    the channels pipelined (``channel_forward_pipelined``) on others, whichever measured
+    faster there (``loops.CHANNELS_IN_MEMORY_ORDER``); with running statistics,
+    ``channel_forward``."""
+    if training and not loops.CHANNELS_IN_MEMORY_ORDER:
+        return loops.channel_forward_pipelined
+    return loops.channel_forward
+
+
 def _channel_forward(
     input: np.ndarray,
     weight: np.ndarray | None,
@@ -502,7 +516,7 @@ def _channel_forward(
             x2, y2 = input.reshape(N, C * S), y.reshape(N, C * S)
             loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, 0, C)
         else:
-            loops.channel_forward(
+            _channel_loop(training)(
                 input.reshape(N, C, S), w, b, eps, training, mean, var, rstd, y.reshape(N, C, S), 0, C
             )
         return y, rstd
@@ -520,7 +534,7 @@ def _channel_forward(
             x2, y2 = x.reshape(x.shape[0], -1), y.reshape(x.shape[0], -1)
             loops.channel_block_forward(x2, p[0], p[1], eps, stats, p[2], p[3], r, y2, B, c0, c1)
         else:
-            loops.channel_forward(x, p[0], p[1], eps, stats, p[2], p[3], r, y, c0, c1)
+            _channel_loop(stats)(x, p[0], p[1], eps, stats, p[2], p[3], r, y, c0, c1)
 
     def sweep(x: np.ndarray, y: np.ndarray) -> None:  # x, y: N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if training and B else None
