@@ -710,10 +710,11 @@ def run(
     info["freed memory"] = "kept for reuse (--reuse-memory)" if reuse_memory else "the C library's default"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
-    if "numba" in info["kernels_available"]:  # which forward loop long rows take on this host
+    if "numba" in info["kernels_available"]:  # the forward loops this host takes (see _numba_loops)
         from .kernels import _numba_loops as loops
 
         info["long_rows"] = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"
+        info["batch_norm_training"] = "memory order" if loops.CHANNELS_IN_MEMORY_ORDER else "pipelined"
     if torch is not None:
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()

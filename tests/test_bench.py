@@ -53,6 +53,9 @@ def test_bench_quick_writes_every_figure(tmp_path):
 
         long_rows = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"
         assert data["machine"]["long_rows"] == long_rows and f"long_rows={long_rows}" in out.stdout
+        channels = "memory order" if loops.CHANNELS_IN_MEMORY_ORDER else "pipelined"
+        assert data["machine"]["batch_norm_training"] == channels
+        assert f"batch_norm_training={channels}" in out.stdout
         for label in ("cold", "warm"):
             assert data["compile"][label]["compile_s"] > 0
         assert "compile (python -m npnorm warmup" in out.stdout

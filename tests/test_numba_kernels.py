@@ -1024,9 +1024,11 @@ def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
     ],
 )
 def test_long_rows_go_alone_on_amd_processors(tmp_path, text, vendor):
-    """The host's x86 vendor, read from /proc/cpuinfo, picks the long rows' forward loop:
-    one row at a time on AMD processors (faster on an AMD EPYC), pipelined elsewhere
-    (faster on an Intel Xeon; see ``_numba_loops``); this host's choice follows its own."""
+    """The host's x86 vendor, read from /proc/cpuinfo, picks the long rows' forward loop
+    (one row at a time on AMD processors, faster on an AMD EPYC; pipelined elsewhere,
+    faster on an Intel Xeon; see ``_numba_loops``) and BatchNorm's training forward
+    (memory order on AMD processors, the channels pipelined elsewhere); this host's
+    choices follow its own."""
     from npnorm.kernels import _numba_loops as loops
 
     path = tmp_path / "cpuinfo"
@@ -1034,6 +1036,7 @@ def test_long_rows_go_alone_on_amd_processors(tmp_path, text, vendor):
         path.write_text(text)
     assert loops._x86_vendor(str(path)) == vendor
     assert loops.LONG_ROWS_ALONE == (loops._x86_vendor() == "AuthenticAMD")
+    assert loops.CHANNELS_IN_MEMORY_ORDER == (loops._x86_vendor() == "AuthenticAMD")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
