@@ -989,7 +989,7 @@ def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
     w = np.linspace(0.5, 1.5, C).astype(dtype)
     b = np.linspace(-1, 1, C).astype(dtype)
     x64 = x.astype(np.float64)
-    true_mean = x64.mean(axis=(0, 2))
+    true_mean = np.array([math.fsum(x64[:, c].ravel()) / (n * S) for c in range(C)])  # exact sums
     true_var = ((x64 - true_mean[:, None]) ** 2).mean(axis=(0, 2))
     results = {}
     for in_memory_order in (True, False):
@@ -1004,14 +1004,33 @@ def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
                 np.testing.assert_array_equal(a, c, err_msg=str(in_memory_order))
         results[in_memory_order] = runs[0]
     spread = np.sqrt(true_var) + np.abs(true_mean) * 1e-12
-    # float64 rounding of the mean, relative to the spread (1e6 against about 1: ~1e-10)
+    # the float64 rounding of the mean, relative to the spread (1e6 against about 1: ~1e-10)
     lost = 64 * np.finfo(np.float64).eps * float(np.max(np.abs(true_mean) / spread))
     tol = (2e-6 if dtype == "float32" else 1e-12) + lost
+    # the mean within 2 ulp of the exact one plus rounding on the scale of the spread (summed
+    # unshifted, a mean of 1e6 came out up to 15 ulp off), then rounded to the data's dtype
+    near = true_mean.astype(dtype).astype(np.float64)
+    mean_tol = 2 * np.spacing(np.abs(true_mean)) + 8 * np.finfo(np.float64).eps * np.sqrt(true_var)
+    mean_tol = np.maximum(mean_tol, np.spacing(np.abs(near)))
     for _, mean, rstd, _, _ in results.values():
-        np.testing.assert_allclose(mean, true_mean.astype(dtype), rtol=0, atol=float(np.max(spread)) * 1e-6)
+        assert np.all(np.abs(mean.astype(np.float64) - near) <= mean_tol), (mean - near, mean_tol)
         np.testing.assert_allclose(rstd, (1 / np.sqrt(true_var + 1e-5)).astype(dtype), rtol=tol)
     for a, c in zip(results[True], results[False], strict=True):
         np.testing.assert_allclose(a, c, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("in_memory_order", [True, False])
+def test_batch_norm_training_mean_of_a_large_offset(monkeypatch, in_memory_order):
+    """Both training forwards take a float64 mean of 1e6 with a spread of 1e-3 within 2 ulp
+    of the exact one (the pipelined loop's sum taken unshifted was 15 ulp off, 1.7e-6 of
+    the spread, here)."""
+    from npnorm.kernels import _numba_loops as loops
+
+    monkeypatch.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
+    x = 1e6 + 1e-3 * np.random.default_rng(9).standard_normal((64, 8, 4096))
+    exact = np.array([math.fsum(x[:, c].ravel()) / x[:, c].size for c in range(8)])
+    mean = F.batch_norm_forward(x, np.zeros(8), np.ones(8), training=True)[1]
+    assert np.all(np.abs(mean - exact) <= 2 * np.spacing(exact)), (mean - exact) / np.spacing(exact)
 
 
 @pytest.mark.parametrize(
