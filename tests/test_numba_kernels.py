@@ -978,7 +978,8 @@ def test_batch_norm_training_forward_rule(monkeypatch, in_memory_order):
 )
 def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
     """BatchNorm's two training forwards (memory order; the channels pipelined): each gives
-    bitwise the same results on 1, 2 and 3 threads and staged in blocks, the statistics of
+    bitwise the same results on 1, 2 and 3 threads, copied whole and staged in blocks of
+    channels, the statistics of
     both are float64's two-pass ones to float64 rounding (at offsets up to 1e6 times the
     spread too), and their outputs agree to the data's rounding."""
     from npnorm.kernels import _numba_loops as loops
@@ -994,11 +995,15 @@ def test_batch_norm_training_forwards_agree(dtype, n, C, S, offset, data):
     results = {}
     for in_memory_order in (True, False):
         runs = []
-        for threads, layout in ((1, "C"), (2, "C"), (3, "C"), (2, "sliced")):
+        for threads, layout in ((1, "C"), (2, "C"), (3, "C"), (2, "sliced"), (2, "read-only")):
+            xl = laid_out(x, layout)
+            if layout == "read-only":  # staged in blocks of channels (sliced: copied whole)
+                xl = x.copy()
+                xl.flags.writeable = False
             with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
                 mp.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
                 rm, rv = np.zeros(C, dtype), np.ones(C, dtype)
-                runs.append(F.batch_norm_forward(laid_out(x, layout), rm, rv, w, b, training=True))
+                runs.append(F.batch_norm_forward(xl, rm, rv, w, b, training=True))
         for other in runs[1:]:
             for a, c in zip(runs[0], other, strict=True):
                 np.testing.assert_array_equal(a, c, err_msg=str(in_memory_order))
