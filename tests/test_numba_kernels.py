@@ -938,50 +938,6 @@ def test_long_rows_rule(monkeypatch, alone):
                 assert set(called) == {expected}, (shape, dtype, layout, called)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_layer_norm_forward_output_behind_the_reads(dtype):
-    """LayerNorm's pipelined forward writes the output of rows of ``OUTPUT_LAG_FROM`` values
-    and more ``OUTPUT_LAG`` values behind the chunk it reads: every value is written, as
-    by the one-at-a-time loop, bitwise (fresh outputs and ``out=``, 1-3 threads, rows on
-    both sides of the threshold, and rows whose last chunk is shorter than the lag)."""
-    from npnorm.kernels import _numba_loops as loops
-
-    assert (loops.OUTPUT_LAG_FROM, loops.OUTPUT_LAG, loops.CHUNK) == (2048, 64, 256)
-    rng = np.random.default_rng(10)
-    for D in (2047, 2048, 2049, 2048 + 63, 2048 + 64, 2048 + 65, 3000, 4096):
-        x = (rng.normal(size=(5, D)) * 3 + 7).astype(dtype)
-        w, b = rng.normal(size=D).astype(dtype), rng.normal(size=D).astype(dtype)
-        results = {}
-        for alone in (True, False):  # the one-at-a-time loop, the pipelined one
-            for threads in (1, 2, 3):
-                with pytest.MonkeyPatch.context() as mp, config(threads, small=True):
-                    mp.setattr(loops, "LONG_ROWS_ALONE", alone)
-                    out = np.full_like(x, np.nan)
-                    results[alone, threads, "out"] = F.layer_norm_forward(x, D, w, b, out=out)
-                    results[alone, threads, "fresh"] = F.layer_norm_forward(x, D, w, b)
-        expected = results[True, 1, "fresh"]
-        for key, got in results.items():
-            for a, c in zip(got, expected, strict=True):
-                np.testing.assert_array_equal(a, c, err_msg=f"D={D} {key}")
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_rms_norm_forward_output_behind_the_reads(dtype):
-    """RMSNorm's forward writes the output of rows of ``OUTPUT_LAG_FROM`` values and more
-    ``OUTPUT_LAG`` values behind the chunk it reads: every value is written, and is
-    ``(x*rstd)*w`` in the data's dtype as the loop computes it (fresh and ``out=``, 1-3
-    threads, rows on both sides of the threshold and of the lag)."""
-    rng = np.random.default_rng(11)
-    for D in (2047, 2048, 2049, 2048 + 63, 2048 + 64, 2048 + 65, 3000, 4096):
-        x = rng.normal(size=(5, D)).astype(dtype)
-        w = rng.normal(size=D).astype(dtype)
-        for threads in (1, 2, 3):
-            with config(threads, small=True):
-                out = np.full_like(x, np.nan)
-                for y, rstd in (F.rms_norm_forward(x, D, w, out=out), F.rms_norm_forward(x, D, w)):
-                    np.testing.assert_array_equal(y, (x * rstd[:, None]) * w, err_msg=f"D={D}")
-
-
 @pytest.mark.parametrize("in_memory_order", [True, False])
 def test_batch_norm_training_forward_rule(monkeypatch, in_memory_order):
     """BatchNorm's training forward of channels of ``CHUNK`` values a sample and more (C-ordered

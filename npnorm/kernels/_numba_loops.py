@@ -89,18 +89,6 @@ FLUSH_ROWS = 16
 # the values per chunk of the pipelined row loops (see there)
 CHUNK = 256
 
-# LayerNorm's and RMSNorm's pipelined forwards write the output of rows of OUTPUT_LAG_FROM
-# values and more OUTPUT_LAG values behind the chunk they read (the row's last OUTPUT_LAG
-# values after its chunks): the output's values are the same, only the order of the writes
-# changes. On a 2-vCPU Intel Xeon, an output a multiple of 1 KiB from the input in memory
-# (as ``np.empty_like(x)`` of a large x is: both page-aligned) slowed the forward of long
-# rows, the stores likely meeting the loads of the rows ahead at the same address bits. 64
-# values behind, into such an output, LayerNorm's loop alone took 0.79x the time at (16384,
-# 4096) and (4096, 8192), 0.94x at (16384, 2048), but 1.09x at (32768, 1024), and 0.97-1.03x
-# with fresh outputs; RMSNorm's forward 0.93x, 0.83x and 1.00x, fresh 0.92-1.00x.
-OUTPUT_LAG = 64
-OUTPUT_LAG_FROM = 2048
-
 # the values per piece of a row that BatchNorm's forward takes two-pass from cache (see
 # channel_forward): 16 KB of float32
 PIECE = 4096
@@ -418,13 +406,11 @@ def _row_stats(m, var, eps, s):  # type: ignore[no-untyped-def]
 def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-untyped-def]
     """Rows ``[r0, r1)`` of x (R,D): mean, rstd (R,) and ``y = (x - mean)*rstd*w + b``.
     Without weight/bias the caller passes ones/zeros (exact). Pipelined (see above):
-    writing row r, it takes row r + 1's squared deviations and row r + 2's sum (writing
-    OUTPUT_LAG values behind them in rows of OUTPUT_LAG_FROM values and more)."""
+    writing row r, it takes row r + 1's squared deviations and row r + 2's sum."""
     D = x.shape[1]
     s = np.empty(3, dtype=y.dtype)
     if r1 <= r0:
         return
-    lag = OUTPUT_LAG if D >= OUTPUT_LAG_FROM else 0  # the output's writes behind the reads
     m = q = m1 = 0.0  # row r's mean and squared deviations, row r + 1's mean
     for r in range(r0 - 2, r1):
         write, dev, add, row, n1, n2 = _two_ahead(r, r0, r1)
@@ -441,10 +427,8 @@ def layer_norm_forward(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignore[no-
                 t2 += _sum(x2, lo, hi)
             if dev:
                 q1 += _sum_sq_dev(x1, lo, hi, m1)
-            if write and hi > lag:
-                _norm_span(xr, yr, w, b, max(lo - lag, 0), hi - lag, m_hi, m_lo, k)
-        if write and lag > 0:  # the row's last values
-            _norm_span(xr, yr, w, b, D - lag, D, m_hi, m_lo, k)
+            if write:
+                _norm_span(xr, yr, w, b, lo, hi, m_hi, m_lo, k)
         m, q, m1 = m1, q1, t2 / D
 
 
@@ -520,13 +504,11 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
 @_loop
 def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def]
     """Rows ``[r0, r1)``: ``rstd = 1/sqrt(mean(x^2) + eps)``, ``y = x*rstd*w``.
-    Pipelined (see above): writing row r, it takes row r + 1's sum of squares (writing
-    OUTPUT_LAG values behind it in rows of OUTPUT_LAG_FROM values and more)."""
+    Pipelined (see above): writing row r, it takes row r + 1's sum of squares."""
     D = x.shape[1]
     s = np.empty(1, dtype=y.dtype)
     if r1 <= r0:
         return
-    lag = OUTPUT_LAG if D >= OUTPUT_LAG_FROM else 0  # the output's writes behind the reads
     q = 0.0  # row r's sum of squares
     for r in range(r0 - 1, r1):
         write, add, row, n = _one_ahead(r, r0, r1)
@@ -540,10 +522,8 @@ def rms_norm_forward(x, w, eps, y, rstd, r0, r1):  # type: ignore[no-untyped-def
             hi = min(lo + CHUNK, D)
             if add:
                 q += _sum_sq(x1, lo, hi)
-            if write and hi > lag:
-                _scale_span(xr, yr, w, max(lo - lag, 0), hi - lag, k)
-        if write and lag > 0:  # the row's last values
-            _scale_span(xr, yr, w, D - lag, D, k)
+            if write:
+                _scale_span(xr, yr, w, lo, hi, k)
 
 
 @_loop
