@@ -352,9 +352,13 @@ def _x86_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
     return ""
 
 
+# whether this host's processor is AMD's: the loop shapes below that depend on the host
+# follow it (read once, at import)
+ON_AMD = _x86_vendor() == "AuthenticAMD"
+
 # whether the forwards of LayerNorm and GroupNorm take rows of LONG_FORWARD_ROW values and
 # more one at a time (on AMD processors; see above)
-LONG_ROWS_ALONE = _x86_vendor() == "AuthenticAMD"
+LONG_ROWS_ALONE = ON_AMD
 
 
 def one_row_at_a_time(L: int) -> bool:
@@ -651,7 +655,7 @@ def channel_forward(x, w, b, eps, training, mean, var, rstd, y, c0, c1):  # type
 # 1.03x at (128, 64, 28, 28), 1.15x at (8, 64, 128, 128), 1.38x at (32, 256, 28, 28) and
 # 1.08x at (16, 32, 224, 224) (with running statistics the two took the same time). So the
 # training forward reads memory order on AMD processors and pipelines the channels elsewhere.
-CHANNELS_IN_MEMORY_ORDER = _x86_vendor() == "AuthenticAMD"
+CHANNELS_IN_MEMORY_ORDER = ON_AMD
 
 
 @_loop
