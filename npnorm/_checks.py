@@ -88,16 +88,35 @@ def check_known_shape(a: Array, what: str) -> None:
         )
 
 
+# Array types whose dtype is a NumPy dtype and whose namespace their type decides: for
+# arrays of one of them, a type and a dtype test stand for float_inputs' full checks.
+# CuPy's ndarray joins when npnorm.kernels.cupy_fused is imported (``fast_float_type``).
+_FAST_FLOAT_TYPES: set[type] = {np.ndarray}
+
+
+def fast_float_type(t: type) -> None:
+    """Let arrays of exact type ``t`` (a NumPy dtype, a namespace ``t`` decides) take
+    float_inputs' cheap path."""
+    _FAST_FLOAT_TYPES.add(t)
+
+
 def _float_numpy_namespace(arrays: tuple[Array | None, ...], required: int) -> Namespace | None:
-    """NumPy's namespace when every array present is a float16/32/64 NumPy array and the
-    first ``required`` are present (the common call: a type and dtype test per array),
-    else None (the full checks decide)."""
+    """The namespace when every array present is a float16/32/64 array of one type of
+    ``_FAST_FLOAT_TYPES`` (NumPy's ndarray; CuPy's once its kernels are loaded) and the first
+    ``required`` are present (the common call: a type and dtype test per array), else
+    None (the full checks decide)."""
+    kind = None
     for a in arrays:
         if a is None:
             if required > 0:
                 return None
-        elif type(a) is not np.ndarray or a.dtype.char not in "efd":
-            return None
+        else:
+            if kind is None:
+                kind = type(a)
+                if kind not in _FAST_FLOAT_TYPES:
+                    return None
+            if type(a) is not kind or a.dtype.char not in "efd":
+                return None
         required -= 1
     return namespace_of(*arrays)
 

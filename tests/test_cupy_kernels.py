@@ -189,3 +189,67 @@ def test_fused_float32_is_accurate_on_a_large_offset(backend, rng):
     (y, _, _), (ry, _, _) = _both(lambda: F.layer_norm_forward(x, 1024))
     err = np.abs(to_host(y) - exact).max()
     assert err <= 1.5 * np.abs(to_host(ry) - exact).max() + 1e-6
+
+
+@settings(max_examples=12)
+@given(
+    R=st.integers(300, 3000),
+    D=st.sampled_from([1, 32, 100, 768, 1000, 4096]),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    affine=st.sampled_from(["none", "weight", "both"]),
+    center=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_row_kernels_on_many_rows_equal_reference(backend, R, D, dtype, affine, center, seed):
+    """More rows than the backward launches blocks: each block takes several rows, each
+    loading the next while it reduces this one's sums, and its dweight and dbias partial
+    sums cover all of them."""
+    rng = np.random.default_rng(seed)
+    x = _data(backend, rng, (R, D), dtype, 2.0)
+    dy = _data(backend, rng, (R, D), dtype)
+    w = None if affine == "none" else _data(backend, rng, (D,), dtype)
+    b = _data(backend, rng, (D,), dtype) if affine == "both" else None
+    if center:
+        (y, mean, rstd), (ry, rmean, rrstd) = _both(lambda: F.layer_norm_forward(x, D, w, b))
+        pairs = [("y", y, ry), ("mean", mean, rmean), ("rstd", rstd, rrstd)]
+        fused, ref = _both(lambda: F.layer_norm_backward(dy, x, D, rmean, rrstd, w, b))
+    else:
+        (y, rstd), (ry, rrstd) = _both(lambda: F.rms_norm_forward(x, D, w))
+        pairs = [("y", y, ry), ("rstd", rstd, rrstd)]
+        fused, ref = _both(lambda: F.rms_norm_backward(dy, x, D, rrstd, w))
+    pairs += list(zip(("dx", "dweight", "dbias"), fused, ref, strict=False))
+    for what, f, r in pairs:
+        _close(f, r, dtype, what)
+
+
+@settings(max_examples=10)
+@given(
+    C=st.integers(1, 40),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    momentum=st.sampled_from([0.1, 1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_batch_norm_fused_takes_strided_buffers(backend, C, dtype, momentum, seed):
+    """Per-channel arrays that are views with a step (weight, bias, running statistics in
+    the input's dtype) give what the generic kernels give, and the running statistics the
+    fused forward returns are new arrays of the buffers' dtype."""
+    rng = np.random.default_rng(seed)
+    x = _data(backend, rng, (4, C, 9, 8), dtype, 5.0)
+    dy = _data(backend, rng, (4, C, 9, 8), dtype)
+    w = _data(backend, rng, (2 * C,), dtype)[::2]
+    b = _data(backend, rng, (2 * C,), dtype)[1::2]
+    rm0 = rng.standard_normal(2 * C)
+    rv0 = rng.uniform(0.5, 2.0, 2 * C)
+
+    def forward():
+        rm = backend.asarray(rm0, dtype)[::2]
+        rv = backend.asarray(rv0, dtype)[::2]
+        return F.batch_norm_forward(x, rm, rv, w, b, True, momentum, 1e-5)
+
+    fused, ref = _both(forward)
+    for what, f, r in zip(("y", "mean", "rstd", "new_mean", "new_var"), fused, ref, strict=True):
+        _close(f, r, dtype, what)
+    assert np.dtype(fused[3].dtype) == np.dtype(dtype) == np.dtype(fused[4].dtype)
+    g_fused, g_ref = _both(lambda: F.batch_norm_backward(dy, x, ref[1], ref[2], w, b, True))
+    for what, f, r in zip(("dx", "dweight", "dbias"), g_fused, g_ref, strict=True):
+        _close(f, r, dtype, what)

@@ -11,7 +11,8 @@ import sys
 
 _PROBE = """
 import inspect, json, sys, types
-sys.modules["cupy"] = types.ModuleType("cupy")  # imported by the module, not used on import
+sys.modules["cupy"] = types.ModuleType("cupy")  # imported by the module; on import it uses
+sys.modules["cupy"].ndarray = type("ndarray", (), {})  # only the array type
 from npnorm.functional import _dispatch
 from npnorm.kernels import cupy_fused
 found = {}

@@ -8,24 +8,27 @@ signatures: ``npnorm.use_kernels("reference")`` runs the generic kernels instead
 tests compare the two on the GPU. This module is imported the first time the dispatcher sees
 a CuPy array, never at ``import npnorm``.
 
-Rows (LayerNorm, RMSNorm): one thread block per row of D values, each thread holding up
-to ``KMAX`` of them in registers, so that the row is read from memory once:
+Rows (LayerNorm, RMSNorm): one thread block per row of D values, each thread holding a
+few of them in registers, so that the row is read from memory once:
 
     forward:  mean = sum(x) / D;  var = sum((x - mean)**2) / D  (two passes over the
               registers, sums in float64);  y = xhat * w + b
     backward: xhat = (x - mean) * rstd,  dxhat = dy * w,  with means over the row
               dx = rstd * (dxhat - mean(dxhat) - (xhat - mean(xhat)) * mean(dxhat * (xhat - mean(xhat))))
 
-The backward blocks stride over the rows, each keeping its columns' sums of ``dy * xhat``
-and ``dy`` in registers; the per-block partial sums (float64) are added in a fixed order
-afterwards, so results are deterministic. Rows longer than ``KMAX * MAX_THREADS`` (4096)
-values run the generic kernels.
+The backward launches as many blocks as the GPU holds at once; each strides over the rows,
+loading the next row while it reduces this one's sums, and keeps its columns' sums of
+``dy * xhat`` and ``dy`` in registers. Those per-block partial sums (float64) are added in a
+fixed order by a second kernel, so results are deterministic. Rows longer than
+``ROW_LIMIT`` (4096) values run the generic kernels.
 
 Channels (BatchNorm over (N, C, S)): per-channel sums are taken by (channel x slice)
-blocks into float64 partials, added in a fixed order; the mean first, then the centred
-squares (two passes over the input), as the reference's ``moments``; the normalization
-and dx are elementwise kernels with per-channel factors. Inputs with fewer than
-``MIN_SPATIAL`` values per (sample, channel) run the generic kernels.
+blocks into float64 partials, and one block per channel adds them in a fixed order and
+finishes the channel's statistics (mean; then variance, rstd and the running statistics;
+in the backward, dweight, dbias and the coefficients of dx). The mean is taken first, then
+the centred squares (two passes over the input), as the reference's ``moments``; the
+normalization and dx are elementwise kernels with per-channel factors. Inputs with fewer
+than ``MIN_SPATIAL`` values per (sample, channel) run the generic kernels.
 
 float16 input is computed in float32 and returned in float16, as everywhere; an input
 that is not C-ordered is copied to C order first.
@@ -41,15 +44,16 @@ import cupy
 import numpy as np
 
 from .._backend import Array, Namespace
-from .._checks import default_eps, prod, work_dtype, write_out
+from .._checks import default_eps, fast_float_type, prod, work_dtype, write_out
 from .._stats import rstd_of
 from ..functional import _dispatch
-from ..functional._channels import running_update
 
 CUPY = "array_api_compat.cupy"
-KMAX = 8  # values of a row each thread holds
-MAX_THREADS = 512  # threads of a row's block (the row kernels are compiled for at most this many)
+KMAX = 4  # values of a row each thread holds, in the kernels compiled by default
+MAX_THREADS = 1024  # threads of a row's block, at most, likewise
 MIN_SPATIAL = 32  # BatchNorm inputs with fewer values per (sample, channel) run the generic kernels
+
+fast_float_type(cupy.ndarray)  # CuPy arrays' checks: a type and a dtype test, as NumPy's
 
 _SOURCE = r"""
 typedef %(T)s T;   // the computation dtype (float or double)
@@ -78,28 +82,45 @@ __device__ S block_sum(S v, S* sh) {
     return sh[0];
 }
 
-// LayerNorm (center = 1) and RMSNorm (center = 0) forward; one block per row.
+// Three block sums at once (sh holds 96 values): each the same tree as block_sum's, so the
+// same bits, with one round of barriers instead of three.
+__device__ void block_sum3(S& a, S& b, S& c, S* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+    __syncthreads();  // sh may still be read from the previous call
+    if (lane == 0) { sh[warp] = a; sh[32 + warp] = b; sh[64 + warp] = c; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool in = lane < (int)(blockDim.x >> 5);
+        a = warp_sum(in ? sh[lane] : (S)0);
+        b = warp_sum(in ? sh[32 + lane] : (S)0);
+        c = warp_sum(in ? sh[64 + lane] : (S)0);
+        if (lane == 0) { sh[0] = a; sh[32] = b; sh[64] = c; }
+    }
+    __syncthreads();
+    a = sh[0];
+    b = sh[32];
+    c = sh[64];
+}
+
+// LayerNorm (center = 1) and RMSNorm (center = 0) forward; one block per row, thread t
+// holding the row's values t, t + blockDim.x, ... (at most KMAX of them) in registers.
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_forward(
     const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
     T* __restrict__ y, T* __restrict__ mean_out, T* __restrict__ rstd_out,
-    const long long R, const long long D, const double eps,
+    const long long R, const int D, const double eps,
     const int center, const int has_w, const int has_b)
 {
     __shared__ S sh[32];
-    T wv[KMAX], bv[KMAX];
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-        const long long j = threadIdx.x + (long long)k * blockDim.x;
-        wv[k] = (has_w && j < D) ? w[j] : (T)1;
-        bv[k] = (has_b && j < D) ? b[j] : (T)0;
-    }
     for (long long r = blockIdx.x; r < R; r += gridDim.x) {
         const T* xr = x + r * D;
         T xv[KMAX];
         S s = 0;
 #pragma unroll
         for (int k = 0; k < KMAX; ++k) {
-            const long long j = threadIdx.x + (long long)k * blockDim.x;
+            const int j = threadIdx.x + k * blockDim.x;
             xv[k] = j < D ? xr[j] : (T)0;
             s += (S)xv[k];
         }
@@ -107,18 +128,18 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_forward(
         S q = 0;
 #pragma unroll
         for (int k = 0; k < KMAX; ++k) {
-            const long long j = threadIdx.x + (long long)k * blockDim.x;
+            const int j = threadIdx.x + k * blockDim.x;
             if (j < D) { const S d = (S)xv[k] - mu; q += d * d; }
         }
         const S rs = 1.0 / sqrt(block_sum(q, sh) / (S)D + (S)eps);
         T* yr = y + r * D;
 #pragma unroll
         for (int k = 0; k < KMAX; ++k) {
-            const long long j = threadIdx.x + (long long)k * blockDim.x;
+            const int j = threadIdx.x + k * blockDim.x;
             if (j < D) {
                 T v = (T)(((S)xv[k] - mu) * rs);  // xhat, the offset removed in float64
-                if (has_w) v = v * wv[k];
-                if (has_b) v = v + bv[k];
+                if (has_w) v = v * w[j];
+                if (has_b) v = v + b[j];
                 yr[j] = v;
             }
         }
@@ -129,87 +150,176 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_forward(
     }
 }
 
-// LayerNorm / RMSNorm backward; blocks stride over rows, partial sums of dweight (pw) and
-// dbias (pb) per block and column.
+// LayerNorm / RMSNorm backward. Each block strides over the rows r = blockIdx.x,
+// blockIdx.x + gridDim.x, ..., and loads the next row's x and dy before it reduces this
+// row's sums, so that memory is read while the block waits at its barriers. Per block and
+// column it keeps the partial sums of dweight (pw) and dbias (pb), written at the end.
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_backward(
     const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
     const T* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
-    S* __restrict__ pw, S* __restrict__ pb, const long long R, const long long D,
+    S* __restrict__ pw, S* __restrict__ pb, const long long R, const int D,
     const int center, const int has_w, const int need_pw, const int need_pb)
 {
-    __shared__ S sh[32];
-    T wv[KMAX];
-    S aw[KMAX], ab[KMAX];
+    __shared__ S sh[96];
+    S aw[KMAX], ab[KMAX];  // this thread's columns' sums of dy * xhat and dy
+    T xc[KMAX], gc[KMAX];  // this row's x and dy
+    T xn[KMAX], gn[KMAX];  // the next row's
+    {
+        const long long r = blockIdx.x;
+        const T* xr = x + r * D;
+        const T* gr = dy + r * D;
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-        const long long j = threadIdx.x + (long long)k * blockDim.x;
-        wv[k] = (has_w && j < D) ? w[j] : (T)1;
-        aw[k] = 0;
-        ab[k] = 0;
+        for (int k = 0; k < KMAX; ++k) {
+            const int j = threadIdx.x + k * blockDim.x;
+            aw[k] = 0;
+            ab[k] = 0;
+            const bool in = r < R && j < D;
+            xc[k] = in ? xr[j] : (T)0;
+            gc[k] = in ? gr[j] : (T)0;
+        }
     }
     for (long long r = blockIdx.x; r < R; r += gridDim.x) {
+        const long long rn = r + gridDim.x;
+        const T* xr = x + rn * D;
+        const T* gr = dy + rn * D;
+#pragma unroll
+        for (int k = 0; k < KMAX; ++k) {  // the next row, loaded now, used next iteration
+            const int j = threadIdx.x + k * blockDim.x;
+            const bool in = rn < R && j < D;
+            xn[k] = in ? xr[j] : (T)0;
+            gn[k] = in ? gr[j] : (T)0;
+        }
         const T m = center ? mean[r] : (T)0;
         const T rs = rstd[r];
-        T xh[KMAX], gh[KMAX];  // xhat, dxhat
         S s0 = 0, s1 = 0, s2 = 0;  // sums of xhat, dxhat, dxhat * xhat
 #pragma unroll
         for (int k = 0; k < KMAX; ++k) {
-            const long long j = threadIdx.x + (long long)k * blockDim.x;
-            xh[k] = 0;
-            gh[k] = 0;
+            const int j = threadIdx.x + k * blockDim.x;
             if (j < D) {
-                const T g = dy[r * D + j];
-                xh[k] = (x[r * D + j] - m) * rs;
-                gh[k] = has_w ? g * wv[k] : g;
-                s0 += (S)xh[k];
-                s1 += (S)gh[k];
-                s2 += (S)gh[k] * (S)xh[k];
-                aw[k] += (S)g * (S)xh[k];
-                ab[k] += (S)g;
+                const T xh = (xc[k] - m) * rs;  // xhat
+                const T gh = has_w ? gc[k] * w[j] : gc[k];  // dxhat
+                s0 += (S)xh;
+                s1 += (S)gh;
+                s2 += (S)gh * (S)xh;
+                aw[k] += (S)gc[k] * (S)xh;
+                ab[k] += (S)gc[k];
             }
         }
+        block_sum3(s0, s1, s2, sh);
         S mx = 0, t1 = 0;
         if (center) {
-            mx = block_sum(s0, sh) / (S)D;  // mean(xhat): 0 but for the saved mean's rounding
-            t1 = block_sum(s1, sh) / (S)D;  // mean(dxhat)
+            mx = s0 / (S)D;  // mean(xhat): 0 but for the saved mean's rounding
+            t1 = s1 / (S)D;  // mean(dxhat)
         }
-        // mean(dxhat * (xhat - mx))
-        const S t2 = block_sum(s2, sh) / (S)D - mx * t1;
+        const S t2 = s2 / (S)D - mx * t1;  // mean(dxhat * (xhat - mx))
+        T* dr = dx + r * D;
 #pragma unroll
         for (int k = 0; k < KMAX; ++k) {
-            const long long j = threadIdx.x + (long long)k * blockDim.x;
-            if (j < D) dx[r * D + j] = (T)((S)rs * ((S)gh[k] - t1 - ((S)xh[k] - mx) * t2));
+            const int j = threadIdx.x + k * blockDim.x;
+            if (j < D) {
+                const T xh = (xc[k] - m) * rs;
+                const T gh = has_w ? gc[k] * w[j] : gc[k];
+                dr[j] = (T)((S)rs * ((S)gh - t1 - ((S)xh - mx) * t2));
+            }
+            xc[k] = xn[k];
+            gc[k] = gn[k];
         }
     }
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-        const long long j = threadIdx.x + (long long)k * blockDim.x;
+        const int j = threadIdx.x + k * blockDim.x;
         if (j < D) {
-            if (need_pw) pw[blockIdx.x * D + j] = aw[k];
-            if (need_pb) pb[blockIdx.x * D + j] = ab[k];
+            if (need_pw) pw[blockIdx.x * (long long)D + j] = aw[k];
+            if (need_pb) pb[blockIdx.x * (long long)D + j] = ab[k];
         }
     }
 }
 
-// Per-channel partial sums over (N, C, S) in C order: block (blockIdx.x, c) takes the
-// samples n = kn, kn + Kn, ... and the slice ks of S (blockIdx.x = kn + Kn * ks).
-//   mode 0: p1 = sum(x)
-//   mode 1: p1 = sum((x - center[c])**2)
-//   mode 2: p1 = sum(dy), p2 = sum(dy * xhat), p3 = sum(xhat), xhat = (x - mean[c]) * rstd[c]
+// dweight and dbias from the backward's B x D partial sums: block (32 x 32) threads take 32
+// columns; thread (tx, ty) adds rows ty, ty + 32, ..., then thread (tx, 0) adds the 32
+// results in order (a fixed order: results repeat bitwise).
+extern "C" __global__ void __launch_bounds__(1024) column_sums(
+    const S* __restrict__ pw, const S* __restrict__ pb, T* __restrict__ dw, T* __restrict__ db,
+    const long long B, const long long D, const int need_pw, const int need_pb)
+{
+    __shared__ S tw[32][33], tb[32][33];
+    const long long j = blockIdx.x * 32LL + threadIdx.x;
+    S a = 0, c = 0;
+    if (j < D) {
+        for (long long i = threadIdx.y; i < B; i += 32) {
+            if (need_pw) a += pw[i * D + j];
+            if (need_pb) c += pb[i * D + j];
+        }
+    }
+    tw[threadIdx.y][threadIdx.x] = a;
+    tb[threadIdx.y][threadIdx.x] = c;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < D) {
+        a = 0;
+        c = 0;
+        for (int t = 0; t < 32; ++t) { a += tw[t][threadIdx.x]; c += tb[t][threadIdx.x]; }
+        if (need_pw) dw[j] = (T)a;
+        if (need_pb) db[j] = (T)c;
+    }
+}
+
+// Moments as (count, mean, M2 = sum of squared deviations from the mean), in float64.
+// chan_merge adds (n2, m2, q2) into (n, m, q) (Chan, Golub & LeVeque's pairwise update);
+// an empty side (count 0) leaves the other as it is.
+__device__ __forceinline__ void chan_merge(S& n, S& m, S& q, const S n2, const S m2, const S q2) {
+    if (n2 == 0) return;
+    if (n == 0) { n = n2; m = m2; q = q2; return; }
+    const S t = n + n2, d = m2 - m, f = n2 / t;
+    m += d * f;
+    q += q2 + d * d * n * f;
+    n = t;
+}
+
+// The moments of the block (blockDim.x a multiple of 32), merged in a fixed tree; the
+// result is in thread 0.
+__device__ void block_moments(S& n, S& m, S& q, S* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const S n2 = __shfl_down_sync(0xffffffffu, n, o);
+        const S m2 = __shfl_down_sync(0xffffffffu, m, o);
+        const S q2 = __shfl_down_sync(0xffffffffu, q, o);
+        chan_merge(n, m, q, n2, m2, q2);
+    }
+    __syncthreads();
+    if (lane == 0) { sh[warp] = n; sh[32 + warp] = m; sh[64 + warp] = q; }
+    __syncthreads();
+    if (warp == 0) {
+        const bool in = lane < (int)(blockDim.x >> 5);
+        n = in ? sh[lane] : (S)0;
+        m = in ? sh[32 + lane] : (S)0;
+        q = in ? sh[64 + lane] : (S)0;
+        for (int o = 16; o > 0; o >>= 1) {
+            const S n2 = __shfl_down_sync(0xffffffffu, n, o);
+            const S m2 = __shfl_down_sync(0xffffffffu, m, o);
+            const S q2 = __shfl_down_sync(0xffffffffu, q, o);
+            chan_merge(n, m, q, n2, m2, q2);
+        }
+    }
+}
+
+// Per-channel partials over (N, C, S) in C order, in one pass: block (blockIdx.x, c) takes
+// the samples n = kn, kn + Kn, ... and the slice ks of S (blockIdx.x = kn + Kn * ks).
+//   mode 0 (forward): the moments of x (Welford's update per thread, then merged):
+//           p1 = count, p2 = mean, p3 = M2
+//   mode 2 (backward): p1 = sum(dy), p2 = sum(dy * xhat), p3 = sum(xhat),
+//           xhat = (x - mean[c]) * rstd[c]
 extern "C" __global__ void channel_sums(
-    const T* __restrict__ x, const T* __restrict__ dy, const S* __restrict__ center,
-    const T* __restrict__ mean, const T* __restrict__ rstd,
-    S* __restrict__ p1, S* __restrict__ p2, S* __restrict__ p3,
+    const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ mean,
+    const T* __restrict__ rstd, S* __restrict__ p1, S* __restrict__ p2, S* __restrict__ p3,
     const long long N, const long long C, const long long Sz, const int Kn, const int Ks,
     const int mode)
 {
-    __shared__ S sh[32];
+    __shared__ S sh[96];
     const long long c = blockIdx.y;
     const int kn = blockIdx.x %% Kn, ks = blockIdx.x / Kn;
     const long long chunk = (Sz + Ks - 1) / Ks;
     const long long s0 = ks * chunk;
     const long long s1 = s0 + chunk < Sz ? s0 + chunk : Sz;
-    const S cd = mode == 1 ? center[c] : (S)0;
     const T m = mode == 2 ? mean[c] : (T)0;
     const T rs = mode == 2 ? rstd[c] : (T)0;
     S a1 = 0, a2 = 0, a3 = 0;
@@ -218,10 +328,11 @@ extern "C" __global__ void channel_sums(
         for (long long s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
             const long long i = base + s;
             if (mode == 0) {
-                a1 += (S)x[i];
-            } else if (mode == 1) {
-                const S d = (S)x[i] - cd;
-                a1 += d * d;
+                const S v = (S)x[i];
+                a1 += 1;
+                const S d = v - a2;
+                a2 += d / a1;
+                a3 += d * (v - a2);
             } else {
                 const S g = (S)dy[i];
                 const S xh = (S)((x[i] - m) * rs);
@@ -231,13 +342,115 @@ extern "C" __global__ void channel_sums(
             }
         }
     }
-    const long long at = c * gridDim.x + blockIdx.x;
-    a1 = block_sum(a1, sh);
-    if (threadIdx.x == 0) p1[at] = a1;
-    if (mode == 2) {
-        a2 = block_sum(a2, sh);
-        a3 = block_sum(a3, sh);
-        if (threadIdx.x == 0) { p2[at] = a2; p3[at] = a3; }
+    if (mode == 0) block_moments(a1, a2, a3, sh); else block_sum3(a1, a2, a3, sh);
+    if (threadIdx.x == 0) {
+        const long long at = c * gridDim.x + blockIdx.x;
+        p1[at] = a1;
+        p2[at] = a2;
+        p3[at] = a3;
+    }
+}
+
+// BatchNorm's per-channel results from channel_sums' C x K partials, one block per
+// channel (the K partials merged or added in a fixed order). count: values per channel.
+//   mode 0: mean = the merged mean;  var = M2 / count (biased);  rstd = 1 / sqrt(var + eps),
+//           into mean64, rstd64 (float64) and mean_t, rstd_t;  with running statistics
+//           (has_run), the new ones: (1 - momentum) * running + momentum * batch, the
+//           variance unbiased (M2 / (count - 1))
+//   mode 2: dweight = sum(dy * xhat), dbias = sum(dy);  for dx: coef[c] = (rstd * w,
+//           t1 = mean(dy), mx = mean(xhat), t2 = mean(dy * xhat) - mx * t1)
+extern "C" __global__ void channel_finish(
+    const S* __restrict__ p1, const S* __restrict__ p2, const S* __restrict__ p3,
+    const int K, const double count, const int mode,
+    S* __restrict__ mean64, S* __restrict__ rstd64, T* __restrict__ mean_t, T* __restrict__ rstd_t,
+    const int has_run, const T* __restrict__ run_mean, const T* __restrict__ run_var,
+    T* __restrict__ new_mean, T* __restrict__ new_var, const double momentum, const double eps,
+    const T* __restrict__ rstd_in, const T* __restrict__ w, const int has_w,
+    T* __restrict__ dw, T* __restrict__ db, S* __restrict__ coef)
+{
+    __shared__ S sh[96];
+    const long long c = blockIdx.x;
+    S a1 = 0, a2 = 0, a3 = 0;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        const long long at = c * K + k;
+        if (mode == 0) {
+            chan_merge(a1, a2, a3, p1[at], p2[at], p3[at]);
+        } else {
+            a1 += p1[at];
+            a2 += p2[at];
+            a3 += p3[at];
+        }
+    }
+    if (mode == 0) block_moments(a1, a2, a3, sh); else block_sum3(a1, a2, a3, sh);
+    if (threadIdx.x != 0) return;
+    if (mode == 0) {
+        const S mu = a2;
+        const S var = a3 / count;  // biased
+        const S rs = 1.0 / sqrt(var + eps);
+        mean64[c] = mu;
+        rstd64[c] = rs;
+        mean_t[c] = (T)mu;
+        rstd_t[c] = (T)rs;
+        if (has_run) {
+            new_mean[c] = (T)((1.0 - momentum) * (S)run_mean[c] + momentum * mu);
+            new_var[c] = (T)((1.0 - momentum) * (S)run_var[c] + momentum * (var * (count / (count - 1.0))));
+        }
+    } else {
+        dw[c] = (T)a2;
+        db[c] = (T)a1;
+        S scale = (S)rstd_in[c];
+        if (has_w) scale = scale * (S)w[c];
+        const S t1 = a1 / count, mx = a3 / count;
+        coef[4 * c] = scale;
+        coef[4 * c + 1] = t1;
+        coef[4 * c + 2] = mx;
+        coef[4 * c + 3] = a2 / count - mx * t1;
+    }
+}
+
+// BatchNorm's output in training, one block per row (n, c) of Sz values:
+// y = (T)((x - mean64[c]) * rstd64[c]) * w[c] + b[c]
+extern "C" __global__ void channel_apply(
+    const T* __restrict__ x, T* __restrict__ y, const S* __restrict__ mean64,
+    const S* __restrict__ rstd64, const T* __restrict__ w, const T* __restrict__ b,
+    const long long rows, const long long C, const long long Sz, const int has_w, const int has_b)
+{
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long c = row %% C;
+        const S mc = mean64[c], rc = rstd64[c];
+        const T wc = has_w ? w[c] : (T)1, bc = has_b ? b[c] : (T)0;
+        const T* xr = x + row * Sz;
+        T* yr = y + row * Sz;
+        for (long long s = threadIdx.x; s < Sz; s += blockDim.x) {
+            const T xh = (T)(((S)xr[s] - mc) * rc);
+            yr[s] = has_w ? (has_b ? xh * wc + bc : xh * wc) : (has_b ? xh + bc : xh);
+        }
+    }
+}
+
+// BatchNorm's dx, one block per row (n, c), from channel_finish's coef (mode 2):
+//   training: dx = rstd * w * (dy - mean(dy) - (xhat - mean(xhat)) * t2)
+//   eval:     dx = rstd * w * dy  (the running statistics are constants)
+extern "C" __global__ void channel_dx(
+    const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
+    const T* __restrict__ rstd, const S* __restrict__ coef, T* __restrict__ dx,
+    const long long rows, const long long C, const long long Sz, const int training)
+{
+    for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
+        const long long c = row %% C;
+        const S scale = coef[4 * c], t1 = coef[4 * c + 1], mx = coef[4 * c + 2], t2 = coef[4 * c + 3];
+        const T m = mean[c], r = rstd[c];
+        const T* gr = dy + row * Sz;
+        const T* xr = x + row * Sz;
+        T* dr = dx + row * Sz;
+        for (long long s = threadIdx.x; s < Sz; s += blockDim.x) {
+            if (training) {
+                const S xh = (S)((xr[s] - m) * r);
+                dr[s] = (T)(scale * ((S)gr[s] - t1 - (xh - mx) * t2));
+            } else {
+                dr[s] = (T)((S)gr[s] * scale);
+            }
+        }
     }
 }
 """
@@ -246,10 +459,18 @@ _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
 
 
 @functools.cache
-def _module(dtype: np.dtype) -> Any:
-    """The compiled kernels for computation dtype ``dtype`` (float32 or float64)."""
-    source = _SOURCE % {"T": _CTYPE[dtype], "KMAX": KMAX, "MAX_THREADS": MAX_THREADS}
+def _module(dtype: np.dtype, kmax: int = KMAX, max_threads: int = MAX_THREADS) -> Any:
+    """The compiled kernels for computation dtype ``dtype`` (float32 or float64), the row
+    kernels for blocks of at most ``max_threads`` threads holding ``kmax`` values each."""
+    source = _SOURCE % {"T": _CTYPE[dtype], "KMAX": kmax, "MAX_THREADS": max_threads}
     return cupy.RawModule(code=source, options=("--std=c++14",))
+
+
+@functools.cache
+def _kernel(name: str, dtype: Any, kmax: int = KMAX, max_threads: int = MAX_THREADS) -> Any:
+    """Kernel ``name`` of ``_module(dtype, kmax, max_threads)`` (looked up once: a lookup
+    costs microseconds on every call otherwise)."""
+    return _module(np.dtype(dtype), kmax, max_threads).get_function(name)
 
 
 @functools.cache
@@ -257,9 +478,16 @@ def _sm_count() -> int:
     return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-def _threads_for_row(D: int) -> int:
-    """Threads per block for rows of D values: about 4 values each, a multiple of 32."""
-    return min(MAX_THREADS, max(32, 32 * math.ceil(math.ceil(D / 4) / 32)))
+@functools.cache
+def _resident_blocks(dtype: np.dtype, kmax: int, max_threads: int, name: str, threads: int) -> int:
+    """How many blocks of ``threads`` threads of kernel ``name`` one multiprocessor holds."""
+    kernel = _kernel(name, dtype, kmax, max_threads).kernel  # the RawKernel's CUDA function
+    return max(1, int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, 0)))
+
+
+def _threads_for_row(D: int, kmax: int = KMAX, max_threads: int = MAX_THREADS) -> int:
+    """Threads per block for rows of D values: ``kmax`` values each at most, a multiple of 32."""
+    return min(max_threads, max(32, 32 * math.ceil(math.ceil(D / kmax) / 32)))
 
 
 def _c_ordered(a: Array, dtype: Any) -> Array:
@@ -269,10 +497,26 @@ def _c_ordered(a: Array, dtype: Any) -> Array:
 
 # --- rows: LayerNorm and RMSNorm ------------------------------------------------------
 
+ROW_LIMIT = 4096  # longer rows run the generic kernels
+# The row kernels' shapes, (values per thread, most threads per block), chosen on an H200
+# (float32, 16384 rows; forward, then backward with its column sums, in ms):
+#   forward  D = 768:  (4, 1024) 0.051, (8, 512) 0.051, (16, 256) 0.054  (torch 0.051)
+#            D = 4096: (4, 1024) 0.259, (8, 512) 0.231, (16, 256) 0.202  (torch 0.183)
+#   backward D = 768:  (4, 1024) 0.113, (8, 512) 0.089, (4, 512) 0.089   (torch 0.120)
+#            D = 4096: (4, 1024) 0.632, (8, 512) 0.435                   (torch 0.444)
+# The backward launches as many blocks as the multiprocessors hold at once: fewer (1, 2 or
+# 4 per multiprocessor) measured 1.1-4.4x slower.
+ROWS_BACKWARD = (8, 512)
+
+
+def _forward_shape(D: int) -> tuple[int, int]:
+    """(values per thread, most threads per block) of the row forward for rows of D values."""
+    return (4, 1024) if D <= 1024 else (16, 256)
+
 
 def _rows_fit(input: Array, D: int) -> bool:
     """Rows (D > 0, as ``as_shape`` ensures) that one block holds, and at least one of them."""
-    return input.size > 0 and D <= KMAX * MAX_THREADS
+    return input.size > 0 and D <= ROW_LIMIT
 
 
 def _rows_forward(
@@ -282,15 +526,14 @@ def _rows_forward(
     x = _c_ordered(input, ct)  # R*D values
     R = x.size // D
     y = cupy.empty(x.shape, dtype=ct)
-    mean = cupy.empty((R,), dtype=ct)
-    rstd = cupy.empty((R,), dtype=ct)
+    mean, rstd = cupy.empty((2, R), dtype=ct)  # one allocation for both
     w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
     b = x if bias is None else _c_ordered(bias, ct)
-    threads = _threads_for_row(D)
-    _module(np.dtype(ct)).get_function("rows_forward")(
+    kmax, max_threads = _forward_shape(D)
+    _kernel("rows_forward", ct, kmax, max_threads)(
         (min(R, 2**31 - 1),),
-        (threads,),
-        (x, w, b, y, mean, rstd, np.int64(R), np.int64(D), np.float64(eps),
+        (_threads_for_row(D, kmax, max_threads),),
+        (x, w, b, y, mean, rstd, np.int64(R), np.int32(D), np.float64(eps),
          np.int32(center), np.int32(weight is not None), np.int32(bias is not None)),
     )  # fmt: skip
     return y.astype(input.dtype, copy=False), mean, rstd
@@ -306,7 +549,7 @@ def _rows_backward(
     weight: Array | None,
     bias: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
-    """dx, and the float64 sums of dweight and dbias (dbias where ``bias`` is given)."""
+    """dx, and dweight and dbias (dbias where ``bias`` is given) in the computation dtype."""
     ct = work_dtype(xp, input, weight, bias, mean, rstd)  # the absent ones skipped
     need_dbias = bias is not None
     x = _c_ordered(input, ct)
@@ -315,19 +558,30 @@ def _rows_backward(
     rs = _c_ordered(rstd, ct)
     m = rs if mean is None else _c_ordered(mean, ct)
     w = x if weight is None else _c_ordered(weight, ct)
-    threads = _threads_for_row(D)
-    blocks = max(1, min(R, 4 * _sm_count()))  # each keeps partial sums of dweight, dbias
+    kmax, max_threads = ROWS_BACKWARD
+    threads = _threads_for_row(D, kmax, max_threads)
+    per_sm = _resident_blocks(np.dtype(ct), kmax, max_threads, "rows_backward", threads)
+    blocks = max(1, min(R, per_sm * _sm_count()))  # each keeps partial sums of dweight, dbias
     dx = cupy.empty(x.shape, dtype=ct)
-    pw = cupy.empty((blocks, D), dtype=cupy.float64) if weight is not None else dx
-    pb = cupy.empty((blocks, D), dtype=cupy.float64) if need_dbias else dx
-    _module(np.dtype(ct)).get_function("rows_backward")(
+    need = weight is not None or need_dbias
+    pw, pb = cupy.empty((2, blocks, D), dtype=cupy.float64) if need else (dx, dx)  # placeholders
+    _kernel("rows_backward", ct, kmax, max_threads)(
         (blocks,),
         (threads,),
-        (dy, x, m, rs, w, dx, pw, pb, np.int64(R), np.int64(D), np.int32(mean is not None),
+        (dy, x, m, rs, w, dx, pw, pb, np.int64(R), np.int32(D), np.int32(mean is not None),
          np.int32(weight is not None), np.int32(weight is not None), np.int32(need_dbias)),
     )  # fmt: skip
-    dweight = None if weight is None else pw.sum(axis=0).astype(weight.dtype)
-    dbias = None if not need_dbias else pb.sum(axis=0)
+    dweight = dbias = None
+    if need:
+        dw, db = cupy.empty((2, D), dtype=ct)
+        _kernel("column_sums", ct)(
+            (math.ceil(D / 32),),
+            (32, 32),
+            (pw, pb, dw, db, np.int64(blocks), np.int64(D), np.int32(weight is not None),
+             np.int32(need_dbias)),
+        )  # fmt: skip
+        dweight = None if weight is None else dw.astype(weight.dtype, copy=False)
+        dbias = None if bias is None else db
     return dx.astype(input.dtype, copy=False), dweight, dbias
 
 
@@ -371,7 +625,7 @@ def layer_norm_backward(
         dweight = dweight.reshape(shape)
     if dbias is not None:
         assert bias is not None
-        dbias = dbias.astype(bias.dtype).reshape(shape)
+        dbias = dbias.astype(bias.dtype, copy=False).reshape(shape)
     return write_out(xp, out, dx.reshape(input.shape)), dweight, dbias
 
 
@@ -433,48 +687,57 @@ def _split(N: int, C: int, S: int) -> tuple[int, int]:
     return kn, ks
 
 
-def _channel_sums(
-    x: Array, mode: int, *, dy: Array | None = None, center: Array | None = None,
-    mean: Array | None = None, rstd: Array | None = None,
-) -> list[Array]:  # fmt: skip
-    """Per-channel float64 sums of x's (N, C, S) view (see ``channel_sums`` in the source):
-    one array for modes 0 and 1, three for mode 2."""
+def _channel_partials(
+    x: Array, mode: int, *, dy: Array | None = None, mean: Array | None = None, rstd: Array | None = None
+) -> list[Array]:
+    """Per-channel float64 partials (three C x K arrays) of x's (N, C, S) view, as
+    ``channel_sums`` in the source takes them: x's moments (mode 0), or the sums of the
+    backward (mode 2)."""
     N, C, S = _ncs(x)
     kn, ks = _split(N, C, S)
-    parts = [cupy.empty((C, kn * ks), dtype=cupy.float64) for _ in range(3 if mode == 2 else 1)]
-    p1, p2, p3 = (parts * 3)[:3] if mode != 2 else parts
-    _module(np.dtype(x.dtype)).get_function("channel_sums")(
+    p1, p2, p3 = parts = list(cupy.empty((3, C, kn * ks), dtype=cupy.float64))
+    _kernel("channel_sums", x.dtype)(
         (kn * ks, C),
         (256,),
-        (x, x if dy is None else dy, p1 if center is None else center, x if mean is None else mean,
-         x if rstd is None else rstd, p1, p2, p3, np.int64(N), np.int64(C), np.int64(S),
-         np.int32(kn), np.int32(ks), np.int32(mode)),
+        (x, x if dy is None else dy, x if mean is None else mean, x if rstd is None else rstd,
+         p1, p2, p3, np.int64(N), np.int64(C), np.int64(S), np.int32(kn), np.int32(ks), np.int32(mode)),
     )  # fmt: skip
-    return [p.sum(axis=1) for p in parts]  # C each, added in a fixed order
+    return parts
+
+
+def _finish(ct: Any, parts: list[Array], mode: int, count: int, **arrays: Any) -> None:
+    """``channel_finish`` (see the source) of computation dtype ``ct`` over the C x K
+    ``parts``. ``arrays`` names the kernel's array arguments this mode reads or writes (the
+    others get a placeholder); ``momentum``, ``eps`` and the flags ``has_run``, ``has_w``
+    default to 0."""
+    p1, p2, p3 = parts
+    C, K = p1.shape
+    names = ("mean64", "rstd64", "mean_t", "rstd_t", "run_mean", "run_var", "new_mean", "new_var",
+             "rstd_in", "w", "dw", "db", "coef")  # fmt: skip
+    arg = {n: arrays.get(n, p1) for n in names}
+    _kernel("channel_finish", ct)(
+        (C,),
+        (128,),
+        (p1, p2, p3, np.int32(K), np.float64(count), np.int32(mode), arg["mean64"], arg["rstd64"],
+         arg["mean_t"], arg["rstd_t"], np.int32(arrays.get("has_run", 0)), arg["run_mean"], arg["run_var"],
+         arg["new_mean"], arg["new_var"], np.float64(arrays.get("momentum", 0.0)),
+         np.float64(arrays.get("eps", 0.0)), arg["rstd_in"], arg["w"], np.int32(arrays.get("has_w", 0)),
+         arg["dw"], arg["db"], arg["coef"]),
+    )  # fmt: skip
+
+
+def _row_blocks(rows: int) -> int:
+    """Blocks of the per-(sample, channel) kernels: one per row, at most 2**31 - 1."""
+    return max(1, min(rows, 2**31 - 1))
 
 
 @functools.cache
 def _affine(has_w: bool, has_b: bool) -> Any:
-    """``y = (T)((x - m) * r) * w + b`` per element; m and r (per channel) in their own
-    dtype M: float64 batch statistics, or the running ones in the computation dtype."""
+    """``y = (T)((x - m) * r) * w + b`` per element, m and r (per channel) the running
+    statistics in the computation dtype (evaluation)."""
     y = "xh" + (" * w" if has_w else "") + (" + b" if has_b else "")
-    body = f"const T xh = (T)(((M)x - m) * r); y = {y};"
-    return cupy.ElementwiseKernel("T x, M m, M r, T w, T b", "T y", body, f"npnorm_bn_y_{has_w:d}{has_b:d}")
-
-
-_dx_train = functools.cache(
-    lambda: cupy.ElementwiseKernel(
-        "T dy, T x, T m, T r, float64 scale, float64 t1, float64 mx, float64 t2",
-        "T dx",
-        "const double xh = (double)((x - m) * r); dx = (T)(scale * ((double)dy - t1 - (xh - mx) * t2));",
-        "npnorm_bn_dx_train",
-    )
-)
-_dx_eval = functools.cache(
-    lambda: cupy.ElementwiseKernel(
-        "T dy, float64 scale", "T dx", "dx = (T)((double)dy * scale);", "npnorm_bn_dx_eval"
-    )
-)
+    body = f"const T xh = (T)((x - m) * r); y = {y};"
+    return cupy.ElementwiseKernel("T x, T m, T r, T w, T b", "T y", body, f"npnorm_bn_y_{has_w:d}{has_b:d}")
 
 
 @_dispatch.specialized("batch_norm_forward", CUPY)
@@ -497,30 +760,43 @@ def batch_norm_forward(
     ct = work_dtype(xp, input, weight, bias, running_mean, running_var)
     N, C, S = _ncs(input)
     x = _c_ordered(input, ct)
-    new_mean, new_var = running_mean, running_var
-    if training:
-        count = N * S  # values per channel
-        (total,) = _channel_sums(x, 0)
-        mean64 = total / count  # C, float64
-        (squares,) = _channel_sums(x, 1, center=mean64)
-        var64 = squares / count  # C, float64, biased
-        if running_mean is not None and running_var is not None:
-            new_mean = running_update(xp, running_mean, mean64, momentum)
-            new_var = running_update(xp, running_var, var64 * (count / (count - 1)), momentum)
-        rstd64 = rstd_of(xp, var64, eps, cupy.float64)  # C
-        m, r = mean64, rstd64
-        mean, rstd = mean64.astype(ct), rstd64.astype(ct)
-    else:
+    if not training:
         assert running_mean is not None and running_var is not None
         mean = running_mean.astype(ct, copy=True)  # C: never the caller's buffer
         rstd = rstd_of(xp, running_var.astype(ct, copy=False), eps, ct)  # C
-        m, r = mean, rstd
-    shape = (1, C, 1)
-    w = cupy.ones((), dtype=ct) if weight is None else weight.astype(ct, copy=False).reshape(shape)
-    b = cupy.zeros((), dtype=ct) if bias is None else bias.astype(ct, copy=False).reshape(shape)
-    y = _affine(weight is not None, bias is not None)(
-        x.reshape(N, C, S), m.reshape(shape), r.reshape(shape), w, b
-    )  # N,C,S
+        shape = (1, C, 1)
+        w = cupy.ones((), dtype=ct) if weight is None else weight.astype(ct, copy=False).reshape(shape)
+        b = cupy.zeros((), dtype=ct) if bias is None else bias.astype(ct, copy=False).reshape(shape)
+        y = _affine(weight is not None, bias is not None)(
+            x.reshape(N, C, S), mean.reshape(shape), rstd.reshape(shape), w, b
+        )  # N,C,S
+        y = y.astype(input.dtype, copy=False).reshape(input.shape)
+        return write_out(xp, out, y), mean, rstd, running_mean, running_var
+    count = N * S  # values per channel
+    mean, rstd = cupy.empty((C,), dtype=ct), cupy.empty((C,), dtype=ct)
+    mean64, rstd64 = cupy.empty((2, C), dtype=cupy.float64)
+    new_mean, new_var = running_mean, running_var
+    run: dict[str, Any] = {}
+    if running_mean is not None and running_var is not None:
+        run = {"has_run": 1, "momentum": momentum, "new_mean": cupy.empty((C,), dtype=ct),
+               "new_var": cupy.empty((C,), dtype=ct), "run_mean": _c_ordered(running_mean, ct),
+               "run_var": _c_ordered(running_var, ct)}  # fmt: skip
+    # one pass for the moments; then the mean, the variance (biased), rstd and the running
+    # statistics (the variance unbiased)
+    _finish(ct, _channel_partials(x, 0), 0, count, mean64=mean64, rstd64=rstd64, mean_t=mean,
+            rstd_t=rstd, eps=eps, **run)  # fmt: skip
+    if run:
+        new_mean = run["new_mean"].astype(running_mean.dtype, copy=False)  # type: ignore[union-attr]
+        new_var = run["new_var"].astype(running_var.dtype, copy=False)  # type: ignore[union-attr]
+    y = cupy.empty(x.shape, dtype=ct)
+    w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    b = x if bias is None else _c_ordered(bias, ct)
+    _kernel("channel_apply", ct)(
+        (_row_blocks(N * C),),
+        (256,),
+        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(C), np.int64(S),
+         np.int32(weight is not None), np.int32(bias is not None)),
+    )  # fmt: skip
     y = y.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, y), mean, rstd, new_mean, new_var
 
@@ -543,27 +819,22 @@ def batch_norm_backward(
         )
     ct = work_dtype(xp, input, weight, bias, mean)
     N, C, S = _ncs(input)
-    count = N * S
     x = _c_ordered(input, ct)
     dy = _c_ordered(grad_output, ct)
     m = _c_ordered(mean, ct).reshape(C)
     r = _c_ordered(rstd, ct).reshape(C)
-    sum_dy, sum_dy_xhat, sum_xhat = _channel_sums(x, 2, dy=dy, mean=m, rstd=r)  # C each, float64
-    dweight = None if weight is None else sum_dy_xhat.astype(weight.dtype)
-    dbias = None if bias is None else sum_dy.astype(bias.dtype)
-    scale = r.astype(cupy.float64)  # C: rstd * w, taken in float64 as the reference's ``scaled``
-    if weight is not None:
-        scale = scale * weight.astype(cupy.float64).reshape(C)
-    shape = (1, C, 1)
-    if training:
-        t1 = sum_dy / count  # mean(dy)
-        mx = sum_xhat / count  # mean(xhat): 0 but for the saved mean's rounding
-        t2 = sum_dy_xhat / count - mx * t1  # mean(dy * (xhat - mx))
-        dx = _dx_train()(
-            dy.reshape(N, C, S), x.reshape(N, C, S), m.reshape(shape), r.reshape(shape), scale.reshape(shape),
-            t1.reshape(shape), mx.reshape(shape), t2.reshape(shape),
-        )  # fmt: skip
-    else:
-        dx = _dx_eval()(dy.reshape(N, C, S), scale.reshape(shape))
+    w = r if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    dw, db = cupy.empty((C,), dtype=ct), cupy.empty((C,), dtype=ct)
+    coef = cupy.empty((C, 4), dtype=cupy.float64)  # rstd * w (in float64), mean(dy), mean(xhat), t2
+    parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)
+    _finish(ct, parts, 2, N * S, rstd_in=r, w=w, has_w=int(weight is not None), dw=dw, db=db, coef=coef)
+    dweight = None if weight is None else dw.astype(weight.dtype, copy=False)
+    dbias = None if bias is None else db.astype(bias.dtype, copy=False)
+    dx = cupy.empty(x.shape, dtype=ct)
+    _kernel("channel_dx", ct)(
+        (_row_blocks(N * C),),
+        (256,),
+        (dy, x, m, r, coef, dx, np.int64(N * C), np.int64(C), np.int64(S), np.int32(training)),
+    )
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, dx), dweight, dbias
