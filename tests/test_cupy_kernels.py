@@ -53,7 +53,7 @@ def _data(backend, rng, shape, dtype, offset=0.0):
 def test_cupy_arrays_take_the_fused_kernels(backend):
     from npnorm.kernels import cupy_fused
 
-    for op in ("layer_norm", "rms_norm", "batch_norm"):
+    for op in ("layer_norm", "rms_norm", "batch_norm", "instance_norm"):
         for step in ("forward", "backward"):
             name = f"{op}_{step}"
             assert _dispatch.kernel(name, backend.xp) is getattr(cupy_fused, name)
@@ -61,7 +61,7 @@ def test_cupy_arrays_take_the_fused_kernels(backend):
                 assert _dispatch.kernel(name, backend.xp) is _dispatch.generic_kernel(name)
 
 
-ROW_D = st.sampled_from([1, 3, 8, 32, 33, 100, 768, 1000, 2048, 4096, 4097])  # 4097: generic
+ROW_D = st.sampled_from([1, 3, 8, 32, 33, 100, 768, 1000, 1025, 2048, 3000, 4096, 4097])  # 4097: generic
 
 
 @settings(max_examples=60)
@@ -69,7 +69,7 @@ ROW_D = st.sampled_from([1, 3, 8, 32, 33, 100, 768, 1000, 2048, 4096, 4097])  # 
     batch=st.lists(st.integers(1, 5), min_size=1, max_size=3),
     D=ROW_D,
     dtype=st.sampled_from(["float16", "float32", "float64"]),
-    affine=st.sampled_from(["none", "weight", "both"]),
+    affine=st.sampled_from(["none", "weight", "bias", "both"]),
     offset=st.sampled_from([0.0, 1e3]),
     seed=st.integers(0, 2**16),
     transposed=st.booleans(),
@@ -83,8 +83,8 @@ def test_layer_norm_fused_equals_reference(backend, batch, D, dtype, affine, off
                                     (1, 0, *range(2, len(shape))))  # fmt: skip
         shape = tuple(x.shape)
     dy = _data(backend, rng, shape, dtype)
-    w = None if affine == "none" else _data(backend, rng, (D,), dtype)
-    b = _data(backend, rng, (D,), dtype) if affine == "both" else None
+    w = _data(backend, rng, (D,), dtype) if affine in ("weight", "both") else None
+    b = _data(backend, rng, (D,), dtype) if affine in ("bias", "both") else None
     (y, mean, rstd), (ry, rmean, rrstd) = _both(lambda: F.layer_norm_forward(x, D, w, b))
     for what, f, r in (("y", y, ry), ("mean", mean, rmean), ("rstd", rstd, rrstd)):
         _close(f, r, dtype, what)
@@ -122,7 +122,7 @@ def test_rms_norm_fused_equals_reference(backend, batch, D, dtype, weighted, eps
     C=st.integers(1, 70),
     spatial=st.sampled_from([(), (5,), (32,), (7, 9), (56, 56), (3, 4, 5), (2, 16, 16)]),
     dtype=st.sampled_from(["float16", "float32", "float64"]),
-    affine=st.booleans(),
+    affine=st.sampled_from(["none", "weight", "bias", "both"]),
     running=st.booleans(),
     training=st.booleans(),
     momentum=st.sampled_from([0.1, 1.0, 0.0]),
@@ -138,8 +138,8 @@ def test_batch_norm_fused_equals_reference(
     shape = (N, C, *spatial)
     x = _data(backend, rng, shape, dtype, offset)
     dy = _data(backend, rng, shape, dtype)
-    w = _data(backend, rng, (C,), dtype) if affine else None
-    b = _data(backend, rng, (C,), dtype) if affine else None
+    w = _data(backend, rng, (C,), dtype) if affine in ("weight", "both") else None
+    b = _data(backend, rng, (C,), dtype) if affine in ("bias", "both") else None
     rm0 = rng.standard_normal(C)
     rv0 = rng.uniform(0.5, 2.0, C)
 
@@ -194,9 +194,9 @@ def test_fused_float32_is_accurate_on_a_large_offset(backend, rng):
 @settings(max_examples=12)
 @given(
     R=st.integers(300, 3000),
-    D=st.sampled_from([1, 32, 100, 768, 1000, 4096]),
+    D=st.sampled_from([1, 32, 100, 768, 1000, 1025, 3000, 4096]),
     dtype=st.sampled_from(["float16", "float32", "float64"]),
-    affine=st.sampled_from(["none", "weight", "both"]),
+    affine=st.sampled_from(["none", "weight", "bias", "both"]),
     center=st.booleans(),
     seed=st.integers(0, 2**16),
 )
@@ -207,8 +207,8 @@ def test_row_kernels_on_many_rows_equal_reference(backend, R, D, dtype, affine, 
     rng = np.random.default_rng(seed)
     x = _data(backend, rng, (R, D), dtype, 2.0)
     dy = _data(backend, rng, (R, D), dtype)
-    w = None if affine == "none" else _data(backend, rng, (D,), dtype)
-    b = _data(backend, rng, (D,), dtype) if affine == "both" else None
+    w = _data(backend, rng, (D,), dtype) if affine in ("weight", "both") else None
+    b = _data(backend, rng, (D,), dtype) if affine in ("bias", "both") else None
     if center:
         (y, mean, rstd), (ry, rmean, rrstd) = _both(lambda: F.layer_norm_forward(x, D, w, b))
         pairs = [("y", y, ry), ("mean", mean, rmean), ("rstd", rstd, rrstd)]
@@ -253,3 +253,106 @@ def test_batch_norm_fused_takes_strided_buffers(backend, C, dtype, momentum, see
     g_fused, g_ref = _both(lambda: F.batch_norm_backward(dy, x, ref[1], ref[2], w, b, True))
     for what, f, r in zip(("dx", "dweight", "dbias"), g_fused, g_ref, strict=True):
         _close(f, r, dtype, what)
+
+
+@settings(max_examples=50)
+@given(
+    N=st.integers(1, 6),
+    C=st.integers(1, 40),
+    spatial=st.sampled_from([(5,), (32,), (7, 9), (56, 56), (3, 4, 5), (2, 16, 16)]),
+    dtype=st.sampled_from(["float16", "float32", "float64"]),
+    affine=st.booleans(),
+    running=st.booleans(),
+    use_input_stats=st.booleans(),
+    momentum=st.sampled_from([0.1, 1.0]),
+    eps=st.sampled_from([1e-5, 0.0]),
+    constant=st.booleans(),
+    offset=st.sampled_from([0.0, 1e3]),
+    seed=st.integers(0, 2**16),
+)
+def test_instance_norm_fused_equals_reference(
+    backend, N, C, spatial, dtype, affine, running, use_input_stats, momentum, eps, constant, offset, seed
+):
+    """InstanceNorm on the fused kernels (BatchNorm's, with the instances as channels;
+    BatchNorm's evaluation with running statistics) against the generic kernels: outputs,
+    statistics, running buffers and gradients; with eps = 0, instances of one value (their
+    rstd 0, PyTorch's rule)."""
+    use_input_stats = use_input_stats or not running
+    rng = np.random.default_rng(seed)
+    shape = (N, C, *spatial)
+    x64 = offset + rng.standard_normal(shape)
+    if constant:
+        x64[:, : (C + 1) // 2] = 0.75  # a value every dtype holds
+    x = backend.asarray(x64, dtype)
+    dy = _data(backend, rng, shape, dtype)
+    w = _data(backend, rng, (C,), dtype) if affine else None
+    b = _data(backend, rng, (C,), dtype) if affine else None
+    rm0 = rng.standard_normal(C)
+    rv0 = rng.uniform(0.5, 2.0, C)
+    eps = eps if use_input_stats else 1e-5
+
+    def forward():
+        rm = backend.asarray(rm0, "float32") if running else None
+        rv = backend.asarray(rv0, "float32") if running else None
+        res = F.instance_norm_forward(x, rm, rv, w, b, use_input_stats, momentum, eps)
+        return (*res, rm, rv)
+
+    fused, ref = _both(forward)
+    names = ("y", "mean", "rstd", "new_mean", "new_var", "running_mean", "running_var")
+    for what, f, r in zip(names, fused, ref, strict=True):
+        _close(f, r, "float32" if what.startswith(("running", "new")) else dtype, what)
+    mean, rstd = ref[1], ref[2]
+    fused, ref = _both(lambda: F.instance_norm_backward(dy, x, mean, rstd, w, b, use_input_stats))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, dtype, what)
+
+
+def test_fused_kernels_mixed_dtypes_equal_reference(backend, rng):
+    """float32 input with float64 parameters and running statistics (computed in float64 by
+    both kernel families), and float16 input with float16 running statistics (computed in
+    float32, the new running statistics rounded once from float64)."""
+    x = _data(backend, rng, (6, 5, 40), "float32", 2.0)
+    dy = _data(backend, rng, (6, 5, 40), "float32")
+    w40, b40 = _data(backend, rng, (40,), "float64"), _data(backend, rng, (40,), "float64")
+    fused, ref = _both(lambda: F.layer_norm_forward(x, 40, w40, b40))
+    for what, f, r in zip(("y", "mean", "rstd"), fused, ref, strict=True):
+        _close(f, r, "float32", what)
+    fused, ref = _both(lambda: F.layer_norm_backward(dy, x, 40, ref[1], ref[2], w40, b40))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, "float32", what)
+    for xdtype, rdtype in (("float32", "float64"), ("float16", "float16")):
+        xb = _data(backend, rng, (6, 5, 40), xdtype, 2.0)
+        w5 = _data(backend, rng, (5,), rdtype)
+
+        def forward(xb=xb, w5=w5, rdtype=rdtype):
+            rm = backend.asarray(np.zeros(5), rdtype)
+            rv = backend.asarray(np.ones(5), rdtype)
+            return F.batch_norm_forward(xb, rm, rv, w5, None, True, 0.1, 1e-5)
+
+        fused, ref = _both(forward)
+        for what, f, r in zip(("y", "mean", "rstd", "new_mean", "new_var"), fused, ref, strict=True):
+            _close(f, r, xdtype, what)
+            assert f.dtype == r.dtype, what
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_fused_statistics_of_non_finite_values_equal_reference(backend, rng, value):
+    """A channel (BatchNorm), an instance (InstanceNorm) or a row (LayerNorm) holding an
+    infinite or NaN value: the same infinite and NaN results as the generic kernels
+    (a channel's mean +-inf where the reference's sum gives it, not Welford's NaN)."""
+    x64 = rng.standard_normal((4, 3, 8, 8))
+    x64[1, 1, 2, 3] = value
+    x = backend.asarray(x64, "float32")
+
+    def buffers():  # new ones for each call
+        return backend.asarray(np.zeros(3), "float32"), backend.asarray(np.ones(3), "float32")
+
+    cases = {
+        "batch_norm": lambda: F.batch_norm_forward(x, *buffers(), None, None, True, 0.1, 1e-5),
+        "instance_norm": lambda: F.instance_norm_forward(x, *buffers(), None, None, True, 0.1, 1e-5),
+        "layer_norm": lambda: F.layer_norm_forward(x, (8, 8)),
+    }
+    for name, fn in cases.items():
+        fused, ref = _both(fn)
+        for i, (f, r) in enumerate(zip(fused, ref, strict=True)):
+            _close(f, r, "float32", f"{name}[{i}]")

@@ -31,7 +31,7 @@ def test_cupy_kernels_import_and_take_the_generic_kernels_parameters():
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["providers"] == ["npnorm.kernels.cupy_fused"]
-    layers = ("layer_norm", "rms_norm", "batch_norm")
+    layers = ("layer_norm", "rms_norm", "batch_norm", "instance_norm")
     ops = {f"{layer}_{step}" for layer in layers for step in ("forward", "backward")}
     assert set(report["kernels"]) == ops
     for op, (fused, generic) in report["kernels"].items():

@@ -1,4 +1,4 @@
-"""Fused CUDA kernels for CuPy arrays: LayerNorm, RMSNorm and BatchNorm.
+"""Fused CUDA kernels for CuPy arrays: LayerNorm, RMSNorm, BatchNorm and InstanceNorm.
 
 The generic Array API kernels run on CuPy unchanged, but each of their steps is a kernel
 launch and a pass over memory (LayerNorm's forward and backward take about a dozen). These
@@ -19,16 +19,25 @@ few of them in registers, so that the row is read from memory once:
 The backward launches as many blocks as the GPU holds at once; each strides over the rows,
 loading the next row while it reduces this one's sums, and keeps its columns' sums of
 ``dy * xhat`` and ``dy`` in registers. Those per-block partial sums (float64) are added in a
-fixed order by a second kernel, so results are deterministic. Rows longer than
-``ROW_LIMIT`` (4096) values run the generic kernels.
+fixed order by a second kernel. Rows longer than ``ROW_LIMIT`` (4096) values run the
+generic kernels.
 
-Channels (BatchNorm over (N, C, S)): per-channel sums are taken by (channel x slice)
-blocks into float64 partials, and one block per channel adds them in a fixed order and
-finishes the channel's statistics (mean; then variance, rstd and the running statistics;
-in the backward, dweight, dbias and the coefficients of dx). The mean is taken first, then
-the centred squares (two passes over the input), as the reference's ``moments``; the
-normalization and dx are elementwise kernels with per-channel factors. Inputs with fewer
-than ``MIN_SPATIAL`` values per (sample, channel) run the generic kernels.
+Channels (BatchNorm over (N, C, S)): (channel x slice) blocks take float64 partials of each
+channel in one pass over the input: in the forward, the moments (count, mean and the sum of
+squared deviations: Welford's update per thread, merged by Chan's formula across threads),
+in the backward, the sums of dy, dy * xhat and xhat. One block per channel then merges its
+partials in a fixed order and finishes the channel (mean, variance, rstd and the running
+statistics; or dweight, dbias and the coefficients of dx), and one more kernel writes y or
+dx, a block per (sample, channel) row. Training takes three launches each way; evaluation's
+forward runs the running statistics through CuPy's elementwise kernels. InstanceNorm with
+input statistics runs the same kernels with its (sample, channel) instances as the
+channels; with running statistics it is BatchNorm in evaluation. Inputs with fewer than
+``MIN_SPATIAL`` values per (sample, channel), or more than 65535 channels (instances), run
+the generic kernels.
+
+Results repeat bitwise for the same input on the same GPU, CUDA and CuPy: the partitions
+into blocks, and so the order of the partial sums, follow the device's multiprocessor
+count and the kernels' register use.
 
 float16 input is computed in float32 and returned in float16, as everywhere; an input
 that is not C-ordered is copied to C order first.
@@ -47,6 +56,7 @@ from .._backend import Array, Namespace
 from .._checks import default_eps, fast_float_type, prod, work_dtype, write_out
 from .._stats import rstd_of
 from ..functional import _dispatch
+from ..functional._channels import running_update
 
 CUPY = "array_api_compat.cupy"
 KMAX = 4  # values of a row each thread holds, in the kernels compiled by default
@@ -305,13 +315,14 @@ __device__ void block_moments(S& n, S& m, S& q, S* sh) {
 // Per-channel partials over (N, C, S) in C order, in one pass: block (blockIdx.x, c) takes
 // the samples n = kn, kn + Kn, ... and the slice ks of S (blockIdx.x = kn + Kn * ks).
 //   mode 0 (forward): the moments of x (Welford's update per thread, then merged):
-//           p1 = count, p2 = mean, p3 = M2
+//           p1 = count, p2 = mean, p3 = M2; and p4 = sum(x), whose mean stands in where
+//           Welford's is not finite (an infinite value, or float64 values near overflow)
 //   mode 2 (backward): p1 = sum(dy), p2 = sum(dy * xhat), p3 = sum(xhat),
 //           xhat = (x - mean[c]) * rstd[c]
 extern "C" __global__ void channel_sums(
     const T* __restrict__ x, const T* __restrict__ dy, const T* __restrict__ mean,
     const T* __restrict__ rstd, S* __restrict__ p1, S* __restrict__ p2, S* __restrict__ p3,
-    const long long N, const long long C, const long long Sz, const int Kn, const int Ks,
+    S* __restrict__ p4, const long long N, const long long C, const long long Sz, const int Kn, const int Ks,
     const int mode)
 {
     __shared__ S sh[96];
@@ -322,7 +333,7 @@ extern "C" __global__ void channel_sums(
     const long long s1 = s0 + chunk < Sz ? s0 + chunk : Sz;
     const T m = mode == 2 ? mean[c] : (T)0;
     const T rs = mode == 2 ? rstd[c] : (T)0;
-    S a1 = 0, a2 = 0, a3 = 0;
+    S a1 = 0, a2 = 0, a3 = 0, a4 = 0;
     for (long long n = kn; n < N; n += Kn) {
         const long long base = (n * C + c) * Sz;
         for (long long s = s0 + threadIdx.x; s < s1; s += blockDim.x) {
@@ -333,6 +344,7 @@ extern "C" __global__ void channel_sums(
                 const S d = v - a2;
                 a2 += d / a1;
                 a3 += d * (v - a2);
+                a4 += v;
             } else {
                 const S g = (S)dy[i];
                 const S xh = (S)((x[i] - m) * rs);
@@ -342,64 +354,88 @@ extern "C" __global__ void channel_sums(
             }
         }
     }
-    if (mode == 0) block_moments(a1, a2, a3, sh); else block_sum3(a1, a2, a3, sh);
+    if (mode == 0) {
+        block_moments(a1, a2, a3, sh);
+        a4 = block_sum(a4, sh);
+    } else {
+        block_sum3(a1, a2, a3, sh);
+    }
     if (threadIdx.x == 0) {
         const long long at = c * gridDim.x + blockIdx.x;
         p1[at] = a1;
         p2[at] = a2;
         p3[at] = a3;
+        if (mode == 0) p4[at] = a4;
     }
 }
 
 // BatchNorm's per-channel results from channel_sums' C x K partials, one block per
 // channel (the K partials merged or added in a fixed order). count: values per channel.
-//   mode 0: mean = the merged mean;  var = M2 / count (biased);  rstd = 1 / sqrt(var + eps),
-//           into mean64, rstd64 (float64) and mean_t, rstd_t;  with running statistics
-//           (has_run), the new ones: (1 - momentum) * running + momentum * batch, the
-//           variance unbiased (M2 / (count - 1))
+// (InstanceNorm's instances are its channels, the weight of instance c is w[c %% Cw].)
+//   mode 0: mean = the merged mean (sum / count where that is not finite);  var = M2 / count
+//           (biased);  rstd = 1 / sqrt(var + eps), into mean64, rstd64, var64 (float64) and
+//           mean_t, rstd_t;  with running statistics (has_run), the new ones:
+//           (1 - momentum) * running + momentum * batch, the variance unbiased
+//           (M2 / (count - 1)), into new_mean, new_var (T), or new_mean64, new_var64 where
+//           the buffers are of another dtype (run_wide: rounded once, by the caller)
 //   mode 2: dweight = sum(dy * xhat), dbias = sum(dy);  for dx: coef[c] = (rstd * w,
 //           t1 = mean(dy), mx = mean(xhat), t2 = mean(dy * xhat) - mx * t1)
 extern "C" __global__ void channel_finish(
     const S* __restrict__ p1, const S* __restrict__ p2, const S* __restrict__ p3,
-    const int K, const double count, const int mode,
-    S* __restrict__ mean64, S* __restrict__ rstd64, T* __restrict__ mean_t, T* __restrict__ rstd_t,
-    const int has_run, const T* __restrict__ run_mean, const T* __restrict__ run_var,
-    T* __restrict__ new_mean, T* __restrict__ new_var, const double momentum, const double eps,
-    const T* __restrict__ rstd_in, const T* __restrict__ w, const int has_w,
+    const S* __restrict__ p4, const int K, const double count, const int mode,
+    S* __restrict__ mean64, S* __restrict__ rstd64, S* __restrict__ var64, T* __restrict__ mean_t,
+    T* __restrict__ rstd_t, const int has_run, const T* __restrict__ run_mean, const T* __restrict__ run_var,
+    T* __restrict__ new_mean, T* __restrict__ new_var, S* __restrict__ new_mean64,
+    S* __restrict__ new_var64, const int run_wide, const double momentum, const double eps,
+    const T* __restrict__ rstd_in, const T* __restrict__ w, const int has_w, const long long Cw,
     T* __restrict__ dw, T* __restrict__ db, S* __restrict__ coef)
 {
     __shared__ S sh[96];
     const long long c = blockIdx.x;
-    S a1 = 0, a2 = 0, a3 = 0;
+    S a1 = 0, a2 = 0, a3 = 0, a4 = 0;
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         const long long at = c * K + k;
         if (mode == 0) {
             chan_merge(a1, a2, a3, p1[at], p2[at], p3[at]);
+            a4 += p4[at];
         } else {
             a1 += p1[at];
             a2 += p2[at];
             a3 += p3[at];
         }
     }
-    if (mode == 0) block_moments(a1, a2, a3, sh); else block_sum3(a1, a2, a3, sh);
+    if (mode == 0) {
+        block_moments(a1, a2, a3, sh);
+        a4 = block_sum(a4, sh);
+    } else {
+        block_sum3(a1, a2, a3, sh);
+    }
     if (threadIdx.x != 0) return;
     if (mode == 0) {
-        const S mu = a2;
+        const S mu = isfinite(a2) ? a2 : a4 / count;
         const S var = a3 / count;  // biased
         const S rs = 1.0 / sqrt(var + eps);
         mean64[c] = mu;
         rstd64[c] = rs;
+        var64[c] = var;
         mean_t[c] = (T)mu;
         rstd_t[c] = (T)rs;
         if (has_run) {
-            new_mean[c] = (T)((1.0 - momentum) * (S)run_mean[c] + momentum * mu);
-            new_var[c] = (T)((1.0 - momentum) * (S)run_var[c] + momentum * (var * (count / (count - 1.0))));
+            const S nm = (1.0 - momentum) * (S)run_mean[c] + momentum * mu;
+            const S nv = (1.0 - momentum) * (S)run_var[c] + momentum * (var * (count / (count - 1.0)));
+            if (run_wide) {
+                new_mean64[c] = nm;
+                new_var64[c] = nv;
+            } else {
+                new_mean[c] = (T)nm;
+                new_var[c] = (T)nv;
+            }
         }
     } else {
         dw[c] = (T)a2;
         db[c] = (T)a1;
         S scale = (S)rstd_in[c];
-        if (has_w) scale = scale * (S)w[c];
+        if (has_w) scale = scale * (S)w[c %% Cw];
         const S t1 = a1 / count, mx = a3 / count;
         coef[4 * c] = scale;
         coef[4 * c + 1] = t1;
@@ -408,16 +444,18 @@ extern "C" __global__ void channel_finish(
     }
 }
 
-// BatchNorm's output in training, one block per row (n, c) of Sz values:
-// y = (T)((x - mean64[c]) * rstd64[c]) * w[c] + b[c]
+// The output of BatchNorm (and InstanceNorm) in training, one block per row of Sz values:
+// y = (T)((x - mean64[i]) * rstd64[i]) * w[c] + b[c], for row r: statistics i = r %% Cs
+// (the channel; InstanceNorm's: the row itself) and channel c = r %% C
 extern "C" __global__ void channel_apply(
     const T* __restrict__ x, T* __restrict__ y, const S* __restrict__ mean64,
     const S* __restrict__ rstd64, const T* __restrict__ w, const T* __restrict__ b,
-    const long long rows, const long long C, const long long Sz, const int has_w, const int has_b)
+    const long long rows, const long long Cs, const long long C, const long long Sz,
+    const int has_w, const int has_b)
 {
     for (long long row = blockIdx.x; row < rows; row += gridDim.x) {
-        const long long c = row %% C;
-        const S mc = mean64[c], rc = rstd64[c];
+        const long long i = row %% Cs, c = row %% C;
+        const S mc = mean64[i], rc = rstd64[i];
         const T wc = has_w ? w[c] : (T)1, bc = has_b ? b[c] : (T)0;
         const T* xr = x + row * Sz;
         T* yr = y + row * Sz;
@@ -473,9 +511,14 @@ def _kernel(name: str, dtype: Any, kmax: int = KMAX, max_threads: int = MAX_THRE
     return _module(np.dtype(dtype), kmax, max_threads).get_function(name)
 
 
-@functools.cache
 def _sm_count() -> int:
-    return int(cupy.cuda.Device().attributes["MultiProcessorCount"])
+    """The multiprocessors of CuPy's current device."""
+    return _sm_count_of(cupy.cuda.Device().id)
+
+
+@functools.cache
+def _sm_count_of(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 @functools.cache
@@ -690,17 +733,17 @@ def _split(N: int, C: int, S: int) -> tuple[int, int]:
 def _channel_partials(
     x: Array, mode: int, *, dy: Array | None = None, mean: Array | None = None, rstd: Array | None = None
 ) -> list[Array]:
-    """Per-channel float64 partials (three C x K arrays) of x's (N, C, S) view, as
-    ``channel_sums`` in the source takes them: x's moments (mode 0), or the sums of the
-    backward (mode 2)."""
+    """Per-channel float64 partials (four C x K arrays) of x's (N, C, S) view, as
+    ``channel_sums`` in the source takes them: x's moments and sum (mode 0), or the sums
+    of the backward (mode 2; the fourth unused)."""
     N, C, S = _ncs(x)
     kn, ks = _split(N, C, S)
-    p1, p2, p3 = parts = list(cupy.empty((3, C, kn * ks), dtype=cupy.float64))
+    p1, p2, p3, p4 = parts = list(cupy.empty((4, C, kn * ks), dtype=cupy.float64))
     _kernel("channel_sums", x.dtype)(
         (kn * ks, C),
         (256,),
         (x, x if dy is None else dy, x if mean is None else mean, x if rstd is None else rstd,
-         p1, p2, p3, np.int64(N), np.int64(C), np.int64(S), np.int32(kn), np.int32(ks), np.int32(mode)),
+         p1, p2, p3, p4, np.int64(N), np.int64(C), np.int64(S), np.int32(kn), np.int32(ks), np.int32(mode)),
     )  # fmt: skip
     return parts
 
@@ -708,21 +751,22 @@ def _channel_partials(
 def _finish(ct: Any, parts: list[Array], mode: int, count: int, **arrays: Any) -> None:
     """``channel_finish`` (see the source) of computation dtype ``ct`` over the C x K
     ``parts``. ``arrays`` names the kernel's array arguments this mode reads or writes (the
-    others get a placeholder); ``momentum``, ``eps`` and the flags ``has_run``, ``has_w``
-    default to 0."""
-    p1, p2, p3 = parts
+    others get a placeholder); ``momentum``, ``eps`` and the flags ``has_run``, ``run_wide``,
+    ``has_w`` default to 0, ``cw`` (the weight's length) to C."""
+    p1, p2, p3, p4 = parts
     C, K = p1.shape
-    names = ("mean64", "rstd64", "mean_t", "rstd_t", "run_mean", "run_var", "new_mean", "new_var",
-             "rstd_in", "w", "dw", "db", "coef")  # fmt: skip
+    names = ("mean64", "rstd64", "var64", "mean_t", "rstd_t", "run_mean", "run_var", "new_mean", "new_var",
+             "new_mean64", "new_var64", "rstd_in", "w", "dw", "db", "coef")  # fmt: skip
     arg = {n: arrays.get(n, p1) for n in names}
     _kernel("channel_finish", ct)(
         (C,),
         (128,),
-        (p1, p2, p3, np.int32(K), np.float64(count), np.int32(mode), arg["mean64"], arg["rstd64"],
-         arg["mean_t"], arg["rstd_t"], np.int32(arrays.get("has_run", 0)), arg["run_mean"], arg["run_var"],
-         arg["new_mean"], arg["new_var"], np.float64(arrays.get("momentum", 0.0)),
+        (p1, p2, p3, p4, np.int32(K), np.float64(count), np.int32(mode), arg["mean64"], arg["rstd64"],
+         arg["var64"], arg["mean_t"], arg["rstd_t"], np.int32(arrays.get("has_run", 0)), arg["run_mean"],
+         arg["run_var"], arg["new_mean"], arg["new_var"], arg["new_mean64"], arg["new_var64"],
+         np.int32(arrays.get("run_wide", 0)), np.float64(arrays.get("momentum", 0.0)),
          np.float64(arrays.get("eps", 0.0)), arg["rstd_in"], arg["w"], np.int32(arrays.get("has_w", 0)),
-         arg["dw"], arg["db"], arg["coef"]),
+         np.int64(arrays.get("cw", C)), arg["dw"], arg["db"], arg["coef"]),
     )  # fmt: skip
 
 
@@ -774,27 +818,32 @@ def batch_norm_forward(
         return write_out(xp, out, y), mean, rstd, running_mean, running_var
     count = N * S  # values per channel
     mean, rstd = cupy.empty((C,), dtype=ct), cupy.empty((C,), dtype=ct)
-    mean64, rstd64 = cupy.empty((2, C), dtype=cupy.float64)
+    mean64, rstd64, var64 = cupy.empty((3, C), dtype=cupy.float64)
     new_mean, new_var = running_mean, running_var
     run: dict[str, Any] = {}
     if running_mean is not None and running_var is not None:
-        run = {"has_run": 1, "momentum": momentum, "new_mean": cupy.empty((C,), dtype=ct),
-               "new_var": cupy.empty((C,), dtype=ct), "run_mean": _c_ordered(running_mean, ct),
+        # the new buffers in the computation dtype where the buffers have it, else in float64,
+        # then rounded once to the buffers' dtype (as the reference's running_update)
+        wide = np.dtype(running_mean.dtype) != np.dtype(ct) or np.dtype(running_var.dtype) != np.dtype(ct)
+        new = cupy.empty((2, C), dtype=cupy.float64 if wide else ct)
+        suffix = "64" if wide else ""
+        run = {"has_run": 1, "run_wide": int(wide), "momentum": momentum, "new_mean" + suffix: new[0],
+               "new_var" + suffix: new[1], "run_mean": _c_ordered(running_mean, ct),
                "run_var": _c_ordered(running_var, ct)}  # fmt: skip
     # one pass for the moments; then the mean, the variance (biased), rstd and the running
     # statistics (the variance unbiased)
-    _finish(ct, _channel_partials(x, 0), 0, count, mean64=mean64, rstd64=rstd64, mean_t=mean,
-            rstd_t=rstd, eps=eps, **run)  # fmt: skip
-    if run:
-        new_mean = run["new_mean"].astype(running_mean.dtype, copy=False)  # type: ignore[union-attr]
-        new_var = run["new_var"].astype(running_var.dtype, copy=False)  # type: ignore[union-attr]
+    _finish(ct, _channel_partials(x, 0), 0, count, mean64=mean64, rstd64=rstd64, var64=var64,
+            mean_t=mean, rstd_t=rstd, eps=eps, **run)  # fmt: skip
+    if running_mean is not None and running_var is not None:
+        new_mean = new[0].astype(running_mean.dtype, copy=False)
+        new_var = new[1].astype(running_var.dtype, copy=False)
     y = cupy.empty(x.shape, dtype=ct)
     w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
     b = x if bias is None else _c_ordered(bias, ct)
     _kernel("channel_apply", ct)(
         (_row_blocks(N * C),),
         (256,),
-        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(C), np.int64(S),
+        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(C), np.int64(C), np.int64(S),
          np.int32(weight is not None), np.int32(bias is not None)),
     )  # fmt: skip
     y = y.astype(input.dtype, copy=False).reshape(input.shape)
@@ -835,6 +884,107 @@ def batch_norm_backward(
         (_row_blocks(N * C),),
         (256,),
         (dy, x, m, r, coef, dx, np.int64(N * C), np.int64(C), np.int64(S), np.int32(training)),
+    )
+    dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
+    return write_out(xp, out, dx), dweight, dbias
+
+
+# --- instances: InstanceNorm ----------------------------------------------------------
+# With input statistics, the N x C instances are the channels of BatchNorm's kernels on the
+# (1, N*C, S) view (the weight and bias indexed by instance mod C); with the running ones,
+# InstanceNorm is BatchNorm in evaluation, and its kernels run as they are.
+
+
+def _instances_fit(input: Array) -> bool:
+    N, C, S = _ncs(input)
+    return 0 < N * C <= 65535 and S >= MIN_SPATIAL  # the instances are the grid's second axis
+
+
+@_dispatch.specialized("instance_norm_forward", CUPY)
+def instance_norm_forward(
+    xp: Namespace,
+    input: Array,
+    running_mean: Array | None,
+    running_var: Array | None,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+    out: Array | None = None,
+) -> tuple[Array, Array, Array, Array | None, Array | None]:
+    if not _instances_fit(input):
+        return _dispatch.generic_kernel("instance_norm_forward")(
+            xp, input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps, out
+        )
+    if not use_input_stats:
+        return batch_norm_forward(
+            xp, input, running_mean, running_var, weight, bias, False, momentum, eps, out
+        )
+    ct = work_dtype(xp, input, weight, bias, running_mean, running_var)
+    N, C, S = _ncs(input)
+    x = _c_ordered(input, ct)
+    mean, rstd = cupy.empty((2, N * C), dtype=ct)
+    mean64, rstd64, var64 = cupy.empty((3, N * C), dtype=cupy.float64)
+    _finish(ct, _channel_partials(x.reshape(1, N * C, S), 0), 0, S, mean64=mean64, rstd64=rstd64,
+            var64=var64, mean_t=mean, rstd_t=rstd, eps=eps)  # fmt: skip
+    new_mean, new_var = running_mean, running_var
+    if running_mean is not None and running_var is not None:  # moved towards the instances' average
+        batch_mean = mean64.reshape(N, C).sum(axis=0) / N  # C
+        batch_var = var64.reshape(N, C).sum(axis=0) / N * (S / (S - 1))  # C, unbiased
+        new_mean = running_update(xp, running_mean, batch_mean, momentum)
+        new_var = running_update(xp, running_var, batch_var, momentum)
+    y = cupy.empty(x.shape, dtype=ct)
+    w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    b = x if bias is None else _c_ordered(bias, ct)
+    _kernel("channel_apply", ct)(
+        (_row_blocks(N * C),),
+        (256,),
+        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(N * C), np.int64(C), np.int64(S),
+         np.int32(weight is not None), np.int32(bias is not None)),
+    )  # fmt: skip
+    y = y.astype(input.dtype, copy=False).reshape(input.shape)
+    return write_out(xp, out, y), mean.reshape(N, C), rstd.reshape(N, C), new_mean, new_var
+
+
+@_dispatch.specialized("instance_norm_backward", CUPY)
+def instance_norm_backward(
+    xp: Namespace,
+    grad_output: Array,
+    input: Array,
+    mean: Array,
+    rstd: Array,
+    weight: Array | None,
+    bias: Array | None,
+    use_input_stats: bool,
+    out: Array | None = None,
+) -> tuple[Array, Array | None, Array | None]:
+    if not _instances_fit(input):
+        return _dispatch.generic_kernel("instance_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
+        )
+    if not use_input_stats:
+        return batch_norm_backward(xp, grad_output, input, mean, rstd, weight, bias, False, out)
+    ct = work_dtype(xp, input, weight, bias, mean)
+    N, C, S = _ncs(input)
+    x = _c_ordered(input, ct).reshape(1, N * C, S)
+    dy = _c_ordered(grad_output, ct).reshape(1, N * C, S)
+    m = _c_ordered(mean, ct).reshape(N * C)
+    r = _c_ordered(rstd, ct).reshape(N * C)
+    w = r if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    dw, db = cupy.empty((2, N * C), dtype=ct)  # per instance, unused: the channels' come below
+    coef = cupy.empty((N * C, 4), dtype=cupy.float64)
+    parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)  # sum(dy), sum(dy * xhat), sum(xhat)
+    _finish(ct, parts, 2, S, rstd_in=r, w=w, has_w=int(weight is not None), cw=C, dw=dw, db=db,
+            coef=coef)  # fmt: skip
+    # each channel's sums over its N instances, from the float64 partials (a fixed order)
+    dweight = None if weight is None else parts[1].reshape(N, C, -1).sum(axis=(0, 2)).astype(weight.dtype)
+    dbias = None if bias is None else parts[0].reshape(N, C, -1).sum(axis=(0, 2)).astype(bias.dtype)
+    dx = cupy.empty(x.shape, dtype=ct)
+    _kernel("channel_dx", ct)(
+        (_row_blocks(N * C),),
+        (256,),
+        (dy, x, m, r, coef, dx, np.int64(N * C), np.int64(N * C), np.int64(S), np.int32(1)),
     )
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, dx), dweight, dbias
