@@ -18,7 +18,7 @@ else ``"numpy"``. ``set_kernels(name)`` changes it for the process,
 
 Another backend may register its own kernels (``specialized(op, namespace_name)``);
 they run unless ``"reference"`` is selected. CuPy arrays have fused CUDA kernels for
-LayerNorm, RMSNorm and BatchNorm (``npnorm.kernels.cupy_fused``), imported the first
+LayerNorm, RMSNorm, BatchNorm and InstanceNorm (``npnorm.kernels.cupy_fused``), imported the first
 time a CuPy array is seen. The math modules never branch on the
 backend themselves: they ask ``kernel(op, xp)``. The kernel modules are imported the
 first time their family is used, so ``import npnorm`` imports neither numba nor them.
