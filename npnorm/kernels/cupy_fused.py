@@ -316,7 +316,8 @@ __device__ void block_moments(S& n, S& m, S& q, S* sh) {
 // the samples n = kn, kn + Kn, ... and the slice ks of S (blockIdx.x = kn + Kn * ks).
 //   mode 0 (forward): the moments of x (Welford's update per thread, then merged):
 //           p1 = count, p2 = mean, p3 = M2; and p4 = sum(x), whose mean stands in where
-//           Welford's is not finite (an infinite value, or float64 values near overflow)
+//           Welford's is not finite (after an infinite value, as the reference's sum;
+//           float64 values near overflow may still differ from the reference's results)
 //   mode 2 (backward): p1 = sum(dy), p2 = sum(dy * xhat), p3 = sum(xhat),
 //           xhat = (x - mean[c]) * rstd[c]
 extern "C" __global__ void channel_sums(
