@@ -776,6 +776,56 @@ def _row_blocks(rows: int) -> int:
     return max(1, min(rows, 2**31 - 1))
 
 
+def _train_forward(
+    ct: Any, x: Array, C: int, weight: Array | None, bias: Array | None, eps: float, **run: Any
+) -> tuple[Array, Array, Array, Array, Array]:
+    """The training forward of the C-ordered (N', Cs, S) view ``x`` (computation dtype ``ct``),
+    each of its Cs channels normalized by its own statistics, weight and bias indexed by the
+    channel mod ``C`` (BatchNorm: Cs = C; InstanceNorm: the N*C instances). ``run``: the
+    running-statistics arguments of ``_finish``. Returns y (x's shape, ``ct``), mean and rstd
+    (Cs, ``ct``) and the float64 mean and biased variance (Cs)."""
+    n, Cs, S = _ncs(x)
+    mean, rstd = cupy.empty((2, Cs), dtype=ct)
+    mean64, rstd64, var64 = cupy.empty((3, Cs), dtype=cupy.float64)
+    # one pass for the moments; then the mean, the variance (biased), rstd and the running
+    # statistics (the variance unbiased)
+    _finish(ct, _channel_partials(x, 0), 0, n * S, mean64=mean64, rstd64=rstd64, var64=var64,
+            mean_t=mean, rstd_t=rstd, eps=eps, **run)  # fmt: skip
+    y = cupy.empty(x.shape, dtype=ct)
+    w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    b = x if bias is None else _c_ordered(bias, ct)
+    _kernel("channel_apply", ct)(
+        (_row_blocks(n * Cs),),
+        (256,),
+        (x, y, mean64, rstd64, w, b, np.int64(n * Cs), np.int64(Cs), np.int64(C), np.int64(S),
+         np.int32(weight is not None), np.int32(bias is not None)),
+    )  # fmt: skip
+    return y, mean, rstd, mean64, var64
+
+
+def _backward(
+    ct: Any, dy: Array, x: Array, m: Array, r: Array, weight: Array | None, C: int, training: bool
+) -> tuple[list[Array], Array, Array, Array]:
+    """The backward of the C-ordered (N', Cs, S) views ``x`` and ``dy`` with the saved
+    statistics ``m``, ``r`` (Cs), the weight indexed by the channel mod ``C`` (as
+    ``_train_forward``). Returns the float64 partials of the sums of dy, dy * xhat and xhat
+    (Cs x K each), each channel's dweight and dbias (Cs, ``ct``) and dx (x's shape, ``ct``)."""
+    n, Cs, S = _ncs(x)
+    w = r if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
+    dw, db = cupy.empty((2, Cs), dtype=ct)
+    coef = cupy.empty((Cs, 4), dtype=cupy.float64)  # rstd * w (in float64), mean(dy), mean(xhat), t2
+    parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)
+    _finish(ct, parts, 2, n * S, rstd_in=r, w=w, has_w=int(weight is not None), cw=C, dw=dw, db=db,
+            coef=coef)  # fmt: skip
+    dx = cupy.empty(x.shape, dtype=ct)
+    _kernel("channel_dx", ct)(
+        (_row_blocks(n * Cs),),
+        (256,),
+        (dy, x, m, r, coef, dx, np.int64(n * Cs), np.int64(Cs), np.int64(S), np.int32(training)),
+    )
+    return parts, dw, db, dx
+
+
 @functools.cache
 def _affine(has_w: bool, has_b: bool) -> Any:
     """``y = (T)((x - m) * r) * w + b`` per element, m and r (per channel) the running
@@ -817,9 +867,6 @@ def batch_norm_forward(
         )  # N,C,S
         y = y.astype(input.dtype, copy=False).reshape(input.shape)
         return write_out(xp, out, y), mean, rstd, running_mean, running_var
-    count = N * S  # values per channel
-    mean, rstd = cupy.empty((C,), dtype=ct), cupy.empty((C,), dtype=ct)
-    mean64, rstd64, var64 = cupy.empty((3, C), dtype=cupy.float64)
     new_mean, new_var = running_mean, running_var
     run: dict[str, Any] = {}
     if running_mean is not None and running_var is not None:
@@ -831,22 +878,10 @@ def batch_norm_forward(
         run = {"has_run": 1, "run_wide": int(wide), "momentum": momentum, "new_mean" + suffix: new[0],
                "new_var" + suffix: new[1], "run_mean": _c_ordered(running_mean, ct),
                "run_var": _c_ordered(running_var, ct)}  # fmt: skip
-    # one pass for the moments; then the mean, the variance (biased), rstd and the running
-    # statistics (the variance unbiased)
-    _finish(ct, _channel_partials(x, 0), 0, count, mean64=mean64, rstd64=rstd64, var64=var64,
-            mean_t=mean, rstd_t=rstd, eps=eps, **run)  # fmt: skip
+    y, mean, rstd, _, _ = _train_forward(ct, x.reshape(N, C, S), C, weight, bias, eps, **run)
     if running_mean is not None and running_var is not None:
         new_mean = new[0].astype(running_mean.dtype, copy=False)
         new_var = new[1].astype(running_var.dtype, copy=False)
-    y = cupy.empty(x.shape, dtype=ct)
-    w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
-    b = x if bias is None else _c_ordered(bias, ct)
-    _kernel("channel_apply", ct)(
-        (_row_blocks(N * C),),
-        (256,),
-        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(C), np.int64(C), np.int64(S),
-         np.int32(weight is not None), np.int32(bias is not None)),
-    )  # fmt: skip
     y = y.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, y), mean, rstd, new_mean, new_var
 
@@ -869,23 +904,13 @@ def batch_norm_backward(
         )
     ct = work_dtype(xp, input, weight, bias, mean)
     N, C, S = _ncs(input)
-    x = _c_ordered(input, ct)
-    dy = _c_ordered(grad_output, ct)
+    x = _c_ordered(input, ct).reshape(N, C, S)
+    dy = _c_ordered(grad_output, ct).reshape(N, C, S)
     m = _c_ordered(mean, ct).reshape(C)
     r = _c_ordered(rstd, ct).reshape(C)
-    w = r if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
-    dw, db = cupy.empty((C,), dtype=ct), cupy.empty((C,), dtype=ct)
-    coef = cupy.empty((C, 4), dtype=cupy.float64)  # rstd * w (in float64), mean(dy), mean(xhat), t2
-    parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)
-    _finish(ct, parts, 2, N * S, rstd_in=r, w=w, has_w=int(weight is not None), dw=dw, db=db, coef=coef)
+    _, dw, db, dx = _backward(ct, dy, x, m, r, weight, C, training)
     dweight = None if weight is None else dw.astype(weight.dtype, copy=False)
     dbias = None if bias is None else db.astype(bias.dtype, copy=False)
-    dx = cupy.empty(x.shape, dtype=ct)
-    _kernel("channel_dx", ct)(
-        (_row_blocks(N * C),),
-        (256,),
-        (dy, x, m, r, coef, dx, np.int64(N * C), np.int64(C), np.int64(S), np.int32(training)),
-    )
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, dx), dweight, dbias
 
@@ -925,25 +950,13 @@ def instance_norm_forward(
     ct = work_dtype(xp, input, weight, bias, running_mean, running_var)
     N, C, S = _ncs(input)
     x = _c_ordered(input, ct)
-    mean, rstd = cupy.empty((2, N * C), dtype=ct)
-    mean64, rstd64, var64 = cupy.empty((3, N * C), dtype=cupy.float64)
-    _finish(ct, _channel_partials(x.reshape(1, N * C, S), 0), 0, S, mean64=mean64, rstd64=rstd64,
-            var64=var64, mean_t=mean, rstd_t=rstd, eps=eps)  # fmt: skip
+    y, mean, rstd, mean64, var64 = _train_forward(ct, x.reshape(1, N * C, S), C, weight, bias, eps)
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:  # moved towards the instances' average
         batch_mean = mean64.reshape(N, C).sum(axis=0) / N  # C
         batch_var = var64.reshape(N, C).sum(axis=0) / N * (S / (S - 1))  # C, unbiased
         new_mean = running_update(xp, running_mean, batch_mean, momentum)
         new_var = running_update(xp, running_var, batch_var, momentum)
-    y = cupy.empty(x.shape, dtype=ct)
-    w = x if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
-    b = x if bias is None else _c_ordered(bias, ct)
-    _kernel("channel_apply", ct)(
-        (_row_blocks(N * C),),
-        (256,),
-        (x, y, mean64, rstd64, w, b, np.int64(N * C), np.int64(N * C), np.int64(C), np.int64(S),
-         np.int32(weight is not None), np.int32(bias is not None)),
-    )  # fmt: skip
     y = y.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, y), mean.reshape(N, C), rstd.reshape(N, C), new_mean, new_var
 
@@ -972,20 +985,9 @@ def instance_norm_backward(
     dy = _c_ordered(grad_output, ct).reshape(1, N * C, S)
     m = _c_ordered(mean, ct).reshape(N * C)
     r = _c_ordered(rstd, ct).reshape(N * C)
-    w = r if weight is None else _c_ordered(weight, ct)  # a placeholder pointer where absent
-    dw, db = cupy.empty((2, N * C), dtype=ct)  # per instance, unused: the channels' come below
-    coef = cupy.empty((N * C, 4), dtype=cupy.float64)
-    parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)  # sum(dy), sum(dy * xhat), sum(xhat)
-    _finish(ct, parts, 2, S, rstd_in=r, w=w, has_w=int(weight is not None), cw=C, dw=dw, db=db,
-            coef=coef)  # fmt: skip
+    parts, _, _, dx = _backward(ct, dy, x, m, r, weight, C, True)  # dw, db per instance: unused
     # each channel's sums over its N instances, from the float64 partials (a fixed order)
     dweight = None if weight is None else parts[1].reshape(N, C, -1).sum(axis=(0, 2)).astype(weight.dtype)
     dbias = None if bias is None else parts[0].reshape(N, C, -1).sum(axis=(0, 2)).astype(bias.dtype)
-    dx = cupy.empty(x.shape, dtype=ct)
-    _kernel("channel_dx", ct)(
-        (_row_blocks(N * C),),
-        (256,),
-        (dy, x, m, r, coef, dx, np.int64(N * C), np.int64(N * C), np.int64(S), np.int32(1)),
-    )
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, dx), dweight, dbias
