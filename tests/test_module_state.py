@@ -209,3 +209,34 @@ def test_backward_differentiates_the_forward_as_it_ran_whatever_setting_changed(
     ref(x)
     setattr(m, *change)
     np.testing.assert_array_equal(m.backward(dy), ref.backward(dy))
+
+
+def test_a_0d_parameters_grad_accumulates_in_place(rng):
+    """A user's layer with a 0-d parameter (the README's ScaleNorm): NumPy adds two 0-d
+    arrays into a NumPy scalar, which used to replace ``grads["g"]`` on the second
+    backward, so that a reference held to it kept the first gradient."""
+
+    class Scale(npnorm.Module):
+        _parameter_names = ("g",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.g = np.ones(())
+
+        def _forward(self, x):
+            return x * self.g, (x, self.g), {}
+
+        def _backward(self, dy, saved):
+            x, g = saved
+            return dy * g, {"g": np.sum(dy * x)}  # a NumPy scalar, as sums of arrays are
+
+    m = Scale()
+    x, dy = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+    m(x)
+    m.backward(dy)
+    held = m.grads["g"]
+    assert isinstance(held, np.ndarray) and held.shape == ()
+    m(x)
+    m.backward(dy)
+    assert m.grads["g"] is held
+    np.testing.assert_allclose(held, 2 * np.sum(dy * x), rtol=1e-12)

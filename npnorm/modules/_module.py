@@ -297,7 +297,10 @@ class Module:
                     totals[name] = (held, copy_array(g))
                 else:
                     with np.errstate(all="ignore"):  # float16 sums overflow to inf, as torch's
-                        totals[name] = (held, held + g)
+                        total = held + g
+                    if isinstance(total, np.generic):  # 0-d + 0-d is a NumPy scalar: an array again
+                        total = self.xp.asarray(total)
+                    totals[name] = (held, total)
         for name, (held, total) in totals.items():
             if held is None or not _into(held, total):  # in place, as PyTorch accumulates .grad
                 self.grads[name] = total
