@@ -4,6 +4,7 @@ the forward that ran, with the weight it used."""
 
 from __future__ import annotations
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -211,32 +212,60 @@ def test_backward_differentiates_the_forward_as_it_ran_whatever_setting_changed(
     np.testing.assert_array_equal(m.backward(dy), ref.backward(dy))
 
 
-def test_a_0d_parameters_grad_accumulates_in_place(rng):
-    """A user's layer with a 0-d parameter (the README's ScaleNorm): NumPy adds two 0-d
-    arrays into a NumPy scalar, which used to replace ``grads["g"]`` on the second
-    backward, so that a reference held to it kept the first gradient."""
-
+def _0d_grad_accumulates(xp, asarray, dtype, kind, rng):
     class Scale(npnorm.Module):
         _parameter_names = ("g",)
 
         def __init__(self):
-            super().__init__(dtype="float64")
-            self.g = np.ones(())
+            super().__init__(dtype=dtype, xp=xp)
+            self.g = xp.ones((), dtype=self.dtype)
 
         def _forward(self, x):
             return x * self.g, (x, self.g), {}
 
         def _backward(self, dy, saved):
             x, g = saved
-            return dy * g, {"g": np.sum(dy * x)}  # a NumPy scalar, as sums of arrays are
+            dg = xp.sum(dy * x)  # numpy: a NumPy scalar; the others: a 0-d array
+            if kind == "python float":
+                dg = float(dg)
+            elif kind == "0-d array":
+                dg = xp.asarray(dg)
+            return dy * g, {"g": dg}
 
     m = Scale()
-    x, dy = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+    x, dy = asarray(rng.normal(size=(3, 5)), dtype), asarray(rng.normal(size=(3, 5)), dtype)
     m(x)
     m.backward(dy)
     held = m.grads["g"]
-    assert isinstance(held, np.ndarray) and held.shape == ()
+    assert array_api_compat.array_namespace(held) is array_api_compat.array_namespace(m.g)
+    assert tuple(held.shape) == () and held.dtype == m.g.dtype
+    first = float(held)
     m(x)
     m.backward(dy)
     assert m.grads["g"] is held
-    np.testing.assert_allclose(held, 2 * np.sum(dy * x), rtol=1e-12)
+    assert float(held) == 2 * first  # the same gradient twice: doubling is exact
+
+
+KINDS = ["sum", "python float", "0-d array"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_a_0d_parameters_grad_accumulates_in_place(backend, rng, kind, dtype):
+    """A user's layer with a 0-d parameter (the README's ScaleNorm). Its gradient may come
+    back as a number: NumPy sums arrays into a NumPy scalar (and adds two 0-d arrays into
+    one, which used to replace ``grads["g"]`` on the second backward, so that a reference
+    held to it kept the first gradient), or a layer returns a Python float (an obscure
+    array_api_compat TypeError). Each is a 0-d array of the module's backend, summed in
+    place."""
+    if dtype == "float16" and not backend.has_float16:
+        pytest.skip(f"{backend} has no float16")
+    _0d_grad_accumulates(backend.xp, backend.asarray, dtype, kind, rng)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_a_0d_parameters_grad_accumulates_in_place_on_torch(torch, rng, kind, dtype):
+    """As above, with torch tensors as the backend (xp="torch")."""
+    xp = array_api_compat.array_namespace(torch.zeros(1))
+    _0d_grad_accumulates(xp, lambda a, dtype: torch.asarray(a, dtype=getattr(torch, dtype)), dtype, kind, rng)

@@ -292,6 +292,7 @@ class Module:
         totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
         for name, g in param_grads.items():
             if g is not None:
+                g = self._number_as_array(name, g)
                 held = self.grads.get(name)
                 if held is None:  # a copy: the backward's array may be a view of its input
                     totals[name] = (held, copy_array(g))
@@ -305,6 +306,17 @@ class Module:
             if held is None or not _into(held, total):  # in place, as PyTorch accumulates .grad
                 self.grads[name] = total
         return grad_input
+
+    def _number_as_array(self, name: str, g: Any) -> Any:
+        """A gradient that ``_backward`` returned as a number, as a 0-d array of the
+        module's backend: a NumPy scalar (what a sum of NumPy arrays is) in its own dtype,
+        a Python number in the parameter's. Arrays pass as they are."""
+        if isinstance(g, np.generic) and not isinstance(g, np.bool_):
+            return self.xp.asarray(g)
+        if isinstance(g, (int, float, complex)) and not isinstance(g, bool):
+            param = getattr(self, name, None)
+            return self.xp.asarray(g, dtype=getattr(param, "dtype", self.dtype))
+        return g
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
