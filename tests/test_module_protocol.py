@@ -41,6 +41,32 @@ def test_grads_accumulate_and_zero_grad_clears(rng):
     assert m.grads == {}
 
 
+def test_zero_grad_set_to_none_false_writes_zeros_in_place(backend, rng):
+    """PyTorch's ``zero_grad(set_to_none=False)``: the held gradients become zeros in place,
+    and the next backward adds into them (a ported training loop passes the keyword)."""
+    m = npnorm.LayerNorm(4, xp=backend.xp)
+    x, dy = (
+        backend.asarray(rng.normal(size=(3, 4)), "float32"),
+        backend.asarray(rng.normal(size=(3, 4)), "float32"),
+    )
+    m(x)
+    m.backward(dy)
+    held = dict(m.grads)
+    first = {k: backend.numpy(v).copy() for k, v in held.items()}
+    m.zero_grad(set_to_none=False)
+    assert set(m.grads) == {"weight", "bias"}
+    for k, v in held.items():
+        assert m.grads[k] is v
+        np.testing.assert_array_equal(backend.numpy(v), 0)
+    m(x)
+    m.backward(dy)
+    for k, v in held.items():
+        assert m.grads[k] is v
+        np.testing.assert_array_equal(backend.numpy(v), first[k])
+    m.zero_grad(set_to_none=True)
+    assert m.grads == {}
+
+
 def test_parameters_train_eval():
     m = npnorm.LayerNorm(3, bias=False)
     assert list(m.parameters()) == ["weight"] and m.bias is None

@@ -366,9 +366,17 @@ class Module:
         ``num_batches_tracked``); the module's own arrays, not copies."""
         return {n: getattr(self, n) for n in self._buffer_names if getattr(self, n) is not None}
 
-    def zero_grad(self) -> None:
-        """Forget the accumulated gradients (``self.grads`` becomes empty)."""
-        self.grads.clear()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the accumulated gradients, as PyTorch's ``zero_grad``: forget them
+        (``set_to_none=True``, the default: ``self.grads`` becomes empty), or write zeros
+        into each in place (``False``: a reference to ``m.grads["weight"]`` sees them)."""
+        if set_to_none:
+            self.grads.clear()
+            return
+        for name, g in self.grads.items():
+            zeros = self.xp.zeros_like(g)
+            if not _into(g, zeros):  # read-only or immutable (JAX): a new array instead
+                self.grads[name] = zeros
 
     def train(self: _M, mode: bool = True) -> _M:
         """Set training mode (``mode=True``) or evaluation mode; returns the module.
