@@ -317,8 +317,31 @@ def _two_values(x, dy, axis):
     return np.concatenate([x, x + 1], axis=axis), np.concatenate([dy, dy], axis=axis)
 
 
+def long_channels_in_eval(kind: str) -> dict:
+    """A problem whose channels have more than ``CHUNK`` values a sample, with running
+    statistics (eval): the long-channel loops' eval branch, which drawn spatial sizes
+    (at most 7**3 values) seldom reach with ``training`` False."""
+    rng = np.random.default_rng(7)
+    shape = (2, 3, 300)
+    return {
+        "kind": kind,
+        "x": (rng.normal(size=shape) * 2 + 3).astype(np.float32),
+        "dy": rng.normal(size=shape).astype(np.float32),
+        "w": rng.uniform(0.5, 1.5, 3).astype(np.float32),
+        "b": rng.uniform(-2, 2, 3).astype(np.float32),
+        "threads": 2,
+        "small": False,
+        "training": False,
+        "momentum": 0.1,
+        "eps": 1e-05,
+        "rm": rng.uniform(-2, 2, 3).astype(np.float32),
+        "rv": rng.uniform(0.5, 2, 3).astype(np.float32),
+    }
+
+
 @settings(max_examples=150)
 @given(p=problems("batch"))
+@example(p=long_channels_in_eval("batch"))
 def test_batch_norm(p):
     x, dy, w, b, rm, rv = p["x"], p["dy"], p["w"], p["b"], p["rm"], p["rv"]
     training = p["training"]
@@ -502,6 +525,7 @@ RUNNING_MEAN_FROM_LARGER_TERMS = {
 @settings(max_examples=150)
 @given(p=problems("instance"))
 @example(p=RUNNING_MEAN_FROM_LARGER_TERMS)
+@example(p=long_channels_in_eval("instance"))
 def test_instance_norm(p):
     x, dy, w, b, rm, rv = p["x"], p["dy"], p["w"], p["b"], p["rm"], p["rv"]
     use_input_stats = p["training"]
