@@ -236,14 +236,24 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     rstd = ref_f[1] if ops[0] == "rms_norm_forward" else ref_f[2]
     rmax = float(np.max(np.abs(rstd.astype(np.float64)), initial=0.0))
     wmax = 1.0 if w is None else float(np.abs(w.astype(np.float64)).max())
-    xhat_max = (2 * xmax + 1) * rmax  # |x - mean| * rstd, the mean rounded in the reference
-    y_scale = xhat_max * wmax + float(np.max(np.abs(ref_f[0].astype(np.float64)), initial=0.0))
-    assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
+    # |x - mean| * rstd with the mean as the backward takes it, rounded to ct (see dx below)
+    xhat_max = (2 * xmax + 1) * rmax
     args64 = [as_float64(a) for a in fwd_args]
     if ops[0] == "rms_norm_forward" and args64[3] is None:
         # RMSNorm's default eps: that of the dtype the input is computed in (not the weight's)
         args64[3] = float(np.finfo(np.result_type(np.float32, p["x"].dtype)).eps)
     truth = generic_kernel(ops[0])(xp, *args64)
+    b = p.get("b")
+    bmax = 0.0 if b is None else float(np.abs(np.asarray(b, np.float64)).max(initial=0.0))
+    # Both centre with a float64 mean, which n values can put up to n - 1 roundings of xmax
+    # off (and the two sum in other orders): the output to the rounding of ct relative to
+    # its own terms, plus that error times rstd and the weight. (This was (2 xmax + 1) rstd
+    # w times ct's rounding, as for a mean rounded to ct: over 1e5 x the output's scale at an
+    # offset of 1e3 with spread 1e-3, where dropping the mean's low part passed.)
+    mean_error = max(2, x.size) * ulp(np.dtype(np.float64)) * xmax
+    y_scale = float(np.max(np.abs(truth[0]), initial=0.0)) + bmax + wmax
+    y_scale += mean_error * rmax * wmax / REL[np.dtype(ct).name]
+    assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
     for i, name in enumerate(STATS[ops[0]][1:], start=1):
         if ref_f[i] is None:
             assert ours_f[i] is None, name
@@ -771,7 +781,8 @@ def check_pipeline(x: np.ndarray, dy: np.ndarray, groups: int, threads: int) -> 
         if (op == "instance_norm" and S == 1 and fwd_args[5]) or (op == "batch_norm" and x.shape[0] * S == 1):
             continue  # one value per (sample, channel) row, or per channel: no batch statistics
         ops = (op + "_forward", op + "_backward")
-        split_f, split_b = compare(ops, fwd_args, bwd_args, {**p, "w": weight}, dtype)
+        bias = b if weight is w else bS  # (RMSNorm has none: bS only widens its output's scale)
+        split_f, split_b = compare(ops, fwd_args, bwd_args, {**p, "w": weight, "b": bias}, dtype)
         ref_f = generic_kernel(ops[0])(xp, *fwd_args)  # compare's backward ran from these
         with config(1, small=False):
             one_f = family_kernel(ops[0], "numba")(xp, *fwd_args)
