@@ -207,3 +207,30 @@ def test_readme_runs_top_to_bottom_in_a_fresh_interpreter(torch, tmp_path):
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-6000:]
+
+
+# --- links of every Markdown page ----------------------------------------------------
+
+PAGES = sorted(
+    p.relative_to(ROOT).as_posix()
+    for p in [
+        ROOT / "README.md",
+        *ROOT.glob("docs/**/*.md"),
+        *ROOT.glob("exercises/**/*.md"),
+        *ROOT.glob("tools/*.md"),
+    ]
+)
+
+
+def test_the_pages_are_found():
+    assert {"README.md", "docs/speed/compiled-kernels.md", "docs/speed/bench-log.md"} <= set(PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_of_a_page_holds(page):
+    """Relative links name files that exist, ``page.md#heading`` anchors name a heading of
+    that page (GitHub's anchor), and links to a line of code hold that code (the check the
+    derivation pages' test makes, on every page: the README's links into docs/speed/, say)."""
+    from npnorm.learn import _doclinks
+
+    assert _doclinks.problems(ROOT / page) == []
