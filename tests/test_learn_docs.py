@@ -189,3 +189,15 @@ def test_readme_learn_section_comes_first_and_starts_with_its_command():
     body = text.split("## Learn the derivations\n", 1)[1]
     assert body.lstrip().startswith("```sh\npython -m npnorm learn layer_norm\n```")
     assert "(docs/derivations/README.md)" in body.split("\n## ", 1)[0]
+
+
+def test_doclinks_command_checks_the_derivation_pages_by_default(capsys):
+    """Without page arguments it checks docs/derivations/*.md (it checked none and said they
+    all held); ``--help`` prints the usage, an unknown flag is a usage error (both were read
+    as page paths)."""
+    assert _doclinks.main([]) == 0
+    out = capsys.readouterr().out
+    n = len(list(DOCS.glob("*.md")))
+    assert n >= 7 and f"all links of {n} pages hold" in out
+    assert _doclinks.main(["--help"]) == 0 and "usage:" in capsys.readouterr().out
+    assert _doclinks.main(["--bogus"]) == 2 and "usage:" in capsys.readouterr().err

@@ -91,9 +91,22 @@ def fix(md: Path) -> list[str]:
     return unfixable
 
 
+USAGE = "usage: python -m npnorm.learn._doclinks [--fix] [PAGE.md ...]  (default: docs/derivations/*.md)"
+
+
 def main(argv: list[str]) -> int:
     do_fix = "--fix" in argv
+    flags = [a for a in argv if a.startswith("-") and a != "--fix"]
+    if flags:  # --help, or a flag this tool lacks
+        asked = flags in (["--help"], ["-h"])
+        print(USAGE, file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     pages = [Path(a) for a in argv if a != "--fix"]
+    if not pages:  # the derivation pages of this checkout
+        pages = sorted((Path(__file__).resolve().parents[2] / "docs" / "derivations").glob("*.md"))
+        if not pages:
+            print("no pages given, and no docs/derivations/*.md beside this package", file=sys.stderr)
+            return 2
     bad = [p for md in pages for p in fix(md)] if do_fix else []
     bad += [p for md in pages for p in problems(md)]
     print("\n".join(bad) or f"all links of {len(pages)} pages hold")
