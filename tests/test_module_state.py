@@ -230,6 +230,8 @@ def _0d_grad_accumulates(xp, asarray, dtype, kind, rng):
                 dg = float(dg)
             elif kind == "0-d array":
                 dg = xp.asarray(dg)
+            elif kind == "float64 array":  # cast to the parameter's dtype, as torch's autograd does
+                dg = xp.asarray(float(dg), dtype=xp.float64)
             return dy * g, {"g": dg}
 
     m = Scale()
@@ -246,7 +248,7 @@ def _0d_grad_accumulates(xp, asarray, dtype, kind, rng):
     assert float(held) == 2 * first  # the same gradient twice: doubling is exact
 
 
-KINDS = ["sum", "python float", "0-d array"]
+KINDS = ["sum", "python float", "0-d array", "float64 array"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -256,8 +258,9 @@ def test_a_0d_parameters_grad_accumulates_in_place(backend, rng, kind, dtype):
     back as a number: NumPy sums arrays into a NumPy scalar (and adds two 0-d arrays into
     one, which used to replace ``grads["g"]`` on the second backward, so that a reference
     held to it kept the first gradient), or a layer returns a Python float (an obscure
-    array_api_compat TypeError). Each is a 0-d array of the module's backend, summed in
-    place."""
+    array_api_compat TypeError), or an array in a wider dtype (added at float64, which
+    rebound ``grads["g"]``). Each is a 0-d array of the module's backend in the parameter's
+    dtype, summed in place."""
     if dtype == "float16" and not backend.has_float16:
         pytest.skip(f"{backend} has no float16")
     _0d_grad_accumulates(backend.xp, backend.asarray, dtype, kind, rng)

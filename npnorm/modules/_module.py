@@ -292,7 +292,7 @@ class Module:
         totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
         for name, g in param_grads.items():
             if g is not None:
-                g = self._number_as_array(name, g)
+                g = self._as_parameter_grad(name, g)
                 held = self.grads.get(name)
                 if held is None:  # a copy: the backward's array may be a view of its input
                     totals[name] = (held, copy_array(g))
@@ -307,16 +307,33 @@ class Module:
                 self.grads[name] = total
         return grad_input
 
-    def _number_as_array(self, name: str, g: Any) -> Any:
-        """A gradient that ``_backward`` returned as a number, as a 0-d array of the
-        module's backend: a NumPy scalar (what a sum of NumPy arrays is) in its own dtype,
-        a Python number in the parameter's. Arrays pass as they are."""
+    def _as_parameter_grad(self, name: str, g: Any) -> Any:
+        """A gradient that ``_backward`` returned, in the parameter's dtype, as PyTorch's
+        autograd casts a gradient to its input's dtype: a number (a NumPy scalar, what a sum
+        of NumPy arrays is, or a Python number) becomes a 0-d array of the module's backend,
+        and an array of the parameter's backend in another float dtype is cast (a float64
+        gradient of a float32 weight was added at float64 and rebound ``grads[name]``, no
+        longer in place). Anything else passes as it is."""
+        param = getattr(self, name, None)
+        dtype = getattr(param, "dtype", self.dtype)
         if isinstance(g, np.generic) and not isinstance(g, np.bool_):
-            return self.xp.asarray(g)
-        if isinstance(g, (int, float, complex)) and not isinstance(g, bool):
-            param = getattr(self, name, None)
-            return self.xp.asarray(g, dtype=getattr(param, "dtype", self.dtype))
+            g = self.xp.asarray(g)
+        elif isinstance(g, (int, float, complex)) and not isinstance(g, bool):
+            return self.xp.asarray(g, dtype=dtype)
+        if (
+            _is_array(g)
+            and param is not None
+            and isinstance(g, type(param))
+            and g.dtype != dtype
+            and not same_but_byte_order(g.dtype, dtype)
+            and g.dtype in self._float_dtypes()
+        ):
+            g = self.xp.astype(g, dtype)
         return g
+
+    def _float_dtypes(self) -> tuple[Any, ...]:
+        """The backend's float dtypes (those of FLOAT_NAMES it has)."""
+        return tuple(getattr(self.xp, n) for n in FLOAT_NAMES if hasattr(self.xp, n))
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
