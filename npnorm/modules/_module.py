@@ -326,14 +326,10 @@ class Module:
             and isinstance(g, type(param))
             and g.dtype != dtype
             and not same_but_byte_order(g.dtype, dtype)
-            and g.dtype in self._float_dtypes()
+            and self.xp.isdtype(g.dtype, "real floating")
         ):
             g = self.xp.astype(g, dtype)
         return g
-
-    def _float_dtypes(self) -> tuple[Any, ...]:
-        """The backend's float dtypes (those of FLOAT_NAMES it has)."""
-        return tuple(getattr(self.xp, n) for n in FLOAT_NAMES if hasattr(self.xp, n))
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
