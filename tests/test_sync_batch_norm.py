@@ -570,25 +570,36 @@ def test_one_rank_is_batch_norm_bitwise_with_no_collective_call(rng, momentum):
     )
 
 
-def test_array_api_strict_backend_over_threads():
-    xps = pytest.importorskip("array_api_strict")
+@pytest.mark.parametrize("backend", ["array_api_strict", "cupy"], indirect=True)
+@pytest.mark.parametrize(
+    ("shape", "sizes", "dtype", "momentum"),
+    [((2, 3), (3, 0, 2), "float64", 0.1), ((2, 40), (1, 4, 2), "float32", None)],
+)
+def test_other_backends_over_threads(backend, shape, sizes, dtype, momentum):
+    """SyncBatchNorm on array_api_strict and (with a GPU) CuPy, ranks as threads: each
+    rank's y and dx are BatchNorm's on the whole batch (one rank empty in the first
+    case), and every rank's running statistics are BatchNorm's."""
     rng = np.random.default_rng(5)
-    x, dy = rng.normal(size=(5, 2, 3)), rng.normal(size=(5, 2, 3))
-    ref = npnorm.BatchNorm1d(2, dtype="float64")
+    n = sum(sizes)
+    x, dy = rng.normal(size=(n, *shape)), rng.normal(size=(n, *shape))
+    ref = npnorm.BatchNorm1d(shape[0], momentum=momentum, dtype="float64")
     y_ref, dx_ref = ref(x), ref.backward(dy)
-    splits = np.cumsum([0, 3, 0, 2])
+    splits = np.cumsum([0, *sizes])
+    tol = 1e-12 if dtype == "float64" else 2e-5
 
     def rank_fn(comm):
-        m = npnorm.SyncBatchNorm(2, comm=comm, dtype="float64", xp="array_api_strict")
+        m = npnorm.SyncBatchNorm(shape[0], momentum=momentum, comm=comm, dtype=dtype, xp=backend.name)
         lo, hi = splits[comm.Get_rank()], splits[comm.Get_rank() + 1]
-        y = m(xps.asarray(x[lo:hi]))
-        return to_host(y), to_host(m.backward(xps.asarray(dy[lo:hi]))), to_host(m.running_var)
+        y = m(backend.asarray(x[lo:hi], dtype))
+        dx = m.backward(backend.asarray(dy[lo:hi], dtype))
+        return to_host(y), to_host(dx), to_host(m.running_mean), to_host(m.running_var)
 
-    for r, (y, dx, var) in enumerate(run_ranks(3, rank_fn)):
+    for r, (y, dx, mean, var) in enumerate(run_ranks(len(sizes), rank_fn)):
         lo, hi = splits[r], splits[r + 1]
-        np.testing.assert_allclose(y, y_ref[lo:hi], rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(dx, dx_ref[lo:hi], rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(var, ref.running_var, rtol=1e-12)
+        np.testing.assert_allclose(y, y_ref[lo:hi], rtol=tol, atol=tol)
+        np.testing.assert_allclose(dx, dx_ref[lo:hi], rtol=tol, atol=tol)
+        np.testing.assert_allclose(mean, ref.running_mean, rtol=tol, atol=tol)
+        np.testing.assert_allclose(var, ref.running_var, rtol=tol)
 
 
 # --- the module: construction, conversion, copies ---------------------------------------------
