@@ -356,3 +356,138 @@ def test_fused_statistics_of_non_finite_values_equal_reference(backend, rng, val
         fused, ref = _both(fn)
         for i, (f, r) in enumerate(zip(fused, ref, strict=True)):
             _close(f, r, "float32", f"{name}[{i}]")
+
+
+def _repeat_equal(first, second, what: str) -> None:
+    for i, (a, c) in enumerate(zip(first, second, strict=True)):
+        if a is None:
+            assert c is None, (what, i)
+            continue
+        assert np.array_equal(to_host(a), to_host(c), equal_nan=True), (what, i)
+
+
+def test_every_fused_kernel_repeats_bitwise_and_writes_out(backend, rng):
+    """Each fused forward and backward, run twice on the same arrays, gives the same bits
+    (fixed partitions and orders of its sums), and writes y or dx into ``out=`` where given:
+    out is returned and holds what a call without out returns."""
+    xp = backend.xp
+    x = _data(backend, rng, (4, 12, 20, 20), "float32", 2.0)
+    dy = _data(backend, rng, (4, 12, 20, 20), "float32")
+    w, b = _data(backend, rng, (12,), "float32"), _data(backend, rng, (12,), "float32")
+    wr = _data(backend, rng, (400,), "float32")
+    xr, dyr = xp.reshape(x, (48, 400)), xp.reshape(dy, (48, 400))
+    forwards = {
+        "layer_norm": lambda o: F.layer_norm_forward(xr, 400, wr, wr, out=o),
+        "rms_norm": lambda o: F.rms_norm_forward(xr, 400, wr, out=o),
+        "batch_norm": lambda o: F.batch_norm_forward(x, None, None, w, b, True, out=o),
+        "instance_norm": lambda o: F.instance_norm_forward(x, None, None, w, b, True, out=o),
+    }
+    backwards = {
+        "layer_norm": lambda s, o: F.layer_norm_backward(dyr, xr, 400, s[1], s[2], wr, wr, out=o),
+        "rms_norm": lambda s, o: F.rms_norm_backward(dyr, xr, 400, s[1], wr, out=o),
+        "batch_norm": lambda s, o: F.batch_norm_backward(dy, x, s[1], s[2], w, b, True, out=o),
+        "instance_norm": lambda s, o: F.instance_norm_backward(dy, x, s[1], s[2], w, b, True, out=o),
+    }
+    for name, forward in forwards.items():
+        first = forward(None)
+        _repeat_equal(first, forward(None), f"{name} forward")
+        out = xp.empty_like(first[0])
+        again = forward(out)
+        assert again[0] is out, name
+        _repeat_equal(first, again, f"{name} forward, out=")
+        grads = backwards[name](first, None)
+        _repeat_equal(grads, backwards[name](first, None), f"{name} backward")
+        out = xp.empty_like(grads[0])
+        again = backwards[name](first, out)
+        assert again[0] is out, name
+        _repeat_equal(grads, again, f"{name} backward, out=")
+
+
+@pytest.mark.parametrize("affine", ["weight", "bias"])
+def test_instance_norm_fused_with_weight_or_bias_alone(backend, rng, affine):
+    x = _data(backend, rng, (3, 5, 9, 8), "float32", 1.0)
+    dy = _data(backend, rng, (3, 5, 9, 8), "float32")
+    w = _data(backend, rng, (5,), "float32") if affine == "weight" else None
+    b = _data(backend, rng, (5,), "float32") if affine == "bias" else None
+    fused, ref = _both(lambda: F.instance_norm_forward(x, None, None, w, b, True))
+    for what, f, r in zip(("y", "mean", "rstd", "new_mean", "new_var"), fused, ref, strict=True):
+        _close(f, r, "float32", what)
+    fused, ref = _both(lambda: F.instance_norm_backward(dy, x, ref[1], ref[2], w, b, True))
+    for what, f, r in zip(("dx", "dweight", "dbias"), fused, ref, strict=True):
+        _close(f, r, "float32", what)
+
+
+def test_fused_kernels_hand_over_to_the_generic_ones_past_their_limits(backend, rng):
+    """Inputs the fused kernels do not take (more than 65535 instances, more channels than
+    one launch's grid axis, rows over ROW_LIMIT values) run the generic kernels and give
+    their results; BatchNorm with a thousand channels (more than 8 per multiprocessor: one
+    block per channel) and evaluation with an eps other than 1e-5 run the fused ones."""
+    from npnorm.kernels import cupy_fused
+
+    cases = []
+    x = _data(backend, rng, (2, 40000, 32), "float32", 1.0)  # 80000 instances
+    dy = _data(backend, rng, (2, 40000, 32), "float32")
+    assert not cupy_fused._instances_fit(x)
+    cases.append(("instance_norm", lambda: F.instance_norm_forward(x, None, None, None, None, True),
+                  lambda s: F.instance_norm_backward(dy, x, s[1], s[2], None, None, True)))  # fmt: skip
+    xc = _data(backend, rng, (2, 70000, 32), "float32", 1.0)  # more channels than the grid's axis
+    dyc = _data(backend, rng, (2, 70000, 32), "float32")
+    assert not cupy_fused._channels_fit(xc)
+    cases.append(("batch_norm, 70000 channels",
+                  lambda: F.batch_norm_forward(xc, None, None, None, None, True),
+                  lambda s: F.batch_norm_backward(dyc, xc, s[1], s[2], None, None, True)))  # fmt: skip
+    xk = _data(backend, rng, (4, 1000, 7, 7), "float32", 1.0)  # one block per channel
+    dyk = _data(backend, rng, (4, 1000, 7, 7), "float32")
+    wk = _data(backend, rng, (1000,), "float32")
+    assert cupy_fused._channels_fit(xk)
+    cases.append(("batch_norm, 1000 channels",
+                  lambda: F.batch_norm_forward(xk, None, None, wk, wk, True),
+                  lambda s: F.batch_norm_backward(dyk, xk, s[1], s[2], wk, wk, True)))  # fmt: skip
+    rm = backend.asarray(rng.standard_normal(1000), "float32")
+    rv = backend.asarray(rng.uniform(0.5, 2, 1000), "float32")
+    cases.append(("batch_norm eval, eps 0.3",
+                  lambda: F.batch_norm_forward(xk, rm, rv, wk, wk, False, 0.1, 0.3),
+                  lambda s: F.batch_norm_backward(dyk, xk, s[1], s[2], wk, wk, False)))  # fmt: skip
+    xl = _data(backend, rng, (3, 300000), "float32", 1.0)  # rows longer than ROW_LIMIT
+    dyl = _data(backend, rng, (3, 300000), "float32")
+    wl = _data(backend, rng, (300000,), "float32")
+    cases.append(("layer_norm, 300000", lambda: F.layer_norm_forward(xl, 300000, wl, wl),
+                  lambda s: F.layer_norm_backward(dyl, xl, 300000, s[1], s[2], wl, wl)))  # fmt: skip
+    for name, forward, backward in cases:
+        fused, ref = _both(forward)
+        for i, (f, r) in enumerate(zip(fused, ref, strict=True)):
+            _close(f, r, "float32", f"{name} forward [{i}]")
+        grads, ref_grads = _both(lambda backward=backward, ref=ref: backward(ref))
+        for i, (f, r) in enumerate(zip(grads, ref_grads, strict=True)):
+            _close(f, r, "float32", f"{name} backward [{i}]")
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_fused_gradients_of_non_finite_inputs_equal_reference(backend, rng, value):
+    """A non-finite value in the input: the same NaN and inf in y and the statistics, and in
+    dx, dweight and dbias, as the generic kernels give, for every fused layer. (A non-finite
+    dy is not among these cases: there the fused backwards give NaN where the generic ones
+    give infinities; see tools/gpu_pending.)"""
+    x64 = rng.standard_normal((4, 4, 8, 8))
+    x64[1, 1, 2, 3] = value
+    x = backend.asarray(x64, "float32")
+    dy = _data(backend, rng, (4, 4, 8, 8), "float32")
+    w = backend.asarray(rng.standard_normal(4), "float32")
+    w64 = backend.asarray(rng.standard_normal((8, 8)), "float32")
+    cases = {
+        "batch_norm": (lambda: F.batch_norm_forward(x, None, None, w, w, True),
+                       lambda s: F.batch_norm_backward(dy, x, s[1], s[2], w, w, True)),
+        "instance_norm": (lambda: F.instance_norm_forward(x, None, None, w, w, True),
+                          lambda s: F.instance_norm_backward(dy, x, s[1], s[2], w, w, True)),
+        "layer_norm": (lambda: F.layer_norm_forward(x, (8, 8), w64, w64),
+                       lambda s: F.layer_norm_backward(dy, x, (8, 8), s[1], s[2], w64, w64)),
+        "rms_norm": (lambda: F.rms_norm_forward(x, (8, 8), w64),
+                     lambda s: F.rms_norm_backward(dy, x, (8, 8), s[1], w64)),
+    }  # fmt: skip
+    for name, (forward, backward) in cases.items():
+        fused_forward, ref = _both(forward)
+        for i, (f, r) in enumerate(zip(fused_forward, ref, strict=True)):
+            _close(f, r, "float32", f"{name} forward [{i}]")
+        fused, expected = _both(lambda backward=backward, ref=ref: backward(ref))
+        for i, (f, r) in enumerate(zip(fused, expected, strict=True)):
+            _close(f, r, "float32", f"{name} backward [{i}]")
