@@ -417,6 +417,17 @@ def test_instance_norm_fused_with_weight_or_bias_alone(backend, rng, affine):
         _close(f, r, "float32", what)
 
 
+def _forward_backward_equal(name: str, forward, backward) -> None:
+    """``forward()`` fused and generic, then ``backward(statistics)`` fused and generic from
+    the generic forward's results: every result equal to rounding (float32)."""
+    fused, ref = _both(forward)
+    for i, (f, r) in enumerate(zip(fused, ref, strict=True)):
+        _close(f, r, "float32", f"{name} forward [{i}]")
+    grads, ref_grads = _both(lambda: backward(ref))
+    for i, (f, r) in enumerate(zip(grads, ref_grads, strict=True)):
+        _close(f, r, "float32", f"{name} backward [{i}]")
+
+
 def test_fused_kernels_hand_over_to_the_generic_ones_past_their_limits(backend, rng):
     """Inputs the fused kernels do not take (more than 65535 instances, more channels than
     one launch's grid axis, rows over ROW_LIMIT values) run the generic kernels and give
@@ -454,12 +465,7 @@ def test_fused_kernels_hand_over_to_the_generic_ones_past_their_limits(backend, 
     cases.append(("layer_norm, 300000", lambda: F.layer_norm_forward(xl, 300000, wl, wl),
                   lambda s: F.layer_norm_backward(dyl, xl, 300000, s[1], s[2], wl, wl)))  # fmt: skip
     for name, forward, backward in cases:
-        fused, ref = _both(forward)
-        for i, (f, r) in enumerate(zip(fused, ref, strict=True)):
-            _close(f, r, "float32", f"{name} forward [{i}]")
-        grads, ref_grads = _both(lambda backward=backward, ref=ref: backward(ref))
-        for i, (f, r) in enumerate(zip(grads, ref_grads, strict=True)):
-            _close(f, r, "float32", f"{name} backward [{i}]")
+        _forward_backward_equal(name, forward, backward)
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
@@ -485,9 +491,4 @@ def test_fused_gradients_of_non_finite_inputs_equal_reference(backend, rng, valu
                      lambda s: F.rms_norm_backward(dy, x, (8, 8), s[1], w64)),
     }  # fmt: skip
     for name, (forward, backward) in cases.items():
-        fused_forward, ref = _both(forward)
-        for i, (f, r) in enumerate(zip(fused_forward, ref, strict=True)):
-            _close(f, r, "float32", f"{name} forward [{i}]")
-        fused, expected = _both(lambda backward=backward, ref=ref: backward(ref))
-        for i, (f, r) in enumerate(zip(fused, expected, strict=True)):
-            _close(f, r, "float32", f"{name} backward [{i}]")
+        _forward_backward_equal(name, forward, backward)

@@ -286,12 +286,18 @@ def build_bn_forward(p, rng):
     return (x, rm, rv, w, b, p["training"], p["momentum"], p["eps"])
 
 
-def build_bn_backward(p, rng):
+def _channel_backward_args(layer, flag, p, rng):
+    """The backward's arguments of BatchNorm (flag "training") or InstanceNorm (flag
+    "use_input_stats"), the saved statistics from the generic forward."""
     x, dy, w, b, rm, rv = _channels_data(p, rng)
-    _, mean, rstd, _, _ = _dispatch.generic_kernel("batch_norm_forward")(
-        xp, x, rm, rv, w, b, p["training"], p["momentum"], p["eps"]
+    _, mean, rstd, _, _ = _dispatch.generic_kernel(f"{layer}_forward")(
+        xp, x, rm, rv, w, b, p[flag], p["momentum"], p["eps"]
     )
-    return (dy, x, mean, rstd, w, b, p["training"])
+    return (dy, x, mean, rstd, w, b, p[flag])
+
+
+def build_bn_backward(p, rng):
+    return _channel_backward_args("batch_norm", "training", p, rng)
 
 
 def build_in_forward(p, rng):
@@ -300,11 +306,7 @@ def build_in_forward(p, rng):
 
 
 def build_in_backward(p, rng):
-    x, dy, w, b, rm, rv = _channels_data(p, rng)
-    _, mean, rstd, _, _ = _dispatch.generic_kernel("instance_norm_forward")(
-        xp, x, rm, rv, w, b, p["use_input_stats"], p["momentum"], p["eps"]
-    )
-    return (dy, x, mean, rstd, w, b, p["use_input_stats"])
+    return _channel_backward_args("instance_norm", "use_input_stats", p, rng)
 
 
 def build_gn_forward(p, rng):
