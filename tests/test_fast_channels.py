@@ -562,6 +562,57 @@ def test_an_infinite_gradient_gives_the_references_infinities():
     assert np.isneginf(ours[1][0])
 
 
+def _same_non_finite(ours, ref, what: str) -> None:
+    """NaN, +inf and -inf in the same places; finite values close (float32 rounding of the
+    largest finite reference value: what one channel's infinity leaves of the others)."""
+    for i, (a, c) in enumerate(zip(ours, ref, strict=True)):
+        if c is None:
+            assert a is None, (what, i)
+            continue
+        a, c = a.astype(np.float64), c.astype(np.float64)
+        for mask in (np.isnan, np.isposinf, np.isneginf):
+            assert np.array_equal(mask(a), mask(c)), (what, i, mask.__name__)
+        finite = np.isfinite(c)
+        scale = float(np.max(np.abs(c[finite]), initial=1.0))
+        np.testing.assert_allclose(a[finite], c[finite], rtol=0, atol=1e-3 * scale, err_msg=f"{what} [{i}]")
+
+
+@settings(max_examples=DRAWN)
+@given(
+    case=st.sampled_from(("batch", "instance", "group")).flatmap(cases),
+    value=st.sampled_from((np.inf, -np.inf, np.nan)),
+    in_dy=st.booleans(),
+    data=st.data(),
+)
+def test_a_non_finite_value_gives_the_references_nan_and_inf(case, value, in_dy, data):
+    """An infinite or NaN value in dy or x, with batch statistics: the fast backward gives
+    NaN and +-inf where the generic kernel gives them, in dx, dweight and dbias. (The
+    folded coefficients added inf to -inf: a whole channel or group of dx was NaN where the
+    reference and PyTorch mix NaN and +-inf; the sums now send such inputs to the generic
+    kernel.)"""
+    x, dy, w, b, _, _ = make_inputs(case)
+    if x.ndim == 2:  # BatchNorm1d's (N, C): two samples at least
+        x, dy = np.concatenate([x, x + 1]), np.concatenate([dy, dy])
+    elif int(np.prod(x.shape[2:])) <= 1:  # two values per instance at least
+        x, dy = np.concatenate([x, x + 1], axis=-1), np.concatenate([dy, dy], axis=-1)
+    target = dy if in_dy else x
+    index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
+    target[index] = value
+    if case["groups"]:
+        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
+        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
+    else:
+        op = "batch_norm" if x.ndim == 2 or data.draw(st.booleans(), label="batch") else "instance_norm"
+        fwd = (x, None, None, w, b, True, 0.1, 1e-5)
+        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
+    with np.errstate(all="ignore"):
+        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
+        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
+        with config(case["threads"], case["block_bytes"], case["small_copy"]):
+            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    _same_non_finite(ours, ref, f"{op}_backward")
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize(
     "op, training, layout",  # (InstanceNorm with input statistics: GroupNorm's sweeps)

@@ -400,7 +400,9 @@ class CoefficientOverflow(Exception):
     """Raised by ``_batch_dx_coefficients`` (before any write) and ``_group_backward`` where a
     coefficient of dx is beyond the computation dtype's range though the sums are finite
     (``rstd^3*sum(g*(x - mean))`` with a tiny spread and a large weight or gradient: inf,
-    then inf and NaN in dx): the caller runs the generic kernel instead."""
+    then inf and NaN in dx), or where the sums are not finite (an infinite or NaN dy or x:
+    the folded coefficients add inf to -inf, so a whole channel or group of dx came out NaN
+    where the reference and PyTorch give +-inf): the caller runs the generic kernel instead."""
 
 
 def _batch_dx_sweep(
@@ -436,7 +438,9 @@ def _batch_dx_coefficients(
     ``a*dy``'s rounding in dx: 3-6 times PyTorch's error). With ``fold`` the mean moves
     into ``d`` and the sweep reads ``x`` itself (``center`` None): ``b*(x - mean) = b*x -
     a*(b*mean/a)``. Raises ``CoefficientOverflow`` (before any write) where ``b`` is
-    beyond ``ct``'s range."""
+    beyond ``ct``'s range, or where a sum is not finite."""
+    if not (np.isfinite(sum_dy).all() and np.isfinite(sum_dyxc).all()):
+        raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
     a_coef = r if w is None else r * w  # C
     wv = 1.0 if w is None else w.astype(np.float64)
     r64 = r.astype(np.float64)  # C
@@ -651,6 +655,8 @@ def _group_backward(
         if sums is None:
             raise CoefficientOverflow
         sdy_s, sdx_s = sums  # N,C float64 each: sum(dy), sum(dy*(x - mean))
+        if not (np.isfinite(sdy_s).all() and np.isfinite(sdx_s).all()):
+            raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
         dweight_s = None
         if weight is not None:
             dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_all, (N, G)), C // G, axis=1), axis=0)  # C
@@ -706,8 +712,9 @@ def _group_backward(
             np.multiply(r_all[a:e], sgx, out=b_)
             np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
-            beyond = np.isinf(b_).any() or np.isinf(c_).any()
-            if beyond and np.isfinite(sgx).all() and np.isfinite(sg).all():
+            if not (np.isfinite(sgx).all() and np.isfinite(sg).all()):
+                raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
+            if np.isinf(b_).any() or np.isinf(c_).any():
                 raise CoefficientOverflow  # finite sums, coefficients beyond ct
             np.subtract(c_, np.multiply(b_, d, out=sg), out=c_)  # b*(xs - d) + c = b*xs + (c - b*d)
             out = dx2[a:e] if obuf is None else obuf[:n]  # n,L
