@@ -16,7 +16,7 @@ import array_api_compat.numpy as xp
 import numpy as np
 import pytest
 from helpers import op_calls, same_results
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -610,6 +610,58 @@ def test_a_non_finite_value_gives_the_references_nan_and_inf(case, value, in_dy,
         ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
         with config(case["threads"], case["block_bytes"], case["small_copy"]):
             ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    _same_non_finite(ours, ref, f"{op}_backward")
+
+
+@settings(max_examples=DRAWN)
+@given(
+    case=st.sampled_from(("instance", "group")).flatmap(cases),
+    value=st.sampled_from((np.inf, -np.inf, np.nan)),
+    in_dy=st.booleans(),
+    data=st.data(),
+)
+def test_a_non_finite_value_in_channels_last_samples(case, value, in_dy, data):
+    """As above, on the channels-last samples' own sweep (``columns.group_backward``, which
+    large samples take: here every sample, SAMPLE_VALUES set to 1)."""
+    case = {**case, "layout": "channels_last", "dy_layout": "channels_last"}
+    x, dy, w, b, _, _ = make_inputs(case)
+    assume(int(np.prod(x.shape[2:])) > 1)
+    target = dy if in_dy else x
+    index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
+    target[index] = value
+    if case["groups"]:
+        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
+        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
+    else:
+        op, fwd = "instance_norm", (x, None, None, w, b, True, 0.1, 1e-5)
+        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
+    with np.errstate(all="ignore"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(columns, "SAMPLE_VALUES", 1)
+        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
+        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
+        with config(case["threads"], case["block_bytes"], case["small_copy"]):
+            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    _same_non_finite(ours, ref, f"{op}_backward")
+
+
+@pytest.mark.parametrize("op", ["batch_norm", "instance_norm", "group_norm"])
+def test_a_gradient_whose_sums_overflow_float32_gives_the_references_finite_dx(op):
+    """dy of +-3e37 in float32: sum(dy) overflows float32 (the reference's dbias is inf too),
+    while dx is finite. The fast kernels' folded coefficients made dx -inf and NaN; such sums
+    send the input to the generic kernel, whose finite dx they now return."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 40)).astype(np.float32)
+    dy = (3e37 * np.sign(rng.standard_normal((4, 3, 40)))).astype(np.float32)
+    w = np.ones(3, np.float32)
+    if op == "group_norm":
+        fwd, bwd = (x, 3, w, w, 1e-5), lambda r: (dy, x, 3, r[1], r[2], w, w)
+    else:
+        fwd, bwd = (x, None, None, w, w, True, 0.1, 1e-5), lambda r: (dy, x, r[1], r[2], w, w, True)
+    with np.errstate(all="ignore"):
+        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
+        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
+        ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    assert np.isfinite(ref[0]).all()
     _same_non_finite(ours, ref, f"{op}_backward")
 
 

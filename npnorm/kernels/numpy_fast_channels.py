@@ -847,9 +847,10 @@ def batch_norm_backward(
     try:
         return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, training, out)
     except CoefficientOverflow:
-        return generic_kernel("batch_norm_backward")(
-            xp, grad_output, input, mean, rstd, weight, bias, training, out
-        )
+        pass  # the generic kernel runs below, the fast attempt's arrays freed with the exception
+    return generic_kernel("batch_norm_backward")(
+        xp, grad_output, input, mean, rstd, weight, bias, training, out
+    )
 
 
 # --- InstanceNorm ------------------------------------------------------------------------
@@ -929,9 +930,10 @@ def instance_norm_backward(
         try:
             return _group_backward(grad_output, input, C, mean, rstd, weight, bias, ct, out)
         except CoefficientOverflow:
-            return generic_kernel("instance_norm_backward")(
-                xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
-            )
+            pass  # the generic kernel runs below, the fast attempt's arrays freed with the exception
+        return generic_kernel("instance_norm_backward")(
+            xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out
+        )
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, ct, False, out)
 
 
@@ -984,6 +986,7 @@ def group_norm_backward(
     try:
         return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)
     except CoefficientOverflow:
-        return generic_kernel("group_norm_backward")(
-            xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
-        )
+        pass  # the generic kernel runs below, the fast attempt's arrays freed with the exception
+    return generic_kernel("group_norm_backward")(
+        xp, grad_output, input, num_groups, mean, rstd, weight, bias, out
+    )
