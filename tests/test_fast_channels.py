@@ -577,6 +577,28 @@ def _same_non_finite(ours, ref, what: str) -> None:
         np.testing.assert_allclose(a[finite], c[finite], rtol=0, atol=1e-3 * scale, err_msg=f"{what} [{i}]")
 
 
+def _check_non_finite(case, arrays, in_dy: bool, value: float, data, channel_op: str) -> None:
+    """``value`` put at a drawn place of dy (``in_dy``) or x; the backward with batch
+    statistics (GroupNorm where the case has groups, else ``channel_op``), the fast kernel's
+    against the generic one's (``_same_non_finite``)."""
+    x, dy, w, b = arrays
+    target = dy if in_dy else x
+    index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
+    target[index] = value
+    if case["groups"]:
+        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
+        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
+    else:
+        op, fwd = channel_op, (x, None, None, w, b, True, 0.1, 1e-5)
+        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
+    with np.errstate(all="ignore"):
+        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
+        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
+        with config(case["threads"], case["block_bytes"], case["small_copy"]):
+            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    _same_non_finite(ours, ref, f"{op}_backward")
+
+
 @settings(max_examples=DRAWN)
 @given(
     case=st.sampled_from(("batch", "instance", "group")).flatmap(cases),
@@ -595,22 +617,8 @@ def test_a_non_finite_value_gives_the_references_nan_and_inf(case, value, in_dy,
         x, dy = np.concatenate([x, x + 1]), np.concatenate([dy, dy])
     elif int(np.prod(x.shape[2:])) <= 1:  # two values per instance at least
         x, dy = np.concatenate([x, x + 1], axis=-1), np.concatenate([dy, dy], axis=-1)
-    target = dy if in_dy else x
-    index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
-    target[index] = value
-    if case["groups"]:
-        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
-        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
-    else:
-        op = "batch_norm" if x.ndim == 2 or data.draw(st.booleans(), label="batch") else "instance_norm"
-        fwd = (x, None, None, w, b, True, 0.1, 1e-5)
-        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
-    with np.errstate(all="ignore"):
-        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
-        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
-        with config(case["threads"], case["block_bytes"], case["small_copy"]):
-            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
-    _same_non_finite(ours, ref, f"{op}_backward")
+    batch = x.ndim == 2 or data.draw(st.booleans(), label="batch")
+    _check_non_finite(case, (x, dy, w, b), in_dy, value, data, "batch_norm" if batch else "instance_norm")
 
 
 @settings(max_examples=DRAWN)
@@ -626,22 +634,9 @@ def test_a_non_finite_value_in_channels_last_samples(case, value, in_dy, data):
     case = {**case, "layout": "channels_last", "dy_layout": "channels_last"}
     x, dy, w, b, _, _ = make_inputs(case)
     assume(int(np.prod(x.shape[2:])) > 1)
-    target = dy if in_dy else x
-    index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
-    target[index] = value
-    if case["groups"]:
-        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
-        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
-    else:
-        op, fwd = "instance_norm", (x, None, None, w, b, True, 0.1, 1e-5)
-        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
-    with np.errstate(all="ignore"), pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(columns, "SAMPLE_VALUES", 1)
-        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
-        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
-        with config(case["threads"], case["block_bytes"], case["small_copy"]):
-            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
-    _same_non_finite(ours, ref, f"{op}_backward")
+        _check_non_finite(case, (x, dy, w, b), in_dy, value, data, "instance_norm")
 
 
 @pytest.mark.parametrize("op", ["batch_norm", "instance_norm", "group_norm"])
