@@ -585,18 +585,24 @@ def _check_non_finite(case, arrays, in_dy: bool, value: float, data, channel_op:
     target = dy if in_dy else x
     index = data.draw(st.tuples(*(st.integers(0, d - 1) for d in target.shape)), label="index")
     target[index] = value
-    if case["groups"]:
-        op, fwd = "group_norm", (x, case["groups"], w, b, 1e-5)
-        bwd = lambda r: (dy, x, case["groups"], r[1], r[2], w, b)  # noqa: E731
+    op = "group_norm" if case["groups"] else channel_op
+    with config(case["threads"], case["block_bytes"], case["small_copy"]):
+        ours, ref = _fast_and_generic_backward(op, x, dy, w, b, case["groups"])
+    _same_non_finite(ours, ref, f"{op}_backward")
+
+
+def _fast_and_generic_backward(op: str, x, dy, w, b, groups: int):
+    """The backward of ``op`` (batch statistics; ``groups`` for GroupNorm) from the generic
+    forward's statistics: ``(fast kernel's results, generic kernel's results)``."""
+    if op == "group_norm":
+        fwd, bwd = (x, groups, w, b, 1e-5), lambda r: (dy, x, groups, r[1], r[2], w, b)
     else:
-        op, fwd = channel_op, (x, None, None, w, b, True, 0.1, 1e-5)
-        bwd = lambda r: (dy, x, r[1], r[2], w, b, True)  # noqa: E731
+        fwd, bwd = (x, None, None, w, b, True, 0.1, 1e-5), lambda r: (dy, x, r[1], r[2], w, b, True)
     with np.errstate(all="ignore"):
         stats = generic_kernel(f"{op}_forward")(xp, *fwd)
         ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
-        with config(case["threads"], case["block_bytes"], case["small_copy"]):
-            ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
-    _same_non_finite(ours, ref, f"{op}_backward")
+        ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    return ours, ref
 
 
 @settings(max_examples=DRAWN)
@@ -648,14 +654,7 @@ def test_a_gradient_whose_sums_overflow_float32_gives_the_references_finite_dx(o
     x = rng.standard_normal((4, 3, 40)).astype(np.float32)
     dy = (3e37 * np.sign(rng.standard_normal((4, 3, 40)))).astype(np.float32)
     w = np.ones(3, np.float32)
-    if op == "group_norm":
-        fwd, bwd = (x, 3, w, w, 1e-5), lambda r: (dy, x, 3, r[1], r[2], w, w)
-    else:
-        fwd, bwd = (x, None, None, w, w, True, 0.1, 1e-5), lambda r: (dy, x, r[1], r[2], w, w, True)
-    with np.errstate(all="ignore"):
-        stats = generic_kernel(f"{op}_forward")(xp, *fwd)
-        ref = generic_kernel(f"{op}_backward")(xp, *bwd(stats))
-        ours = kernel(f"{op}_backward", xp)(xp, *bwd(stats))
+    ours, ref = _fast_and_generic_backward(op, x, dy, w, w, 3)
     assert np.isfinite(ref[0]).all()
     _same_non_finite(ours, ref, f"{op}_backward")
 

@@ -405,6 +405,14 @@ class CoefficientOverflow(Exception):
     where the reference and PyTorch give +-inf): the caller runs the generic kernel instead."""
 
 
+def _require_finite(*sums: np.ndarray) -> None:
+    """Raise ``CoefficientOverflow`` where a backward's sums are not finite (an infinite or
+    NaN dy or x): the generic kernel then gives the reference's infinities, where the
+    folded coefficients would add inf to -inf."""
+    if not all(np.isfinite(a).all() for a in sums):
+        raise CoefficientOverflow
+
+
 def _batch_dx_sweep(
     rows_dy: Rows,
     rows_x: Rows,
@@ -439,8 +447,7 @@ def _batch_dx_coefficients(
     into ``d`` and the sweep reads ``x`` itself (``center`` None): ``b*(x - mean) = b*x -
     a*(b*mean/a)``. Raises ``CoefficientOverflow`` (before any write) where ``b`` is
     beyond ``ct``'s range, or where a sum is not finite."""
-    if not (np.isfinite(sum_dy).all() and np.isfinite(sum_dyxc).all()):
-        raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
+    _require_finite(sum_dy, sum_dyxc)
     a_coef = r if w is None else r * w  # C
     wv = 1.0 if w is None else w.astype(np.float64)
     r64 = r.astype(np.float64)  # C
@@ -655,8 +662,7 @@ def _group_backward(
         if sums is None:
             raise CoefficientOverflow
         sdy_s, sdx_s = sums  # N,C float64 each: sum(dy), sum(dy*(x - mean))
-        if not (np.isfinite(sdy_s).all() and np.isfinite(sdx_s).all()):
-            raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
+        _require_finite(sdy_s, sdx_s)
         dweight_s = None
         if weight is not None:
             dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_all, (N, G)), C // G, axis=1), axis=0)  # C
@@ -712,8 +718,7 @@ def _group_backward(
             np.multiply(r_all[a:e], sgx, out=b_)
             np.multiply(nb_all[a:e], b_, out=b_)  # b
             np.multiply(nc_all[a:e], sg, out=c_)  # c
-            if not (np.isfinite(sgx).all() and np.isfinite(sg).all()):
-                raise CoefficientOverflow  # an infinite or NaN dy or x: the generic kernel's infinities
+            _require_finite(sgx, sg)
             if np.isinf(b_).any() or np.isinf(c_).any():
                 raise CoefficientOverflow  # finite sums, coefficients beyond ct
             np.subtract(c_, np.multiply(b_, d, out=sg), out=c_)  # b*(xs - d) + c = b*xs + (c - b*d)
