@@ -20,7 +20,8 @@ Numerics:
 * the forwards split the float64 mean into its value in the data's dtype and the
   remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
   accuracy (the backwards centre with the saved mean, which is stored in the data's
-  dtype, as the reference's is);
+  dtype, as the reference's is; LayerNorm's backward then centres the recomputed xhat
+  again, as the reference's does: ``_row_dx_coefs``);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
@@ -147,16 +148,19 @@ def _sum_sq(a, lo, hi):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
-def _sums_dy(dy, x, w, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
-    """``(sum(g), sum(g * (x - m)))`` over ``[lo, hi)`` with ``g = dy * w``,
-    ``x - m = (x - m_hi) - m_lo``."""
+def _sums_dy(dy, x, w, lo, hi, m):  # type: ignore[no-untyped-def]
+    """``(sum(g), sum(g * (x - m)), sum(x - m))`` over ``[lo, hi)`` with ``g = dy * w``
+    (LayerNorm's backward; the last sum centres xhat again: ``_row_dx_coefs``)."""
     sg = 0.0
     sgx = 0.0
+    sx = 0.0
     for i in range(uint64(lo), uint64(hi)):
         g = dy[i] * w[i]
+        xc = x[i] - m
         sg += g
-        sgx += g * ((x[i] - m_hi) - m_lo)
-    return sg, sgx
+        sgx += g * xc
+        sx += xc
+    return sg, sgx, sx
 
 
 @_sum_loop
@@ -280,6 +284,31 @@ def _batch_dx_coefs(rs, wc, sd, sdx, M, s):  # type: ignore[no-untyped-def]
     s[2] = d
     s[3] = d - s[2] if np.isfinite(d) else 0.0  # (an inf in dy: inf, and no NaN from inf - inf)
     return s[0], s[1], s[2], s[3]
+
+
+@_loop
+def _row_dx_coefs(rs, sg, sgx, sx, D, s):  # type: ignore[no-untyped-def]
+    """LayerNorm's ``dx = a*g + c1*xhat + c0``, ``xhat = (x - mean)*rstd`` with the mean
+    as saved, from a row's float64 rstd ``rs`` and sums ``sg = sum(g)``, ``sgx = sum(g*(x
+    - mean))``, ``sx = sum(x - mean)``: ``(a, c1, c0)`` in the data's dtype (through
+    ``s[0:3]``). As the reference's ``standardize_backward`` does, xhat is centred again
+    first: the saved mean is rounded to the data's dtype, so xhat's mean is ``d =
+    rs*sx/D``, not 0 (on a nearly constant row, rstd ~300, 1e-4 in float32), and term 3
+    takes ``xhat - d``: ``c1 = -rs*mean(g*(xhat - d))``, and ``c0 = -rs*mean(g) - c1*d``
+    moves the centre (each representable where rstd is: no rstd^3, which underflows
+    float32 for huge rows). Where a sum is not finite (an inf or NaN in dy or x) xhat is
+    taken as it is, so that NaN comes only where the values make it (0*inf of a
+    correction would put it on the whole row)."""
+    s[0] = rs
+    if np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
+        d = rs * (sx / D)
+        c1 = -rs * ((sgx * rs - d * sg) / D)
+        s[1] = c1
+        s[2] = -rs * sg / D - c1 * d
+    else:
+        s[1] = -rs * (sgx * rs / D)
+        s[2] = -rs * sg / D
+    return s[0], s[1], s[2]
 
 
 @_loop
@@ -466,35 +495,30 @@ def layer_norm_forward_long(x, w, b, eps, y, mean, rstd, r0, r1):  # type: ignor
 def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, base, r0, r1):  # type: ignore[no-untyped-def]
     """Rows ``[r0, r1)`` (rows ``base + r`` of the input): ``dx = rstd*(g - mean(g) -
     xhat*mean(g*xhat))``, ``g = dy*w``, as ``dx = a*g + c1*xhat + c0`` with per-row
-    ``a = rstd``, ``c1 = -rstd*mean(g*xhat)``, ``c0 = -rstd*mean(g)`` (each representable
-    where rstd is: no rstd^3, which underflows float32 for huge rows). With
+    ``a = rstd``, ``c1 = -rstd*mean(g*xhat)``, ``c0 = -rstd*mean(g)``, xhat centred
+    again first (``_row_dx_coefs``). With
     ``with_sums``, ``sum_rows(dy*xhat)`` and ``sum_rows(dy)`` go into the partial sums
     ``pw``, ``pb`` (the data's dtype, (D,)), flushed into the float64 ``dw``, ``db``
     (see FLUSH_ROWS; the caller flushes what is left). Pipelined (see above): writing
     row r's dx, it takes row r + 1's sums."""
     D = x.shape[1]
     s = np.empty(3, dtype=dx.dtype)
-    s[0] = 0.0
-    zero = s[0]  # 0 in the data's dtype
     if r1 <= r0:
         return
-    sg = sgx = 0.0  # row r's sum(g), sum(g*(x - mean))
+    sg = sgx = sx = 0.0  # row r's sum(g), sum(g*(x - mean)), sum(x - mean)
     for r in range(r0 - 1, r1):
         write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         m = mean[row]
-        rs = np.float64(rstd[row])
-        s[0] = rs
-        s[1] = -rs * (sgx * rs / D)
-        s[2] = -rs * sg / D
-        a, c1, c0 = s[0], s[1], s[2]
-        sg = sgx = 0.0
+        a, c1, c0 = _row_dx_coefs(np.float64(rstd[row]), sg, sgx, sx, D, s)
+        sg = sgx = sx = 0.0
         for lo in range(0, D, CHUNK):
             hi = min(lo + CHUNK, D)
             if add:
-                u, v = _sums_dy(dy1, x1, w, lo, hi, mean[n], zero)
+                u, v, t = _sums_dy(dy1, x1, w, lo, hi, mean[n])
                 sg += u
                 sgx += v
+                sx += t
             if write:
                 if with_sums:
                     _norm_dx_sums_span(dyr, xr, dxr, w, pw, pb, lo, hi, a, c1, m, c0)
