@@ -221,14 +221,18 @@ def as_float64(a):
     return a.astype(np.float64) if isinstance(a, np.ndarray) else a
 
 
-# forwards whose op's backward centres the recomputed xhat again in the "numba" family
-CENTRED_AGAIN = ("layer_norm_forward",)
+def _centred_again(op: str, fwd_args: tuple) -> bool:
+    """Whether the backward of ``op``'s layer centres the recomputed xhat again in the
+    "numba" family (LayerNorm, GroupNorm, InstanceNorm with input statistics)."""
+    if op == "instance_norm_forward":
+        return bool(fwd_args[5])  # use_input_stats
+    return op in ("layer_norm_forward", "group_norm_forward")
 
 
-def _xhat_bound(x, mean, rstd, k: int) -> float:
-    """max |x - mean| * rstd over rows of the last ``k`` axes of x, in float64."""
-    rows = x.reshape(-1, int(np.prod(x.shape[x.ndim - k :]))).astype(np.float64)
+def _xhat_bound(x, mean, rstd) -> float:
+    """1 + max |x - mean| * rstd over the groups of x (one per mean, C-ordered), in float64."""
     m = np.asarray(mean, np.float64).reshape(-1, 1)
+    rows = x.astype(np.float64).reshape(m.shape[0], -1)
     r = np.abs(np.asarray(rstd, np.float64)).reshape(-1, 1)
     return float(np.max(np.abs(rows - m) * r, initial=0.0)) + 1.0
 
@@ -289,10 +293,10 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     # [1e-45, 0] with rstd 316 gave dx [4.4e-43, 0] against numba's float64 [2.2e-43, -2.2e-43])
     subnormal = 2 * rmax * wmax * float(np.finfo(ct).smallest_subnormal) / REL[np.dtype(ct).name]
     dx_xhat = xhat_max
-    if ops[0] in CENTRED_AGAIN:
+    if _centred_again(ops[0], fwd_args) and x.size:
         # xhat centred again (as the reference's): the saved mean's rounding, which the
         # xmax-wide bound allows for, no longer reaches dx; |xhat| itself bounds its terms
-        dx_xhat = _xhat_bound(x, ref_f[1], rstd, len(fwd_args[1]))
+        dx_xhat = _xhat_bound(x, ref_f[1], rstd)
     dx_scale = 4 * rmax * wmax * float(dy64.max(initial=0.0)) * (1 + dx_xhat) + subnormal
     assert_close(ours_b[0], ref_b[0], ct, dx_scale, "dx")
     for i, name in ((1, "dweight"), (2, "dbias")):

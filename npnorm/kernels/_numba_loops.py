@@ -20,8 +20,8 @@ Numerics:
 * the forwards split the float64 mean into its value in the data's dtype and the
   remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
   accuracy (the backwards centre with the saved mean, which is stored in the data's
-  dtype, as the reference's is; LayerNorm's backward then centres the recomputed xhat
-  again, as the reference's does: ``_row_dx_coefs``);
+  dtype, as the reference's is; LayerNorm's, GroupNorm's and InstanceNorm's backwards
+  then centre the recomputed xhat again, as the reference's does: ``_row_dx_coefs``);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
@@ -174,6 +174,27 @@ def _sums_dy_scalar_w(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def
         s += d
         sx += d * ((x[i] - m_hi) - m_lo)
     return s, sx
+
+
+@_sum_loop
+def _sums_dy_dev(dy, x, lo, hi, m, zero):  # type: ignore[no-untyped-def]
+    """``_sums_dy_scalar_w``'s two sums (``x - m`` with m in the data's dtype) and
+    ``sum(x - m)``, with which GroupNorm's and InstanceNorm's backward centres xhat again
+    (``_row_dx_coefs``). That last sum is taken in the data's dtype (``zero``) over the
+    span, then returned in float64: in float64 lanes it cost the backward ~8% (one more
+    conversion a value), and what it corrects is small (xhat's centre moves by the mean's
+    rounding): float32 dx at offsets of 1e3 to 3e6 times the spread came out within
+    1.2e-7 of the float64 one, as the reference's (1e-4 at 1e5 before)."""
+    s = 0.0
+    sx = 0.0
+    sc = zero
+    for i in range(uint64(lo), uint64(hi)):
+        d = dy[i]
+        xc = x[i] - m
+        s += d
+        sx += d * xc
+        sc += xc
+    return s, sx, np.float64(sc)
 
 
 @_sum_loop
@@ -841,6 +862,20 @@ def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx):  # type: ignore[no-untyped-d
 
 
 @_loop
+def _across_sums_dy_dev(dy, x, n0, n1, m, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+    """``_across_sums_dy`` on ``[n, 0:len(sd)]`` and ``sxc += x - m`` (``sxc`` in the
+    data's dtype, as ``_sums_dy_dev``'s: GroupNorm's and InstanceNorm's channels-last
+    backward)."""
+    for n in range(n0, n1):
+        for j in range(uint64(0), uint64(sd.shape[0])):
+            d = dy[n, j]
+            xc = x[n, j] - m[j]
+            sd[j] += d
+            sdx[j] += d * xc
+            sxc[j] += xc
+
+
+@_loop
 def _across_dx(dy, x, dx, lo, a, k1, m, rc, d_hi, d_lo):  # type: ignore[no-untyped-def]
     """``dx = a*((dy - d_hi) - d_lo) + k1*((x - m)*rc)`` on ``[:, lo:lo + len(a)]``
     (``_batch_dx_span``'s, per channel)."""
@@ -1126,8 +1161,9 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     ``sum(dy*(x - mean))`` (float64, into ``sdy``, ``sdyx`` (R*k,)), combined with the
     weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
     ``dx = rstd*w_c*dy + k1*xhat + k0``, ``xhat = (x - mean)*rstd``,
-    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``. Pipelined (see above): writing
-    row r's dx, it takes row r + 1's sums."""
+    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``, xhat centred again first with the
+    row's ``sum(x - mean)`` (``_row_dx_coefs``). Pipelined (see above): writing row r's
+    dx, it takes row r + 1's sums."""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
@@ -1136,6 +1172,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     zero = s[0]  # 0 in the data's dtype
     if r1 <= r0:
         return
+    sx = 0.0  # row r's sum(x - mean)
     for r in range(r0 - 1, r1):
         write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
@@ -1148,9 +1185,9 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[row * k + i]
             sgx += wc * sdyx[row * k + i]
-        s[1] = -rs * (sgx * rs / L)
-        s[2] = -rs * sg / L
-        k1, k0, rc = s[1], s[2], rstd[row]
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, sx, L, s)
+        rc = rstd[row]
+        sx = 0.0
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
@@ -1160,9 +1197,10 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
                 if add:
-                    p, q = _sums_dy_scalar_w(dy1, x1, lo, hi, mean[n], zero)
+                    p, q, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n], zero)
                     u += p
                     v += q
+                    sx += t
                 if write:
                     _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
             if add:
@@ -1189,11 +1227,14 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
         m = mean[r]
         rs = np.float64(rstd[r])
         c0 = ((base + r) % G) * k
+        sx = 0.0  # the row's sum(x - mean)
         for i in range(k):  # the row's sums per channel
             u = 0.0
             v = 0.0
             for lo in range(i * S, (i + 1) * S, CHUNK):
-                p, q = _sums_dy_scalar_w(dyr, xr, lo, min(lo + CHUNK, (i + 1) * S), m, zero)
+                hi = min(lo + CHUNK, (i + 1) * S)
+                p, q, t = _sums_dy_dev(dyr, xr, lo, hi, m, zero)
+                sx += t
                 u += p
                 v += q
             sdy[r * k + i] = u
@@ -1204,9 +1245,8 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[r * k + i]
             sgx += wc * sdyx[r * k + i]
-        s[1] = -rs * (sgx * rs / L)
-        s[2] = -rs * sg / L
-        k1, k0, rc = s[1], s[2], rstd[r]
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, sx, L, s)
+        rc = rstd[r]
         for i in range(k):  # then its dx
             s[0] = rs * w[c0 + i]
             _dx_span(dyr, xr, dxr, i * S, (i + 1) * S, s[0], k1, m, rc, k0)
@@ -1285,17 +1325,21 @@ def _sample_sums(xn, rows, dev, m, part, t):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, sd, sdx):  # type: ignore[no-untyped-def]
-    """``sd``, ``sdx`` = the column sums of dyn and of dyn*(xn - m) (S,C), span by span
-    (``_sample_sums``'s order)."""
+def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, pxc, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+    """``sd``, ``sdx``, ``sxc`` = the column sums of dyn, of dyn*(xn - m) and of xn - m
+    (S,C), span by span (``_sample_sums``'s order; a span's sum of xn - m in the data's
+    dtype, ``pxc``)."""
     sd.fill(0.0)
     sdx.fill(0.0)
+    sxc.fill(0.0)
     for r0 in range(0, xn.shape[0], rows):
         pd.fill(0.0)
         pdx.fill(0.0)
-        _across_sums_dy(dyn, xn, r0, min(xn.shape[0], r0 + rows), 0, m, pd, pdx)
+        pxc.fill(0.0)
+        _across_sums_dy_dev(dyn, xn, r0, min(xn.shape[0], r0 + rows), m, pd, pdx, pxc)
         _add_into(sd, pd)
         _add_into(sdx, pdx)
+        _add_into(sxc, pxc)
 
 
 @_loop
@@ -1332,25 +1376,28 @@ def _group_statistics(t, mc, k, L, eps, w, b, r0, mean, rstd, var, sc, bc, m_hi,
 
 
 @_loop
-def _group_dx_coefficients(sd, sdx, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s):  # type: ignore[no-untyped-def]
-    """For the input's sample i, from its channels' ``sum(dy)`` and ``sum(dy*(x - mean))``
-    (``sd``, ``sdx``, kept in ``sdy``, ``sdyx``): per channel dx's coefficients ``a =
-    rstd*w_c`` and the group's ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L`` (``sg`` =
-    sum(w*dy), ``sgx`` = sum(w*dy*(x - mean)) over the group), and its rstd."""
+def _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s):  # type: ignore[no-untyped-def]
+    """For the input's sample i, from its channels' ``sum(dy)``, ``sum(dy*(x - mean))``
+    and ``sum(x - mean)`` (``sd``, ``sdx``, ``sxc``; the first two kept in ``sdy``,
+    ``sdyx``): per channel dx's coefficients ``a = rstd*w_c`` and the group's ``k1 =
+    -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L`` (``sg`` = sum(w*dy), ``sgx`` =
+    sum(w*dy*(x - mean)) over the group; xhat centred again first: ``_row_dx_coefs``),
+    and its rstd."""
     C = sd.shape[0]
     G = C // k
     for g in range(G):
         rs = np.float64(rstd[i * G + g])
         sg = 0.0
         sgx = 0.0
+        sx = 0.0
         for c in range(g * k, (g + 1) * k):
             sdy[i * C + c] = sd[c]
             sdyx[i * C + c] = sdx[c]
             wc = np.float64(w[c])
             sg += wc * sd[c]
             sgx += wc * sdx[c]
-        s[1] = -rs * (sgx * rs / L)
-        s[2] = -rs * sg / L
+            sx += sxc[c]
+        _row_dx_coefs(rs, sg, sgx, sx, L, s)
         for c in range(g * k, (g + 1) * k):
             s[0] = rs * w[c]
             av[c] = s[0]
@@ -1410,14 +1457,17 @@ def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, 
     ``group_rows_forward``): each channel's ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
     span by span, into ``sdy``, ``sdyx``, the input's (N*C,)), then dx from the sample in
     cache, as ``group_backward``'s: ``dx = rstd*w_c*dy + k1*xhat + k0`` with the group's
-    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``."""
+    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``, xhat centred again first with the
+    channels' ``sum(x - mean)`` (``_group_dx_coefficients``)."""
     S, C = x.shape[1], x.shape[2]
     L = S * k
     s = np.empty(3, dtype=dx.dtype)
     sd = np.empty(C)  # the channels' sums (float64), and a span's
     sdx = np.empty(C)
+    sxc = np.empty(C)
     pd = np.empty(C)
     pdx = np.empty(C)
+    pxc = np.empty(C, dtype=dx.dtype)
     mc = np.empty(C, dtype=dx.dtype)  # the group's mean, rstd and dx's coefficients, per channel
     rcv = np.empty(C, dtype=dx.dtype)
     av = np.empty(C, dtype=dx.dtype)
@@ -1427,8 +1477,8 @@ def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, 
         xn, dyn, dxn = x[n], dy[n], dx[n]  # S,C each
         i = base + n  # the input's sample
         _group_mean_per_channel(mean, i, k, mc)
-        _sample_dy_sums(dyn, xn, rows, mc, pd, pdx, sd, sdx)
-        _group_dx_coefficients(sd, sdx, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s)
+        _sample_dy_sums(dyn, xn, rows, mc, pd, pdx, pxc, sd, sdx, sxc)
+        _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s)
         _across_group_dx(dyn, xn, dxn, av, k1v, mc, rcv, k0v)
 
 
@@ -1483,36 +1533,41 @@ def group_rows_affine(x, y, rows, m_hi, m_lo, sc, bc, u0, u1):  # type: ignore[n
 
 
 @_loop
-def group_rows_dy_partials(dy, x, rows, m, pd, pdx, u0, u1):  # type: ignore[no-untyped-def]
+def group_rows_dy_partials(dy, x, rows, m, pd, pdx, pxc, u0, u1):  # type: ignore[no-untyped-def]
     """Units ``[u0, u1)`` of the spans of the samples of dy and x (n,S,C): ``pd[u]``,
-    ``pdx[u]`` = the column sums of dy and dy*(x - m[n]) (``m`` (n,C) in x's dtype) over the
-    unit's rows, as ``_sample_dy_sums`` takes each span."""
+    ``pdx[u]``, ``pxc[u]`` = the column sums of dy, dy*(x - m[n]) and x - m[n] (``m``
+    (n,C) in x's dtype; ``pxc`` too) over the unit's rows, as ``_sample_dy_sums`` takes
+    each span."""
     S = x.shape[1]
     spans = (S + rows - 1) // rows
     for u in range(u0, u1):
         n, r0, r1 = _span_of(u, spans, rows, S)
         pd[u].fill(0.0)
         pdx[u].fill(0.0)
-        _across_sums_dy(dy[n], x[n], r0, r1, 0, m[n], pd[u], pdx[u])
+        pxc[u].fill(0.0)
+        _across_sums_dy_dev(dy[n], x[n], r0, r1, m[n], pd[u], pdx[u], pxc[u])
 
 
 @_loop
-def group_rows_coefficients(pd, pdx, spans, mean, rstd, w, k, L, base, sdy, sdyx, av, k1v, k0v, rcv):  # type: ignore[no-untyped-def]
+def group_rows_coefficients(pd, pdx, pxc, spans, mean, rstd, w, k, L, base, sdy, sdyx, av, k1v, k0v, rcv):  # type: ignore[no-untyped-def]
     """Per sample n of ``av`` (n,C): its spans' partials added in order, then dx's
     coefficients for the input's sample ``base + n`` (n,C each), as
     ``group_rows_backward`` takes them."""
     C = av.shape[1]
     sd = np.empty(C)
     sdx = np.empty(C)
+    sxc = np.empty(C)
     s = np.empty(3, dtype=av.dtype)
     for n in range(av.shape[0]):
         sd.fill(0.0)
         sdx.fill(0.0)
+        sxc.fill(0.0)
         for u in range(n * spans, (n + 1) * spans):
             _add_into(sd, pd[u])
             _add_into(sdx, pdx[u])
+            _add_into(sxc, pxc[u])
         _group_dx_coefficients(
-            sd, sdx, base + n, mean, rstd, w, k, L, sdy, sdyx, av[n], k1v[n], k0v[n], rcv[n], s
+            sd, sdx, sxc, base + n, mean, rstd, w, k, L, sdy, sdyx, av[n], k1v[n], k0v[n], rcv[n], s
         )
 
 

@@ -994,9 +994,11 @@ def _group_rows_backward_split(
     N, S, C = xs.shape
     mc = np.repeat(m.reshape(N, C // k), k, axis=1)  # N,C: each channel's group mean
     pd, pdx = np.empty((N * per_sample, C)), np.empty((N * per_sample, C))  # spans,C float64
-    run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, pd, pdx), units)
+    pxc = np.empty((N * per_sample, C), dtype=dx.dtype)  # spans,C: sum(x - mean), as dx's
+    run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, pd, pdx, pxc), units)
     av, k1v, k0v, rcv = (np.empty((N, C), dtype=dx.dtype) for _ in range(4))  # N,C: dx's coefficients
-    loops.group_rows_coefficients(pd, pdx, per_sample, m, r, w, k, S * k, 0, sdy, sdyx, av, k1v, k0v, rcv)
+    partials = (pd, pdx, pxc)
+    loops.group_rows_coefficients(*partials, per_sample, m, r, w, k, S * k, 0, sdy, sdyx, av, k1v, k0v, rcv)
     run(partial(loops.group_rows_dx, dys, xs, dx, rows, av, k1v, mc, rcv, k0v), units)
 
 
