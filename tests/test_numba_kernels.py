@@ -223,15 +223,19 @@ def as_float64(a):
 
 def _centred_again(op: str, fwd_args: tuple) -> bool:
     """Whether the backward of ``op``'s layer centres the recomputed xhat again in the
-    "numba" family (LayerNorm, GroupNorm, InstanceNorm with input statistics)."""
-    if op == "instance_norm_forward":
-        return bool(fwd_args[5])  # use_input_stats
+    "numba" family (LayerNorm, GroupNorm; InstanceNorm and BatchNorm with input or batch
+    statistics)."""
+    if op in ("instance_norm_forward", "batch_norm_forward"):
+        return bool(fwd_args[5])  # use_input_stats, training
     return op in ("layer_norm_forward", "group_norm_forward")
 
 
-def _xhat_bound(x, mean, rstd) -> float:
-    """1 + max |x - mean| * rstd over the groups of x (one per mean, C-ordered), in float64."""
+def _xhat_bound(op: str, x, mean, rstd) -> float:
+    """1 + max |x - mean| * rstd over the groups of x (one per mean: C-ordered, or
+    BatchNorm's channels, axis 1), in float64."""
     m = np.asarray(mean, np.float64).reshape(-1, 1)
+    if op == "batch_norm_forward":
+        x = np.moveaxis(x, 1, 0)
     rows = x.astype(np.float64).reshape(m.shape[0], -1)
     r = np.abs(np.asarray(rstd, np.float64)).reshape(-1, 1)
     return float(np.max(np.abs(rows - m) * r, initial=0.0)) + 1.0
@@ -296,7 +300,7 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     if _centred_again(ops[0], fwd_args) and x.size:
         # xhat centred again (as the reference's): the saved mean's rounding, which the
         # xmax-wide bound allows for, no longer reaches dx; |xhat| itself bounds its terms
-        dx_xhat = _xhat_bound(x, ref_f[1], rstd)
+        dx_xhat = _xhat_bound(ops[0], x, ref_f[1], rstd)
     dx_scale = 4 * rmax * wmax * float(dy64.max(initial=0.0)) * (1 + dx_xhat) + subnormal
     assert_close(ours_b[0], ref_b[0], ct, dx_scale, "dx")
     for i, name in ((1, "dweight"), (2, "dbias")):
@@ -481,7 +485,10 @@ def test_staged_batch_norm_needs_no_copy_of_the_input(layout, restore_threads, m
     """float16 BatchNorm was staged as float32 copies of the whole input and output
     (forward) or input, gradient and dx (backward): 4-6x the input's bytes on top of the
     result. In blocks of channels (or of rows, for one value per channel and sample:
-    channels-last input, BatchNorm1d) it needs a few blocks' scratch per thread."""
+    channels-last input, BatchNorm1d) it needs a few blocks' scratch per thread; the
+    backward of rows also keeps its spans' partial sums per channel and SPAN samples: two
+    float64 and a float32 (sum(x - mean)), 0.16x of this float16 input (0.22x in all
+    before that third came in, 0.25x now)."""
     _threads.set_num_threads(2)
     rng = np.random.default_rng(1)
     shape = (8 * 64 * 64, 64) if layout == "batch_norm1d" else (8, 64, 64, 64)
@@ -499,7 +506,8 @@ def test_staged_batch_norm_needs_no_copy_of_the_input(layout, restore_threads, m
                 F.batch_norm_backward(dy, x, f[1], f[2], training=True)
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-            assert peak - x.nbytes < 0.25 * x.nbytes, (step, peak / x.nbytes)
+            limit = 0.3 if step == "backward" and layout != "C" else 0.25
+            assert peak - x.nbytes < limit * x.nbytes, (step, peak / x.nbytes)
 
 
 @pytest.mark.parametrize("kind", ["float16", "read-only", "float64 weight", "byte-swapped"])

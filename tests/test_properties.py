@@ -241,7 +241,7 @@ def test_dx_is_orthogonal_to_what_the_output_ignores(name, data):
 
 # The layers whose backward centres the recomputed xhat again in every kernel family, as
 # the reference does (the others: in the reference only, so far).
-CENTRED_IN_EVERY_FAMILY = ["LayerNorm", "InstanceNorm", "GroupNorm"]
+CENTRED_IN_EVERY_FAMILY = ["LayerNorm", "BatchNorm", "InstanceNorm", "GroupNorm"]
 
 
 @pytest.mark.parametrize(
@@ -261,8 +261,8 @@ def test_a_constant_dy_gives_no_dx(name, family, data, dtype, eps, base):
     few ulps apart, rstd ~ 1/sqrt(eps)) the saved mean's rounding leaves xhat off centre,
     and the reference's dx was 1e-2 in float32 (3x PyTorch's error on a drawn GroupNorm
     case) until its backward centred the recomputed xhat again; LayerNorm's "numpy" and
-    "numba" kernels gave 2.4 until theirs did too, and "numba"'s GroupNorm and
-    InstanceNorm up to 3."""
+    "numba" kernels gave 2.4 until theirs did too, "numba"'s GroupNorm and InstanceNorm
+    up to 3, and BatchNorm's fast kernels as much."""
     case = data.draw(cases(name, min_group=2), label="case")
     bumps = data.draw(hnp.arrays(np.int8, case.shape, elements=st.integers(-3, 3)), label="bumps")
     x = (dtype.type(base) + bumps.astype(dtype) * np.spacing(dtype.type(base))).astype(dtype)

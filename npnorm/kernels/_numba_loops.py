@@ -20,8 +20,9 @@ Numerics:
 * the forwards split the float64 mean into its value in the data's dtype and the
   remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
   accuracy (the backwards centre with the saved mean, which is stored in the data's
-  dtype, as the reference's is; LayerNorm's, GroupNorm's and InstanceNorm's backwards
-  then centre the recomputed xhat again, as the reference's does: ``_row_dx_coefs``);
+  dtype, as the reference's is; the backwards then centre the recomputed xhat again, as
+  the reference's does: ``_row_dx_coefs``, ``_batch_dx_coefs``; BatchNorm's for channels
+  ``_far_from_zero`` only);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
@@ -46,6 +47,8 @@ from llvmlite import ir
 from numba import float32, int32, njit, types, uint16, uint32, uint64
 from numba.core import config as numba_config
 from numba.core.extending import intrinsic
+
+from .._stats import RECENTRE_ABOVE
 
 
 def _no_op() -> None:
@@ -96,9 +99,11 @@ PIECE = 4096
 
 # The sums over the channels of short rows (BatchNorm's blocks of channels, below) are
 # taken over spans of SPAN samples, and each span's sum is added into the channel's
-# total, spans in order: every loop adds the same partial sums in the same order, so that
-# the sample-split loops (``channel_span_sums``, the threads each taking whole spans), the
-# blocks and the backward's channel loop give bitwise the same sums.
+# total, spans in order (the backward's sum(x - mean), which only centres xhat again,
+# over a span in the data's dtype: in float64 it cost BatchNorm1d's backward 12-29%):
+# every loop adds the same partial sums in the same order, so that the sample-split
+# loops (``channel_span_sums``, the threads each taking whole spans), the blocks and the
+# backward's channel loop give bitwise the same sums.
 SPAN = 64
 
 
@@ -164,27 +169,15 @@ def _sums_dy(dy, x, w, lo, hi, m):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
-def _sums_dy_scalar_w(dy, x, lo, hi, m_hi, m_lo):  # type: ignore[no-untyped-def]
-    """``(sum(dy), sum(dy * (x - m)))`` over ``[lo, hi)`` of a channel row,
-    ``x - m = (x - m_hi) - m_lo``."""
-    s = 0.0
-    sx = 0.0
-    for i in range(uint64(lo), uint64(hi)):
-        d = dy[i]
-        s += d
-        sx += d * ((x[i] - m_hi) - m_lo)
-    return s, sx
-
-
-@_sum_loop
 def _sums_dy_dev(dy, x, lo, hi, m, zero):  # type: ignore[no-untyped-def]
-    """``_sums_dy_scalar_w``'s two sums (``x - m`` with m in the data's dtype) and
-    ``sum(x - m)``, with which GroupNorm's and InstanceNorm's backward centres xhat again
-    (``_row_dx_coefs``). That last sum is taken in the data's dtype (``zero``) over the
-    span, then returned in float64: in float64 lanes it cost the backward ~8% (one more
-    conversion a value), and what it corrects is small (xhat's centre moves by the mean's
-    rounding): float32 dx at offsets of 1e3 to 3e6 times the spread came out within
-    1.2e-7 of the float64 one, as the reference's (1e-4 at 1e5 before)."""
+    """``(sum(dy), sum(dy * (x - m)), sum(x - m))`` over ``[lo, hi)`` of a channel row, m
+    in the data's dtype (the backwards of BatchNorm, GroupNorm and InstanceNorm; the last
+    sum centres xhat again: ``_batch_dx_coefs``, ``_row_dx_coefs``). That last sum is
+    taken in the data's dtype (``zero``) over the span, then returned in float64: in
+    float64 lanes it cost GroupNorm's backward ~8% (one more conversion a value), and
+    what it corrects is small (xhat's centre moves by the mean's rounding): float32 dx
+    at offsets of 1e3 to 3e6 times the spread came out within 1.2e-7 of the float64 one,
+    as the reference's (1e-4 at 1e5 before)."""
     s = 0.0
     sx = 0.0
     sc = zero
@@ -291,17 +284,47 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _batch_dx_coefs(rs, wc, sd, sdx, M, s):  # type: ignore[no-untyped-def]
+def _far_from_zero(m, r):  # type: ignore[no-untyped-def]
+    """Whether a channel with mean m and rstd r has its xhat centred again in BatchNorm's
+    backward (``_batch_dx_coefs``): its mean more than RECENTRE_ABOVE standard deviations
+    from 0, as the "numpy" family decides it. Nearer to 0 the mean's rounding moves xhat
+    by under two roundings of the dtype, and its sum costs the backward of one value per
+    channel and sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``)."""
+    return abs(np.float64(m)) * abs(np.float64(r)) > RECENTRE_ABOVE
+
+
+@_loop
+def _any_far(m, r):  # type: ignore[no-untyped-def]
+    """Whether some channel of ``m``, ``r`` (k,) is ``_far_from_zero``."""
+    for j in range(m.shape[0]):
+        if _far_from_zero(m[j], r[j]):
+            return True
+    return False
+
+
+@_loop
+def _batch_dx_coefs(m, rs, wc, sd, sdx, sxc, M, s):  # type: ignore[no-untyped-def]
     """BatchNorm's ``dx = a*(dy - mean(dy)) + k1*xhat`` over a channel of M values, from
-    its float64 rstd ``rs``, weight ``wc``, ``sd = sum(dy)`` and ``sdx = sum(dy*(x -
-    mean))``: ``(a, k1, d_hi, d_lo)`` in the data's dtype (through ``s[0:4]``),
-    ``a = rstd*w``, ``k1 = -rstd*w*mean(dy*xhat)`` and ``mean(dy)`` split as by
-    ``_split`` (k1 and the mean: batch statistics only). dy is centred before it is
-    scaled, as PyTorch's kernel does: as ``a*dy - a*mean(dy)``, a common part of dy (1e3
-    over a spread of 1) left ``a*dy``'s rounding in dx, 2-3 times PyTorch's error."""
+    its float64 rstd ``rs``, weight ``wc``, ``sd = sum(dy)``, ``sdx = sum(dy*(x -
+    mean))`` and ``sxc = sum(x - mean)``: ``(a, k1, d_hi, d_lo)`` in the data's dtype
+    (through ``s[0:4]``), ``a = rstd*w``, ``k1 = -rstd*w*mean(dy*xhat)`` and ``mean(dy)``
+    split as by ``_split`` (k1 and the mean: batch statistics only). dy is centred before
+    it is scaled, as PyTorch's kernel does: as ``a*dy - a*mean(dy)``, a common part of dy
+    (1e3 over a spread of 1) left ``a*dy``'s rounding in dx, 2-3 times PyTorch's error.
+    xhat is centred again first, as in ``_row_dx_coefs``: its mean ``e = rs*sxc/M`` (the
+    saved mean's rounding) comes out of ``mean(dy*xhat)``, and ``a*k*e`` moves into the
+    mean of dy (``d - k*e``, ``k = mean(dy*(xhat - e))``); only for a channel whose mean
+    ``m`` is ``_far_from_zero`` (elsewhere ``sxc`` is not read, and may be anything), and
+    not where a sum is not finite."""
     s[0] = rs * wc
-    s[1] = -rs * wc * (sdx * rs / M)
     d = sd / M
+    if _far_from_zero(m, rs) and np.isfinite(sd) and np.isfinite(sdx) and np.isfinite(sxc):
+        e = rs * (sxc / M)
+        k = (sdx * rs - e * sd) / M
+        s[1] = -rs * wc * k
+        d = d - k * e
+    else:
+        s[1] = -rs * wc * (sdx * rs / M)
     s[2] = d
     s[3] = d - s[2] if np.isfinite(d) else 0.0  # (an inf in dy: inf, and no NaN from inf - inf)
     return s[0], s[1], s[2], s[3]
@@ -756,7 +779,7 @@ def channel_forward_pipelined(x, w, b, eps, training, mean, var, rstd, y, c0, c1
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``db`` and, times rstd, ``dw``), then with ``training`` (batch statistics)
+    into ``db`` and, times rstd, ``dw``) and ``sum(x - mean)``, then with ``training`` (batch statistics)
     ``dx = a*(dy - mean(dy)) + k1*xhat`` with ``a = rstd*w``, ``xhat = (x - mean)*rstd``,
     ``k1 = -rstd*w*mean(dy*xhat)`` (over the M = N*S values; ``_batch_dx_coefs``), else
     (running statistics) ``dx = a*dy`` alone. Pipelined as the rows above: writing
@@ -766,9 +789,10 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
     s = np.empty(4, dtype=dx.dtype)
     s[0] = 0.0
     zero = s[0]  # 0 in the data's dtype
+    px = np.zeros(1, dtype=dx.dtype)  # a span's sum(x - mean), in the data's dtype (see SPAN)
     if c1 <= c0:
         return
-    sd = sdx = 0.0  # channel c's sum(dy), sum(dy*(x - mean))
+    sd = sdx = sxc = 0.0  # channel c's sum(dy), sum(dy*(x - mean)), sum(x - mean)
     for c in range(c0 - 1, c1):
         write, add, ch, n1 = _one_ahead(c, c0, c1)
         m = mean[ch]
@@ -777,18 +801,19 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         if write:
             db[c] = sd
             dw[c] = sdx * rs
-        a, k1, d_hi, d_lo = _batch_dx_coefs(rs, wc, sd, sdx, M, s)
+        a, k1, d_hi, d_lo = _batch_dx_coefs(m, rs, wc, sd, sdx, sxc, M, s)
         rc = rstd[ch]
-        sd = sdx = 0.0
-        pd = pdx = 0.0  # the same over this span of samples
+        sd = sdx = sxc = 0.0
+        pd = pdx = 0.0  # the same over this span of samples (and px[0])
         for n in range(N):
             xr, dyr, dxr, x1, dy1 = x[n, ch], dy[n, ch], dx[n, ch], x[n, n1], dy[n, n1]
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
                 if add:
-                    u, v = _sums_dy_scalar_w(dy1, x1, lo, hi, mean[n1], zero)
+                    u, v, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n1], zero)
                     pd += u
                     pdx += v
+                    px[0] += t
                 if write:
                     if training:
                         _batch_dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, d_hi, d_lo)
@@ -797,7 +822,9 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
             if (n + 1) % SPAN == 0 or n + 1 == N:  # the span's sums into the totals
                 sd += pd
                 sdx += pdx
+                sxc += px[0]
                 pd = pdx = 0.0
+                px[0] = 0.0
 
 
 # Channels of short rows (S < CHUNK values per sample; BatchNorm1d's (N, C) input has S =
@@ -850,29 +877,24 @@ def _across_affine(x, y, lo, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def
 
 
 @_loop
-def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx):  # type: ignore[no-untyped-def]
-    """``sd += dy``, ``sdx += dy*(x - m)`` on ``[n, lo:lo + len(sd)]`` for every row n in
-    ``[n0, n1)`` (``_sums_dy_scalar_w``'s, per channel)."""
+def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx, sxc, centre):  # type: ignore[no-untyped-def]
+    """``sd += dy``, ``sdx += dy*(x - m)`` and, with ``centre``, ``sxc += x - m`` on ``[n,
+    lo:lo + len(sd)]`` for every row n in ``[n0, n1)`` (``_sums_dy_dev``'s, per channel;
+    ``sxc`` a span's, in the data's dtype)."""
     base = uint64(lo)
     for n in range(n0, n1):
-        for j in range(uint64(0), uint64(sd.shape[0])):
-            d = dy[n, base + j]
-            sd[j] += d
-            sdx[j] += d * (x[n, base + j] - m[j])
-
-
-@_loop
-def _across_sums_dy_dev(dy, x, n0, n1, m, sd, sdx, sxc):  # type: ignore[no-untyped-def]
-    """``_across_sums_dy`` on ``[n, 0:len(sd)]`` and ``sxc += x - m`` (``sxc`` in the
-    data's dtype, as ``_sums_dy_dev``'s: GroupNorm's and InstanceNorm's channels-last
-    backward)."""
-    for n in range(n0, n1):
-        for j in range(uint64(0), uint64(sd.shape[0])):
-            d = dy[n, j]
-            xc = x[n, j] - m[j]
-            sd[j] += d
-            sdx[j] += d * xc
-            sxc[j] += xc
+        if centre:
+            for j in range(uint64(0), uint64(sd.shape[0])):
+                d = dy[n, base + j]
+                xc = x[n, base + j] - m[j]
+                sd[j] += d
+                sdx[j] += d * xc
+                sxc[j] += xc
+        else:
+            for j in range(uint64(0), uint64(sd.shape[0])):
+                d = dy[n, base + j]
+                sd[j] += d
+                sdx[j] += d * (x[n, base + j] - m[j])
 
 
 @_loop
@@ -915,13 +937,16 @@ def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _span_dy_sums(dy, x, n0, n1, lo, S, m, sd, sdx):  # type: ignore[no-untyped-def]
-    """``sd``, ``sdx`` (float64 (k,)) = each channel's ``sum(dy)``, ``sum(dy*(x - m))``
-    over samples ``[n0, n1)``, the block of k channels beginning at ``lo``."""
+def _span_dy_sums(dy, x, n0, n1, lo, S, m, r, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+    """``sd``, ``sdx`` (float64 (k,)) and ``sxc`` (the data's dtype) = each channel's
+    ``sum(dy)``, ``sum(dy*(x - m))``, ``sum(x - m)`` over samples ``[n0, n1)``, the block
+    of k channels beginning at ``lo`` (their rstd ``r``: one value per channel and sample
+    takes ``sxc`` only where some channel is ``_far_from_zero``, 0 elsewhere)."""
     sd.fill(0.0)
     sdx.fill(0.0)
+    sxc.fill(0.0)
     if S == 1:
-        _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx)
+        _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx, sxc, _any_far(m, r))
         return
     s = np.empty(1, dtype=x.dtype)
     s[0] = 0.0
@@ -929,15 +954,16 @@ def _span_dy_sums(dy, x, n0, n1, lo, S, m, sd, sdx):  # type: ignore[no-untyped-
     for n in range(n0, n1):
         xr, dyr = x[n], dy[n]
         for j in range(sd.shape[0]):
-            u, v = _sums_dy_scalar_w(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
+            u, v, t = _sums_dy_dev(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
             sd[j] += u
             sdx[j] += v
+            sxc[j] += t
 
 
 @_loop
 def add_spans(parts, t):  # type: ignore[no-untyped-def]
-    """``t`` (float64 (C,)) = the sum of the spans' sums ``parts`` (float64 (spans, C)),
-    added in order (as the channel loops add them)."""
+    """``t`` (float64 (C,)) = the sum of the spans' sums ``parts`` ((spans, C), float64 or,
+    for sum(x - mean), the data's dtype), added in order (as the channel loops add them)."""
     t.fill(0.0)
     for k in range(parts.shape[0]):
         for j in range(t.shape[0]):
@@ -955,12 +981,13 @@ def channel_span_sums(x, S, dev, m, parts, k0, k1):  # type: ignore[no-untyped-d
 
 
 @_loop
-def channel_span_dy_sums(dy, x, S, m, sd, sdx, k0, k1):  # type: ignore[no-untyped-def]
-    """Spans ``[k0, k1)`` of SPAN samples of dy, x (N,C*S): ``sd[k]``, ``sdx[k]`` = every
-    channel's ``sum(dy)`` and ``sum(dy*(x - m))`` over span k (m (C,) the data's dtype)."""
+def channel_span_dy_sums(dy, x, S, m, r, sd, sdx, sxc, k0, k1):  # type: ignore[no-untyped-def]
+    """Spans ``[k0, k1)`` of SPAN samples of dy, x (N,C*S): ``sd[k]``, ``sdx[k]``,
+    ``sxc[k]`` = every channel's ``sum(dy)``, ``sum(dy*(x - m))`` and ``sum(x - m)`` over
+    span k (m, r (C,) the data's dtype; ``_span_dy_sums``)."""
     N = x.shape[0]
     for k in range(k0, k1):
-        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, sd[k], sdx[k])
+        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, r, sd[k], sdx[k], sxc[k])
 
 
 @_loop
@@ -1032,16 +1059,17 @@ def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, dhv, dlv):  # type: ig
 
 
 @_loop
-def channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, dhv, dlv):  # type: ignore[no-untyped-def]
+def channel_grads(m, r, w, sd, sdx, sxc, M, dw, db, av, k1v, dhv, dlv):  # type: ignore[no-untyped-def]
     """dweight, dbias (float64) and dx's coefficients (``_batch_dx_coefs``, in ``av``'s
-    dtype) of channels whose rstd ``r``, weight ``w`` and sums over their M values ``sd``,
-    ``sdx`` are given (all (k,))."""
+    dtype) of channels whose mean ``m``, rstd ``r``, weight ``w`` and sums over their M
+    values ``sd``, ``sdx``, ``sxc`` are given (all (k,))."""
     s = np.empty(4, dtype=av.dtype)
     for j in range(av.shape[0]):
         rs = np.float64(r[j])
         db[j] = sd[j]
         dw[j] = sdx[j] * rs
-        av[j], k1v[j], dhv[j], dlv[j] = _batch_dx_coefs(rs, np.float64(w[j]), sd[j], sdx[j], M, s)
+        wc = np.float64(w[j])
+        av[j], k1v[j], dhv[j], dlv[j] = _batch_dx_coefs(m[j], rs, wc, sd[j], sdx[j], sxc[j], M, s)
 
 
 @_loop
@@ -1050,10 +1078,12 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
     channels (see above)."""
     N, S = x.shape[0], x.shape[1] // mean.shape[0]
     nb = max(0, min(B, c1 - c0))
-    sd = np.empty(nb)  # the block's sum(dy), sum(dy*(x - mean)) (float64), and one span's
-    sdx = np.empty(nb)
+    sd = np.empty(nb)  # the block's sum(dy), sum(dy*(x - mean)), sum(x - mean) (float64),
+    sdx = np.empty(nb)  # and one span's (sum(x - mean): in the data's dtype, see SPAN)
+    sxc = np.empty(nb)
     pd = np.empty(nb)
     pdx = np.empty(nb)
+    pxc = np.empty(nb, dtype=dx.dtype)
     av = np.empty(nb, dtype=dx.dtype)  # a, k1 and mean(dy) split, per channel
     k1v = np.empty(nb, dtype=dx.dtype)
     dhv = np.empty(nb, dtype=dx.dtype)
@@ -1064,12 +1094,15 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
         m, r = mean[a:e], rstd[a:e]
         sd.fill(0.0)
         sdx.fill(0.0)
+        sxc.fill(0.0)
         for n0 in range(0, N, SPAN):
-            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, pd[:k], pdx[:k])
+            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, r, pd[:k], pdx[:k], pxc[:k])
             for j in range(k):
                 sd[j] += pd[j]
                 sdx[j] += pdx[j]
-        channel_grads(r, w[a:e], sd[:k], sdx[:k], N * S, dw[a:e], db[a:e], av[:k], k1v[:k], dhv[:k], dlv[:k])
+                sxc[j] += pxc[j]
+        sums = (sd[:k], sdx[:k], sxc[:k])
+        channel_grads(m, r, w[a:e], *sums, N * S, dw[a:e], db[a:e], av[:k], k1v[:k], dhv[:k], dlv[:k])
         channel_dx(dy, x, dx, lo, S, training, av[:k], k1v[:k], m, r, dhv[:k], dlv[:k])
 
 
@@ -1336,7 +1369,7 @@ def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, pxc, sd, sdx, sxc):  # type: igno
         pd.fill(0.0)
         pdx.fill(0.0)
         pxc.fill(0.0)
-        _across_sums_dy_dev(dyn, xn, r0, min(xn.shape[0], r0 + rows), m, pd, pdx, pxc)
+        _across_sums_dy(dyn, xn, r0, min(xn.shape[0], r0 + rows), 0, m, pd, pdx, pxc, True)
         _add_into(sd, pd)
         _add_into(sdx, pdx)
         _add_into(sxc, pxc)
@@ -1545,7 +1578,7 @@ def group_rows_dy_partials(dy, x, rows, m, pd, pdx, pxc, u0, u1):  # type: ignor
         pd[u].fill(0.0)
         pdx[u].fill(0.0)
         pxc[u].fill(0.0)
-        _across_sums_dy_dev(dy[n], x[n], r0, r1, m[n], pd[u], pdx[u], pxc[u])
+        _across_sums_dy(dy[n], x[n], r0, r1, 0, m[n], pd[u], pdx[u], pxc[u], True)
 
 
 @_loop

@@ -206,7 +206,8 @@ def _moments_of_spans(
 
 
 def _span_grads(
-    sums: tuple[np.ndarray, np.ndarray],
+    sums: tuple[np.ndarray, np.ndarray, np.ndarray],
+    m: np.ndarray,
     r: np.ndarray,
     w: np.ndarray,
     M: int,
@@ -214,15 +215,16 @@ def _span_grads(
     db: np.ndarray,
     ct: np.dtype[Any],
 ) -> tuple[np.ndarray, ...]:
-    """From the spans' ``sum(dy)``, ``sum(dy*(x - mean))`` (float64 (spans, C) each, added
-    in span order): dweight and dbias (into ``dw``, ``db``) and dx's coefficients per
-    channel ``(a, k1, d_hi, d_lo)`` in ``ct`` (``loops.channel_grads``; M values per channel)."""
+    """From the spans' ``sum(dy)``, ``sum(dy*(x - mean))`` (float64), ``sum(x - mean)``
+    (the data's dtype) ((spans, C) each, added in span order): dweight and dbias (into
+    ``dw``, ``db``) and dx's coefficients per channel ``(a, k1, d_hi, d_lo)`` in ``ct``
+    (``loops.channel_grads``; M values per channel)."""
     C = r.shape[0]
-    sd, sdx = np.empty(C), np.empty(C)  # C float64
-    loops.add_spans(sums[0], sd)
-    loops.add_spans(sums[1], sdx)
+    totals = np.empty(C), np.empty(C), np.empty(C)  # C float64 each
+    for part, total in zip(sums, totals, strict=True):
+        loops.add_spans(part, total)
     av, k1v, dhv, dlv = (np.empty(C, dtype=ct) for _ in range(4))  # C each
-    loops.channel_grads(r, w, sd, sdx, M, dw, db, av, k1v, dhv, dlv)
+    loops.channel_grads(m, r, w, *totals, M, dw, db, av, k1v, dhv, dlv)
     return av, k1v, dhv, dlv
 
 
@@ -242,9 +244,11 @@ def _span_backward(
     """BatchNorm's backward on dy, x, dx (N, C*S), the threads taking the spans of samples
     of ``parts`` for the sums, then their samples for dx (see _numba_loops)."""
     N, C = x.shape[0], m.shape[0]
-    sums = np.empty((parts[-1][1], C)), np.empty((parts[-1][1], C))  # spans,C: sum(dy), sum(dy*(x - mean))
-    run(partial(loops.channel_span_dy_sums, dy, x, S, m, *sums), parts)
-    av, k1v, dhv, dlv = _span_grads(sums, r, w, N * S, dw, db, dx.dtype)
+    # spans,C each: sum(dy), sum(dy*(x - mean)) (float64), sum(x - mean) (dx's dtype, see loops.SPAN)
+    K = parts[-1][1]
+    sums = np.empty((K, C)), np.empty((K, C)), np.empty((K, C), dtype=dx.dtype)
+    run(partial(loops.channel_span_dy_sums, dy, x, S, m, r, *sums), parts)
+    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, N * S, dw, db, dx.dtype)
 
     def samples(r0: int, r1: int) -> None:
         loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, dhv, dlv)
@@ -435,13 +439,13 @@ def _staged_row_backward(
     """``_span_backward`` of dy, x into dx (M, C), C-ordered, staged by blocks of rows."""
     M, C = int(x.shape[0]), int(x.shape[1])
     count = -(-M // loops.SPAN)
-    sums = np.empty((count, C)), np.empty((count, C))  # spans,C: sum(dy), sum(dy*(x - mean))
+    sums = np.empty((count, C)), np.empty((count, C)), np.empty((count, C), dtype=ct)  # as _span_backward's
 
     def span_sums(k: int, n: int, blocks: list[np.ndarray]) -> None:
-        loops.channel_span_dy_sums(blocks[0], blocks[1], 1, m, sums[0][k : k + n], sums[1][k : k + n], 0, n)
+        loops.channel_span_dy_sums(blocks[0], blocks[1], 1, m, r, *(t[k : k + n] for t in sums), 0, n)
 
     _staged_spans([dy, x], ct, span_sums)
-    av, k1v, dhv, dlv = _span_grads(sums, r, w, M, dw, db, ct)
+    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, M, dw, db, ct)
 
     def rows_dx(a: int, e: int, blocks: list[np.ndarray]) -> None:
         dyb, xb, dxb = blocks if training else (blocks[0], blocks[0], blocks[1])  # (eval: dx = a*dy)

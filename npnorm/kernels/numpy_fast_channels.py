@@ -315,9 +315,12 @@ def _grad_sums_sweep(
     need_dot: bool,
     dx: np.ndarray | None = None,
     a_coef: _Ring | None = None,
+    *,
+    xc_sums: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per row (N*C rows of S values): ``sum(dy)`` and, if ``need_dot``,
-    ``sum(dy * (x - center_c))``; (R,) arrays.
+    ``sum(dy * (x - center_c))``; (R,) arrays. With ``xc_sums`` (R,) (and ``need_dot``),
+    also ``sum(x - center_c)`` into it (``_batch_dx_coefficients`` centres xhat again).
 
     With ``dx`` and ``a_coef``, the same sweep writes ``dx = a_c * dy`` (the backward
     with running statistics).
@@ -343,6 +346,8 @@ def _grad_sums_sweep(
                 assert xcbuf is not None
                 xs = np.subtract(rows_x.read(a, e, xbuf), center.col(a, n), out=xcbuf[:n])  # n,S  x - mean
                 rowdot(dyb, xs, out=sdx[a:e])  # n
+                if xc_sums is not None:
+                    rowsum(xs, ones, out=xc_sums[a:e])  # n  sum(x - mean)
             if dx2 is not None and a_coef is not None:
                 out = dx2[a:e] if obuf is None else obuf[:n]  # n,S
                 np.multiply(dyb, a_coef.col(a, n), out=out)  # n,S
@@ -436,6 +441,8 @@ def _batch_dx_coefficients(
     sum_dyxc: np.ndarray,
     count: float,
     fold: bool,
+    *,
+    sum_xc: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray, np.ndarray, np.ndarray]:
     """BatchNorm's training ``dx = a*(dy - d) + b*(x - mean)`` from the (C,) sums of
     ``dy`` and ``dy*(x - mean)`` over ``count`` values per channel: ``(center, a, b, d)``
@@ -445,14 +452,22 @@ def _batch_dx_coefficients(
     kernel does (as ``a*dy + c``, a common part of dy of 1e3 over a spread of 1 left
     ``a*dy``'s rounding in dx: 3-6 times PyTorch's error). With ``fold`` the mean moves
     into ``d`` and the sweep reads ``x`` itself (``center`` None): ``b*(x - mean) = b*x -
-    a*(b*mean/a)``. Raises ``CoefficientOverflow`` (before any write) where ``b`` is
-    beyond ``ct``'s range, or where a sum is not finite."""
-    _require_finite(sum_dy, sum_dyxc)
+    a*(b*mean/a)``. With ``sum_xc`` (C,), the sum of ``x - mean``, xhat is centred again
+    first, as the reference's ``standardize_backward`` does: the saved mean is rounded to
+    ``ct``, so ``x - mean`` has a mean ``xi``, which comes out of the sum of ``dy*(x -
+    mean)`` (``- xi*sum(dy)``), and ``b*xi`` moves into ``d``. Raises
+    ``CoefficientOverflow`` (before any write) where ``b`` is beyond ``ct``'s range, or
+    where a sum is not finite."""
+    _require_finite(sum_dy, sum_dyxc, *(() if sum_xc is None else (sum_xc,)))
     a_coef = r if w is None else r * w  # C
     wv = 1.0 if w is None else w.astype(np.float64)
     r64 = r.astype(np.float64)  # C
-    b64 = -r64 * (r64 * (wv * sum_dyxc) / count) * r64  # C  (r*sum is O(1): no r^3 underflow)
     d64 = sum_dy / count  # C: mean(dy)
+    if sum_xc is not None:
+        xi = sum_xc / count  # C: mean(x - mean), what the mean's rounding left
+        sum_dyxc = sum_dyxc - xi * sum_dy  # C: sum(dy*(x - mean - xi))
+        d64 = d64 - (r64 * sum_dyxc / count) * (r64 * xi)  # C: mean(dy*xhat) times xhat's mean
+    b64 = -r64 * (r64 * (wv * sum_dyxc) / count) * r64  # C  (r*sum is O(1): no r^3 underflow)
     if fold:
         a64 = r64 * wv  # C
         safe = np.where(a64 == 0, 1.0, a64)  # a = 0: dx = b*(x - mean) with b = 0 too
@@ -498,9 +513,11 @@ def _channel_backward(
             (out, out2) if out is not None and out2 is not None else columns.new_like(input, input.dtype)
         )
         if batch_stats:
-            sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot)  # C, C float64
+            fold = _foldable(m, r)  # (else: a large offset, and xhat is centred again)
+            sum_xc = None if fold else np.empty(C)  # C float64: sum(x - mean)
+            sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot, xc_sums=sum_xc)  # C, C float64
             assert sum_dyxc is not None
-            coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, _foldable(m, r))
+            coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, sum_xc=sum_xc)
             columns.batch_dx(dy2, x2, dx2, ct, *coefs)
         else:  # dx = rstd*w*dy, written by the sums sweep
             sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot, dx2, r if w is None else r * w)
@@ -510,8 +527,10 @@ def _channel_backward(
     B = block_rows(rows_x.R, S, ct.itemsize)
     center = _Ring(m, B)  # the sums take dy*(x - mean) (see the module's docstring)
     dx = output(out, input.shape, input.dtype, (rows_x.R, S), (input, grad_output), contiguous=True)
+    fold = not batch_stats or _foldable(m, r)  # (else: a large offset, and xhat is centred again)
+    xc_rows = None if fold else np.empty(rows_x.R, dtype=ct)  # R  sum(x - mean)
     if batch_stats:
-        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot)
+        sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, xc_sums=xc_rows)
     else:  # dx = rstd*w*dy, written by the sums sweep
         dx_coef = _Ring(r if w is None else r * w, B)  # C
         sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
@@ -521,8 +540,11 @@ def _channel_backward(
     )
     if batch_stats:
         assert sum_dyxc is not None
-        fold = _foldable(m, r)  # dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
-        coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold)
+        sum_xc = (  # C: sum(x - mean)
+            None if xc_rows is None else np.add.reduce(np.reshape(xc_rows, (N, C)), axis=0, dtype=np.float64)
+        )
+        # with fold, dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
+        coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, sum_xc=sum_xc)
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, coefs, B)
     return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
 

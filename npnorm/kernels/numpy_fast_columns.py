@@ -376,16 +376,20 @@ def grad_sums(
     need_dot: bool,
     dx: np.ndarray | None = None,
     a_coef: np.ndarray | None = None,
+    *,
+    xc_sums: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Per column of dy, x (M, C): ``sum(dy)`` and, if ``need_dot``, ``sum(dy*(x -
     center))``, in float64 (``_colsum``), added over the blocks in block order ((C,)
-    each). With ``dx`` and ``a_coef``, the same sweep writes ``dx = a_coef*dy`` (the
-    backward with running statistics)."""
+    each); with ``xc_sums`` (C,) (and ``need_dot``), also ``sum(x - center)`` into it. With
+    ``dx`` and ``a_coef``, the same sweep writes ``dx = a_coef*dy`` (the backward with
+    running statistics)."""
     M, C = int(x.shape[0]), int(x.shape[1])
     B, P = geometry(M, C, ct)
     nb = -(-M // B)
     sdy = np.empty((nb, C))  # blocks,C float64
     sdx = np.empty((nb, C)) if need_dot else None  # blocks,C float64
+    sxc = np.empty((nb, C)) if need_dot and xc_sums is not None else None  # blocks,C float64
     r = _block_repeat(B, M, C)
     center_c, a_c = _columns(r, center if need_dot else None, a_coef if dx is not None else None)
 
@@ -403,6 +407,8 @@ def grad_sums(
                 assert tbuf is not None and center_c is not None
                 xb = _read(x, a, e, c0, c1, xbuf)  # n,p
                 t = np.subtract(xb, center_c.on(n, c0, c1), out=tbuf.take(n, c1 - c0))  # n,p  x - mean
+                if sxc is not None:
+                    sxc[i, c0:c1] = _colsum(t, ones)  # p  sum(x - mean)
                 sdx[i, c0:c1] = _colsum(np.multiply(t, dyb, out=t), ones)  # p
             if dx is not None and a_c is not None:
                 out = _target(dx, a, e, c0, c1, obuf)  # n,p
@@ -410,6 +416,8 @@ def grad_sums(
                 _written(dx, a, e, c0, c1, out, obuf)
 
     run_chunks(work, M, B, P)
+    if sxc is not None and xc_sums is not None:
+        np.add.reduce(sxc, axis=0, out=xc_sums)  # C
     return np.add.reduce(sdy, axis=0), None if sdx is None else np.add.reduce(sdx, axis=0)  # C, C
 
 
