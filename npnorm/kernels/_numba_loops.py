@@ -287,7 +287,8 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 def _far_from_zero(m, r):  # type: ignore[no-untyped-def]
     """Whether a channel with mean m and rstd r has its xhat centred again in BatchNorm's
     backward (``_batch_dx_coefs``): its mean more than RECENTRE_ABOVE standard deviations
-    from 0, as the "numpy" family decides it. Nearer to 0 the mean's rounding moves xhat
+    from 0, the threshold of the "numpy" family's rules (which take it per row for
+    LayerNorm, per input for BatchNorm). Nearer to 0 the mean's rounding moves xhat
     by under two roundings of the dtype, and its sum costs the backward of one value per
     channel and sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``)."""
     return abs(np.float64(m)) * abs(np.float64(r)) > RECENTRE_ABOVE
@@ -937,16 +938,16 @@ def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _span_dy_sums(dy, x, n0, n1, lo, S, m, r, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+def _span_dy_sums(dy, x, n0, n1, lo, S, m, far, sd, sdx, sxc):  # type: ignore[no-untyped-def]
     """``sd``, ``sdx`` (float64 (k,)) and ``sxc`` (the data's dtype) = each channel's
     ``sum(dy)``, ``sum(dy*(x - m))``, ``sum(x - m)`` over samples ``[n0, n1)``, the block
-    of k channels beginning at ``lo`` (their rstd ``r``: one value per channel and sample
-    takes ``sxc`` only where some channel is ``_far_from_zero``, 0 elsewhere)."""
+    of k channels beginning at ``lo`` (one value per channel and sample takes ``sxc`` only
+    with ``far``, ``_any_far`` of the block's channels, 0 elsewhere)."""
     sd.fill(0.0)
     sdx.fill(0.0)
     sxc.fill(0.0)
     if S == 1:
-        _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx, sxc, _any_far(m, r))
+        _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx, sxc, far)
         return
     s = np.empty(1, dtype=x.dtype)
     s[0] = 0.0
@@ -986,8 +987,9 @@ def channel_span_dy_sums(dy, x, S, m, r, sd, sdx, sxc, k0, k1):  # type: ignore[
     ``sxc[k]`` = every channel's ``sum(dy)``, ``sum(dy*(x - m))`` and ``sum(x - m)`` over
     span k (m, r (C,) the data's dtype; ``_span_dy_sums``)."""
     N = x.shape[0]
+    far = _any_far(m, r)
     for k in range(k0, k1):
-        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, r, sd[k], sdx[k], sxc[k])
+        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, far, sd[k], sdx[k], sxc[k])
 
 
 @_loop
@@ -1095,8 +1097,9 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
         sd.fill(0.0)
         sdx.fill(0.0)
         sxc.fill(0.0)
+        far = _any_far(m, r)
         for n0 in range(0, N, SPAN):
-            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, r, pd[:k], pdx[:k], pxc[:k])
+            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, far, pd[:k], pdx[:k], pxc[:k])
             for j in range(k):
                 sd[j] += pd[j]
                 sdx[j] += pdx[j]

@@ -205,6 +205,12 @@ def _moments_of_spans(
         stat /= M  # C
 
 
+def _span_sum_arrays(spans: int, C: int, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The backward's per-span partial sums, (spans, C) each: ``sum(dy)`` and ``sum(dy*(x -
+    mean))`` in float64, ``sum(x - mean)`` in the data's dtype ``ct`` (see loops.SPAN)."""
+    return np.empty((spans, C)), np.empty((spans, C)), np.empty((spans, C), dtype=ct)
+
+
 def _span_grads(
     sums: tuple[np.ndarray, np.ndarray, np.ndarray],
     m: np.ndarray,
@@ -244,9 +250,7 @@ def _span_backward(
     """BatchNorm's backward on dy, x, dx (N, C*S), the threads taking the spans of samples
     of ``parts`` for the sums, then their samples for dx (see _numba_loops)."""
     N, C = x.shape[0], m.shape[0]
-    # spans,C each: sum(dy), sum(dy*(x - mean)) (float64), sum(x - mean) (dx's dtype, see loops.SPAN)
-    K = parts[-1][1]
-    sums = np.empty((K, C)), np.empty((K, C)), np.empty((K, C), dtype=dx.dtype)
+    sums = _span_sum_arrays(parts[-1][1], C, dx.dtype)
     run(partial(loops.channel_span_dy_sums, dy, x, S, m, r, *sums), parts)
     av, k1v, dhv, dlv = _span_grads(sums, m, r, w, N * S, dw, db, dx.dtype)
 
@@ -439,7 +443,7 @@ def _staged_row_backward(
     """``_span_backward`` of dy, x into dx (M, C), C-ordered, staged by blocks of rows."""
     M, C = int(x.shape[0]), int(x.shape[1])
     count = -(-M // loops.SPAN)
-    sums = np.empty((count, C)), np.empty((count, C)), np.empty((count, C), dtype=ct)  # as _span_backward's
+    sums = _span_sum_arrays(count, C, ct)
 
     def span_sums(k: int, n: int, blocks: list[np.ndarray]) -> None:
         loops.channel_span_dy_sums(blocks[0], blocks[1], 1, m, r, *(t[k : k + n] for t in sums), 0, n)

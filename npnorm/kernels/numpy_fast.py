@@ -183,7 +183,6 @@ def _centre_again(
     d = rowsum(xc, ones, out=sx).astype(np.float64) / xc.shape[1]  # n  mean(xc)
     k64, mg64 = k.astype(np.float64), mg.astype(np.float64)  # n  n
     rows &= np.isfinite(d) & np.isfinite(k64) & np.isfinite(mg64)
-    d[~rows] = 0.0
     k64[rows] -= r64[rows] ** 2 * d[rows] * mg64[rows]  # rstd * mean(g * xhat), centred
     mg64[rows] -= k64[rows] * d[rows]  # mean(g) - k*d
     k[rows], mg[rows] = k64[rows], mg64[rows]
