@@ -172,12 +172,13 @@ def _sums_dy(dy, x, w, lo, hi, m):  # type: ignore[no-untyped-def]
 def _sums_dy_dev(dy, x, lo, hi, m, zero):  # type: ignore[no-untyped-def]
     """``(sum(dy), sum(dy * (x - m)), sum(x - m))`` over ``[lo, hi)`` of a channel row, m
     in the data's dtype (the backwards of BatchNorm, GroupNorm and InstanceNorm; the last
-    sum centres xhat again: ``_batch_dx_coefs``, ``_row_dx_coefs``). That last sum is
-    taken in the data's dtype (``zero``) over the span, then returned in float64: in
-    float64 lanes it cost GroupNorm's backward ~8% (one more conversion a value), and
-    what it corrects is small (xhat's centre moves by the mean's rounding): float32 dx
-    at offsets of 1e3 to 3e6 times the spread came out within 1.2e-7 of the float64 one,
-    as the reference's (1e-4 at 1e5 before)."""
+    sum centres xhat again: ``_batch_dx_coefs``, ``_row_dx_coefs``), returned in float64.
+    That last sum is accumulated in the dtype of ``zero``: float64 for GroupNorm and
+    InstanceNorm, whose C-ordered and channels-last loops add in different orders (in
+    float32 their results differed, where the float64 sums of a few float32 terms are
+    exact, and float16 data, staged, no longer came out as float32's rounded once); the
+    data's dtype for BatchNorm, whose loops all add in one order and whose float64 spans
+    cost BatchNorm1d's backward 12-29% (see SPAN)."""
     s = 0.0
     sx = 0.0
     sc = zero
@@ -881,7 +882,7 @@ def _across_affine(x, y, lo, m_hi, m_lo, sc, bc):  # type: ignore[no-untyped-def
 def _across_sums_dy(dy, x, n0, n1, lo, m, sd, sdx, sxc, centre):  # type: ignore[no-untyped-def]
     """``sd += dy``, ``sdx += dy*(x - m)`` and, with ``centre``, ``sxc += x - m`` on ``[n,
     lo:lo + len(sd)]`` for every row n in ``[n0, n1)`` (``_sums_dy_dev``'s, per channel;
-    ``sxc`` a span's, in the data's dtype)."""
+    ``sxc`` a span's: BatchNorm's in the data's dtype, GroupNorm's float64)."""
     base = uint64(lo)
     for n in range(n0, n1):
         if centre:
@@ -1204,8 +1205,6 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     S = L // k
     G = w.shape[0] // k
     s = np.empty(3, dtype=dx.dtype)
-    s[0] = 0.0
-    zero = s[0]  # 0 in the data's dtype
     if r1 <= r0:
         return
     sx = 0.0  # row r's sum(x - mean)
@@ -1233,7 +1232,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
                 if add:
-                    p, q, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n], zero)
+                    p, q, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n], 0.0)
                     u += p
                     v += q
                     sx += t
@@ -1256,8 +1255,6 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
     S = L // k
     G = w.shape[0] // k
     s = np.empty(3, dtype=dx.dtype)
-    s[0] = 0.0
-    zero = s[0]  # 0 in the data's dtype
     for r in range(r0, r1):
         xr, dyr, dxr = x[r], dy[r], dx[r]
         m = mean[r]
@@ -1269,7 +1266,7 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
             v = 0.0
             for lo in range(i * S, (i + 1) * S, CHUNK):
                 hi = min(lo + CHUNK, (i + 1) * S)
-                p, q, t = _sums_dy_dev(dyr, xr, lo, hi, m, zero)
+                p, q, t = _sums_dy_dev(dyr, xr, lo, hi, m, 0.0)
                 sx += t
                 u += p
                 v += q
@@ -1363,8 +1360,7 @@ def _sample_sums(xn, rows, dev, m, part, t):  # type: ignore[no-untyped-def]
 @_loop
 def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, pxc, sd, sdx, sxc):  # type: ignore[no-untyped-def]
     """``sd``, ``sdx``, ``sxc`` = the column sums of dyn, of dyn*(xn - m) and of xn - m
-    (S,C), span by span (``_sample_sums``'s order; a span's sum of xn - m in the data's
-    dtype, ``pxc``)."""
+    (S,C), span by span (``_sample_sums``'s order)."""
     sd.fill(0.0)
     sdx.fill(0.0)
     sxc.fill(0.0)
@@ -1503,7 +1499,7 @@ def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, 
     sxc = np.empty(C)
     pd = np.empty(C)
     pdx = np.empty(C)
-    pxc = np.empty(C, dtype=dx.dtype)
+    pxc = np.empty(C)
     mc = np.empty(C, dtype=dx.dtype)  # the group's mean, rstd and dx's coefficients, per channel
     rcv = np.empty(C, dtype=dx.dtype)
     av = np.empty(C, dtype=dx.dtype)
@@ -1572,8 +1568,7 @@ def group_rows_affine(x, y, rows, m_hi, m_lo, sc, bc, u0, u1):  # type: ignore[n
 def group_rows_dy_partials(dy, x, rows, m, pd, pdx, pxc, u0, u1):  # type: ignore[no-untyped-def]
     """Units ``[u0, u1)`` of the spans of the samples of dy and x (n,S,C): ``pd[u]``,
     ``pdx[u]``, ``pxc[u]`` = the column sums of dy, dy*(x - m[n]) and x - m[n] (``m``
-    (n,C) in x's dtype; ``pxc`` too) over the unit's rows, as ``_sample_dy_sums`` takes
-    each span."""
+    (n,C) in x's dtype) over the unit's rows, as ``_sample_dy_sums`` takes each span."""
     S = x.shape[1]
     spans = (S + rows - 1) // rows
     for u in range(u0, u1):

@@ -1001,8 +1001,7 @@ def _group_rows_backward_split(
     into dx's coefficients, then dx. Bitwise ``group_rows_backward``'s results."""
     N, S, C = xs.shape
     mc = np.repeat(m.reshape(N, C // k), k, axis=1)  # N,C: each channel's group mean
-    pd, pdx = np.empty((N * per_sample, C)), np.empty((N * per_sample, C))  # spans,C float64
-    pxc = np.empty((N * per_sample, C), dtype=dx.dtype)  # spans,C: sum(x - mean), as dx's
+    pd, pdx, pxc = (np.empty((N * per_sample, C)) for _ in range(3))  # spans,C float64 each
     run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, pd, pdx, pxc), units)
     av, k1v, k0v, rcv = (np.empty((N, C), dtype=dx.dtype) for _ in range(4))  # N,C: dx's coefficients
     partials = (pd, pdx, pxc)
