@@ -7,6 +7,7 @@ arrays still span many blocks and several threads.
 
 from __future__ import annotations
 
+import math
 import os
 import tracemalloc
 
@@ -99,7 +100,7 @@ _settings = st.fixed_dictionaries(
         "layout": st.sampled_from(LAYOUTS),
         "dy_layout": st.sampled_from(LAYOUTS),
         "eps": st.sampled_from((None, 1e-5, 0.25)),
-        "offset": st.sampled_from((0.0, 3.0, 100.0)),
+        "offset": st.sampled_from((0.0, 3.0, 100.0, 1e4)),  # 1e4: over 1e3 x the values' spread
     }
 )
 
@@ -167,7 +168,12 @@ def check_layer_norm(p, eps=1e-5):
     xhat = (x.astype(np.float64) - rmean.reshape(*rmean.shape, *(1,) * k)) * rrstd.reshape(
         *rrstd.shape, *(1,) * k
     )
-    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xmax * rmax), "dx")
+    # Both centre the recomputed xhat again (the fast kernels on rows whose mean is more than
+    # RECENTRE_ABOVE standard deviations from 0, below which the saved mean's rounding moves
+    # xhat by under two roundings): dx's error is bounded by |xhat|, not by the offset
+    # (1 + max|x| * rstd, which let the kernels that did not centre pass at offset 1e4)
+    xhat_max = float(np.max(np.abs(xhat), initial=0.0))
+    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xhat_max), "dx")
     assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax), "dweight")
     assert_close(db, rdb, ct, col_scale(dy, k), "dbias")
 
@@ -235,6 +241,25 @@ def test_sizes_around_the_default_block(dtype, rows, layout):
         p = {**base, "w": w, "b": b}
         check_layer_norm(p)
         check_rms_norm(p)
+
+
+@pytest.mark.parametrize("norm", [[3], [7], [2, 4]])
+def test_rows_far_from_zero_are_centred_again(norm):
+    """Rows 1e5 from 0 with a spread of 4, in float32, where the saved mean's rounding
+    moves xhat by up to ~1e-3: dx within the |xhat|-bounded tolerance of the reference
+    (which centres xhat again) only if the fast backward centres again too. Every row has
+    the same spread, so that no row's rstd widens the tolerance of the others. (The drawn
+    cases reach an offset of 1e4, but rarely on rows that tell; the kernels that did not
+    centre failed this on rows of 3 to 10 values, and on longer rows, whose tolerance
+    grows with sqrt(D), passed it.)"""
+    rng = np.random.default_rng(len(norm) * 100 + norm[0])
+    z = rng.normal(size=(64, math.prod(norm)))
+    z = (z - z.mean(axis=1, keepdims=True)) / z.std(axis=1, keepdims=True)  # 64,D: mean 0, std 1
+    base = {"batch": [64], "norm": norm, "dtype": "float32", "param_dtype": None, "layout": "C"}
+    base |= {"dy_layout": "C", "eps": None, "offset": 1e5, "b": None}
+    base |= {"x": np.reshape(z * 4, (64, *norm)), "dy": rng.normal(size=(64, *norm))}
+    for w in (rng.uniform(0.5, 1.5, norm), None):
+        check_layer_norm({**base, "w": w})
 
 
 def test_public_functions_use_the_fast_kernels_for_numpy(rng):
