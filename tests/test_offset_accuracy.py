@@ -38,14 +38,23 @@ def _error(a, truth):
     return float(np.abs(np.asarray(a, dtype=np.float64) - truth).max() / np.abs(truth).max())
 
 
-def _ours_and_float64(name, seed, family):
-    """``(x, dy, y, dx, y64, dx64)``: float32 data with offset 1e3, the output and dx of
-    the kernel family ``family``, and the reference's in float64 on the same values."""
+def _channels_last(a):
+    """``a`` (N, C, H, W) with the channels-last memory layout: its values, axes and shape
+    as they were, its strides those of a C-ordered (N, H, W, C) array."""
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1)).transpose(0, 3, 1, 2)
+
+
+def _ours_and_float64(name, seed, family, channels_last=False):
+    """``(x, dy, y, dx, y64, dx64)``: float32 data with offset 1e3 (x and dy laid out
+    channels-last with ``channels_last``), the output and dx of the kernel family
+    ``family``, and the reference's in float64 on the same values."""
     shape, make = LAYERS[name]
     c, d = shape[1], shape[-1]
     rng = np.random.default_rng(seed)
     x = (rng.normal(size=shape) + 1e3).astype(np.float32)
     dy = rng.normal(size=shape).astype(np.float32)
+    if channels_last:
+        x, dy = _channels_last(x), _channels_last(dy)
     with npnorm.use_kernels("reference"):
         m64 = make(c, d, "float64")
         y64 = m64(x.astype(np.float64))
@@ -84,15 +93,20 @@ def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", ["LayerNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d"])
-def test_float32_dx_with_offset_1e3_rounds_like_float32_only(name, seed, family):
+@pytest.mark.parametrize(
+    ("name", "channels_last"),
+    [("LayerNorm", False)]
+    + [(name, last) for name in ("BatchNorm2d", "GroupNorm", "InstanceNorm2d") for last in (False, True)],
+)
+def test_float32_dx_with_offset_1e3_rounds_like_float32_only(name, channels_last, seed, family):
     """The backward recomputes xhat from the saved mean, rounded to float32 (up to 3e-5 of
     the spread off at offset 1e3), so xhat is off centre by as much; centred again, as the
     reference's ``standardize_backward`` does, dx is off the float64 one by float32
-    rounding only: 1e-7 here. (LayerNorm's "numpy" and "numba" kernels were 2e-6 off
-    before theirs did too, torch's is 2e-5; "numba"'s GroupNorm and InstanceNorm 2e-6 to
-    4e-6; BatchNorm's fast kernels 1e-6, torch's 7e-7.)"""
-    *_, dx, _, dx64 = _ours_and_float64(name, seed, family)
+    rounding only: 1e-7 here, channels-last input too, which the fast kernels take in
+    loops of their own. (LayerNorm's "numpy" and "numba" kernels were 2e-6 off before
+    theirs did too, torch's is 2e-5; "numba"'s GroupNorm and InstanceNorm 2e-6 to 4e-6;
+    BatchNorm's fast kernels 1e-6, torch's 7e-7.)"""
+    *_, dx, _, dx64 = _ours_and_float64(name, seed, family, channels_last)
     assert _error(dx, dx64) <= 3e-7, "dx: xhat centred again gives float32 rounding only"
 
 

@@ -287,11 +287,13 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 @_loop
 def _far_from_zero(m, r):  # type: ignore[no-untyped-def]
     """Whether a channel with mean m and rstd r has its xhat centred again in BatchNorm's
-    backward (``_batch_dx_coefs``): its mean more than RECENTRE_ABOVE standard deviations
-    from 0, the threshold of the "numpy" family's rules (which take it per row for
-    LayerNorm, per input for BatchNorm). Nearer to 0 the mean's rounding moves xhat
-    by under two roundings of the dtype, and its sum costs the backward of one value per
-    channel and sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``)."""
+    backward (``_batch_dx_coefs``), or a row in GroupNorm's and InstanceNorm's
+    (``_centred_sum``): its mean more than RECENTRE_ABOVE standard deviations from 0, the
+    threshold of the "numpy" family's rules (which take it per row for LayerNorm, per
+    input for BatchNorm). Nearer to 0 the mean's rounding moves xhat by under two
+    roundings of the dtype, and its sum costs the backward of one value per channel and
+    sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``), and channels-last
+    GroupNorm's 15%."""
     return abs(np.float64(m)) * abs(np.float64(r)) > RECENTRE_ABOVE
 
 
@@ -300,6 +302,27 @@ def _any_far(m, r):  # type: ignore[no-untyped-def]
     """Whether some channel of ``m``, ``r`` (k,) is ``_far_from_zero``."""
     for j in range(m.shape[0]):
         if _far_from_zero(m[j], r[j]):
+            return True
+    return False
+
+
+@_loop
+def _centred_sum(sx, m, r):  # type: ignore[no-untyped-def]
+    """A GroupNorm or InstanceNorm row's ``sum(x - mean)`` as its dx coefficients take
+    it (``_row_dx_coefs``): ``sx`` where the row is ``_far_from_zero``, else 0 (xhat not
+    centred again, as BatchNorm's channels near 0). Every loop of theirs applies it per
+    row, so that C-ordered and channels-last input get the same dx; the channels-last
+    loops skip the sum on samples with no such row (``_sample_far``), where it cost their
+    backward 15% on one thread."""
+    return sx if _far_from_zero(m, r) else 0.0
+
+
+@_loop
+def _sample_far(mean, rstd, i, G):  # type: ignore[no-untyped-def]
+    """Whether some group of the input's sample i (rows ``i*G`` to ``i*G + G - 1`` of
+    ``mean``, ``rstd``) is ``_far_from_zero``."""
+    for g in range(i * G, (i + 1) * G):
+        if _far_from_zero(mean[g], rstd[g]):
             return True
     return False
 
@@ -344,9 +367,11 @@ def _row_dx_coefs(rs, sg, sgx, sx, D, s):  # type: ignore[no-untyped-def]
     moves the centre (each representable where rstd is: no rstd^3, which underflows
     float32 for huge rows). Where a sum is not finite (an inf or NaN in dy or x) xhat is
     taken as it is, so that NaN comes only where the values make it (0*inf of a
-    correction would put it on the whole row)."""
+    correction would put it on the whole row); so it is where ``sx`` is 0, which
+    GroupNorm's and InstanceNorm's loops pass for rows near 0 (``_centred_sum``): bitwise
+    the uncentred coefficients, with no 0*inf where ``c1`` overflows."""
     s[0] = rs
-    if np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
+    if sx != 0.0 and np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
         d = rs * (sx / D)
         c1 = -rs * ((sgx * rs - d * sg) / D)
         s[1] = c1
@@ -1199,8 +1224,9 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
     weights into ``sg = sum(g)``, ``sgx = sum(g*(x - mean))`` (``g = dy*w_c``), then
     ``dx = rstd*w_c*dy + k1*xhat + k0``, ``xhat = (x - mean)*rstd``,
     ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``, xhat centred again first with the
-    row's ``sum(x - mean)`` (``_row_dx_coefs``). Pipelined (see above): writing row r's
-    dx, it takes row r + 1's sums."""
+    row's ``sum(x - mean)`` where the row is far from 0 (``_row_dx_coefs``,
+    ``_centred_sum``). Pipelined (see above): writing row r's dx, it takes row r + 1's
+    sums."""
     L = x.shape[1]
     S = L // k
     G = w.shape[0] // k
@@ -1220,7 +1246,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[row * k + i]
             sgx += wc * sdyx[row * k + i]
-        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, sx, L, s)
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, m, rs), L, s)
         rc = rstd[row]
         sx = 0.0
         for i in range(k):
@@ -1278,7 +1304,7 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[r * k + i]
             sgx += wc * sdyx[r * k + i]
-        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, sx, L, s)
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, m, rs), L, s)
         rc = rstd[r]
         for i in range(k):  # then its dx
             s[0] = rs * w[c0 + i]
@@ -1358,9 +1384,10 @@ def _sample_sums(xn, rows, dev, m, part, t):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, pxc, sd, sdx, sxc):  # type: ignore[no-untyped-def]
-    """``sd``, ``sdx``, ``sxc`` = the column sums of dyn, of dyn*(xn - m) and of xn - m
-    (S,C), span by span (``_sample_sums``'s order)."""
+def _sample_dy_sums(dyn, xn, rows, m, far, pd, pdx, pxc, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+    """``sd``, ``sdx``, ``sxc`` = the column sums of dyn, of dyn*(xn - m) and, where
+    ``far`` (``_sample_far``), of xn - m (else 0), (S,C), span by span (``_sample_sums``'s
+    order)."""
     sd.fill(0.0)
     sdx.fill(0.0)
     sxc.fill(0.0)
@@ -1368,7 +1395,7 @@ def _sample_dy_sums(dyn, xn, rows, m, pd, pdx, pxc, sd, sdx, sxc):  # type: igno
         pd.fill(0.0)
         pdx.fill(0.0)
         pxc.fill(0.0)
-        _across_sums_dy(dyn, xn, r0, min(xn.shape[0], r0 + rows), 0, m, pd, pdx, pxc, True)
+        _across_sums_dy(dyn, xn, r0, min(xn.shape[0], r0 + rows), 0, m, pd, pdx, pxc, far)
         _add_into(sd, pd)
         _add_into(sdx, pdx)
         _add_into(sxc, pxc)
@@ -1413,8 +1440,8 @@ def _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, 
     and ``sum(x - mean)`` (``sd``, ``sdx``, ``sxc``; the first two kept in ``sdy``,
     ``sdyx``): per channel dx's coefficients ``a = rstd*w_c`` and the group's ``k1 =
     -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L`` (``sg`` = sum(w*dy), ``sgx`` =
-    sum(w*dy*(x - mean)) over the group; xhat centred again first: ``_row_dx_coefs``),
-    and its rstd."""
+    sum(w*dy*(x - mean)) over the group; xhat centred again first where the group is far
+    from 0: ``_row_dx_coefs``, ``_centred_sum``), and its rstd."""
     C = sd.shape[0]
     G = C // k
     for g in range(G):
@@ -1429,7 +1456,7 @@ def _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, 
             sg += wc * sd[c]
             sgx += wc * sdx[c]
             sx += sxc[c]
-        _row_dx_coefs(rs, sg, sgx, sx, L, s)
+        _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, mean[i * G + g], rs), L, s)
         for c in range(g * k, (g + 1) * k):
             s[0] = rs * w[c]
             av[c] = s[0]
@@ -1489,8 +1516,9 @@ def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, 
     ``group_rows_forward``): each channel's ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
     span by span, into ``sdy``, ``sdyx``, the input's (N*C,)), then dx from the sample in
     cache, as ``group_backward``'s: ``dx = rstd*w_c*dy + k1*xhat + k0`` with the group's
-    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``, xhat centred again first with the
-    channels' ``sum(x - mean)`` (``_group_dx_coefficients``)."""
+    ``k1 = -rstd*(sgx*rstd)/L``, ``k0 = -rstd*sg/L``, xhat centred again first, on the
+    groups far from 0, with the channels' ``sum(x - mean)`` (``_group_dx_coefficients``;
+    the sum is taken only on samples with such a group, ``_sample_far``)."""
     S, C = x.shape[1], x.shape[2]
     L = S * k
     s = np.empty(3, dtype=dx.dtype)
@@ -1509,7 +1537,8 @@ def group_rows_backward(dy, x, mean, rstd, w, k, rows, dx, sdy, sdyx, base, n0, 
         xn, dyn, dxn = x[n], dy[n], dx[n]  # S,C each
         i = base + n  # the input's sample
         _group_mean_per_channel(mean, i, k, mc)
-        _sample_dy_sums(dyn, xn, rows, mc, pd, pdx, pxc, sd, sdx, sxc)
+        far = _sample_far(mean, rstd, i, C // k)
+        _sample_dy_sums(dyn, xn, rows, mc, far, pd, pdx, pxc, sd, sdx, sxc)
         _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, k1v, k0v, rcv, s)
         _across_group_dx(dyn, xn, dxn, av, k1v, mc, rcv, k0v)
 
@@ -1565,18 +1594,22 @@ def group_rows_affine(x, y, rows, m_hi, m_lo, sc, bc, u0, u1):  # type: ignore[n
 
 
 @_loop
-def group_rows_dy_partials(dy, x, rows, m, pd, pdx, pxc, u0, u1):  # type: ignore[no-untyped-def]
+def group_rows_dy_partials(dy, x, rows, m, mean, rstd, pd, pdx, pxc, u0, u1):  # type: ignore[no-untyped-def]
     """Units ``[u0, u1)`` of the spans of the samples of dy and x (n,S,C): ``pd[u]``,
     ``pdx[u]``, ``pxc[u]`` = the column sums of dy, dy*(x - m[n]) and x - m[n] (``m``
-    (n,C) in x's dtype) over the unit's rows, as ``_sample_dy_sums`` takes each span."""
+    (n,C) in x's dtype; the last 0 on a sample with no group far from 0, from its groups'
+    ``mean``, ``rstd`` (n*G,)) over the unit's rows, as ``_sample_dy_sums`` takes each
+    span."""
     S = x.shape[1]
+    G = mean.shape[0] // x.shape[0]
     spans = (S + rows - 1) // rows
     for u in range(u0, u1):
         n, r0, r1 = _span_of(u, spans, rows, S)
         pd[u].fill(0.0)
         pdx[u].fill(0.0)
         pxc[u].fill(0.0)
-        _across_sums_dy(dy[n], x[n], r0, r1, 0, m[n], pd[u], pdx[u], pxc[u], True)
+        far = _sample_far(mean, rstd, n, G)
+        _across_sums_dy(dy[n], x[n], r0, r1, 0, m[n], pd[u], pdx[u], pxc[u], far)
 
 
 @_loop

@@ -1002,7 +1002,7 @@ def _group_rows_backward_split(
     N, S, C = xs.shape
     mc = np.repeat(m.reshape(N, C // k), k, axis=1)  # N,C: each channel's group mean
     pd, pdx, pxc = (np.empty((N * per_sample, C)) for _ in range(3))  # spans,C float64 each
-    run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, pd, pdx, pxc), units)
+    run(partial(loops.group_rows_dy_partials, dys, xs, rows, mc, m, r, pd, pdx, pxc), units)
     av, k1v, k0v, rcv = (np.empty((N, C), dtype=dx.dtype) for _ in range(4))  # N,C: dx's coefficients
     partials = (pd, pdx, pxc)
     loops.group_rows_coefficients(*partials, per_sample, m, r, w, k, S * k, 0, sdy, sdyx, av, k1v, k0v, rcv)
