@@ -131,11 +131,12 @@ def compare(ops: tuple[str, str], args_fwd, make_bwd, ct, x, dy, w):
     # The backward recomputes xhat from the saved mean, rounded to ct (up to half an ulp of
     # |x|), which moves every xhat by that times rstd (PyTorch's too: dx 0.014 where the
     # exact dx is 0, data 4 + 0.006 * noise in float16). Both centre xhat again: the
-    # reference every statistic, the "numpy" family those whose mean is more than
-    # RECENTRE_ABOVE standard deviations from 0 (below it the rounding moves xhat by under
-    # two roundings of ct). So dx's terms, dy, mean(dy) and xhat * mean(dy * xhat), are
-    # bounded by the gradient alone, with no allowance for the offset: an allowance of
-    # sqrt(n) * eps(ct) * max|x| * rstd / REL let the loops that did not centre pass.
+    # reference every statistic, the "numpy" family's GroupNorm and InstanceNorm every row,
+    # its BatchNorm the channels whose mean is more than RECENTRE_ABOVE standard deviations
+    # from 0 (below it the rounding moves xhat by under two roundings of ct). So dx's
+    # terms, dy, mean(dy) and xhat * mean(dy * xhat), are bounded by the gradient alone,
+    # with no allowance for the offset: an allowance of sqrt(n) * eps(ct) * max|x| * rstd
+    # / REL let the loops that did not centre pass.
     scale_dx = rstd_max * w_max * float(np.max(dy64)) * 4
     assert_close(fast_b[0], ref_b[0], ct, scale_dx, "dx")
     assert_close(fast_b[1], ref_b[1], ct, dy_sum * xhat_max, "dweight")

@@ -1669,6 +1669,52 @@ def test_channels_last_samples_fewer_than_threads_are_split_over_them(
 
 
 @pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
+@pytest.mark.parametrize("N", [2, 6])
+@pytest.mark.parametrize("path", ["direct", "staged", "split"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_channels_last_centres_the_rows_c_ordered_input_centres(
+    N, path, threads, monkeypatch, restore_threads
+):
+    """GroupNorm's backward centres xhat again on the rows (groups of a sample) far from 0
+    only, and channels-last input takes ``sum(x - mean)`` only on samples with such a row
+    (``loops._sample_far``): sample 1 has only its last group at 1e3, the last samples
+    every group, the others none. Channels-last dx is bitwise C-ordered dx on the loops
+    that take a sample in place, staged (read-only input, a sample per block) and split
+    into spans over the threads. (A wrong sample index or a scan of the first group only
+    passed every other test: their samples were all near 0 or all far; staged, the index
+    put channels-last dx 1.8e-6 off, 15 roundings of float32.)"""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 32, 8, 8))
+    x[1, 24:] += 1e3  # sample 1: its last group of 8 channels far from 0
+    x[N // 2 + 1 :] += 1e3  # the last samples: every group far
+    x = x.astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    _threads.set_num_threads(threads)
+    if path == "staged":
+        monkeypatch.setattr(_staging, "STAGE_BYTES", x[0].nbytes)  # a sample per block
+    if path == "split":
+        monkeypatch.setattr(numba_channels, "SPAN_VALUES", 32 * 4)  # spans of 4 rows
+        monkeypatch.setattr(numba_channels, "SPAN_MIN_ROWS", 1)
+        monkeypatch.setattr(numba_channels, "SPLIT_SAMPLE_VALUES", 1)
+        monkeypatch.setattr(_staging, "MIN_PARALLEL", 1)
+    loop = "group_rows_dy_partials" if path == "split" else "group_rows_backward"
+    calls: list[int] = []
+    original = getattr(numba_channels.loops, loop)
+    monkeypatch.setattr(numba_channels.loops, loop, lambda *a: calls.append(1) or original(*a))
+    with npnorm.use_kernels("numba"):
+        _, mean, rstd = F.group_norm_forward(x, 4)
+        dx_c = F.group_norm_backward(dy, x, 4, mean, rstd)[0]
+        assert not calls  # (C-ordered input: the rows' loops)
+        x_last, dy_last = laid_out(x, "channels_last"), laid_out(dy, "channels_last")
+        if path == "staged":
+            x_last.flags.writeable = dy_last.flags.writeable = False
+        dx_last = F.group_norm_backward(dy_last, x_last, 4, mean, rstd)[0]
+    split_here = path == "split" and threads > N
+    assert calls if path != "split" or split_here else not calls, (path, threads)
+    np.testing.assert_array_equal(dx_last, dx_c)
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba")
 @pytest.mark.parametrize("shape", [(2, 64, 56, 56), (1, 32, 200, 100)])
 def test_channels_last_float64_group_means_within_a_few_ulp(shape):
     """The sample loops summed each channel's column down all S rows in one float64 sum:

@@ -21,8 +21,9 @@ Numerics:
   remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
   accuracy (the backwards centre with the saved mean, which is stored in the data's
   dtype, as the reference's is; the backwards then centre the recomputed xhat again, as
-  the reference's does: ``_row_dx_coefs``, ``_batch_dx_coefs``; BatchNorm's for channels
-  ``_far_from_zero`` only);
+  the reference's does: ``_row_dx_coefs``, ``_batch_dx_coefs``; BatchNorm's, GroupNorm's
+  and InstanceNorm's for the channels or rows ``_far_from_zero`` only, LayerNorm's for
+  every row);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
