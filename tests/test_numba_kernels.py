@@ -1677,8 +1677,8 @@ def test_channels_last_centres_the_rows_c_ordered_input_centres(
 ):
     """GroupNorm's backward centres xhat again on the rows (groups of a sample) far from 0
     only, and channels-last input takes ``sum(x - mean)`` only on samples with such a row
-    (``loops._sample_far``): sample 1 has only its last group at 1e3, the last samples
-    every group, the others none. Channels-last dx is bitwise C-ordered dx on the loops
+    (``loops._any_far`` of its groups): sample 1 has only its last group at 1e3, the last
+    samples every group, the others none. Channels-last dx is bitwise C-ordered dx on the loops
     that take a sample in place, staged (read-only input, a sample per block) and split
     into spans over the threads. (A wrong sample index or a scan of the first group only
     passed every other test: their samples were all near 0 or all far; staged, the index

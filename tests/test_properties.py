@@ -240,7 +240,8 @@ def test_dx_is_orthogonal_to_what_the_output_ignores(name, data):
 
 
 # The layers whose backward centres the recomputed xhat again in every kernel family, as
-# the reference does (the others: in the reference only, so far).
+# the reference does (the fast kernels on the rows or channels far from 0, where the
+# saved mean's rounding matters; the others: in the reference only, so far).
 CENTRED_IN_EVERY_FAMILY = ["LayerNorm", "BatchNorm", "InstanceNorm", "GroupNorm"]
 
 
