@@ -103,6 +103,44 @@ def test_bad_input_raises_and_changes_nothing(rng, shape, match):
     assert_state_equal(m, state, grads)
 
 
+@pytest.mark.parametrize("module_xp", ["numpy", "array_api_strict"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_module_without_arrays_runs_any_backends_input(backend, module_xp, batched, rng):
+    """README: a module that holds no arrays takes any backend's input and returns that
+    backend's arrays, backward included (the unbatched backward added the batch axis with
+    the module's namespace: a torch input into a NumPy module raised TypeError there)."""
+    pytest.importorskip(module_xp)
+    x64 = rng.normal(size=(1, 3, 5) if batched else (3, 5))
+    g64 = rng.normal(size=x64.shape)
+    m = npnorm.InstanceNorm1d(3, xp=module_xp)
+    y = m(backend.asarray(x64))
+    dx = m.backward(backend.asarray(g64))
+    assert type(y) is type(dx) is type(backend.asarray(x64))
+    ref = npnorm.InstanceNorm1d(3)
+    np.testing.assert_allclose(backend.numpy(y), ref(x64), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(backend.numpy(dx), ref.backward(g64), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_gradient_from_another_backend_is_refused_batched_or_not(rng, batched):
+    """grad_output is checked unbatched as batched: another backend's array or a list is a
+    TypeError, and the grads are unchanged (unbatched, a list raised AttributeError and an
+    array_api_strict gradient was converted to NumPy)."""
+    strict = pytest.importorskip("array_api_strict")
+    shape = (1, 3, 5) if batched else (3, 5)
+    m = npnorm.InstanceNorm1d(3, affine=True)
+    m(rng.normal(size=shape))
+    m.backward(rng.normal(size=shape))
+    state, grads = snapshot(m)
+    for bad, match in [
+        (strict.ones(shape, dtype=strict.float64), "different array backends"),
+        (np.ones(shape).tolist(), "expected an array"),
+    ]:
+        with pytest.raises(TypeError, match=match):
+            m.backward(bad)
+        assert_state_equal(m, state, grads)
+
+
 def test_one_spatial_element_fine_in_eval_with_running_stats():
     m = npnorm.InstanceNorm1d(3, track_running_stats=True).eval()
     assert m(np.ones((2, 3, 1), np.float32)).shape == (2, 3, 1)

@@ -6,6 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from .._backend import Array, copy_array
+from .._checks import float_inputs
 from ..functional.instance_norm import instance_norm_backward, instance_norm_forward
 from ._module import DEVICE_DTYPE_XP_DOC, Saved, Updates
 from .batch_norm import _NormBase
@@ -101,12 +102,15 @@ class _InstanceNorm(_NormBase):
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         x, mean, rstd, use_input_stats, unbatched, weight, bias = saved
         if unbatched:
+            # the input's backend, not the module's: a module without arrays takes any
+            # backend's input (and grad_output is checked here as the batched call checks it)
+            xp = float_inputs(grad_output, x, names=("grad_output", "input"), required=2)
             if tuple(grad_output.shape) != tuple(x.shape[1:]):
                 raise ValueError(
                     f"grad_output must have the shape of the forward's input {tuple(x.shape[1:])}, "
                     f"got {tuple(grad_output.shape)}"
                 )
-            grad_output = self.xp.expand_dims(grad_output, axis=0)
+            grad_output = xp.expand_dims(grad_output, axis=0)
         dx, dweight, dbias = instance_norm_backward(grad_output, x, mean, rstd, weight, bias, use_input_stats)
         return (dx[0, ...] if unbatched else dx), {"weight": dweight, "bias": dbias}
 
