@@ -115,6 +115,35 @@ def test_missing_counter_keeps_the_current_count_as_torch(torch, rng):
     assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 3
 
 
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("counter_none", [False, True])
+@pytest.mark.parametrize("tracking_now", [True, False])
+def test_an_old_checkpoint_gets_a_counter_where_torch_gives_one(torch, tracking_now, counter_none, strict):
+    """PyTorch fills in an old checkpoint's counter where ``track_running_stats`` is true
+    now (set after construction too), 0 where the counter was set to None, which is then an
+    unexpected key. npnorm filled it in where the module held a counter: it loaded without
+    a word where torch reports the counter missing (tracking switched off) or unexpected
+    (counter set to None)."""
+    ref, ours = torch.nn.BatchNorm1d(3), npnorm.BatchNorm1d(3)
+    for m in (ref, ours):
+        m.track_running_stats = tracking_now
+        if counter_none:
+            m.num_batches_tracked = None
+    old = {k: v.clone() for k, v in ref.state_dict().items() if k != "num_batches_tracked"}
+    state, grads = snapshot(ours)
+    try:
+        want = ref.load_state_dict(dict(old), strict=strict)
+    except RuntimeError as err:
+        key = re.search(r"(Missing|Unexpected) key\(s\)", str(err))
+        assert key is not None
+        with pytest.raises(RuntimeError, match=rf"(?i){key.group(1)} key\(s\): 'num_batches_tracked'"):
+            ours.load_state_dict(old, strict=strict)
+        assert_state_equal(ours, state, grads)  # nothing loaded
+        return
+    got = ours.load_state_dict(old, strict=strict)
+    assert (got.missing_keys, got.unexpected_keys) == (want.missing_keys, want.unexpected_keys)
+
+
 def test_a_versioned_torch_state_dict_without_its_counter_is_missing_a_key(torch):
     """A state_dict that PyTorch made (module version 2, in its _metadata) and that lost its
     counter is missing a key, strictly, as PyTorch says; a plain dict is an old checkpoint."""

@@ -533,7 +533,7 @@ class Module:
         version = metadata.get(prefix[:-1], {}).get("version") if isinstance(metadata, Mapping) else None
         errors = self._legacy_keys(source, version, prefix)
         for key, default in self._missing_key_defaults(version).items():
-            if key in own and key not in source:
+            if key not in source:  # (a key the module lacks is then unexpected, as in PyTorch)
                 source[key] = default
         missing = [k for k in own if k not in source]
         unexpected = [k for k in source if k not in own]

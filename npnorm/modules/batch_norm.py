@@ -67,10 +67,17 @@ class _NormBase(Module):
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
-        # (torch < 0.4.1, module version < 2, or no version) keeps the module's counter.
-        if self.num_batches_tracked is None or (version is not None and version >= 2):
+        # (torch < 0.4.1, module version < 2, or no version) keeps the module's counter,
+        # where track_running_stats is true now (as set, not as constructed): 0 where the
+        # counter was set to None, which is then an unexpected key, as in PyTorch.
+        if not self.track_running_stats or (version is not None and version >= 2):
             return {}
-        return {"num_batches_tracked": self.num_batches_tracked}
+        counter = self.num_batches_tracked
+        return {
+            "num_batches_tracked": self.xp.asarray(0, dtype=counter_dtype(self.xp))
+            if counter is None
+            else counter
+        }
 
     def extra_repr(self) -> str:
         return (
