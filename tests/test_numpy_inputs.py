@@ -33,10 +33,15 @@ def _native(a):
     data=st.data(),
     dtype=st.sampled_from([">f2", ">f4", ">f8", "<f4"]),
     shape=hnp.array_shapes(min_dims=3, max_dims=4, min_side=2, max_side=5).filter(lambda s: s[1] % 2 == 0),
+    empty=st.sampled_from([None, 0, 2]),
 )
-def test_any_byte_order_in_gives_native_results_equal_to_a_native_copy(family, data, dtype, shape):
+def test_any_byte_order_in_gives_native_results_equal_to_a_native_copy(family, data, dtype, shape, empty):
     """A ``>f4`` input gave ``>f4`` outputs and dx (and ``dweight`` from a ``>f4`` weight)
-    while the statistics came back native: ``y.dtype == np.float32`` was False."""
+    while the statistics came back native: ``y.dtype == np.float32`` was False. Empty
+    input too (``empty``: the batch axis, or the first spatial axis of 4-D input, holds no
+    values): the channel layers' own path for it gave ``>f4`` outputs, dx and dweight."""
+    if empty is not None:
+        shape = tuple(0 if i == (empty if len(shape) == 4 else 0) else n for i, n in enumerate(shape))
     values = hnp.arrays(dtype, shape, elements=st.floats(-100, 100, width=16))
     x, dy = data.draw(values), data.draw(values)
     w = data.draw(hnp.arrays(dtype, shape[-1:], elements=st.floats(0.5, 2, width=16)))

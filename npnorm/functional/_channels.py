@@ -19,6 +19,7 @@ from .._backend import (
 )
 from .._checks import cast, check_real, prod, work_dtype, write_out
 from .._stats import centred, moments, rstd_of, scaled, standardize_backward, wide_sum, xhat_from
+from ._dispatch import as_plain
 
 
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
@@ -151,12 +152,13 @@ def empty_forward(
 ) -> tuple[Array, Array, Array]:
     """The forward of an input whose channels (or groups, or instances) hold no values,
     as PyTorch computes it: an empty output, and statistics of nothing (NaN, as NumPy's
-    mean of nothing, without its warning) of shape ``stats_shape``."""
+    mean of nothing, without its warning) of shape ``stats_shape``; NumPy results in
+    native byte order (``as_plain``), as every kernel's."""
     ct = work_dtype(xp, input, weight, bias)
     on = array_api_compat.device(input)  # results on the input's device, as every kernel's
     nan = xp.full(stats_shape, float("nan"), dtype=ct, device=on)
     return (
-        write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype, device=on)),
+        write_out(xp, out, as_plain(xp.zeros(tuple(input.shape), dtype=input.dtype, device=on))),
         nan,
         xp.asarray(nan, copy=True),
     )
@@ -170,11 +172,12 @@ def empty_backward(
     out: Array | None,
 ) -> tuple[Array, Array | None, Array | None]:
     """The backward of an input with no values: an empty dx, and dweight, dbias sums of
-    nothing (zeros, as PyTorch's), in the parameters' dtypes (as ``channel_affine_backward``)."""
+    nothing (zeros, as PyTorch's), in the parameters' dtypes (as ``channel_affine_backward``);
+    NumPy results in native byte order (``as_plain``), as every kernel's."""
     c, on = int(input.shape[1]), array_api_compat.device(input)
-    dx = write_out(xp, out, xp.zeros(tuple(input.shape), dtype=input.dtype, device=on))
-    dweight = None if weight is None else xp.zeros((c,), dtype=weight.dtype, device=on)
-    dbias = None if bias is None else xp.zeros((c,), dtype=bias.dtype, device=on)
+    dx = write_out(xp, out, as_plain(xp.zeros(tuple(input.shape), dtype=input.dtype, device=on)))
+    dweight = None if weight is None else as_plain(xp.zeros((c,), dtype=weight.dtype, device=on))
+    dbias = None if bias is None else as_plain(xp.zeros((c,), dtype=bias.dtype, device=on))
     return dx, dweight, dbias
 
 

@@ -20,7 +20,7 @@ from ._channels import (
     empty_forward,
     store_running,
 )
-from ._dispatch import generic, run
+from ._dispatch import as_plain, generic, run
 
 
 def batch_norm_forward(
@@ -121,7 +121,11 @@ def batch_norm_forward(
         raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
     check_out(xp, out, input)
     if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
-        return (*empty_forward(xp, input, (c,), weight, bias, out), running_mean, running_var)
+        return (
+            *empty_forward(xp, input, (c,), weight, bias, out),
+            as_plain(running_mean),
+            as_plain(running_var),
+        )
     return run(
         "batch_norm_forward", xp, input, running_mean, running_var, weight, bias, bool(training),
         momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
