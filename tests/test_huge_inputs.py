@@ -192,3 +192,23 @@ def test_running_statistics_backward_with_a_huge_spread(family, layer):
         assert np.isfinite(grads[family][k]).all(), k
         atol = 1e-5 * float(np.abs(g).max())
         np.testing.assert_allclose(grads[family][k], g, rtol=1e-5, atol=atol, err_msg=k)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layer", [name for name, _, _ in long_rows()])
+def test_gradients_whose_row_sums_overflow_float32_give_finite_dx(family, layer):
+    """float32 gradients of 1e36-2e36, one sign, over long rows: their row sums pass
+    float32's largest value, while dx (linear in dy) is finite: that of the same gradient
+    at ordinary scale, scaled. The numpy family's LayerNorm took mean(dy * w) in float32
+    and gave -inf on every value; the weight and bias gradients may be inf, as the
+    reference's and torch's are."""
+    make, shape = {n: (f, s) for n, f, s in long_rows()}[layer]
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=shape).astype(np.float32)
+    dy = 1 + rng.random(shape)
+    scale = 1e36
+    with npnorm.use_kernels(family):
+        _, dx0, _ = _step(make(), x, dy.astype(np.float32))
+        _, dx1, _ = _step(make(), x, (dy * scale).astype(np.float32))
+    assert np.isfinite(dx1).all(), layer
+    np.testing.assert_allclose(dx1 / scale, dx0, rtol=2e-3, atol=2e-3 * float(np.abs(dx0).max()))

@@ -380,15 +380,15 @@ def _wide_rowdot(a: np.ndarray, b: np.ndarray, rows: np.ndarray, dtype: Any = np
     return np.einsum("ij,ij->i", wide, wide if b is a else b[rows].astype(dtype))
 
 
-def rowmean(a: np.ndarray, ones: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``out[i] = mean_j a[i, j]`` for an (n,D) block, ``ones`` (D,) of ones: a dot in the
-    block's dtype over D, taken again in float64 for the rows where the dot is not finite
-    (as in ``scaled_rowdot``)."""
-    rowdot(a, ones, out=out)  # n
+def rowmean(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``out[i] = mean_j a[i, j] * b[j]`` for an (n,D) block and a (D,) row ``b`` (ones
+    for the plain mean): a dot in the block's dtype over D, taken again in float64 for the
+    rows where the dot is not finite (as in ``scaled_rowdot``)."""
+    rowdot(a, b, out=out)  # n
     big = ~np.isfinite(out)  # n
     np.divide(out, a.shape[1], out=out)  # n
     if big.any():
-        out[big] = _wide_rowdot(a, ones, big) / a.shape[1]
+        out[big] = _wide_rowdot(a, b, big) / a.shape[1]
     return out
 
 

@@ -55,7 +55,6 @@ from ._blocks import (
     per_row,
     recentre,
     row_layout,
-    rowdot,
     rowmean,
     rowsum,
     run_chunks,
@@ -212,8 +211,8 @@ def layer_norm_backward(
       scratch block when dx's dtype is not the computation dtype), with ``k`` and ``mg``
       centred again first on rows far from 0 (``_centre_again``).
 
-    ``k``'s row sums are taken again in float64 for rows where they overflow the
-    computation dtype (``scaled_rowdot``).
+    ``k``'s and ``mg``'s row sums are taken again in float64 for rows where they overflow
+    the computation dtype (``scaled_rowdot``, ``rowmean``: float32 gradients near 1e37).
 
     The per-thread partials are added in thread order at the end.
     """
@@ -273,13 +272,12 @@ def layer_norm_backward(
                 vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
                 np.add(dw_part, col, out=dw_part)
                 scaled_rowdot(u, w, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
-                rowdot(dyb, w, out=mg)  # n  rowsum(g)
+                rowmean(dyb, w, out=mg)  # n  mean(g)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
                 scaled_rowdot(dyb, xc, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
-                rowsum(dyb, ones, out=mg)  # n  rowsum(g)
+                rowmean(dyb, ones, out=mg)  # n  mean(g)
                 g = dyb  # n,D
-            np.divide(mg, D, out=mg)  # n  mean(g)
             _centre_again(xc, ones, mean_c[a:e], rstd_c[a:e], k, mg, sxbuf[:n])  # xhat centred again
             np.multiply(xc, k[:, None], out=xc)  # n,D
             np.subtract(g, xc, out=out)  # n,D
