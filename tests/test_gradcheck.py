@@ -247,6 +247,27 @@ def test_failure_message_says_it_ran_in_float64(rng):
         npnorm.gradcheck(WrongLayerNorm(5), rng.normal(size=(3, 5)).astype(np.float32))
 
 
+def test_a_forward_that_drops_to_float32_is_named_in_the_failure(rng):
+    """A forward that casts to float32 fails a correct backward (finite differences of
+    float32 rounding, ~1e-2 off): the message says so, where it blamed the backward alone;
+    a forward in float64 has no such note."""
+    x = rng.normal(size=(3, 4))
+    in_float32 = (lambda x: np.sin(x).astype(np.float32), lambda dy, x: dy * np.cos(x))
+    with pytest.raises(npnorm.GradcheckError, match="forward returned float32 output for the float64 input"):
+        npnorm.gradcheck(in_float32, x)
+    with pytest.raises(npnorm.GradcheckError) as failed:
+        npnorm.gradcheck((np.sin, lambda dy, x: dy * np.sin(x)), x)
+    assert "Note" not in str(failed.value)
+
+    class Float32LayerNorm(npnorm.LayerNorm):  # a module whose forward casts its output
+        def _forward(self, input):
+            y, saved, updates = super()._forward(input)
+            return y.astype(np.float32), saved, updates
+
+    with pytest.raises(npnorm.GradcheckError, match="forward returned float32 output"):
+        npnorm.gradcheck(Float32LayerNorm(4), x)
+
+
 PAIR = (lambda x: x * 2, lambda dy, x: dy * 2)
 
 
