@@ -336,3 +336,22 @@ def test_a_big_endian_counter_keeps_its_shape(torch):
 
     for xp in ("torch", "array_api_strict", "numpy"):
         assert tuple(to_namespace(np.array(5, ">i8"), resolve_namespace(xp)).shape) == ()
+
+
+def test_a_tensor_with_its_negative_bit_set_keeps_its_sign(torch):
+    """``z.conj().imag`` is a view of ``z``'s memory with torch's negative bit set; DLPack
+    hands over the memory without the bit, and a NumPy module loaded [1, 2, 3, 4] from
+    [-1, -2, -3, -4] (torch's own load, and ``.numpy()``'s refusal, keep the sign)."""
+    z = torch.complex(torch.zeros(4, dtype=torch.float64), torch.arange(1.0, 5.0, dtype=torch.float64))
+    w = z.conj().imag
+    assert w.is_neg()
+    want = -np.arange(1.0, 5.0)
+    m = npnorm.LayerNorm(4, dtype="float64")
+    m.load_state_dict({"weight": w, "bias": torch.zeros(4)})
+    np.testing.assert_array_equal(m.weight, want)
+    on_torch = npnorm.LayerNorm(4, xp="torch", dtype="float64")
+    on_torch.weight = w
+    np.testing.assert_array_equal(on_torch.to("numpy").weight, want)
+    ref = torch.nn.LayerNorm(4, dtype=torch.float64)
+    ref.load_state_dict({"weight": w, "bias": torch.zeros(4)})
+    np.testing.assert_array_equal(npnorm.from_torch(ref).weight, want)
