@@ -71,13 +71,16 @@ def _group_norm_args(m: Any) -> dict[str, Any]:
 
 
 def _norm_base_args(m: Any) -> dict[str, Any]:
-    """BatchNorm*d, InstanceNorm*d (and SyncBatchNorm): PyTorch's ``_NormBase`` arguments."""
+    """BatchNorm*d, InstanceNorm*d (and SyncBatchNorm): PyTorch's ``_NormBase`` arguments.
+    A layer whose ``track_running_stats`` was set false after construction keeps its
+    buffers (in both libraries): built with them, and the flag set after the load
+    (``_set_flags_after_load``)."""
     return {
         "num_features": m.num_features,
         "eps": m.eps,
         "momentum": m.momentum,
         "affine": m.affine,
-        "track_running_stats": m.track_running_stats,
+        "track_running_stats": m.track_running_stats or _holds_running_buffers(m),
         "bias": m.bias is not None if m.affine else True,
     }
 
@@ -108,6 +111,20 @@ def _import_torch(what: str) -> ModuleType:
 
 def _names(pairs: tuple[Pair, ...], torch_side: bool) -> str:
     return ", ".join(("torch.nn." + p.torch_name) if torch_side else p.npnorm_class.__name__ for p in pairs)
+
+
+def _holds_running_buffers(m: Any) -> bool:
+    return any(
+        getattr(m, name, None) is not None for name in ("running_mean", "running_var", "num_batches_tracked")
+    )
+
+
+def _set_flags_after_load(source: Any, target: Any) -> None:
+    """``track_running_stats`` as ``source`` has it now (see ``_norm_base_args``), and the
+    train/eval flag."""
+    if hasattr(source, "track_running_stats"):
+        target.track_running_stats = source.track_running_stats
+    target.train(source.training)
 
 
 def _drop_unset_buffers(source: Any, target: Any) -> None:
@@ -179,7 +196,7 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     )
     _drop_unset_buffers(module, ours)
     ours.load_state_dict(module.state_dict())
-    ours.train(module.training)
+    _set_flags_after_load(module, ours)
     return ours
 
 
@@ -243,5 +260,5 @@ def to_torch(module: Module) -> Any:
     # is None has no num_batches_tracked key, which torch fills in for an unversioned dict
     state._metadata = OrderedDict({"": {"version": getattr(ref, "_version", 1)}})  # type: ignore[attr-defined]
     ref.load_state_dict(state)
-    ref.train(module.training)
+    _set_flags_after_load(module, ref)
     return ref

@@ -202,6 +202,30 @@ def test_running_statistics_set_to_none_convert_both_ways(torch, rng, name, unse
         assert torch.equal(back.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d", "SyncBatchNorm"])
+def test_tracking_switched_off_after_construction_converts_both_ways(torch, rng, name, training):
+    """A layer built with running statistics and ``track_running_stats`` set False after
+    (a common torch pattern: batch statistics in eval too) keeps its buffers in both
+    libraries; from_torch and to_torch refused it ("unexpected key(s)"), building the layer
+    without them. Now: the same buffers, flag, repr and outputs, both ways."""
+    ref = getattr(torch.nn, name)(3, track_running_stats=True, dtype=torch.float64)
+    _randomize_torch(torch, ref, 5)
+    ref.track_running_stats = False
+    ref.train(training)
+    ours = npnorm.from_torch(ref)
+    assert ours.track_running_stats is False and ours.training is training and repr(ours) == repr(ref)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(getattr(ours, k), v.numpy(), err_msg=k)
+    back = npnorm.to_torch(ours)
+    assert back.track_running_stats is False and back.training is training and repr(back) == repr(ref)
+    assert back.state_dict().keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    x = rng.normal(size=(5, 3, 4))
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_clear_errors(torch):
     with pytest.raises(TypeError, match=r"converts torch.nn.LayerNorm.*got torch.nn.modules.linear.Linear"):
         npnorm.from_torch(torch.nn.Linear(2, 2))
