@@ -388,8 +388,10 @@ def on_device_of(like: Array, a: Array) -> Array:
 
 
 def to_host(value: Any) -> np.ndarray:
-    """A NumPy copy of ``value`` (any backend, torch tensor, list or scalar)."""
-    return np.array(_to_host(value), copy=True)
+    """A NumPy copy of ``value`` (any backend, torch tensor, list or scalar), in native
+    byte order (``torch.from_numpy`` refuses a ``>f4`` array)."""
+    a = np.asarray(_to_host(value))
+    return np.array(a, dtype=a.dtype.newbyteorder("="), copy=True)
 
 
 def _to_host(value: Any) -> Any:

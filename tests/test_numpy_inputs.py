@@ -109,6 +109,33 @@ def test_a_memmap_buffer_is_written_in_place(family, order, tmp_path):
     assert bn.running_mean is mm and np.all(np.asarray(mm) > 0.1)
 
 
+def test_a_module_holding_another_byte_order_moves_converts_and_gradchecks():
+    """A module whose weight and running mean are ``>f4`` (set from a file written
+    elsewhere; forward, backward and loads take them): ``to()``, ``to(dtype=...)``,
+    ``to(xp)``, ``gradcheck`` and ``to_torch`` raised "unsupported dtype" or torch's
+    byte-order error. Now they work on the values."""
+    strict = pytest.importorskip("array_api_strict")
+    big = np.dtype(">f4")
+
+    def make():
+        bn = npnorm.BatchNorm1d(3)
+        bn.weight = np.arange(1, 4).astype(big)
+        bn.running_mean = np.array([0.5, -1.0, 2.0], dtype=big)
+        return bn
+
+    want = np.arange(1, 4, dtype=np.float32)
+    assert np.array_equal(make().to().weight, want)
+    assert make().to(dtype="float64").weight.dtype == np.float64
+    assert np.array_equal(np.asarray(make().to(strict).running_mean), [0.5, -1.0, 2.0])
+    x = np.random.default_rng(0).normal(size=(6, 3))
+    m = make()
+    assert npnorm.gradcheck(m, x)
+    assert m.weight.dtype == big  # restored as it was
+    torch = pytest.importorskip("torch")
+    ref = npnorm.to_torch(make())
+    assert torch.equal(ref.weight.detach(), torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_out_masked_or_self_overlapping_is_refused(family):
     """A masked ``out``: one family cleared its mask, one kept it, numba failed to compile

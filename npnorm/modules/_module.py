@@ -87,6 +87,8 @@ class IncompatibleKeys(NamedTuple):
 
 
 def dtype_name(xp: Namespace, dtype: Any) -> str:
+    if isinstance(dtype, np.dtype):  # NumPy's ">f4" (a memmap's, a file's) is float32
+        dtype = dtype.newbyteorder("=")
     for name in (*FLOAT_NAMES, "int64", "int32"):  # int32: a counter on JAX without x64
         if getattr(xp, name, None) == dtype:
             return name
