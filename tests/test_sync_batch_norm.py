@@ -401,6 +401,59 @@ def test_a_bad_grad_output_on_one_rank_raises_on_every_rank():
     assert "failed on rank 2 of 3: grad_output must have the shape" in results[0][0]
 
 
+@pytest.mark.parametrize("how", ["load_state_dict", "no_grad", "to", "in place"])
+def test_a_saved_forward_lost_on_one_rank_raises_on_every_rank(torch, how):
+    """Module.backward's checks of what the forward saved ran before the backward's
+    exchange, on one rank alone: a load_state_dict, a forward inside no_grad, a to() or an
+    input changed in place on rank 1 raised RuntimeError there, and under MPI the other
+    ranks waited in the all-reduce for ever (here the thread ranks are aborted instead).
+    Now every rank raises rank 1's RuntimeError and the ranks stay in step."""
+
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64", xp="torch" if how == "in place" else None)
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        if how == "in place":
+            x = torch.from_numpy(x)
+        if how == "no_grad" and rank == 1:
+            with npnorm.no_grad():
+                m(x)
+        else:
+            m(x)
+        if rank == 1:
+            if how == "load_state_dict":
+                m.load_state_dict(m.state_dict())
+            elif how == "to":
+                m.to(dtype="float32")
+            elif how == "in place":
+                x.add_(1.0)
+        with pytest.raises(RuntimeError) as info:
+            m.backward(x * 0 + 1)
+        assert m.grads == {}
+        m.to(dtype="float64")
+        x = x * 1.0  # (a fresh input where it was changed in place)
+        m(x)
+        dx = m.backward(x)  # the ranks are still in step
+        return str(info.value), tuple(dx.shape)
+
+    results = run_ranks(3, rank_fn)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len(set(results)) == 1, results
+    assert "SyncBatchNorm failed on rank 1 of 3: SyncBatchNorm.backward" in results[0][0], results
+
+
+def test_no_forward_on_any_rank_raises_the_same_everywhere():
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, comm=comm)
+        with pytest.raises(RuntimeError, match="no saved forward") as info:
+            m.backward(np.ones((2, 3)))
+        return str(info.value)
+
+    results = run_ranks(2, rank_fn)
+    assert all(isinstance(r, str) for r in results) and len(set(results)) == 1, results
+    assert "failed on rank 0 of 2" in results[0] and "rank(s) 1 failed too" in results[0]
+
+
 def test_a_missing_argument_on_one_rank_raises_on_every_rank():
     def rank_fn(comm):
         rank = comm.Get_rank()

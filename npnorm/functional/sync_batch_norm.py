@@ -387,18 +387,29 @@ def merge_moments(table: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
     return n, mean, m2
 
 
+def fail_backward(comm: Comm, error: Exception, c: int, what: str) -> NoReturn:
+    """This rank's part in a module's training backward that failed before its sums
+    (what its forward saved is missing, overwritten or modified in place): the backward's
+    all-reduce of ``synced_backward``, of ``c`` channels, with the failure flag set, then
+    the collective raise, so that the other ranks raise the same error instead of waiting."""
+    failed = np.zeros(2 + 2 * c, dtype=np.float64)  # synced_backward's payload: the flag set
+    failed[0] = 1.0
+    allreduce_sum(comm, failed)
+    raise_collectively(comm, error, what)
+
+
 def raise_collectively(comm: Comm, error: Exception | None, what: str) -> NoReturn:
     """Raise the same error on every rank, once every rank knows that some rank failed
     (``error`` is this rank's failure, or None): the first failing rank's message and
-    class (TypeError stays TypeError, else ValueError), and which other ranks failed.
-    One collective call, made by every rank."""
+    class (TypeError and RuntimeError keep theirs, else ValueError), and which other ranks
+    failed. One collective call, made by every rank."""
     mine = None if error is None else (type(error).__name__, str(error))
     reports = allgather_object(comm, mine)  # every rank learns every rank's failure
     ranks = [r for r, report in enumerate(reports) if report is not None]
     kind, message = reports[ranks[0]]
     also = f" (rank(s) {', '.join(map(str, ranks[1:]))} failed too)" if len(ranks) > 1 else ""
     text = f"{what} failed on rank {ranks[0]} of {len(reports)}: {message}{also}"
-    cls = TypeError if kind == "TypeError" else ValueError
+    cls = {"TypeError": TypeError, "RuntimeError": RuntimeError}.get(kind, ValueError)
     raise cls(text) from error
 
 

@@ -232,6 +232,31 @@ class Module:
         counters = [(name, a, _version_of(a)) for name, a in named]
         return _Versions(saved, [(name, a, v) for name, a, v in counters if v is not None])
 
+    def _check_saved_forward(self) -> None:
+        """``backward``'s checks of what the last forward saved: the ``RuntimeError`` where
+        none was saved, or where an array it used was overwritten or modified in place
+        since (SyncBatchNorm makes them collective)."""
+        if self._saved is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.backward() called with no saved forward: call forward first "
+                "(a forward inside npnorm.no_grad() saves nothing, and to() or a copy drops what was saved)"
+            )
+        if isinstance(self._saved, _Overwritten):
+            raise RuntimeError(
+                f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
+                f"forward used was overwritten in place by {self._saved.by} since (PyTorch's backward "
+                "raises there too): run forward again"
+            )
+        versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
+        if versions is not None and versions.saved is self._saved:
+            moved = [name for name, a, version in versions.counters if _version_of(a) != version]
+            if moved:  # as PyTorch's check of the tensors its backward saved
+                raise RuntimeError(
+                    f"{type(self).__name__}.backward(): the {', '.join(moved)} that the last forward "
+                    "used was modified in place since (PyTorch's backward raises there too): run "
+                    "forward again"
+                )
+
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward; parameter gradients are
         added into ``self.grads`` (in place, as ``.grad`` accumulates in PyTorch).
@@ -257,27 +282,10 @@ class Module:
             ``npnorm.no_grad()``, or ``to()`` / a copy dropped it; or when
             ``load_state_dict`` has since overwritten an array the forward saved.
         """
-        if self._saved is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.backward() called with no saved forward: call forward first "
-                "(a forward inside npnorm.no_grad() saves nothing, and to() or a copy drops what was saved)"
-            )
-        if isinstance(self._saved, _Overwritten):
-            raise RuntimeError(
-                f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
-                f"forward used was overwritten in place by {self._saved.by} since (PyTorch's backward "
-                "raises there too): run forward again"
-            )
-        versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
-        if versions is not None and versions.saved is self._saved:
-            moved = [name for name, a, version in versions.counters if _version_of(a) != version]
-            if moved:  # as PyTorch's check of the tensors its backward saved
-                raise RuntimeError(
-                    f"{type(self).__name__}.backward(): the {', '.join(moved)} that the last forward "
-                    "used was modified in place since (PyTorch's backward raises there too): run "
-                    "forward again"
-                )
-        result = self._backward(grad_output, self._saved)
+        self._check_saved_forward()
+        saved = self._saved
+        assert saved is not None  # (checked)
+        result = self._backward(grad_output, saved)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
             raise TypeError(
                 f"{type(self).__name__}._backward must return (grad_input, grads): the input's "

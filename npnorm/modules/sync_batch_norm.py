@@ -8,8 +8,8 @@ from typing import Any
 from .._backend import Array
 from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels, check_training_eps
-from ..functional.sync_batch_norm import synced_backward, synced_forward
-from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
+from ..functional.sync_batch_norm import fail_backward, synced_backward, synced_forward
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates, _Overwritten
 from .batch_norm import _BatchNorm
 
 _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI job
@@ -102,6 +102,10 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
     """
 
 
+# what a synced forward keeps for the backward (``SyncBatchNorm._kept``)
+_SYNCED_KEPT = ("weight",)
+
+
 class SyncBatchNorm(_BatchNorm):
     __doc__ = _SYNC_BATCH_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
@@ -174,8 +178,54 @@ class SyncBatchNorm(_BatchNorm):
         BatchNorm's: F.batch_norm's backward keeps them)."""
         saved = self._saved
         if isinstance(saved, tuple) and saved and saved[-1] is True:  # a synced forward
-            return ("weight",)
+            return _SYNCED_KEPT
         return super()._kept()
+
+    def backward(self, grad_output: Array) -> Array:
+        """Gradient of the input for the last forward, as ``Module.backward``; after a
+        training forward over several ranks, a collective call, errors included.
+
+        Parameters
+        ----------
+        grad_output : array
+            The gradient of the loss with respect to the last forward's output.
+
+        Returns
+        -------
+        array
+            The gradient with respect to the last forward's input.
+
+        Raises
+        ------
+        RuntimeError
+            As ``Module.backward``; over several ranks, on every rank where one rank's
+            saved forward is missing (a forward inside ``no_grad``, a ``to()``),
+            overwritten (a ``load_state_dict``) or modified in place since (the other
+            ranks would wait in the backward's exchange).
+        """
+        comm = self._backward_comm()
+        if comm is not None:
+            try:
+                self._check_saved_forward()
+            except RuntimeError as err:
+                fail_backward(comm, err, self.num_features, type(self).__name__)
+        return super().backward(grad_output)
+
+    def _backward_comm(self) -> Comm | None:
+        """The communicator of a collective backward, else None: the saved forward (or the
+        one an overwrite stands in for) was a synced one; or nothing is saved and the module
+        trains over several ranks, whose forward was synced."""
+        saved = self._saved
+        if saved is None:
+            if not self.training:
+                return None
+            comm = resolve_comm(self.comm)
+            return comm if int(comm.Get_size()) > 1 else None
+        if isinstance(saved, _Overwritten):
+            synced = saved.kept == _SYNCED_KEPT
+        else:
+            synced = bool(saved) and saved[-1] is True
+        return resolve_comm(self.comm) if synced else None
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, _, weight, bias, synced = saved
