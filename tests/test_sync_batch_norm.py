@@ -963,6 +963,26 @@ def test_a_variance_beyond_float32_normalizes_and_saves_rstd_as_batch_norm(other
     np.testing.assert_allclose(dx, dx_bn, rtol=1e-5, atol=1e-44)
 
 
+def test_a_float16_running_variance_beyond_its_range_is_inf_without_a_warning():
+    """A float16 module whose batch variance (~1e6) passes float16's 65504: BatchNorm's
+    running_var is inf, quietly; SyncBatchNorm's cast of the update to float16 let NumPy's
+    overflow warning out (an error under the tests' settings, and with warnings as errors
+    the training step failed on every rank)."""
+    x = (np.random.default_rng(0).normal(size=(6, 3, 4)) * 1000 + 2000).astype(np.float16)
+    bn = npnorm.BatchNorm1d(3, dtype="float16")
+    bn(x)
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, dtype="float16", comm=comm)
+        r = comm.Get_rank()
+        m(x[2 * r : 2 * r + 2])
+        return to_host(m.running_var), to_host(m.running_mean)
+
+    for var, mean in run_ranks(3, rank_fn):
+        assert np.isinf(bn.running_var).all() and np.isinf(var).all()
+        np.testing.assert_allclose(mean, bn.running_mean, rtol=1e-3)
+
+
 @pytest.mark.parametrize("family", ["reference", "numpy"])
 def test_the_per_rank_kernels_emit_no_floating_point_warning(family):
     """A float16 dx beyond float16's range is inf, as every other kernel gives it: the

@@ -273,10 +273,12 @@ def synced_forward(
     y, _, _, _, _ = batch_norm_forward(input, mean_n, var_n, weight, bias, False, momentum, eps)
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:
-        with np.errstate(over="ignore"):  # (inf beyond the dtype's range, as BatchNorm's)
+        # inf beyond the dtype's range, without a warning, as BatchNorm's: the unbiased
+        # variance in ct, and the buffers' updates cast to their dtype (a float16 buffer)
+        with np.errstate(over="ignore"):
             unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
-        new_mean = running_update(xp, running_mean, mean, momentum)  # C
-        new_var = running_update(xp, running_var, unbiased, momentum)  # C
+            new_mean = running_update(xp, running_mean, mean, momentum)  # C
+            new_var = running_update(xp, running_var, unbiased, momentum)  # C
     return y, mean, rstd, new_mean, new_var
 
 
