@@ -194,8 +194,11 @@ def _mxcsr_access():  # type: ignore[no-untyped-def]
     from numba.core.extending import intrinsic
 
     def call(builder, name, ptr):  # type: ignore[no-untyped-def]
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type])
-        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [ptr])
+        # the intrinsics take an i8*: llvmlite before 0.45 (numba 0.61, the extra's floor)
+        # types its pointers and refused the i32* ("Intrinsic has incorrect argument type")
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), [builder.bitcast(ptr, i8p)])
 
     @intrinsic
     def _load(typingctx, v):  # type: ignore[no-untyped-def]
