@@ -663,6 +663,11 @@ def test_import_npnorm_and_eval_do_not_import_mpi4py():
         "import sys, numpy as np, npnorm, npnorm.functional, npnorm.modules\n"
         "m = npnorm.SyncBatchNorm(3).eval()\n"
         "m(np.ones((2, 3, 4), dtype=np.float32))\n"
+        "t = npnorm.SyncBatchNorm(3)  # training: a backward with nothing saved raises alone\n"
+        "try:\n"
+        "    t.backward(np.ones((2, 3)))\n"
+        "except RuntimeError as err:\n"
+        "    assert 'no saved forward' in str(err), err\n"
         "assert 'mpi4py' not in sys.modules, 'mpi4py was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

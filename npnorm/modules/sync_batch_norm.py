@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -219,7 +220,12 @@ class SyncBatchNorm(_BatchNorm):
         if saved is None:
             if not self.training:
                 return None
-            comm = resolve_comm(self.comm)
+            comm = self.comm
+            if comm is None:  # the default communicator, where mpi4py is imported: without
+                mpi = sys.modules.get("mpi4py.MPI")  # it no forward of this process synced
+                if mpi is None:
+                    return None
+                comm = mpi.COMM_WORLD
             return comm if int(comm.Get_size()) > 1 else None
         if isinstance(saved, _Overwritten):
             synced = saved.kept == _SYNCED_KEPT
