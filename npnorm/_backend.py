@@ -396,9 +396,13 @@ def to_host(value: Any) -> np.ndarray:
 
 def _to_host(value: Any) -> Any:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
-        # its lazy negation and conjugation applied (``x.conj().imag`` is a view with the
+        value = value.detach().cpu()
+        # its lazy conjugation and negation applied (``x.conj().imag`` is a view with the
         # negative bit set: DLPack hands over the memory without it, the values' signs lost)
-        value = value.detach().cpu().resolve_conj().resolve_neg()
+        for name in ("resolve_conj", "resolve_neg"):
+            resolve = getattr(value, name, None)  # (another library's tensor may lack them)
+            if resolve is not None:
+                value = resolve()
         if value.is_floating_point() and str(value.dtype).removeprefix("torch.") not in FLOAT_NAMES:
             # bfloat16, float8_*: NumPy has no such dtype; float32 holds their values exactly
             value = value.float()

@@ -137,6 +137,29 @@ def test_a_module_holding_another_byte_order_moves_converts_and_gradchecks():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_an_empty_batch_returns_a_native_memmap_buffer_as_given(family, tmp_path):
+    """An empty training batch leaves the running buffers as they are: the functional
+    forward returns a native buffer itself (a1fbad3's native copies made a read-only
+    memmap buffer a plain array, which the module then bound in its place), and another
+    byte order as a native copy."""
+    mm = np.memmap(tmp_path / "running_mean.bin", dtype=np.float32, mode="w+", shape=(3,))
+    mm[:] = [1.0, 2.0, 3.0]
+    mm.flush()
+    ro = np.memmap(tmp_path / "running_mean.bin", dtype=np.float32, mode="r", shape=(3,))
+    big = np.ones(3, dtype=">f4")
+    with npnorm.use_kernels(family):
+        for op, shape in ((F.batch_norm_forward, (0, 3, 4)), (F.instance_norm_forward, (2, 3, 0))):
+            x = np.zeros(shape, np.float32)
+            *_, new_mean, new_var = op(x, ro, big, None, None, True, 0.1, 1e-5)
+            assert new_mean is ro, op
+            assert new_var.dtype == np.float32 and np.array_equal(new_var, big), op
+        bn = npnorm.BatchNorm1d(3)
+        bn.running_mean = ro
+        bn(np.zeros((0, 3), np.float32))
+    assert bn.running_mean is ro
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_out_masked_or_self_overlapping_is_refused(family):
     """A masked ``out``: one family cleared its mask, one kept it, numba failed to compile
     on a first call. A zero-stride ``out`` (``np.broadcast_arrays``) took every row's

@@ -361,6 +361,13 @@ def as_plain(a: Any) -> Any:
     return a
 
 
+def as_native(a: Any) -> Any:
+    """``a`` itself unless it is a NumPy array in another byte order, which ``as_plain``
+    makes native: for arrays returned as they were given (the running buffers an empty
+    batch leaves), so that a caller's memmap stays that object."""
+    return as_plain(a) if isinstance(a, np.ndarray) and not a.dtype.isnative else a
+
+
 def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], out: Any) -> Any:
     """Run a kernel on torch tensors outside autograd: npnorm computes its own backward,
     so the kernel sees every tensor detached (the same memory, without history). An

@@ -20,7 +20,7 @@ from ._channels import (
     empty_forward,
     store_running,
 )
-from ._dispatch import as_plain, generic, run
+from ._dispatch import as_native, generic, run
 
 
 def batch_norm_forward(
@@ -123,8 +123,8 @@ def batch_norm_forward(
     if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
         return (
             *empty_forward(xp, input, (c,), weight, bias, out),
-            as_plain(running_mean),
-            as_plain(running_var),
+            as_native(running_mean),
+            as_native(running_var),
         )
     return run(
         "batch_norm_forward", xp, input, running_mean, running_var, weight, bias, bool(training),

@@ -19,7 +19,7 @@ from ._channels import (
     empty_forward,
     store_running,
 )
-from ._dispatch import as_plain, generic, run
+from ._dispatch import as_native, as_plain, generic, run
 
 
 def instance_norm_forward(
@@ -121,7 +121,7 @@ def instance_norm_forward(
     if use_input_stats and s == 0:  # instances without values (N = 0, S > 0: the kernels)
         y, mean, rstd = empty_forward(xp, input, (n, c), weight, bias, out)
         if n > 0:  # the buffers stay as they are, as PyTorch's
-            return y, mean, rstd, as_plain(running_mean), as_plain(running_var)
+            return y, mean, rstd, as_native(running_mean), as_native(running_var)
         # no instances: NaN buffers, PyTorch's average over none (as the kernels give for S > 0)
         nan = [
             None if a is None else as_plain(xp.full_like(a, float("nan")))

@@ -167,6 +167,8 @@ class Module:
     # PyTorch's version of the same layer's state (torch's ``_version``): what state_dict
     # records in its ``_metadata`` and load_state_dict reads back (BatchNorm/InstanceNorm: 2)
     _version: int = 1
+    # What the last forward left for backward, which copies and pickles leave out
+    _forward_context: tuple[str, ...] = ("_saved", "_saved_versions")
 
     def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -725,7 +727,7 @@ class Module:
                 state[key] = backend_name(value)
             elif key == "dtype":
                 state[key] = dtype_name(self.xp, value)
-            elif key in ("_saved", "_saved_versions"):
+            elif key in self._forward_context:
                 state[key] = None
             else:
                 state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
@@ -761,7 +763,7 @@ class Module:
         for key, value in self.__dict__.items():
             if key in ("xp", "dtype"):
                 new.__dict__[key] = value
-            elif key in ("_saved", "_saved_versions"):
+            elif key in self._forward_context:
                 new.__dict__[key] = None
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -10,7 +9,7 @@ from .._backend import Array
 from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.sync_batch_norm import fail_backward, synced_backward, synced_forward
-from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates, _Overwritten
+from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 from .batch_norm import _BatchNorm
 
 _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI job
@@ -59,9 +58,10 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
     Training forward and backward are collective: every rank of ``comm`` must call
     them, in the same order, empty ranks (N = 0) included. Errors are collective too:
     a bad input on any rank, channel counts or dtypes that differ across ranks, or a
-    global batch of 1 value per channel raise the same ``ValueError``
-    (``TypeError`` for a non-floating or wrong-backend input) on every rank, leaving
-    every rank's parameters, buffers and counter unchanged.
+    global batch of 1 value per channel raise the same ``ValueError`` (``TypeError``
+    for a non-floating or wrong-backend input, ``RuntimeError`` where one process raises
+    one) on every rank, leaving every rank's parameters, buffers and counter unchanged;
+    so does a backward on a rank that lost or changed what its synced forward saved.
 
     Parameters
     ----------
@@ -110,6 +110,9 @@ _SYNCED_KEPT = ("weight",)
 class SyncBatchNorm(_BatchNorm):
     __doc__ = _SYNC_BATCH_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
+    # what copies and pickles leave out, with the saved forward (Module._copy)
+    _forward_context = (*Module._forward_context, "_synced_channels")
+
     def __init__(
         self,
         num_features: int,
@@ -139,10 +142,15 @@ class SyncBatchNorm(_BatchNorm):
         if self.training:
             comm = resolve_comm(self.comm)
             if int(comm.Get_size()) > 1:
-                return self._synced_forward(comm, input)
+                result = self._synced_forward(comm, input)
+                # the backward is collective now, whatever becomes of what was saved
+                # (``no_grad``, ``to()``, ``load_state_dict``): its exchange's C
+                self._synced_channels: int | None = int(input.shape[1])
+                return result
         # eval (running statistics, or this rank's batch statistics without them), or one
         # rank: BatchNorm's forward, no collective call
         y, saved, updates = super()._forward(input)
+        self._synced_channels = None
         return y, (*saved, False), updates
 
     def _synced_forward(self, comm: Comm, input: Array) -> tuple[Array, Saved, Updates]:
@@ -204,34 +212,15 @@ class SyncBatchNorm(_BatchNorm):
             overwritten (a ``load_state_dict``) or modified in place since (the other
             ranks would wait in the backward's exchange).
         """
-        comm = self._backward_comm()
-        if comm is not None:
+        # the last forward on this module synced (a copy or a pickle has none: the other
+        # ranks' modules are not in a backward with it); the payload's C is its input's
+        channels = getattr(self, "_synced_channels", None)
+        if channels is not None:
             try:
                 self._check_saved_forward()
             except RuntimeError as err:
-                fail_backward(comm, err, self.num_features, type(self).__name__)
+                fail_backward(resolve_comm(self.comm), err, channels, type(self).__name__)
         return super().backward(grad_output)
-
-    def _backward_comm(self) -> Comm | None:
-        """The communicator of a collective backward, else None: the saved forward (or the
-        one an overwrite stands in for) was a synced one; or nothing is saved and the module
-        trains over several ranks, whose forward was synced."""
-        saved = self._saved
-        if saved is None:
-            if not self.training:
-                return None
-            comm = self.comm
-            if comm is None:  # the default communicator, where mpi4py is imported: without
-                mpi = sys.modules.get("mpi4py.MPI")  # it no forward of this process synced
-                if mpi is None:
-                    return None
-                comm = mpi.COMM_WORLD
-            return comm if int(comm.Get_size()) > 1 else None
-        if isinstance(saved, _Overwritten):
-            synced = saved.kept == _SYNCED_KEPT
-        else:
-            synced = bool(saved) and saved[-1] is True
-        return resolve_comm(self.comm) if synced else None
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, _, weight, bias, synced = saved
