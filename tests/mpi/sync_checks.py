@@ -288,6 +288,20 @@ def check_errors() -> None:
     )
     int_dy = np.ones(good.shape, dtype=np.int64) if RANK == 0 else good
     expect_error(TypeError, lambda: m.backward(int_dy), m, "grad_output must have a floating dtype")
+    # backward: what one rank's forward saved, overwritten since or never saved (it raised on
+    # that rank alone, before the exchange, and the other ranks waited for ever)
+    m(good)
+    if RANK == 1:
+        m.load_state_dict(m.state_dict())
+    lost = "failed on rank 1 of 3: SyncBatchNorm.backward(): the"
+    expect_error(RuntimeError, lambda: m.backward(good), m, lost)
+    if RANK == 0:
+        with npnorm.no_grad():
+            m(good)
+    else:
+        m(good)
+    lost = "failed on rank 0 of 3: SyncBatchNorm.backward() called"
+    expect_error(RuntimeError, lambda: m.backward(good), m, lost)
     # after every error the ranks are still in step: a full step matches BatchNorm
     ref = npnorm.BatchNorm1d(3, momentum=None, dtype="float64")
     ref.load_state_dict(m.state_dict())
