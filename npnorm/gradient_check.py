@@ -87,7 +87,9 @@ def gradcheck(
         ``params`` that is not None:
 
         - ``forward(x, *params)`` returns the output ``y``, or a tuple
-          ``(y, *saved)`` whose extra items are passed on to backward;
+          ``(y, *saved)`` whose extra items are passed on to backward (they are
+          not outputs: only ``y`` is checked; check a layer with several outputs
+          once per output);
         - ``backward(dy, x, *params, *saved)`` returns ``dx``, or a tuple
           ``(dx, *dparams)`` with one gradient per parameter (``None`` allowed
           where the parameter is None).
@@ -103,7 +105,10 @@ def gradcheck(
         Only with a function pair: the parameters passed to ``forward`` after
         ``x`` (float64 copies; ``None`` passes through unchecked).
     eps : float, default 1e-6
-        Finite-difference step.
+        Finite-difference step, absolute (as torch's): every element moves by
+        ``eps`` whatever its size, so the check suits inputs and parameters of
+        moderate size (below ~1e5: at 1e8 the step is lost to float64 rounding,
+        and a correct backward fails).
     atol, rtol : float, default 1e-5 and 1e-3
         An element passes when ``|analytic - numeric| <= atol + rtol * |numeric|``
         (a NaN on either side fails).
@@ -113,23 +118,37 @@ def gradcheck(
 
     Returns
     -------
-    True
+    bool
+        True (a failed check raises).
 
     Raises
     ------
     GradcheckError
         (an ``AssertionError``) listing, per checked array, the largest discrepancy
         and the analytic and numeric values side by side; also when the backward
-        returns no gradient for a parameter.
+        returns no gradient for a parameter, and when the forward changed its input
+        or a parameter in place (finite differences need a forward that leaves
+        them as they were).
     TypeError
         When ``target`` is neither a Module nor a (forward, backward) pair, params
         are given with a Module, a module's parameter is not a floating-point array,
         ``x`` is not an array, an option is not a number (``seed``: not an int), or
         ``forward`` or ``backward`` returns neither an array nor a tuple starting
-        with one.
+        with one (a module's forward: not an array).
     ValueError
         When ``eps`` is not a positive finite number, or ``atol``/``rtol`` is
         negative or NaN.
+
+    Notes
+    -----
+    The check differentiates the scalar ``L = sum(forward(x) * u)`` for a fixed
+    random ``u`` drawn from ``seed``. Its analytic gradient is what the backward
+    returns for the upstream gradient ``dy = u``; its numeric gradient is the
+    central difference ``dL/dt ~ (L(t + eps) - L(t - eps)) / (2 eps)`` for every
+    element ``t`` of the input and of each parameter, all in float64, whose error
+    is O(eps^2) from the truncation plus O(1e-16 |L| / eps) from rounding. It is
+    the check ``torch.autograd.gradcheck`` makes, by the projection of its fast
+    mode; it costs two forwards per element, so use small inputs.
 
     Examples
     --------
@@ -200,7 +219,15 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
             return module(at)
 
         module.zero_grad()
+        given = copy_array(x64)
         y = forward(x64)
+        if not array_api_compat.is_array_api_obj(y):
+            raise TypeError(
+                f"gradcheck: {type(module).__name__}'s forward returned a {type(y).__name__}, not "
+                "an array: gradcheck checks a module with one output (for several, check a "
+                "(forward, backward) pair per output)"
+            )
+        _check_unchanged(f"{type(module).__name__}'s forward", {"its input": (given, x64)})
         u = _projection(xp, y, seed)
         analytic: dict[str, Array] = {"input": module.backward(u)}
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})
@@ -267,7 +294,10 @@ def _check_pair(
     xp = namespace_of(x, *params, what="x and params")
     x64 = _laid_out_as(x, to_namespace(x, xp, xp.float64))
     p64 = [None if p is None else to_namespace(p, xp, xp.float64) for p in params]
+    given = {"x": (copy_array(x64), x64)}
+    given.update({f"params[{i}]": (copy_array(p), p) for i, p in enumerate(p64) if p is not None})
     out = forward(x64, *p64)
+    _check_unchanged("forward", given)
     y, saved = (out[0], tuple(out[1:])) if isinstance(out, tuple) and out else (out, ())
     if not array_api_compat.is_array_api_obj(y):
         raise TypeError(
@@ -306,6 +336,22 @@ def _check_pair(
     where = f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}, in float64" + _precision_note(xp, y)
     _compare(where, analytic, numeric, atol, rtol)
     return True
+
+
+def _check_unchanged(what: str, arrays: dict[str, tuple[Array, Array]]) -> None:
+    """A GradcheckError where ``what`` (the first forward of the check) changed one of
+    ``arrays`` (name: (copy taken before, the array passed)) in place: each perturbed
+    evaluation would then start from another point, and the numeric gradients mean nothing."""
+    changed = [
+        name
+        for name, (before, after) in arrays.items()
+        if not np.array_equal(to_host(before), to_host(after), equal_nan=True)
+    ]
+    if changed:
+        raise GradcheckError(
+            f"gradcheck: {what} changed {', '.join(changed)} in place; finite differences need a "
+            "forward that leaves its input and parameters as they were (compute into new arrays)"
+        )
 
 
 def _laid_out_as(x: Any, x64: Any) -> Any:
@@ -366,7 +412,9 @@ def _compare(
 ) -> None:
     missing = sorted(set(numeric) - set(analytic))
     if missing:
-        raise GradcheckError(f"backward produced no gradient for: {', '.join(missing)}")
+        raise GradcheckError(
+            f"gradcheck failed for {where}: backward produced no gradient for: {', '.join(missing)}"
+        )
     failures = [_report(name, analytic[name], numeric[name], atol, rtol) for name in numeric]
     failures = [f for f in failures if f]
     if failures:
@@ -406,13 +454,18 @@ def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float)
     bad = ~(err <= atol + rtol * np.abs(n))  # NaN on either side fails (err > tol would pass it)
     if not bad.any():
         return ""
-    ranked = np.where(np.isnan(err), np.inf, err)  # a NaN is the worst discrepancy
+    # The worst failing element: the largest discrepancy relative to its own tolerance (the
+    # largest absolute one may sit on a large gradient that passes); a NaN is the worst.
+    tol = atol + rtol * np.abs(n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ranked = np.where(np.isnan(err) | np.isnan(tol), np.inf, err / tol)
+    ranked = np.where(bad, np.nan_to_num(ranked, nan=np.inf), -1.0)  # (0 / 0 where atol = 0)
     worst = np.unravel_index(int(np.argmax(ranked)), err.shape) if err.ndim else ()
     shown = min(a.size, 6)
     return (
-        f"  {name}: {int(bad.sum())} of {a.size} elements differ; max |analytic - numeric| = "
-        f"{err[worst]:.3e} at {tuple(int(i) for i in worst)} "
-        f"(analytic {a[worst]:.6e}, numeric {n[worst]:.6e})\n"
+        f"  {name}: {int(bad.sum())} of {a.size} elements differ; worst at "
+        f"{tuple(int(i) for i in worst)}: |analytic - numeric| = {err[worst]:.3e} against a "
+        f"tolerance of {tol[worst]:.3e} (analytic {a[worst]:.6e}, numeric {n[worst]:.6e})\n"
         f"    analytic[:{shown}] = {_one_line(a.reshape(-1)[:shown])}\n"
         f"    numeric[:{shown}]  = {_one_line(n.reshape(-1)[:shown])}"
     )

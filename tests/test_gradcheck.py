@@ -421,3 +421,62 @@ def test_the_check_runs_on_the_inputs_own_layout(layout):
     assert npnorm.gradcheck(m, x)
     assert npnorm.gradcheck(m, np.broadcast_to(base[:1, :4], (3, 4)))  # elements sharing memory
     np.testing.assert_array_equal(x, before)
+
+
+def test_the_report_names_the_worst_failing_element_not_the_largest_error():
+    """The element with the largest |analytic - numeric| can be a large gradient within its
+    tolerance (rtol * |numeric|); the report names the failing one, by error over tolerance."""
+    forward = lambda x: np.stack([1e3 * x[0] ** 2 / 2, 1e-2 * x[1]])  # noqa: E731
+    backward = lambda dy, x: np.stack([1e3 * x[0] * dy[0] * 1.0005, 1.1e-2 * dy[1]])  # noqa: E731
+    with pytest.raises(npnorm.GradcheckError, match=r"1 of 2 elements differ; worst at \(1,\)"):
+        npnorm.gradcheck((forward, backward), np.ones(2))
+
+
+def test_a_module_whose_forward_returns_a_tuple_is_a_clear_type_error(rng):
+    class TwoOutputs(npnorm.Module):
+        def _forward(self, x):
+            return (2 * x, 3 * x), (), {}
+
+        def _backward(self, dy, saved):
+            return 2 * dy, {}
+
+    with pytest.raises(TypeError, match="forward returned a tuple, not an array"):
+        npnorm.gradcheck(TwoOutputs(dtype="float64"), rng.normal(size=(2, 3)))
+
+
+def test_a_forward_that_changes_its_input_in_place_is_named(rng):
+    """Every perturbed evaluation would start from another point: the numeric gradients
+    came out ~1e7 and the failure blamed the backward."""
+
+    def forward(x, w):
+        x *= 2  # in place
+        return x * w
+
+    with pytest.raises(npnorm.GradcheckError, match=r"forward changed x in place"):
+        npnorm.gradcheck((forward, lambda dy, x, w: (dy * w, dy * x)), rng.normal(size=3), np.ones(3))
+
+    def forward_w(x, w):
+        w += 1
+        return x * w
+
+    with pytest.raises(npnorm.GradcheckError, match=r"forward changed params\[0\] in place"):
+        npnorm.gradcheck((forward_w, lambda dy, x, w: (dy * w, dy * x)), rng.normal(size=3), np.ones(3))
+
+    class Doubling(npnorm.Module):
+        def _forward(self, x):
+            x *= 2
+            return x, (), {}
+
+        def _backward(self, dy, saved):
+            return 2 * dy, {}
+
+    x = rng.normal(size=(2, 3))
+    before = x.copy()
+    with pytest.raises(npnorm.GradcheckError, match="Doubling's forward changed its input in place"):
+        npnorm.gradcheck(Doubling(dtype="float64"), x)
+    np.testing.assert_array_equal(x, before)  # the check's own copy took it
+
+
+def test_a_missing_gradient_names_the_check(rng):
+    with pytest.raises(npnorm.GradcheckError, match=r"gradcheck failed for \(.*no gradient for: params"):
+        npnorm.gradcheck((lambda x, w: x * w, lambda dy, x, w: dy * w), rng.normal(size=3), np.ones(3))
