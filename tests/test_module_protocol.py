@@ -182,6 +182,22 @@ def test_load_state_dict_is_atomic(backend, rng, bad, match):
     assert_state_equal(m, state, grads)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_key_that_is_not_a_str_is_a_type_error_and_changes_nothing(rng, strict):
+    """With strict=False the values were loaded, then the returned keys' ``prefix + k``
+    raised a TypeError about str concatenation, and the next backward raised too."""
+    m = npnorm.LayerNorm(3)
+    randomize(m, rng)
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    m(x)
+    state, grads = snapshot(m)
+    bad = {"weight": np.full(3, 7.0), "bias": np.zeros(3), 0: 1.0}
+    with pytest.raises(TypeError, match=r"keys must be str .*got 0 \(int\)"):
+        m.load_state_dict(bad, strict=strict)
+    assert_state_equal(m, state, grads)
+    m.backward(np.ones((2, 3), np.float32))  # the saved forward stands
+
+
 def test_load_state_dict_non_strict_reports_keys():
     m = npnorm.LayerNorm(3)
     result = m.load_state_dict({"weight": np.full(3, 2.0), "other": np.ones(1)}, strict=False)

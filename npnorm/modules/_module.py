@@ -514,7 +514,8 @@ class Module:
             Listing every missing or unexpected key (when ``strict``), every shape
             mismatch and every value that does not convert, as PyTorch does.
         TypeError
-            If ``state_dict`` is not a mapping.
+            If ``state_dict`` is not a mapping, or (without ``prefix``) has a key
+            that is not a str.
 
         Examples
         --------
@@ -538,6 +539,13 @@ class Module:
             }
         else:
             source = {k: state_dict[k] for k in state_dict.keys()}
+            names = [k for k in source if not isinstance(k, str)]
+            if names:  # (before anything is staged: strict=False would load the rest, then fail)
+                raise TypeError(
+                    "state_dict keys must be str (parameter and buffer names); got "
+                    + ", ".join(f"{k!r} ({type(k).__name__})" for k in names)
+                    + " (nothing was changed)"
+                )
         own = {**self.parameters(), **self.buffers()}
         # PyTorch's state_dict carries each module's version (torch's ``_metadata``);
         # a plain dict has none, as a checkpoint of an old PyTorch
