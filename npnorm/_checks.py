@@ -166,6 +166,14 @@ def check_count(value: Any, what: str) -> int:
     return int(value)
 
 
+def check_flag(value: Any, what: str) -> bool:
+    """A bool (NumPy's too), as a bool: PyTorch's functions refuse anything else with a
+    TypeError, where a truthy string such as "False" would silently select training."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{what} must be a bool, got {value!r}")
+
+
 def check_real(value: Any, what: str) -> float:
     """A real number (of any type: NumPy's float32 too; not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

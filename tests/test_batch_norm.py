@@ -345,6 +345,39 @@ def test_a_refused_running_var_write_leaves_running_mean_as_it_was(rng, torch, f
     assert np.asarray(rm).tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("flag", ["False", 1, 0, None, np.array(True)])
+def test_a_training_flag_that_is_not_a_bool_is_a_type_error_as_in_torch(torch, flag):
+    """A truthy "False" selected training and wrote the caller's buffers; torch's
+    functions refuse anything but a bool (npnorm also takes NumPy's bool)."""
+    x = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
+    rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
+    mean, rstd = np.zeros(3, np.float32), np.ones(3, np.float32)
+    t = torch.tensor(x)
+    with pytest.raises(TypeError, match="must be bool"):
+        torch.nn.functional.batch_norm(t, torch.zeros(3), torch.ones(3), training=flag)
+    with pytest.raises(TypeError, match="must be bool"):
+        torch.nn.functional.instance_norm(t, torch.zeros(3), torch.ones(3), use_input_stats=flag)
+    calls = {
+        "batch_norm: training": lambda: F.batch_norm(x, rm, rv, training=flag),
+        "batch_norm_forward: training": lambda: F.batch_norm_forward(x, rm, rv, training=flag),
+        "batch_norm_backward: training": lambda: F.batch_norm_backward(x, x, mean, rstd, training=flag),
+        "instance_norm_forward: use_input_stats": lambda: F.instance_norm(x, rm, rv, use_input_stats=flag),
+        "instance_norm_backward: use_input_stats": lambda: F.instance_norm_backward(
+            x, x, mean, rstd, use_input_stats=flag
+        ),
+        "sync_batch_norm_forward: training": lambda: F.sync_batch_norm_forward(x, rm, rv, training=flag),
+        "sync_batch_norm_backward: training": lambda: F.sync_batch_norm_backward(
+            x, x, mean, rstd, training=flag
+        ),
+    }
+    for what, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{what} must be a bool, got"):
+            call()
+    assert rm.tolist() == [0, 0, 0] and rv.tolist() == [1, 1, 1]
+    y, *_ = F.batch_norm_forward(x, rm, rv, training=np.True_)  # NumPy's bool is a bool
+    np.testing.assert_array_equal(y, F.batch_norm_forward(x, rm, rv, training=True)[0])
+
+
 def test_eps_zero_is_refused_with_batch_statistics_as_in_torch(torch):
     x = np.random.default_rng(0).normal(size=(4, 2, 3)).astype(np.float32)
     for ours, theirs in [

@@ -7,7 +7,7 @@ Reducing Internal Covariate Shift", https://arxiv.org/abs/1502.03167.
 from __future__ import annotations
 
 from .._backend import Array, Namespace, no_fp_warnings
-from .._checks import check_eps, check_grad_output, check_out, float_inputs, prod
+from .._checks import check_eps, check_flag, check_grad_output, check_out, float_inputs, prod
 from ._channels import (
     channel_norm_backward,
     channel_norm_forward,
@@ -88,8 +88,8 @@ def batch_norm_forward(
         error, as in PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN
         (statistics of nothing), and the buffers come back as they were.
     TypeError
-        On non-floating input, arrays of different backends, or an ``eps`` that is
-        not a real number.
+        On non-floating input, arrays of different backends, an ``eps`` that is
+        not a real number, or a ``training`` that is not a bool (as PyTorch's).
 
     Examples
     --------
@@ -103,6 +103,7 @@ def batch_norm_forward(
     >>> rm, rv  # 0.9 * old + 0.1 * batch, the variance unbiased: 2 and 200
     (array([0.2, 2. ]), array([ 1.1, 20.9]))
     """
+    training = check_flag(training, "batch_norm_forward: training")
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
     xp = float_inputs(
@@ -188,6 +189,7 @@ def batch_norm_backward(
     array([[1.5],
            [1.5]])
     """
+    training = check_flag(training, "batch_norm_backward: training")
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,
@@ -252,7 +254,10 @@ def batch_norm(
     ValueError
         As ``batch_norm_forward``, and, as PyTorch's, when ``training`` with
         ``eps = 0`` (``batch_norm_forward`` itself allows it).
+    TypeError
+        As ``batch_norm_forward``.
     """
+    training = check_flag(training, "batch_norm: training")
     check_training_eps(check_eps(eps), training)
     y, _, _, new_mean, new_var = batch_norm_forward(
         input, running_mean, running_var, weight, bias, training, momentum, eps

@@ -7,7 +7,7 @@ for Fast Stylization", https://arxiv.org/abs/1607.08022.
 from __future__ import annotations
 
 from .._backend import Array, Namespace, no_fp_warnings, writable
-from .._checks import check_eps, check_grad_output, check_out, float_inputs, prod
+from .._checks import check_eps, check_flag, check_grad_output, check_out, float_inputs, prod
 from ._channels import (
     channel_norm_backward,
     channel_norm_forward,
@@ -87,8 +87,8 @@ def instance_norm_forward(
         buffers come back as they were, and with no instances (N = 0) the buffers
         become NaN, the average over no instances.
     TypeError
-        On non-floating input, arrays of different backends, or an ``eps`` that is
-        not a real number.
+        On non-floating input, arrays of different backends, an ``eps`` that is
+        not a real number, or a ``use_input_stats`` that is not a bool (as PyTorch's).
 
     Examples
     --------
@@ -100,6 +100,7 @@ def instance_norm_forward(
     (array([[[-1.,  1.],
             [-1.,  1.]]]), array([[2., 2.]]))
     """
+    use_input_stats = check_flag(use_input_stats, "instance_norm_forward: use_input_stats")
     eps = check_eps(eps)
     momentum = check_momentum(momentum)
     xp = float_inputs(
@@ -208,6 +209,7 @@ def instance_norm_backward(
     >>> np.abs(dx).max() < 1e-12, dw
     (np.True_, None)
     """
+    use_input_stats = check_flag(use_input_stats, "instance_norm_backward: use_input_stats")
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,

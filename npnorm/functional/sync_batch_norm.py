@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, to_host, to_namespace
-from .._checks import cast, check_eps, check_grad_output, float_inputs, prod, work_dtype
+from .._checks import cast, check_eps, check_flag, check_grad_output, float_inputs, prod, work_dtype
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
 from .._stats import RECENTRE_ABOVE, moments, wide_sum, xhat_from
 from ._channels import (
@@ -117,6 +117,7 @@ def sync_batch_norm_forward(
     >>> y.shape, mean.shape
     ((4, 3, 5), (3,))
     """
+    training = check_flag(training, "sync_batch_norm_forward: training")
     if not training:
         return batch_norm_forward(input, running_mean, running_var, weight, bias, False, momentum, eps)
     comm = resolve_comm(comm)
@@ -186,6 +187,7 @@ def sync_batch_norm_backward(
     >>> dx.shape, dw, db
     ((4, 3, 5), None, None)
     """
+    training = check_flag(training, "sync_batch_norm_backward: training")
     if not training:
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, False)
     comm = resolve_comm(comm)
