@@ -378,6 +378,24 @@ def test_a_training_flag_that_is_not_a_bool_is_a_type_error_as_in_torch(torch, f
     np.testing.assert_array_equal(y, F.batch_norm_forward(x, rm, rv, training=True)[0])
 
 
+@pytest.mark.parametrize("flag", [1, 0])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d", "SyncBatchNorm"])
+def test_a_training_attribute_set_to_an_int_acts_on_its_truth_as_in_torch(torch, name, flag):
+    """The modules pass the functions a bool, whatever ``training`` holds (torch's
+    BatchNorm reads it as a condition; its InstanceNorm passes it on, and torch's
+    function refuses an int: npnorm's InstanceNorm reads it as a condition too)."""
+    x = np.random.default_rng(0).normal(size=(2, 3, 4)).astype(np.float32)
+    ours = getattr(npnorm, name)(3, track_running_stats=True)
+    theirs = getattr(torch.nn, "BatchNorm1d" if name == "SyncBatchNorm" else name)
+    theirs = theirs(3, track_running_stats=True)
+    ours.training = flag
+    theirs.training = bool(flag) if name == "InstanceNorm1d" else flag
+    y = ours(x)
+    ours.backward(np.ones_like(y))
+    np.testing.assert_allclose(y, theirs(torch.tensor(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.running_mean, theirs.running_mean.numpy(), rtol=1e-6)
+
+
 def test_eps_zero_is_refused_with_batch_statistics_as_in_torch(torch):
     x = np.random.default_rng(0).normal(size=(4, 2, 3)).astype(np.float32)
     for ours, theirs in [

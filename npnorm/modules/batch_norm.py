@@ -120,8 +120,9 @@ class _BatchNorm(_NormBase):
             updates["num_batches_tracked"] = self.xp.asarray(self.num_batches_tracked + 1)
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(updates["num_batches_tracked"])
-        # batch statistics when training, or when there are no running statistics
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        # batch statistics when training, or when there are no running statistics (a bool
+        # whatever was set: training = 1 trains, as in PyTorch; the functions take only bools)
+        use_batch_stats = bool(self.training) or (self.running_mean is None and self.running_var is None)
         check_training_eps(self.eps, use_batch_stats)  # as PyTorch's: eps = 0 only in eval
         running_mean = self.running_mean if buffers_in_use else None
         running_var = self.running_var if buffers_in_use else None

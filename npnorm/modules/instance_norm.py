@@ -72,7 +72,7 @@ class _InstanceNorm(_NormBase):
         unbatched = input.ndim == nb
         kept = self._input_for_backward(input)  # x, or the copy PyTorch's backward keeps
         x = xp.expand_dims(kept, axis=0) if unbatched else kept
-        use_input_stats = self.training or not self.track_running_stats
+        use_input_stats = bool(self.training) or not self.track_running_stats  # (training = 1 trains)
         momentum = self.momentum if self.momentum is not None else 0.0
         y, mean, rstd, new_mean, new_var = instance_norm_forward(
             x,
