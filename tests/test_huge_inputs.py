@@ -163,7 +163,7 @@ def test_float16_grads_that_overflow_when_accumulated_are_inf_without_a_warning(
     np.testing.assert_array_equal(m.grads["weight"], single.grads["weight"] + single.grads["weight"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "reference"])  # each against it
 @pytest.mark.parametrize("layer", ["BatchNorm1d", "InstanceNorm1d"])
 def test_running_statistics_backward_with_a_huge_spread(family, layer):
     """Eval mode with a running variance of 1e30 (rstd 1e-15) and float32 values of 1e20:
@@ -189,7 +189,7 @@ def test_running_statistics_backward_with_a_huge_spread(family, layer):
         assert np.isfinite(dx).all()
         grads[kernels] = {k: g.copy() for k, g in m.grads.items()}
     for k, g in grads["reference"].items():
-        assert np.isfinite(grads[family][k]).all(), k
+        assert np.isfinite(g).all() and np.isfinite(grads[family][k]).all(), k
         atol = 1e-5 * float(np.abs(g).max())
         np.testing.assert_allclose(grads[family][k], g, rtol=1e-5, atol=atol, err_msg=k)
 
