@@ -29,7 +29,7 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import draw_state, randomize
+from helpers import close, draw_state, gains, load_into_torch, randomize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
@@ -213,6 +213,101 @@ def test_drawn_splits_equal_batch_norm_on_the_concatenated_batch(case, data):
             total = sum(result[step][2][k].astype(np.float64) for result in got)
             scale = dy_sum * (1 + 2 * x_max.reshape(c) * r_c.reshape(c))  # C
             assert np.all(np.abs(total - g_ref) <= tol * scale + floor), k
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"affine": False, "momentum": None}, {"track_running_stats": False}],
+    ids=["default", "no affine", "untracked"],
+)
+@settings(max_examples=4, deadline=None)
+@given(data=st.data())
+def test_the_ranks_together_equal_torch_batch_norm_on_the_whole_batch(torch, family, dtype, kw, data):
+    """SyncBatchNorm over 3 thread ranks (one empty) against torch.autograd's BatchNorm2d
+    on the concatenated batch, in float64 and float32, with each kernel family: two
+    training steps, then eval where there are running statistics (without them eval
+    uses each rank's own batch, as torch's SyncBatchNorm does). y and dx of every rank,
+    the weight and bias gradients summed over ranks, and every rank's buffers. In
+    float32 the truth is torch's float64 step on the same values, from npnorm's state."""
+    shape, splits = (6, 3, 2, 3), (2, 0, 4)
+    ends = np.cumsum([0, *splits])
+    values = st.floats(-4, 4, width=32)
+    x = data.draw(hnp.arrays(np.float64, shape, elements=values, fill=st.nothing()), label="x") * 3 + 0.5
+    dy = data.draw(hnp.arrays(np.float64, shape, elements=values, fill=st.nothing()), label="dy")
+    x, dy = x.astype(dtype), dy.astype(dtype)
+    state = npnorm.BatchNorm2d(3, **kw, dtype=dtype)
+    draw_state(data, state)
+    start = {k: np.array(to_host(v)) for k, v in state.state_dict().items()}
+    modes = (True, True, False) if kw.get("track_running_stats", True) else (True, True)
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(3, **kw, comm=comm, dtype=dtype)
+        m.load_state_dict(start)
+        lo, hi = ends[comm.Get_rank()], ends[comm.Get_rank() + 1]
+        steps = []
+        with npnorm.use_kernels(family):
+            for mode in modes:
+                m.train(mode)
+                m.zero_grad()
+                y = m(x[lo:hi])
+                dx = m.backward(dy[lo:hi])
+                grads = {k: to_host(g).copy() for k, g in m.grads.items()}
+                steps.append(
+                    (to_host(y), to_host(dx), grads, {k: np.array(v) for k, v in m.state_dict().items()})
+                )
+        return steps
+
+    got = run_ranks(len(splits), rank_fn)
+    for result in got:
+        assert not isinstance(result, BaseException), result
+    ref = torch.nn.BatchNorm2d(3, **kw, dtype=getattr(torch, dtype))
+    load_into_torch(torch, state, ref)
+
+    def run(module, dt):
+        xt = torch.tensor(x.astype(np.float64), dtype=dt, requires_grad=True)
+        yt = module(xt)
+        yt.backward(torch.tensor(dy.astype(np.float64), dtype=dt))
+        return yt, xt.grad, dict(module.named_parameters()), module.state_dict()
+
+    for step, mode in enumerate(modes):
+        state.train(mode)  # (for gains: npnorm's state before this step)
+        ref.train(mode)
+        ref.zero_grad()
+        ref64 = None
+        if dtype == "float32":
+            ref64 = copy.deepcopy(ref).double()
+            load_into_torch(torch, state, ref64)
+            ref64.zero_grad()
+        yt, dxt, tparams, tstate = run(ref, getattr(torch, dtype))
+        y64, dx64, params64, state64 = run(ref64, torch.float64) if ref64 is not None else (None,) * 4
+        y = np.concatenate([result[step][0] for result in got])
+        dx = np.concatenate([result[step][1] for result in got])
+        close(y, yt, dtype, f"step {step}: output", y64)
+        close(
+            dx,
+            dxt,
+            dtype,
+            f"step {step}: dx",
+            dx64,
+            gains(state, x.astype(np.float64), dtype) * float(np.abs(dy).max()),
+        )
+        assert set(got[0][step][2]) == {k for k, p in tparams.items() if p.grad is not None}
+        for k in got[0][step][2]:
+            total = sum(result[step][2][k].astype(np.float64) for result in got)
+            close(
+                total,
+                tparams[k].grad,
+                dtype,
+                f"step {step}: grad {k}",
+                params64[k].grad if params64 else None,
+            )
+        assert set(got[0][step][3]) == set(tstate)
+        for k, v in got[0][step][3].items():
+            close(v, tstate[k], dtype, f"step {step}: {k}", state64[k] if state64 else None)
+            assert all(np.array_equal(result[step][3][k], v) for result in got), f"{k} differs across ranks"
+        state.load_state_dict(got[0][step][3])
 
 
 def test_finite_differences_of_the_loss_over_every_rank():
