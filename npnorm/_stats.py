@@ -36,8 +36,10 @@ node; ``npnorm.learn`` runs that staged backward and checks each step of it.
 
 from __future__ import annotations
 
+import array_api_compat
+
 from ._backend import Array, Namespace
-from ._checks import cast
+from ._checks import cast, prod
 
 Axes = tuple[int, ...]
 
@@ -96,6 +98,15 @@ def moments(xp: Namespace, x: Array, axes: Axes, *, center: bool = True) -> tupl
 def rstd_of(xp: Namespace, var: Array, eps: float, dtype: object) -> Array:
     """``1 / sqrt(var + eps)``, computed in ``var``'s dtype and returned in ``dtype``."""
     return cast(xp, 1.0 / xp.sqrt(var + eps), dtype)
+
+
+def as_rows(xp: Namespace, a: Array, D: int) -> Array:
+    """``a``, whose trailing axes hold D values (D > 0), as rows: shape (R, D). An empty
+    ``a`` becomes a new (0, D) array: dask cannot reshape a zero-length axis merged with a
+    chunked one."""
+    if prod(a.shape) == 0:
+        return xp.zeros((0, D), dtype=a.dtype, device=array_api_compat.device(a))
+    return xp.reshape(a, (-1, D))
 
 
 def standardize(

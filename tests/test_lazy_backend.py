@@ -59,3 +59,23 @@ def test_an_input_of_unknown_size_is_a_clear_error_that_changes_nothing():
     assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
     known = lazy.compute_chunk_sizes()
     np.testing.assert_allclose(F.layer_norm(known, (4,)).compute(), F.layer_norm(x[x[:, 0] > 0], (4,)))
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_an_empty_batch_chunked_along_every_axis_gives_numpys_results(name):
+    """dask cannot reshape a zero-length axis merged with a chunked one: LayerNorm and
+    RMSNorm raised "reduce() of empty iterable" inside dask's reshape on an empty batch
+    whose other batch axes were split into chunks; InstanceNorm's buffers, NaN after no
+    instances, warned of 0 / 0 when computed."""
+    make, shape = LAYERS[name]
+    ours, ref = make(xp=da, dtype="float64"), make(dtype="float64")
+    rows = name in ("LayerNorm", "RMSNorm")  # (a second batch axis, merged with the empty one)
+    x = np.zeros((0, 3, *shape[1:]) if rows else (0, *shape[1:]))
+    y = ours(da.from_array(x, chunks=1))
+    dx = ours.backward(da.from_array(x, chunks=1))
+    assert isinstance(y, da.Array) and isinstance(dx, da.Array)
+    np.testing.assert_array_equal(y.compute(), ref(x))
+    np.testing.assert_array_equal(dx.compute(), ref.backward(x))
+    assert _state(ours).keys() == _state(ref).keys()
+    for k, v in _state(ref).items():
+        np.testing.assert_array_equal(_state(ours)[k], v, err_msg=k)

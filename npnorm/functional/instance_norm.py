@@ -119,11 +119,12 @@ def instance_norm_forward(
         raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
     check_out(xp, out, input)
     n = int(input.shape[0])
-    if use_input_stats and s == 0:  # instances without values (N = 0, S > 0: the kernels)
+    if use_input_stats and (s == 0 or n == 0):  # instances without values, or none
         y, mean, rstd = empty_forward(xp, input, (n, c), weight, bias, out)
         if n > 0:  # the buffers stay as they are, as PyTorch's
             return y, mean, rstd, as_native(running_mean), as_native(running_var)
-        # no instances: NaN buffers, PyTorch's average over none (as the kernels give for S > 0)
+        # no instances: NaN buffers, PyTorch's average over none (made here, not as a 0 / 0
+        # that a lazy backend would compute, and warn of, outside this call)
         nan = [
             None if a is None else as_plain(xp.full_like(a, float("nan")))
             for a in (running_mean, running_var)

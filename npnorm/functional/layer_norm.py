@@ -23,7 +23,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import standardize, standardize_backward, wide_sum, xhat_from
+from .._stats import as_rows, standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -237,7 +237,7 @@ def layer_norm_forward_generic(
     ct = work_dtype(xp, input, weight, bias)  # float32 at least
     batch = tuple(input.shape[: input.ndim - len(shape)])
     D = prod(shape)
-    x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D (R = rows)
+    x = as_rows(xp, cast(xp, input, ct), D)  # R,D (R = rows)
     xhat, mean, rstd = standardize(xp, x, (1,), eps)  # R,D  R,1  R,1
     y = xhat  # R,D
     if weight is not None:
@@ -264,8 +264,8 @@ def layer_norm_backward_generic(
 ) -> tuple[Array, Array | None, Array | None]:
     ct = work_dtype(xp, input, weight, bias, mean, rstd)
     D = prod(shape)
-    x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D
-    dy = xp.reshape(cast(xp, grad_output, ct), (-1, D))  # R,D
+    x = as_rows(xp, cast(xp, input, ct), D)  # R,D
+    dy = as_rows(xp, cast(xp, grad_output, ct), D)  # R,D
     mean = xp.reshape(cast(xp, mean, ct), (-1, 1))  # R,1
     rstd = xp.reshape(cast(xp, rstd, ct), (-1, 1))  # R,1
     xhat = xhat_from(x, mean, rstd)  # R,D, recomputed rather than saved

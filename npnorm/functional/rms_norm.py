@@ -25,7 +25,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import standardize, standardize_backward, wide_sum, xhat_from
+from .._stats import as_rows, standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -214,7 +214,7 @@ def rms_norm_forward_generic(
         eps = default_eps(xp, input)
     batch = tuple(input.shape[: input.ndim - len(shape)])
     D = prod(shape)
-    x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D
+    x = as_rows(xp, cast(xp, input, ct), D)  # R,D
     xhat, _, rstd = standardize(xp, x, (1,), eps, center=False)  # R,D  R,1
     y = xhat if weight is None else xhat * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
@@ -234,8 +234,8 @@ def rms_norm_backward_generic(
 ) -> tuple[Array, Array | None]:
     ct = work_dtype(xp, input, weight, rstd)
     D = prod(shape)
-    x = xp.reshape(cast(xp, input, ct), (-1, D))  # R,D
-    dy = xp.reshape(cast(xp, grad_output, ct), (-1, D))  # R,D
+    x = as_rows(xp, cast(xp, input, ct), D)  # R,D
+    dy = as_rows(xp, cast(xp, grad_output, ct), D)  # R,D
     rstd = xp.reshape(cast(xp, rstd, ct), (-1, 1))  # R,1
     xhat = xhat_from(x, None, rstd)  # R,D
     dweight = None
