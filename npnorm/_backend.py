@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -68,8 +68,9 @@ def _type_decides_namespace(a: Any) -> bool:
     return bool(aac.is_numpy_array(a) or aac.is_cupy_array(a) or aac.is_torch_array(a))
 
 
-def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
-    """The Array API namespace shared by ``arrays`` (``None`` entries ignored).
+def namespace_of(*arrays: Any, what: str = "arrays", names: Sequence[str] | None = None) -> Namespace:
+    """The Array API namespace shared by ``arrays`` (``None`` entries ignored); ``names``
+    (one per array) name them by backend in the error.
 
     Raises
     ------
@@ -91,12 +92,32 @@ def namespace_of(*arrays: Any, what: str = "arrays") -> Namespace:
     try:
         xp = array_api_compat.array_namespace(*present)
     except TypeError as err:
-        kinds = sorted({type(a).__module__.split(".")[0] + "." + type(a).__name__ for a in present})
+
+        def kind(a: Any) -> str:
+            return type(a).__module__.split(".")[0] + "." + type(a).__name__
+
+        if names is None:
+            listing = ", ".join(sorted({kind(a) for a in present}))
+        else:  # each backend with the arrays of it: "grad_output: numpy.ndarray; input, ...: torch.Tensor"
+            by_kind: dict[str, list[str]] = {}
+            for name, a in zip(names, arrays, strict=True):
+                if a is not None:
+                    by_kind.setdefault(kind(a), []).append(name)
+            listing = "; ".join(f"{', '.join(of)}: {k}" for k, of in by_kind.items())
         first = _backend_of(present[0])
+        if names is not None and names[0] == "grad_output":  # a backward: the forward's backend
+            theirs = _backend_of(present[1])
+            hint = (
+                f"pass grad_output as an array of the forward's backend ({theirs}), converted from "
+                f"{type(present[0]).__name__} (moving the module with to() would drop the saved forward)"
+            )
+        else:
+            hint = (
+                f"move them to one backend first: for {type(present[0]).__name__} input, "
+                f"module.to({first!r}) moves a module's arrays (or create the module with xp={first!r})"
+            )
         raise TypeError(
-            f"{what} live on different array backends ({', '.join(kinds)}); "
-            f"move them to one backend first: for {type(present[0]).__name__} input, "
-            f"module.to({first!r}) moves a module's arrays (or create the module with xp={first!r}); "
+            f"{what} live on different array backends ({listing}); {hint}; "
             "npnorm runs on NumPy, CuPy, torch tensors and any Array API namespace"
         ) from err
     types = {type(a) for a in present}

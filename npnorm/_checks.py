@@ -69,8 +69,7 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
                 f"{name}: masked arrays are not supported (a norm layer has no notion of a mask): "
                 "pass a.filled(value), or normalize a.compressed()"
             )
-    present = [n for n, a in zip(names, arrays, strict=True) if a is not None]
-    xp = namespace_of(*arrays, what=" and ".join(present))
+    xp = namespace_of(*arrays, what="the arrays", names=names)
     for name, a in zip(names, arrays, strict=True):
         if a is not None:
             check_floating(xp, a, name)

@@ -355,3 +355,19 @@ def test_a_tensor_with_its_negative_bit_set_keeps_its_sign(torch):
     ref = torch.nn.LayerNorm(4, dtype=torch.float64)
     ref.load_state_dict({"weight": w, "bias": torch.zeros(4)})
     np.testing.assert_array_equal(npnorm.from_torch(ref).weight, want)
+
+
+def test_a_backward_given_another_backends_gradient_says_to_convert_it(torch):
+    """The error advised module.to('numpy'), which drops the saved forward: the next
+    backward then raised 'no saved forward'. It now names each array's backend and says
+    to pass grad_output in the forward's; doing so works, the state untouched meanwhile."""
+    m = npnorm.LayerNorm(5, xp="torch")
+    x = torch.randn(4, 3, 5)
+    m(x)
+    with pytest.raises(TypeError, match=r"grad_output: numpy\.ndarray; input, .*: torch\.Tensor") as info:
+        m.backward(np.ones((4, 3, 5), np.float32))
+    assert "pass grad_output as an array of the forward's backend (torch)" in str(info.value)
+    assert "module.to(" not in str(info.value)
+    assert not m.grads
+    dx = m.backward(torch.ones(4, 3, 5))
+    assert isinstance(dx, torch.Tensor) and set(m.grads) == {"weight", "bias"}
