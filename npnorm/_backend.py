@@ -322,8 +322,11 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         host = _to_host(value)
         if _not_numbers(host):  # a list of None, say
             raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}")
-        if isinstance(host, np.ndarray) and (not host.dtype.isnative or any(s < 0 for s in host.strides)):
-            # a reversed view, a big-endian .npz: torch (and DLPack) take neither
+        if isinstance(host, np.ndarray) and (
+            not host.dtype.isnative or any(s < 0 for s in host.strides) or not host.flags.writeable
+        ):
+            # a reversed view, a big-endian .npz: torch (and DLPack) take neither; a read-only
+            # array (JAX's, through DLPack; a memmap): torch warns that it cannot be written
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
         out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:

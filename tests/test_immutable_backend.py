@@ -136,3 +136,24 @@ def test_the_pure_functions_run_under_jit():
         jitted, plain = jax.jit(call)(x), call(x)
         for a, b_ in zip(jax.tree_util.tree_leaves(jitted), jax.tree_util.tree_leaves(plain), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_jax_module_moves_to_torch_without_torchs_read_only_warning(torch):
+    """JAX's arrays reach NumPy read-only through DLPack, and torch warns when it is
+    given a read-only 0-d array (the counter), once per process: in a fresh process with
+    warnings as errors, a move to torch and a load of such an array raised."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, npnorm\n"
+        "m = npnorm.BatchNorm1d(3, xp='jax.numpy')\n"
+        "t = m.to('torch')\n"
+        "assert type(t.num_batches_tracked).__module__ == 'torch'\n"
+        "c = np.asarray(np.int64(4)); c.flags.writeable = False\n"
+        "n = npnorm.BatchNorm1d(3, xp='torch')\n"
+        "n.load_state_dict({**m.state_dict(), 'num_batches_tracked': c})\n"
+        "assert int(n.num_batches_tracked) == 4\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
