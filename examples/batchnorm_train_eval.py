@@ -19,9 +19,17 @@ batches = [(rng.standard_normal((8, 3, 4, 4)) * 2 + 5).astype(np.float32) for _ 
 for x in batches:  # training: batch statistics, running statistics updated
     y = bn(x)
     bn.backward(np.ones_like(y))  # gradients of a (trivial) loss
-print("after", int(bn.num_batches_tracked), "batches:")
-print("  running_mean", np.round(bn.running_mean, 3), "(data mean 5)")
-print("  running_var ", np.round(bn.running_var, 3), "(data var 4; unbiased batch variance)")
+# each step moves the running statistics 10% of the way to the batch's: after 20 steps
+# they have gone 1 - 0.9**20 = 88% of the way from their start (mean 0, var 1)
+moved = 1 - 0.9 ** int(bn.num_batches_tracked)
+steps = int(bn.num_batches_tracked)
+print(f"after {steps} batches (the running statistics have moved {moved:.0%} of the way):")
+print("  running_mean", np.round(bn.running_mean, 3), f"(data mean 5: expect ~{5 * moved:.2f})")
+print(
+    "  running_var ",
+    np.round(bn.running_var, 3),
+    f"(data var 4, unbiased batch variance: expect ~{1 + 3 * moved:.2f})",
+)
 
 bn.eval()  # inference: running statistics, one example at a time is fine
 single = batches[0][:1]

@@ -142,7 +142,9 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     The result has the same class, constructor arguments (eps, momentum, affine
     flags, shapes, ...), dtype, state and train/eval flag as ``module``. The state
     is copied: the two modules share no memory. ``to_torch`` is the inverse, and
-    ``to_torch(from_torch(m))`` reproduces ``m`` exactly (bfloat16 aside).
+    ``to_torch(from_torch(m))`` reproduces ``m`` exactly, but for bfloat16 and the
+    parameters' ``requires_grad`` (npnorm has no such flag: to_torch's parameters
+    require grad, as torch's constructors make them).
 
     Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm,
     InstanceNorm1d/2d/3d and SyncBatchNorm (``npnorm.convert.PAIRS``). The class must be one of
@@ -153,8 +155,9 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     module : torch.nn.Module
         The layer, on any device. Its dtype is kept: float16, float32 and float64
         as they are; bfloat16 (which npnorm does not have) becomes float32, exactly.
-    xp : str or namespace module, keyword-only, default "numpy"
-        Backend of the new module's arrays ("numpy", "cupy", "torch", ...).
+    xp : str or namespace module, keyword-only, default None
+        Backend of the new module's arrays ("numpy", "cupy", "torch", ...); None
+        means NumPy.
     device : device, keyword-only, default None
         Device of the new module's arrays, one of that backend's (``None``: its
         default device). ``from_torch(m, xp="torch", device=m.weight.device)``
@@ -166,6 +169,8 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
 
     Raises
     ------
+    ImportError
+        When torch is not installed.
     TypeError
         When ``module`` is not one of the converted torch.nn classes.
 
@@ -204,7 +209,9 @@ def to_torch(module: Module) -> Any:
     """The ``torch.nn`` layer equivalent to an npnorm layer (CPU; ``.to(device)`` moves it).
 
     Same class, constructor arguments, dtype, state (copied) and train/eval flag;
-    the inverse of ``from_torch``. The module can be on any npnorm backend.
+    the inverse of ``from_torch``. The module can be on any npnorm backend. A layer
+    that holds no arrays (no affine parameters, no running statistics) has no dtype
+    in torch: ``from_torch`` gives it torch's default dtype back.
 
     Loading only the state into an existing torch layer is a one-liner, since
     torch's ``load_state_dict`` wants torch tensors (for a NumPy-backed module)::
