@@ -184,6 +184,14 @@ def test_empty_batch_with_running_stats_as_torch(family):
     np.testing.assert_array_equal(m.grads["weight"], 0)
 
 
+def test_affine_with_no_instances_returns_empty_where_torch_raises(torch):
+    """The README's one exception to "an empty batch as in PyTorch": torch 2.13's affine
+    InstanceNorm fails inside its kernel on N = 0; npnorm returns the empty output."""
+    with pytest.raises(IndexError):
+        torch.nn.InstanceNorm1d(3, affine=True)(torch.zeros((0, 3, 4)))
+    assert npnorm.InstanceNorm1d(3, affine=True)(np.zeros((0, 3, 4), np.float32)).shape == (0, 3, 4)
+
+
 def test_empty_batch_running_stats_match_torch(torch):
     ref = torch.nn.InstanceNorm1d(3, track_running_stats=True)
     ref(torch.zeros((0, 3, 4)))
