@@ -520,3 +520,97 @@ def test_a_users_layer_that_breaks_the_contract_is_told_what_to_return(
         m(x)
         m.backward(np.ones_like(x))
     assert m.grads == {} and float(m.g) == 2.0
+
+
+class _Scale(npnorm.Module):
+    """y = x * w over the last axis, with a step counter of int32 and a bool flag."""
+
+    _parameter_names = ("w",)
+    _buffer_names = ("steps", "seen")
+
+    def __init__(self, d=4, grad=None, updates=None, **kw):
+        super().__init__(**kw)
+        self.w = self.xp.ones(d, dtype=self.dtype)
+        self.steps = self.xp.asarray(np.zeros(2, np.int32))
+        self.seen = self.xp.asarray(np.zeros(2, bool))
+        self.grad, self.updates = grad, updates
+
+    def _forward(self, x):
+        return x * self.w, (x, self.w), (self.updates(self) if self.updates else {})
+
+    def _backward(self, dy, saved):
+        x, w = saved
+        return dy * w, {"w": self.grad(dy, x) if self.grad else (dy * x).sum(0)}
+
+
+@pytest.mark.parametrize(
+    "grad,error,match",
+    [
+        (lambda dy, x: dy * x, ValueError, r"gradient for 'w' has shape \(3, 4\), the parameter \(4,\)"),
+        (lambda dy, x: np.sum(dy * x), ValueError, r"has shape \(\), the parameter \(4,\)"),
+        (lambda dy, x: np.ones(4, bool), TypeError, "has dtype bool, not a floating one"),
+        (lambda dy, x: np.ones(4, np.int64), TypeError, "has dtype int64"),
+        (lambda dy, x: [1.0] * 4, TypeError, "is a list, not an array"),
+    ],
+)
+def test_a_parameter_gradient_of_another_shape_or_kind_is_refused(rng, grad, error, match):
+    """_backward's gradients went into grads as they came: a (3, 4) gradient of a (4,)
+    weight grew the accumulated one, a bool one stayed bool. Nothing is accumulated."""
+    m = _Scale(grad=grad, dtype="float32")
+    m(rng.normal(size=(3, 4)).astype(np.float32))
+    with pytest.raises(error, match=match):
+        m.backward(np.ones((3, 4), np.float32))
+    assert m.grads == {}
+
+
+def test_a_parameter_gradient_of_another_backend_is_refused(torch, rng):
+    m = _Scale(grad=lambda dy, x: np.ones(4, np.float32), xp="torch")
+    m(torch.ones(3, 4))
+    with pytest.raises(TypeError, match="of another backend than the parameter"):
+        m.backward(torch.ones(3, 4))
+    assert m.grads == {}
+
+
+@pytest.mark.parametrize(
+    "updates,error,match",
+    [
+        (
+            lambda m: {"steps": m.steps + 1, "nope": m.steps},
+            TypeError,
+            r"update for 'nope', which is not a buffer",
+        ),
+        (lambda m: {"w": m.w * 0}, TypeError, r"update for 'w', which is not a buffer"),
+        (
+            lambda m: {"steps": np.zeros(3, np.int32)},
+            ValueError,
+            r"update of 'steps' has shape \(3,\), the buffer \(2,\)",
+        ),
+    ],
+)
+def test_a_forward_update_that_is_not_a_buffer_of_its_shape_changes_nothing(rng, updates, error, match):
+    """An unknown name was written after the valid ones (a bare AttributeError, the
+    buffer already changed), and a parameter named there was overwritten."""
+    m = _Scale(updates=updates, dtype="float32")
+    state, grads = snapshot(m)
+    with pytest.raises(error, match=match):
+        m(rng.normal(size=(3, 4)).astype(np.float32))
+    assert_state_equal(m, state, grads)
+
+
+def test_to_keeps_int_and_bool_buffers_as_torch_does(torch):
+    """An int32 buffer became int64 at every to(), even one that changes nothing (a new
+    array: a state_dict taken before lost it), and a bool one raised 'unsupported dtype'."""
+    m = _Scale(dtype="float32")
+    steps = m.steps
+    assert m.to() is m and m.steps is steps
+    m.to(dtype="float64")
+    assert m.steps is steps and m.seen.dtype == np.bool_ and m.w.dtype == np.float64
+    m.to("torch")
+    assert (m.steps.dtype, m.seen.dtype, m.w.dtype) == (torch.int32, torch.bool, torch.float64)
+    ref = torch.nn.Module()
+    ref.register_buffer("steps", torch.zeros(2, dtype=torch.int32))
+    ref.register_buffer("seen", torch.zeros(2, dtype=torch.bool))
+    ref.to(torch.float16)
+    assert (ref.steps.dtype, ref.seen.dtype) == (torch.int32, torch.bool)  # torch keeps them too
+    m.to("numpy")
+    assert (m.steps.dtype, m.seen.dtype) == (np.int32, np.bool_)

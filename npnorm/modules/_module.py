@@ -95,6 +95,19 @@ def dtype_name(xp: Namespace, dtype: Any) -> str:
     raise TypeError(f"unsupported dtype {dtype!r}")
 
 
+_OTHER_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def _other_dtype_name(xp: Namespace, dtype: Any) -> str:
+    """The name of a buffer's bool or integer dtype (of namespace ``xp``), which a move keeps."""
+    if isinstance(dtype, np.dtype):  # (">i4", a file's, is int32)
+        dtype = dtype.newbyteorder("=")
+    for name in _OTHER_DTYPES:
+        if getattr(xp, name, None) == dtype:
+            return name
+    raise TypeError(f"unsupported dtype {dtype!r} (a buffer is a float, int or bool array)")
+
+
 class Module:
     """Base class of every npnorm layer: parameters, buffers, grads, train/eval,
     ``state_dict``, backend moves, pickling.
@@ -213,11 +226,30 @@ class Module:
                 + _described(result)
             )
         output, saved, updates = result
+        self._check_updates(updates)  # all of them, before anything is written
         for name, value in updates.items():
             self._write(name, value, uncounted=name in self._written_uncounted)
         self._saved = saved if is_grad_enabled() else None
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         return output
+
+    def _check_updates(self, updates: Mapping[str, Any]) -> None:
+        """A TypeError or ValueError unless every entry of ``_forward``'s ``updates`` names
+        a buffer and, where that buffer exists, has its shape: one unknown name was written
+        after the others, and a parameter named there was overwritten."""
+        cls = type(self).__name__
+        for name, value in updates.items():
+            if name not in self._buffer_names:
+                raise TypeError(
+                    f"{cls}._forward returned an update for {name!r}, which is not a buffer "
+                    f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
+                )
+            current = getattr(self, name, None)
+            if _is_array(current) and _is_array(value) and tuple(value.shape) != tuple(current.shape):
+                raise ValueError(
+                    f"{cls}._forward's update of {name!r} has shape {tuple(value.shape)}, the buffer "
+                    f"{tuple(current.shape)}"
+                )
 
     def _versions(self, input: Array, saved: Saved) -> _Versions | None:
         """The in-place change counters (torch tensors' ``_version``; other backends
@@ -305,6 +337,7 @@ class Module:
         for name, g in param_grads.items():
             if g is not None:
                 g = self._as_parameter_grad(name, g)
+                self._check_parameter_grad(name, g)
                 held = self.grads.get(name)
                 if held is None:  # a copy: the backward's array may be a view of its input
                     totals[name] = (held, copy_array(g))
@@ -342,6 +375,31 @@ class Module:
         ):
             g = self.xp.astype(g, dtype)
         return g
+
+    def _check_parameter_grad(self, name: str, g: Any) -> None:
+        """A TypeError or ValueError unless ``g`` (from ``_backward``, through
+        ``_as_parameter_grad``) is a floating array of parameter ``name``'s backend and
+        shape: anything else went into ``grads`` (a (3, 4) gradient of a (4,) weight, one
+        not summed over the batch, grew the accumulated gradient to (3, 4))."""
+        what = f"{type(self).__name__}._backward's gradient for {name!r}"
+        if not _is_array(g):
+            raise TypeError(f"{what} is a {type(g).__name__}, not an array")
+        param = getattr(self, name, None)
+        if not _is_array(param):
+            return
+        xp = array_api_compat.array_namespace(param)
+        if array_api_compat.array_namespace(g) is not xp:
+            raise TypeError(
+                f"{what} is a {type(g).__name__}, of another backend than the parameter "
+                f"({type(param).__name__}): compute it with the module's arrays"
+            )
+        if not xp.isdtype(g.dtype, "real floating"):
+            raise TypeError(f"{what} has dtype {g.dtype}, not a floating one (the parameter: {param.dtype})")
+        if tuple(g.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{what} has shape {tuple(g.shape)}, the parameter {tuple(param.shape)}: a "
+                "parameter's gradient has its shape (sum the batch's contributions)"
+            )
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         raise NotImplementedError
@@ -684,7 +742,8 @@ class Module:
         for name in (*self._parameter_names, *self._buffer_names):
             value = getattr(self, name)
             if value is not None:
-                moved[name] = self._moved(value, new_xp, new_dtype, device)
+                counter = name == "num_batches_tracked"
+                moved[name] = self._moved(value, new_xp, new_dtype, device, counter=counter)
         grads = {n: self._moved(g, new_xp, new_dtype, device) for n, g in self.grads.items()}
         changed = (new_xp, new_dtype) != (self.xp, self.dtype) or any(
             value is not getattr(self, name) for name, value in moved.items()
@@ -698,12 +757,21 @@ class Module:
             self._saved = None
         return self
 
-    def _moved(self, value: Array, new_xp: Namespace, new_dtype: Any, device: Any) -> Array:
-        """``value`` on ``new_xp`` (and ``device``, unless None), its floating dtype
-        ``new_dtype``: the array itself where it already is (as torch's ``to()``: a
-        ``state_dict()`` taken before still follows the module), else a new one."""
-        name = dtype_name(self.xp, value.dtype)
-        target = new_dtype if name in FLOAT_NAMES else counter_dtype(new_xp)  # the counter
+    def _moved(
+        self, value: Array, new_xp: Namespace, new_dtype: Any, device: Any, *, counter: bool = False
+    ) -> Array:
+        """``value`` on ``new_xp`` (and ``device``, unless None), a floating dtype cast to
+        ``new_dtype``, the ``counter`` to the backend's ``counter_dtype``, any other dtype
+        (an int32 or bool buffer of a layer of your own) kept, as torch's ``to()`` keeps
+        them: the array itself where it already is (a ``state_dict()`` taken before still
+        follows the module), else a new one."""
+        xp = namespace_of(value)
+        if xp.isdtype(value.dtype, "real floating"):
+            target = new_dtype
+        elif counter:
+            target = counter_dtype(new_xp)
+        else:
+            target = getattr(new_xp, _other_dtype_name(xp, value.dtype))
         if namespace_of(value) is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there
