@@ -244,7 +244,7 @@ class Module:
                     f"{cls}._forward returned an update for {name!r}, which is not a buffer "
                     f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
                 )
-            current = getattr(self, name, None)
+            current: Any = getattr(self, name, None)
             if _is_array(current) and _is_array(value) and tuple(value.shape) != tuple(current.shape):
                 raise ValueError(
                     f"{cls}._forward's update of {name!r} has shape {tuple(value.shape)}, the buffer "
@@ -384,7 +384,7 @@ class Module:
         what = f"{type(self).__name__}._backward's gradient for {name!r}"
         if not _is_array(g):
             raise TypeError(f"{what} is a {type(g).__name__}, not an array")
-        param = getattr(self, name, None)
+        param: Any = getattr(self, name, None)
         if not _is_array(param):
             return
         xp = array_api_compat.array_namespace(param)
