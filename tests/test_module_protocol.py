@@ -522,7 +522,7 @@ def test_a_users_layer_that_breaks_the_contract_is_told_what_to_return(
     assert m.grads == {} and float(m.g) == 2.0
 
 
-class _Scale(npnorm.Module):
+class _ScaleWithBuffers(npnorm.Module):
     """y = x * w over the last axis, with a step counter of int32 and a bool flag."""
 
     _parameter_names = ("w",)
@@ -556,7 +556,7 @@ class _Scale(npnorm.Module):
 def test_a_parameter_gradient_of_another_shape_or_kind_is_refused(rng, grad, error, match):
     """_backward's gradients went into grads as they came: a (3, 4) gradient of a (4,)
     weight grew the accumulated one, a bool one stayed bool. Nothing is accumulated."""
-    m = _Scale(grad=grad, dtype="float32")
+    m = _ScaleWithBuffers(grad=grad, dtype="float32")
     m(rng.normal(size=(3, 4)).astype(np.float32))
     with pytest.raises(error, match=match):
         m.backward(np.ones((3, 4), np.float32))
@@ -564,7 +564,7 @@ def test_a_parameter_gradient_of_another_shape_or_kind_is_refused(rng, grad, err
 
 
 def test_a_parameter_gradient_of_another_backend_is_refused(torch, rng):
-    m = _Scale(grad=lambda dy, x: np.ones(4, np.float32), xp="torch")
+    m = _ScaleWithBuffers(grad=lambda dy, x: np.ones(4, np.float32), xp="torch")
     m(torch.ones(3, 4))
     with pytest.raises(TypeError, match="of another backend than the parameter"):
         m.backward(torch.ones(3, 4))
@@ -590,7 +590,7 @@ def test_a_parameter_gradient_of_another_backend_is_refused(torch, rng):
 def test_a_forward_update_that_is_not_a_buffer_of_its_shape_changes_nothing(rng, updates, error, match):
     """An unknown name was written after the valid ones (a bare AttributeError, the
     buffer already changed), and a parameter named there was overwritten."""
-    m = _Scale(updates=updates, dtype="float32")
+    m = _ScaleWithBuffers(updates=updates, dtype="float32")
     state, grads = snapshot(m)
     with pytest.raises(error, match=match):
         m(rng.normal(size=(3, 4)).astype(np.float32))
@@ -600,7 +600,7 @@ def test_a_forward_update_that_is_not_a_buffer_of_its_shape_changes_nothing(rng,
 def test_to_keeps_int_and_bool_buffers_as_torch_does(torch):
     """An int32 buffer became int64 at every to(), even one that changes nothing (a new
     array: a state_dict taken before lost it), and a bool one raised 'unsupported dtype'."""
-    m = _Scale(dtype="float32")
+    m = _ScaleWithBuffers(dtype="float32")
     steps = m.steps
     assert m.to() is m and m.steps is steps
     m.to(dtype="float64")
