@@ -614,3 +614,31 @@ def test_to_keeps_int_and_bool_buffers_as_torch_does(torch):
     assert (ref.steps.dtype, ref.seen.dtype) == (torch.int32, torch.bool)  # torch keeps them too
     m.to("numpy")
     assert (m.steps.dtype, m.seen.dtype) == (np.int32, np.bool_)
+
+
+def test_a_load_into_a_parameter_the_forward_saved_a_view_of_makes_backward_raise():
+    """Overwrites were found only for arrays saved as themselves: a layer of your own
+    that saved ``w.reshape(1, -1)`` then differentiated the loaded weight, silently, on
+    NumPy (torch raises, from the view's version counter)."""
+
+    class ViewSaver(npnorm.Module):
+        _parameter_names = ("w",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.w = np.ones(4)
+
+        def _forward(self, x):
+            w = self.w.reshape(1, 4)
+            return x * w, (w,), {}
+
+        def _backward(self, dy, saved):
+            return dy * saved[0], {"w": dy.sum(0)}
+
+    m = ViewSaver()
+    m(np.ones((2, 4)))
+    m.load_state_dict({"w": np.full(4, 5.0)})
+    with pytest.raises(RuntimeError, match="the w that the last forward used was overwritten in place"):
+        m.backward(np.ones((2, 4)))
+    m(np.ones((2, 4)))
+    np.testing.assert_array_equal(m.backward(np.ones((2, 4))), 5.0)  # a forward again: the new w

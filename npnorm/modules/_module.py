@@ -658,7 +658,9 @@ class Module:
         elif saved is not None:
             kept = self._kept()
             own = {k: getattr(self, k) for k in names}
-            hit = [k for k in names if (k in kept if kept is not None else any(v is own[k] for v in saved))]
+            hit = [
+                k for k in names if (k in kept if kept is not None else any(_uses(v, own[k]) for v in saved))
+            ]
             if hit:
                 self._saved = _Overwritten(hit, by, kept)
 
@@ -885,6 +887,16 @@ class _Overwritten(NamedTuple):
     names: list[str]
     by: str
     kept: tuple[str, ...] | None  # the _kept() of the forward it stands in for
+
+
+def _uses(saved: Any, array: Any) -> bool:
+    """Whether a saved item is ``array`` or, for NumPy, a view of its memory (a layer of
+    your own that saved ``self.w.reshape(1, -1)``: a load into ``w`` changes it too)."""
+    if saved is array:
+        return True
+    return (
+        isinstance(saved, np.ndarray) and isinstance(array, np.ndarray) and np.may_share_memory(saved, array)
+    )
 
 
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
