@@ -72,6 +72,7 @@ _PROVIDERS: dict[str, tuple[str, ...]] = {"array_api_compat.cupy": ("npnorm.kern
 _LOCK = threading.RLock()
 _LOADED: set[str] = set()  # families and namespaces whose modules are imported
 _AVAILABLE: dict[str, bool] = {}  # family -> whether its third-party module imports
+_IMPORT_ERRORS: dict[str, str] = {}  # family -> what importing its module raised
 _selected: str | None = None  # process-wide selection; None: not yet read from the environment
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("npnorm_kernels", default=None)
 
@@ -104,8 +105,9 @@ def specialized(op: str, namespace_name: str, kernels: str | None = None) -> Cal
 
 def _available(family: str) -> bool:
     """Whether ``family``'s third-party module imports (cached). Only a missing or
-    unimportable dependency counts as unavailable; an error in npnorm's own kernel
-    modules is raised where they are imported."""
+    unimportable dependency counts as unavailable (any exception its import raises: a
+    broken install raised AttributeError from every call; ``_checked`` names it); an
+    error in npnorm's own kernel modules is raised where they are imported."""
     known = _AVAILABLE.get(family)
     if known is not None:
         return known
@@ -118,8 +120,9 @@ def _available(family: str) -> bool:
                     ok = importlib.util.find_spec(requires) is not None
                     if ok:
                         importlib.import_module(requires)
-                except ImportError:
+                except Exception as err:  # (ImportError, or whatever a broken install raises)
                     ok = False
+                    _IMPORT_ERRORS[family] = f"{type(err).__name__}: {err}"
             _AVAILABLE[family] = ok
         return _AVAILABLE[family]
 
@@ -152,7 +155,9 @@ def _checked(name: object) -> str:
     available = kernels_available()
     hint = ""
     if isinstance(name, str) and name in _FAMILIES:
-        hint = f" ({name!r} needs {_FAMILIES[name][1]}: pip install 'npnorm[fast]')"
+        failed = _IMPORT_ERRORS.get(name)
+        why = f"; importing it raised {failed}" if failed else ""
+        hint = f" ({name!r} needs {_FAMILIES[name][1]}: pip install 'npnorm[fast]'{why})"
     raise ValueError(f"unknown or unavailable kernels {name!r}{hint}; available: {', '.join(available)}")
 
 
@@ -248,7 +253,9 @@ def use_kernels(name: str) -> Iterator[None]:
     """Run NumPy input with the kernel family ``name`` inside the ``with`` block.
 
     The selection holds in the calling thread (and context) only; the previous one
-    comes back on exit, also when the block raises.
+    comes back on exit, also when the block raises. (As any context variable's, a block
+    inside a generator is seen by its caller while the generator is suspended in it, and
+    its exit restores the context that resumes the generator.)
 
     Parameters
     ----------
@@ -269,11 +276,12 @@ def use_kernels(name: str) -> Iterator[None]:
     >>> bool(np.allclose(npnorm.functional.layer_norm(x, 8), y_ref))
     True
     """
-    token = _override.set(_checked(name))
+    previous = _override.get()
+    _override.set(_checked(name))
     try:
         yield
-    finally:
-        _override.reset(token)
+    finally:  # (set, not reset by token: a generator's block may end in another context)
+        _override.set(previous)
 
 
 @contextlib.contextmanager
