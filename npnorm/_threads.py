@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import numbers
+import operator
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, SupportsIndex, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -43,11 +45,17 @@ _num_threads: int | None = None  # None: not yet read from the environment
 
 
 def _check_count(n: object, what: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{what} must be an integer, got {n!r}")
-    if n < 1:
+    """``n`` as an int: any integer (one with ``__index__``, as the annotation
+    ``SupportsIndex`` says: NumPy's too), not a bool."""
+    try:
+        if isinstance(n, (bool, np.bool_)):
+            raise TypeError
+        count = operator.index(n)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {n!r}") from None
+    if count < 1:
         raise ValueError(f"{what} must be at least 1 (1 = no worker threads), got {n!r}")
-    return int(n)
+    return count
 
 
 def default_num_threads() -> int:

@@ -6,7 +6,8 @@ few seconds each on a cold start, about a second for all of them once numba's on
 cache holds them (``cache=True``: next to the kernels' source, or in
 ``NUMBA_CACHE_DIR``). Running this once after installing (in a Docker image build, a CI
 step) moves that cost out of the first real call. It prints the time per layer and
-dtype, and whether the kernels came from the cache; it exits with status 1 where numba
+dtype (about a second in all where the cache held them), and a NOT CACHED line where
+numba could not keep them: it exits with status 1 where numba
 has nowhere to write the cache (a read-only install without a writable
 ``NUMBA_CACHE_DIR`` or home directory), since then nothing was kept.
 """

@@ -467,3 +467,17 @@ def test_an_interruption_in_the_callers_share_drops_the_workers_outcomes(monkeyp
     gc.collect()
     assert made and made[0]() is None
     assert _threads.run_parallel([lambda: "a", lambda: "b"]) == ["a", "b"]
+
+
+def test_set_num_threads_takes_any_integer_with_index_as_its_annotation_says():
+    """``n: SupportsIndex``: an object with ``__index__`` was refused (numbers.Integral)."""
+
+    class Two:
+        def __index__(self):
+            return 2
+
+    _threads.set_num_threads(Two())
+    assert _threads.get_num_threads() == 2
+    for bad in (True, np.True_, 2.0):
+        with pytest.raises(TypeError, match="must be an integer"):
+            _threads.set_num_threads(bad)
