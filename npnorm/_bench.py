@@ -200,6 +200,8 @@ class _Impl:
     backward: Callable[[Any], Any]
     both: Callable[[], Any]
     measure_memory: bool = True
+    # (y, dx) of one forward and backward, as NumPy arrays, for the check before timing
+    results: Callable[[], tuple[np.ndarray, ...]] | None = None
 
 
 def _last_level_cache_bytes() -> int:
@@ -393,7 +395,7 @@ def _npnorm_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str) -> _Im
         m.zero_grad()  # fresh gradients each time, as the memory figure needs
         return y, dx, *grads
 
-    return _Impl(forward, backward, fb)
+    return _Impl(forward, backward, fb, results=lambda: fb()[:2])
 
 
 def _functional_out_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str) -> _Impl:
@@ -458,7 +460,11 @@ def _functional_out_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str
             grads = bwd(saved)
         return tuple(g for g in grads[1:] if g is not None)  # y and dx are the preallocated buffers
 
-    return _Impl(forward, backward, fb)
+    def results() -> tuple[np.ndarray, np.ndarray]:
+        fb()
+        return y_buf.copy(), dx_buf.copy()
+
+    return _Impl(forward, backward, fb, results=results)
 
 
 def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
@@ -468,7 +474,7 @@ def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         y = fwd(x)
         return (y[0], *bwd(dy, y))
 
-    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb)
+    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb, results=lambda: fb()[:2])
 
 
 def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
@@ -484,7 +490,37 @@ def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         xt.grad = None
         m(xt).backward(dyt)
 
-    return _Impl(lambda: m(xt), backward, fb, measure_memory=False)
+    def results() -> tuple[np.ndarray, np.ndarray]:
+        xt.grad = None
+        y = m(xt)
+        y.backward(dyt)
+        return y.detach().numpy().copy(), xt.grad.numpy().copy()
+
+    return _Impl(lambda: m(xt), backward, fb, measure_memory=False, results=results)
+
+
+# the check before timing: y and dx of every implementation within this of the reference
+# kernels', relative to the largest value (float32, and the textbook RMSNorm's eps=1e-5)
+CHECK_TOLERANCE = 1e-3
+
+
+def _check_results(spec: Spec, x: np.ndarray, dy: np.ndarray, impls: dict[str, _Impl]) -> None:
+    """A RuntimeError unless every implementation's y and dx agree with the reference
+    kernels' (untimed, once per shape): a fast wrong kernel would otherwise time well."""
+    reference = _npnorm_impl(spec, x, dy, "reference").results
+    assert reference is not None
+    truth = reference()
+    for name, impl in impls.items():
+        if impl.results is None:
+            continue
+        for what, got, want in zip(("y", "dx"), impl.results(), truth, strict=True):
+            scale = 1.0 + float(np.max(np.abs(want)))
+            err = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+            if not err <= CHECK_TOLERANCE:  # (NaN fails)
+                raise RuntimeError(
+                    f"bench: {name} gives a wrong {what} for {spec.layer} {spec.shape}: "
+                    f"{err:.2e} of its scale off the reference kernels' (allowed {CHECK_TOLERANCE})"
+                )
 
 
 def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> float:
@@ -542,6 +578,7 @@ def _training(
         impls["textbook"] = _textbook_impl(spec, x, dy)
         if torch is not None:
             impls["torch"] = _torch_impl(torch, spec, x, dy)
+        _check_results(spec, x, dy, impls)
         times = _interleaved(impls, partial(np.copyto, scratch, x), reps, seconds, cold)
         memory = {n: _peak_extra(i.both, x.nbytes) for n, i in impls.items() if i.measure_memory}
         copy = times["copy"]["copy"]
@@ -715,13 +752,22 @@ def run(
 
         info["long_rows"] = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"
         info["batch_norm_training"] = "memory order" if loops.CHANNELS_IN_MEMORY_ORDER else "pipelined"
+    torch_threads = None
     if torch is not None:
         info["torch"] = torch.__version__
+        # torch runs on as many threads as npnorm (their defaults come from different
+        # places: OMP_NUM_THREADS, NPNORM_NUM_THREADS), restored after the bench
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(info["npnorm_threads"])
         info["torch_threads"] = torch.get_num_threads()
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    rows = _training(specs, torch, reps, seconds, cold)
-    inference = _forward_rows("inference", INFERENCE_SHAPE, torch, 1, reps, seconds, cold)
-    tiny = _forward_rows("tiny call", TINY_SHAPE, torch, TINY_CALLS, reps, seconds, cold)
+    try:
+        rows = _training(specs, torch, reps, seconds, cold)
+        inference = _forward_rows("inference", INFERENCE_SHAPE, torch, 1, reps, seconds, cold)
+        tiny = _forward_rows("tiny call", TINY_SHAPE, torch, TINY_CALLS, reps, seconds, cold)
+    finally:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
     compiled = compile_times()
     _print_targets(rows, inference, tiny, judge=not quick)
     if json_path:

@@ -64,6 +64,55 @@ def test_bench_quick_writes_every_figure(tmp_path):
     # the quick shapes are not the ones the targets are for: figures, no verdicts
     assert "apply to the standard shapes" in out.stdout and "MISSED" not in out.stdout
     assert "rounds" in out.stdout and all(r["rounds"] == 1 for r in data["rows"])
+    if "torch" in data["machine"]:  # torch on as many threads as npnorm
+        assert data["machine"]["torch_threads"] == data["machine"]["npnorm_threads"]
+
+
+@pytest.mark.parametrize("layer", ["LayerNorm", "BatchNorm2d"])
+def test_a_wrong_implementation_stops_the_bench_before_any_timing(layer):
+    """The bench compared times only: a fast wrong kernel would have timed well. Each
+    implementation's y and dx are checked against the reference kernels first."""
+    import dataclasses
+
+    import numpy as np
+
+    from npnorm import _bench
+
+    spec = _bench.Spec(layer, (2, 4, 3, 5))
+    x = np.random.default_rng(0).standard_normal(spec.shape, dtype=np.float32)
+    dy = np.ones_like(x)
+    impls = {f"npnorm {k}": _bench._npnorm_impl(spec, x, dy, k) for k in _bench._families()}
+    impls["out="] = _bench._functional_out_impl(spec, x, dy, "numpy")
+    impls["textbook"] = _bench._textbook_impl(spec, x, dy)
+    _bench._check_results(spec, x, dy, impls)  # right: no error
+    good = impls["npnorm numpy"].results
+    impls["npnorm numpy"] = dataclasses.replace(
+        impls["npnorm numpy"], results=lambda: tuple(a * 1.01 for a in good())
+    )
+    with pytest.raises(RuntimeError, match=rf"npnorm numpy gives a wrong y for {layer}"):
+        _bench._check_results(spec, x, dy, impls)
+
+
+def test_the_bench_runs_torch_on_npnorms_thread_count_and_restores_it(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from npnorm import _bench
+
+    seen = []
+    monkeypatch.setattr(_bench, "_training", lambda *a, **k: seen.append(torch.get_num_threads()) or [])
+    monkeypatch.setattr(_bench, "_forward_rows", lambda *a, **k: [])
+    monkeypatch.setattr(_bench, "compile_times", lambda: {})
+    monkeypatch.setattr(_bench, "_print_targets", lambda *a, **k: None)
+    before = torch.get_num_threads()
+    with _bench.use_kernels("numpy"):
+        import npnorm
+
+        threads = npnorm.get_num_threads()
+        npnorm.set_num_threads(1 if before > 1 else 2)
+        try:
+            _bench.run(quick=True)
+        finally:
+            npnorm.set_num_threads(threads)
+    assert seen == [1 if before > 1 else 2] and torch.get_num_threads() == before
 
 
 def test_every_timed_call_follows_the_same_thing_for_every_implementation(monkeypatch):
