@@ -382,3 +382,20 @@ def test_demo_runs_from_a_wheel_outside_the_checkout(tmp_path):
         "lr_sweep.png",
         "layer_statistics.png",
     }
+
+
+def test_train_eval_gap_scores_every_image_in_batches_of_its_size(data):
+    """The train-mode accuracy was taken on the whole batches only (the first 256 of the
+    450 held-out images at batch 256) while the eval-mode one it is drawn against took
+    all of them; every image now counts, each scored in a batch of ``batch_size``."""
+    net = td.build("mlp", "batch", 0)
+    td.train(net, data, epochs=1, batch_size=64, lr=0.05, seed=0)
+    n, b = len(data.y_test), 256
+    assert n % b  # (a last batch that is not whole)
+    probe = net.copy()
+    probe.train()
+    head = probe.forward(data.x_test[:b])
+    tail = probe.forward(data.x_test[n - b :])[b - (n - b) :]
+    want = float(np.mean(np.concatenate([head, tail]).argmax(axis=1) == data.y_test))
+    acc, _ = ex.train_eval_gap(net, data.x_test, data.y_test, b)
+    assert acc == want

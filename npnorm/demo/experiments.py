@@ -177,18 +177,25 @@ def train_eval_gap(net: Network, x: np.ndarray, y: np.ndarray, batch_size: int) 
     """Held-out accuracy in train mode and the relative gap between train- and eval-mode outputs.
 
     Train mode normalizes each held-out batch of ``batch_size`` with its own statistics, as
-    training did; eval mode uses the running statistics. The gap is
+    training did; eval mode uses the running statistics. Every image is scored in both
+    modes, each in a batch of ``batch_size`` (the last batch is the last ``batch_size``
+    images, of which only those not yet scored count), so that the train-mode accuracy is
+    on the images of the eval-mode one. The gap is
     ``mean |logits_train - logits_eval| / mean |logits_eval|``. Works on a copy: ``net``'s
     running statistics are left alone.
     """
     probe = net.copy()
-    n = len(y) // batch_size * batch_size  # whole batches only
+    n, b = len(y), min(batch_size, len(y))
     probe.eval()
-    eval_logits = probe.forward(x[:n])  # n,10
+    eval_logits = probe.forward(x)  # n,10
     probe.train()
-    train_logits = np.concatenate([probe.forward(x[i : i + batch_size]) for i in range(0, n, batch_size)])
+    whole = n // b * b  # the images in whole batches
+    parts = [probe.forward(x[i : i + b]) for i in range(0, whole, b)]
+    if whole < n:  # the rest, in the batch of the last b images
+        parts.append(probe.forward(x[n - b :])[b - (n - whole) :])
+    train_logits = np.concatenate(parts)  # n,10
     gap = float(np.mean(np.abs(train_logits - eval_logits)) / np.mean(np.abs(eval_logits)))
-    return float(np.mean(train_logits.argmax(axis=1) == y[:n])), gap
+    return float(np.mean(train_logits.argmax(axis=1) == y)), gap
 
 
 def batch_size_sweep(
