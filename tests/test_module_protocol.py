@@ -642,3 +642,19 @@ def test_a_load_into_a_parameter_the_forward_saved_a_view_of_makes_backward_rais
         m.backward(np.ones((2, 4)))
     m(np.ones((2, 4)))
     np.testing.assert_array_equal(m.backward(np.ones((2, 4))), 5.0)  # a forward again: the new w
+
+
+def test_a_layer_that_skips_super_init_or_lists_a_string_is_told_so():
+    class NoInit(npnorm.Module):
+        def __init__(self):
+            self.w = np.ones(3)
+
+        def _forward(self, x):
+            return x * self.w, (), {}
+
+    with pytest.raises(TypeError, match=r"NoInit.__init__ did not call super\(\).__init__"):
+        NoInit()(np.ones(3))  # the forward ran; backward, zero_grad and to() failed later
+    with pytest.raises(TypeError, match=r"Letters._parameter_names must be a tuple of names, got 'weight'"):
+
+        class Letters(npnorm.Module):
+            _parameter_names = "weight"  # ("weight"), the comma forgotten

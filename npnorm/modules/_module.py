@@ -183,6 +183,18 @@ class Module:
     # What the last forward left for backward, which copies and pickles leave out
     _forward_context: tuple[str, ...] = ("_saved", "_saved_versions")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A layer's ``_parameter_names`` and ``_buffer_names`` must be tuples of names: a
+        string (``("weight")``, the comma forgotten) read as one name per letter."""
+        super().__init_subclass__(**kwargs)
+        for attr in ("_parameter_names", "_buffer_names"):
+            names = getattr(cls, attr)
+            if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+                raise TypeError(
+                    f"{cls.__name__}.{attr} must be a tuple of names, got {names!r} (a tuple of "
+                    "one name needs its comma: ('weight',))"
+                )
+
     def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
         self.dtype: Any = resolve_dtype(self.xp, dtype)
@@ -218,6 +230,11 @@ class Module:
         array
             The output, of the shape and dtype of ``input``.
         """
+        if "grads" not in self.__dict__:  # (backward, zero_grad and to() fail without it)
+            raise TypeError(
+                f"{type(self).__name__}.__init__ did not call super().__init__(dtype=dtype, xp=xp): "
+                "npnorm.Module sets the module's backend, dtype, mode and grads there"
+            )
         result = self._forward(input)
         if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping)):
             raise TypeError(
