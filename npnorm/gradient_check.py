@@ -147,8 +147,8 @@ def gradcheck(
     central difference ``dL/dt ~ (L(t + eps) - L(t - eps)) / (2 eps)`` for every
     element ``t`` of the input and of each parameter, all in float64, whose error
     is O(eps^2) from the truncation plus O(1e-16 |L| / eps) from rounding. It is
-    the check ``torch.autograd.gradcheck`` makes, by the projection of its fast
-    mode; it costs two forwards per element, so use small inputs.
+    the check ``torch.autograd.gradcheck`` makes, here on one random projection of
+    the output; it costs two forwards per element, so use small inputs.
 
     Examples
     --------
@@ -219,7 +219,8 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
             return module(at)
 
         module.zero_grad()
-        given = copy_array(x64)
+        given = {"its input": (copy_array(x64), x64)}
+        given.update({name: (copy_array(p), p) for name, p in module.parameters().items()})
         y = forward(x64)
         if not array_api_compat.is_array_api_obj(y):
             raise TypeError(
@@ -227,7 +228,7 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
                 "an array: gradcheck checks a module with one output (for several, check a "
                 "(forward, backward) pair per output)"
             )
-        _check_unchanged(f"{type(module).__name__}'s forward", {"its input": (given, x64)})
+        _check_unchanged(f"{type(module).__name__}'s forward", given)
         u = _projection(xp, y, seed)
         analytic: dict[str, Array] = {"input": module.backward(u)}
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})

@@ -480,3 +480,24 @@ def test_a_forward_that_changes_its_input_in_place_is_named(rng):
 def test_a_missing_gradient_names_the_check(rng):
     with pytest.raises(npnorm.GradcheckError, match=r"gradcheck failed for \(.*no gradient for: params"):
         npnorm.gradcheck((lambda x, w: x * w, lambda dy, x, w: dy * w), rng.normal(size=3), np.ones(3))
+
+
+def test_a_module_forward_that_changes_its_parameter_in_place_is_named(rng):
+    class Growing(npnorm.Module):
+        _parameter_names = ("w",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.w = np.ones(3)
+
+        def _forward(self, x):
+            self.w += 1  # in place
+            return x * self.w, (x, self.w.copy()), {}
+
+        def _backward(self, dy, saved):
+            return dy * saved[1], {"w": (dy * saved[0]).sum(0)}
+
+    m = Growing()
+    with pytest.raises(npnorm.GradcheckError, match="Growing's forward changed w in place"):
+        npnorm.gradcheck(m, rng.normal(size=(2, 3)))
+    np.testing.assert_array_equal(m.w, 1.0)  # restored
