@@ -105,8 +105,10 @@ def namespace_of(*arrays: Any, what: str = "arrays", names: Sequence[str] | None
                     by_kind.setdefault(kind(a), []).append(name)
             listing = "; ".join(f"{', '.join(of)}: {k}" for k, of in by_kind.items())
         first = _backend_of(present[0])
-        if names is not None and names[0] == "grad_output":  # a backward: the forward's backend
-            theirs = _backend_of(present[1])
+        rest = {_backend_of(a) for a in present[1:]}
+        if names is not None and names[0] == "grad_output" and len(rest) == 1 and first not in rest:
+            # a backward whose grad_output alone is of another backend: the forward's
+            (theirs,) = rest
             hint = (
                 f"pass grad_output as an array of the forward's backend ({theirs}), converted from "
                 f"{type(present[0]).__name__} (moving the module with to() would drop the saved forward)"
@@ -328,7 +330,9 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither; a read-only
             # array (JAX's, through DLPack; a memmap): torch warns that it cannot be written
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
-        out = xp.asarray(host, copy=True)
+            out = xp.asarray(host, copy=None)  # the copy is made: not a second one
+        else:
+            out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)

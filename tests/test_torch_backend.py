@@ -371,3 +371,12 @@ def test_a_backward_given_another_backends_gradient_says_to_convert_it(torch):
     assert not m.grads
     dx = m.backward(torch.ones(4, 3, 5))
     assert isinstance(dx, torch.Tensor) and set(m.grads) == {"weight", "bias"}
+
+
+def test_a_backward_whose_odd_array_is_not_grad_output_does_not_blame_it(torch):
+    x = np.ones((4, 3), np.float32)
+    with pytest.raises(TypeError, match=r"weight: torch\.Tensor") as info:
+        npnorm.functional.batch_norm_backward(
+            x, x, np.zeros(3, np.float32), np.ones(3, np.float32), torch.ones(3)
+        )
+    assert "pass grad_output" not in str(info.value)
