@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -658,3 +659,40 @@ def test_a_layer_that_skips_super_init_or_lists_a_string_is_told_so():
 
         class Letters(npnorm.Module):
             _parameter_names = "weight"  # ("weight"), the comma forgotten
+
+
+def test_an_int64_buffer_moves_through_jax_without_x64_and_back_quietly():
+    """to() asked JAX (without x64) for int64, which warns and gives int32; the widest
+    int goes to the backend's counter dtype, and comes back int64."""
+    pytest.importorskip("jax")
+    m = _ScaleWithBuffers(dtype="float32")
+    m.steps = np.arange(2, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m.to("jax.numpy")
+        m.to("numpy")
+    assert m.steps.dtype == np.int64 and m.seen.dtype == np.bool_
+
+
+def test_a_load_into_another_parameter_of_the_same_buffer_is_no_overwrite():
+    """Parameters that are interleaved views of one buffer (w = buf[::2], b = buf[1::2]):
+    a load into b does not touch the w the forward saved (memory bounds alone said it did)."""
+    buf = np.ones(8)
+
+    class Interleaved(npnorm.Module):
+        _parameter_names = ("w", "b")
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.w, self.b = buf[::2], buf[1::2]
+
+        def _forward(self, x):
+            return x * self.w + self.b, (self.w,), {}
+
+        def _backward(self, dy, saved):
+            return dy * saved[0], {"w": dy.sum(0), "b": dy.sum(0)}
+
+    m = Interleaved()
+    m(np.ones((2, 4)))
+    m.load_state_dict({"b": np.full(4, 3.0)}, strict=False)
+    np.testing.assert_array_equal(m.backward(np.ones((2, 4))), 1.0)

@@ -86,26 +86,17 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+# the other dtypes a buffer may have (a layer of your own's int32 or bool buffer), which to() keeps
+_OTHER_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool")
+
+
 def dtype_name(xp: Namespace, dtype: Any) -> str:
     if isinstance(dtype, np.dtype):  # NumPy's ">f4" (a memmap's, a file's) is float32
         dtype = dtype.newbyteorder("=")
-    for name in (*FLOAT_NAMES, "int64", "int32"):  # int32: a counter on JAX without x64
+    for name in (*FLOAT_NAMES, *_OTHER_DTYPES):  # int32: also a counter on JAX without x64
         if getattr(xp, name, None) == dtype:
             return name
-    raise TypeError(f"unsupported dtype {dtype!r}")
-
-
-_OTHER_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-
-
-def _other_dtype_name(xp: Namespace, dtype: Any) -> str:
-    """The name of a buffer's bool or integer dtype (of namespace ``xp``), which a move keeps."""
-    if isinstance(dtype, np.dtype):  # (">i4", a file's, is int32)
-        dtype = dtype.newbyteorder("=")
-    for name in _OTHER_DTYPES:
-        if getattr(xp, name, None) == dtype:
-            return name
-    raise TypeError(f"unsupported dtype {dtype!r} (a buffer is a float, int or bool array)")
+    raise TypeError(f"unsupported dtype {dtype!r} (a module's arrays are float, int or bool)")
 
 
 class Module:
@@ -785,12 +776,14 @@ class Module:
         them: the array itself where it already is (a ``state_dict()`` taken before still
         follows the module), else a new one."""
         xp = namespace_of(value)
-        if xp.isdtype(value.dtype, "real floating"):
+        name = dtype_name(xp, value.dtype)
+        if name in FLOAT_NAMES:
             target = new_dtype
-        elif counter:
+        elif counter or name == "int64" or (name == "int32" and counter_dtype(xp) == xp.int32):
+            # the widest int: int64, or int32 where the backend has no int64 (JAX without x64)
             target = counter_dtype(new_xp)
         else:
-            target = getattr(new_xp, _other_dtype_name(xp, value.dtype))
+            target = getattr(new_xp, name)
         if namespace_of(value) is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there
@@ -911,9 +904,9 @@ def _uses(saved: Any, array: Any) -> bool:
     your own that saved ``self.w.reshape(1, -1)``: a load into ``w`` changes it too)."""
     if saved is array:
         return True
-    return (
-        isinstance(saved, np.ndarray) and isinstance(array, np.ndarray) and np.may_share_memory(saved, array)
-    )
+    if not (isinstance(saved, np.ndarray) and isinstance(array, np.ndarray)):
+        return False
+    return bool(np.shares_memory(saved, array))  # (exact: w = buf[::2] does not share buf[1::2])
 
 
 def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
