@@ -254,8 +254,9 @@ def use_kernels(name: str) -> Iterator[None]:
 
     The selection holds in the calling thread (and context) only; the previous one
     comes back on exit, also when the block raises. (As any context variable's, a block
-    inside a generator is seen by its caller while the generator is suspended in it, and
-    its exit restores the context that resumes the generator.)
+    inside a generator is seen by its caller while the generator is suspended in it; if
+    another thread or context finishes the generator, the exit changes nothing there, and
+    the first context keeps the block's selection.)
 
     Parameters
     ----------
@@ -276,12 +277,14 @@ def use_kernels(name: str) -> Iterator[None]:
     >>> bool(np.allclose(npnorm.functional.layer_norm(x, 8), y_ref))
     True
     """
-    previous = _override.get()
-    _override.set(_checked(name))
+    token = _override.set(_checked(name))
     try:
         yield
-    finally:  # (set, not reset by token: a generator's block may end in another context)
-        _override.set(previous)
+    finally:
+        try:
+            _override.reset(token)
+        except ValueError:  # a generator's block ending in another context: leave that one as it is
+            pass
 
 
 @contextlib.contextmanager
