@@ -514,13 +514,18 @@ def _check_results(spec: Spec, x: np.ndarray, dy: np.ndarray, impls: dict[str, _
         if impl.results is None:
             continue
         for what, got, want in zip(("y", "dx"), impl.results(), truth, strict=True):
-            scale = 1.0 + float(np.max(np.abs(want)))
-            err = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
-            if not err <= CHECK_TOLERANCE:  # (NaN fails)
-                raise RuntimeError(
-                    f"bench: {name} gives a wrong {what} for {spec.layer} {spec.shape}: "
-                    f"{err:.2e} of its scale off the reference kernels' (allowed {CHECK_TOLERANCE})"
-                )
+            _check_close(f"{name} gives a wrong {what} for {spec.layer} {spec.shape}", got, want)
+
+
+def _check_close(wrong: str, got: np.ndarray, want: np.ndarray) -> None:
+    """A RuntimeError (``wrong`` says what) unless ``got`` is within ``CHECK_TOLERANCE`` of
+    ``want`` (the reference kernels'), relative to 1 + its largest value."""
+    scale = 1.0 + float(np.max(np.abs(want)))
+    err = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+    if not err <= CHECK_TOLERANCE:  # (NaN fails)
+        raise RuntimeError(
+            f"bench: {wrong}: {err:.2e} of its scale off the reference kernels' (allowed {CHECK_TOLERANCE})"
+        )
 
 
 def _median_ratio(num: list[float], den: list[float], scale: float = 1.0) -> float:
@@ -670,6 +675,19 @@ def _forward_calls(shape: tuple[int, ...], torch: Any, repeat: int) -> dict[str,
                     torch.nn.functional.layer_norm(xt, (d,))
 
         calls["torch"] = torch_call
+    # the check before timing: each call's output against the reference kernels'
+    with use_kernels("reference"):
+        truth = F.layer_norm(x, d)
+    outputs = {}
+    for k in _families():
+        with use_kernels(k):
+            outputs[f"npnorm {k}"] = F.layer_norm(x, d)
+    with use_kernels(default):
+        outputs[f"npnorm {default} out="] = F.layer_norm_forward(x, d, out=y_buf)[0].copy()
+    if torch is not None:
+        outputs["torch"] = torch.nn.functional.layer_norm(torch.from_numpy(x), (d,)).numpy()
+    for name, y in outputs.items():
+        _check_close(f"{name} gives a wrong F.layer_norm output at {shape}", y, truth)
     return calls
 
 

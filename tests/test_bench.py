@@ -393,3 +393,18 @@ def test_reuse_memory_without_glibc_is_a_clear_error_and_runs_nothing(monkeypatc
     assert cli.main(["bench", "--reuse-memory"]) == 2
     assert "glibc's mallopt" in capsys.readouterr().err
     assert ran == []
+
+
+def test_a_wrong_forward_stops_the_inference_and_tiny_rows_before_timing(monkeypatch):
+    from npnorm import _bench
+
+    _bench._forward_calls((4, 8), None, 1)  # right: no error
+    real = _bench.F.layer_norm
+
+    def wrong_under_numpy(x, d):
+        y = real(x, d)
+        return y * 1.01 if _bench.get_kernels() == "numpy" else y
+
+    monkeypatch.setattr(_bench.F, "layer_norm", wrong_under_numpy)
+    with pytest.raises(RuntimeError, match=r"npnorm numpy gives a wrong F.layer_norm output at \(4, 8\)"):
+        _bench._forward_calls((4, 8), None, 1)
