@@ -155,14 +155,18 @@ def check_row_stats(x: Array, shape: Shape, **stats: Array) -> None:
             )
 
 
-def check_count(value: Any, what: str) -> int:
-    """A positive int (of any integer type: NumPy's too, as PyTorch accepts them; not a
-    bool) as an int."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # PyTorch: TypeError
-        raise TypeError(f"{what} must be a positive int, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return int(value)
+def check_count(value: Any, what: str, expected: str = "a positive int") -> int:
+    """A positive int (any integer, one with ``__index__``: NumPy's too, as PyTorch accepts
+    them; not a bool) as an int; ``expected`` words the errors."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        count = operator.index(value)
+    except TypeError:  # PyTorch: TypeError
+        raise TypeError(f"{what} must be {expected}, got {value!r}") from None
+    if count <= 0:
+        raise ValueError(f"{what} must be {expected}, got {value!r}")
+    return count
 
 
 def check_flag(value: Any, what: str) -> bool:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import operator
 import os
 import queue
 import threading
@@ -34,28 +33,15 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, SupportsIndex, TypeVar
 
-import numpy as np
+from ._checks import check_count
 
 T = TypeVar("T")
 
 ENV_VAR = "NPNORM_NUM_THREADS"
+_EXPECTED = "an integer of at least 1 (1 = no worker threads)"
 
 _lock = threading.Lock()
 _num_threads: int | None = None  # None: not yet read from the environment
-
-
-def _check_count(n: object, what: str) -> int:
-    """``n`` as an int: any integer (one with ``__index__``, as the annotation
-    ``SupportsIndex`` says: NumPy's too), not a bool."""
-    try:
-        if isinstance(n, (bool, np.bool_)):
-            raise TypeError
-        count = operator.index(n)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, got {n!r}") from None
-    if count < 1:
-        raise ValueError(f"{what} must be at least 1 (1 = no worker threads), got {n!r}")
-    return count
 
 
 def default_num_threads() -> int:
@@ -66,7 +52,7 @@ def default_num_threads() -> int:
             value = int(env)
         except ValueError:
             raise ValueError(f"{ENV_VAR} must be a positive integer, got {env!r}") from None
-        return _check_count(value, ENV_VAR)
+        return check_count(value, ENV_VAR, _EXPECTED)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
@@ -125,7 +111,7 @@ def set_num_threads(n: SupportsIndex) -> None:
     >>> npnorm.set_num_threads(before)
     """
     global _num_threads
-    count = _check_count(n, "the number of threads")
+    count = check_count(n, "the number of threads", _EXPECTED)
     with _lock:
         _num_threads = count
 
