@@ -200,7 +200,8 @@ class _Impl:
     backward: Callable[[Any], Any]
     both: Callable[[], Any]
     measure_memory: bool = True
-    # (y, dx) of one forward and backward, as NumPy arrays, for the check before timing
+    # (y, dx, dweight, dbias: those the layer has) of one forward and backward, as NumPy
+    # arrays, for the check before timing
     results: Callable[[], tuple[np.ndarray, ...]] | None = None
 
 
@@ -395,7 +396,7 @@ def _npnorm_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str) -> _Im
         m.zero_grad()  # fresh gradients each time, as the memory figure needs
         return y, dx, *grads
 
-    return _Impl(forward, backward, fb, results=lambda: fb()[:2])
+    return _Impl(forward, backward, fb, results=fb)
 
 
 def _functional_out_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str) -> _Impl:
@@ -460,9 +461,9 @@ def _functional_out_impl(spec: Spec, x: np.ndarray, dy: np.ndarray, kernels: str
             grads = bwd(saved)
         return tuple(g for g in grads[1:] if g is not None)  # y and dx are the preallocated buffers
 
-    def results() -> tuple[np.ndarray, np.ndarray]:
-        fb()
-        return y_buf.copy(), dx_buf.copy()
+    def results() -> tuple[np.ndarray, ...]:
+        grads = fb()
+        return y_buf.copy(), dx_buf.copy(), *grads
 
     return _Impl(forward, backward, fb, results=results)
 
@@ -474,7 +475,10 @@ def _textbook_impl(spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         y = fwd(x)
         return (y[0], *bwd(dy, y))
 
-    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb, results=lambda: fb()[:2])
+    def results() -> tuple[np.ndarray, ...]:
+        return tuple(a for a in fb() if a is not None)
+
+    return _Impl(lambda: fwd(x), lambda saved: bwd(dy, saved), fb, results=results)
 
 
 def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
@@ -490,11 +494,14 @@ def _torch_impl(torch: Any, spec: Spec, x: np.ndarray, dy: np.ndarray) -> _Impl:
         xt.grad = None
         m(xt).backward(dyt)
 
-    def results() -> tuple[np.ndarray, np.ndarray]:
+    def results() -> tuple[np.ndarray, ...]:
         xt.grad = None
+        m.zero_grad()
         y = m(xt)
         y.backward(dyt)
-        return y.detach().numpy().copy(), xt.grad.numpy().copy()
+        params = (getattr(m, "weight", None), getattr(m, "bias", None))
+        grads = [p.grad.numpy().copy() for p in params if p is not None and p.grad is not None]
+        return y.detach().numpy().copy(), xt.grad.numpy().copy(), *grads
 
     return _Impl(lambda: m(xt), backward, fb, measure_memory=False, results=results)
 
@@ -505,16 +512,26 @@ CHECK_TOLERANCE = 1e-3
 
 
 def _check_results(spec: Spec, x: np.ndarray, dy: np.ndarray, impls: dict[str, _Impl]) -> None:
-    """A RuntimeError unless every implementation's y and dx agree with the reference
-    kernels' (untimed, once per shape): a fast wrong kernel would otherwise time well."""
+    """A RuntimeError unless every implementation's y, dx, dweight and dbias agree with the
+    reference kernels' (untimed, once per shape): a fast wrong kernel would otherwise time
+    well."""
     reference = _npnorm_impl(spec, x, dy, "reference").results
     assert reference is not None
     truth = reference()
+    names = ("y", "dx", "dweight", "dbias")[: len(truth)]
     for name, impl in impls.items():
         if impl.results is None:
             continue
-        for what, got, want in zip(("y", "dx"), impl.results(), truth, strict=True):
-            _check_close(f"{name} gives a wrong {what} for {spec.layer} {spec.shape}", got, want)
+        got = impl.results()
+        if len(got) != len(truth):
+            raise RuntimeError(
+                f"bench: {name} gives {len(got)} results for {spec.layer} {spec.shape}, "
+                f"the reference kernels {len(truth)} ({', '.join(names)})"
+            )
+        for what, a, want in zip(names, got, truth, strict=True):
+            _check_close(
+                f"{name} gives a wrong {what} for {spec.layer} {spec.shape}", a.reshape(want.shape), want
+            )
 
 
 def _check_close(wrong: str, got: np.ndarray, want: np.ndarray) -> None:

@@ -80,7 +80,7 @@ def test_a_wrong_implementation_stops_the_bench_before_any_timing(layer):
 
     spec = _bench.Spec(layer, (2, 4, 3, 5))
     x = np.random.default_rng(0).standard_normal(spec.shape, dtype=np.float32)
-    dy = np.ones_like(x)
+    dy = np.random.default_rng(1).standard_normal(spec.shape, dtype=np.float32)
     impls = {f"npnorm {k}": _bench._npnorm_impl(spec, x, dy, k) for k in _bench._families()}
     impls["out="] = _bench._functional_out_impl(spec, x, dy, "numpy")
     impls["textbook"] = _bench._textbook_impl(spec, x, dy)
@@ -90,6 +90,14 @@ def test_a_wrong_implementation_stops_the_bench_before_any_timing(layer):
         impls["npnorm numpy"], results=lambda: tuple(a * 1.01 for a in good())
     )
     with pytest.raises(RuntimeError, match=rf"npnorm numpy gives a wrong y for {layer}"):
+        _bench._check_results(spec, x, dy, impls)
+
+    def dweight_off():
+        y, dx, dw, *rest = good()
+        return (y, dx, dw * 1.01, *rest)
+
+    impls["npnorm numpy"] = dataclasses.replace(impls["npnorm numpy"], results=dweight_off)
+    with pytest.raises(RuntimeError, match=rf"npnorm numpy gives a wrong dweight for {layer}"):
         _bench._check_results(spec, x, dy, impls)
 
 
