@@ -459,8 +459,7 @@ def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float)
     # largest absolute one may sit on a large gradient that passes); a NaN is the worst.
     tol = atol + rtol * np.abs(n)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ranked = np.where(np.isnan(err) | np.isnan(tol), np.inf, err / tol)
-    ranked = np.where(bad, np.nan_to_num(ranked, nan=np.inf), -1.0)  # (0 / 0 where atol = 0)
+        ranked = np.where(bad, np.nan_to_num(err / tol, nan=np.inf), -1.0)  # (NaN on either side: inf)
     worst = np.unravel_index(int(np.argmax(ranked)), err.shape) if err.ndim else ()
     shown = min(a.size, 6)
     return (

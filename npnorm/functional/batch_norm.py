@@ -128,7 +128,7 @@ def batch_norm_forward(
             as_native(running_var),
         )
     return run(
-        "batch_norm_forward", xp, input, running_mean, running_var, weight, bias, bool(training),
+        "batch_norm_forward", xp, input, running_mean, running_var, weight, bias, training,
         momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
     )  # fmt: skip
 
@@ -201,7 +201,7 @@ def batch_norm_backward(
     if prod(input.shape) == 0:
         return empty_backward(xp, input, weight, bias, out)
     return run(
-        "batch_norm_backward", xp, grad_output, input, mean, rstd, weight, bias, bool(training),
+        "batch_norm_backward", xp, grad_output, input, mean, rstd, weight, bias, training,
         out=out, reads=(mean, rstd, weight),
     )  # fmt: skip
 

@@ -132,7 +132,7 @@ def instance_norm_forward(
         return y, mean, rstd, nan[0], nan[1]
     y, mean, rstd, new_mean, new_var = run(
         "instance_norm_forward", xp, input, running_mean, running_var, weight, bias,
-        bool(use_input_stats), momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
+        use_input_stats, momentum, eps, out=out, reads=(running_mean, running_var, weight, bias),
     )  # fmt: skip
     if use_input_stats and eps == 0:
         y, rstd = _constant_instances(xp, y, rstd, bias)
@@ -227,7 +227,7 @@ def instance_norm_backward(
         return empty_backward(xp, input, weight, bias, out)
     return run(
         "instance_norm_backward", xp, grad_output, input, mean, rstd, weight, bias,
-        bool(use_input_stats), out=out, reads=(mean, rstd, weight),
+        use_input_stats, out=out, reads=(mean, rstd, weight),
     )  # fmt: skip
 
 

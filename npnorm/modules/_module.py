@@ -784,7 +784,7 @@ class Module:
             target = counter_dtype(new_xp)
         else:
             target = getattr(new_xp, name)
-        if namespace_of(value) is not new_xp or value.dtype != target:
+        if xp is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there
             moved = array_api_compat.to_device(value, device)
