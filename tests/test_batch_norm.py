@@ -442,3 +442,32 @@ def test_other_channel_counts_run_where_torch_runs_them(torch, rng, mode, kw, ot
             theirs(torch.tensor(x))
         with pytest.raises(ValueError, match="expected 3 channels"):
             ours(x)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_the_input_is_checked_against_the_arrays_lengths_not_num_features(torch, rng, mode):
+    # model surgery: a layer grown to 5 channels by replacing its arrays runs on 5 channels,
+    # and one whose num_features alone was changed still runs on its arrays' 3, as in torch
+    x = rng.normal(size=(4, 5, 2)).astype(np.float32)
+    ours, theirs = npnorm.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        value = rng.uniform(0.5, 1.5, size=5).astype(np.float32)
+        setattr(ours, name, value)
+        if name in ("weight", "bias"):
+            setattr(theirs, name, torch.nn.Parameter(torch.tensor(value)))
+        else:
+            setattr(theirs, name, torch.tensor(value))
+    getattr(ours, mode)()
+    getattr(theirs, mode)()
+    ref = theirs(torch.tensor(x))
+    np.testing.assert_allclose(ours(x), ref.detach().numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(ours.running_var, theirs.running_var.numpy(), rtol=0, atol=1e-6)
+    m = npnorm.BatchNorm1d(3)
+    getattr(m, mode)()
+    m.num_features = 5
+    assert m(x[:, :3]).shape == (4, 3, 2)
+    with pytest.raises(ValueError, match="expected 3 channels"):
+        m(x)
+    m.weight = np.ones(5, np.float32)  # arrays that disagree: the first sets C, the next is named
+    with pytest.raises(ValueError, match=r"must have shape \(5,\) \(one value per channel\), got \(3,\)"):
+        m(x)

@@ -151,3 +151,21 @@ def test_without_weight_and_bias_any_divisible_channel_count_runs_as_in_torch(to
         m(np.ones((3, 5, 5), np.float32))
     with pytest.raises(ValueError, match="expected 4 channels"):  # with weight: as PyTorch, an error
         npnorm.GroupNorm(2, 4)(x)
+
+
+def test_the_input_is_checked_against_weight_and_bias_not_num_channels(torch, rng):
+    # a GroupNorm grown to 6 channels by replacing weight and bias runs on 6, as in torch
+    x = rng.normal(size=(4, 6, 2)).astype(np.float32)
+    w, b = rng.normal(size=6).astype(np.float32), rng.normal(size=6).astype(np.float32)
+    ours, theirs = npnorm.GroupNorm(2, 4), torch.nn.GroupNorm(2, 4)
+    ours.weight, ours.bias = w, b
+    theirs.weight, theirs.bias = torch.nn.Parameter(torch.tensor(w)), torch.nn.Parameter(torch.tensor(b))
+    np.testing.assert_allclose(ours(x), theirs(torch.tensor(x)).detach().numpy(), rtol=0, atol=1e-5)
+    m = npnorm.GroupNorm(2, 4)
+    m.num_channels = 6  # num_channels alone: still weight's 4, as in torch
+    assert m(x[:, :4]).shape == (4, 4, 2)
+    with pytest.raises(ValueError, match="expected 4 channels"):
+        m(x)
+    m.weight = None  # bias alone sets the count
+    with pytest.raises(ValueError, match="expected 4 channels"):
+        m(x)

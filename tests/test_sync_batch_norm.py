@@ -1254,3 +1254,23 @@ def test_an_overwrite_after_an_overwrite_names_only_what_the_synced_backward_kee
     for message in run_ranks(2, rank_fn):
         assert message is not None and "the weight that the last forward used" in message, message
         assert "running" not in message and "by load_state_dict" in message, message
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_zero_channels_are_a_value_error_in_every_mode_as_in_torch(torch, mode):
+    x = np.ones((4, 0, 2))
+    theirs = getattr(torch.nn.SyncBatchNorm(3, affine=False, track_running_stats=False), mode)()
+    with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+        theirs(torch.tensor(x))
+    m = getattr(npnorm.SyncBatchNorm(3, affine=False, track_running_stats=False), mode)()
+    with pytest.raises(ValueError, match="number of input channels should be non-zero"):
+        m(x)
+
+    def rank_fn(comm):  # over ranks (collectively when training)
+        m = npnorm.SyncBatchNorm(3, affine=False, track_running_stats=False, comm=comm)
+        synced = "failed on rank 0 of 2: .*" if mode == "train" else ""
+        with pytest.raises(ValueError, match=f"{synced}should be non-zero"):
+            getattr(m, mode)()(x)
+        return True
+
+    assert run_ranks(2, rank_fn) == [True] * 2

@@ -125,6 +125,17 @@ def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -
     return c
 
 
+def channels_of(*arrays: Array | None) -> int | None:
+    """The channel count the given per-channel arrays ask of an input: the length of the
+    first that is not None (``check_per_channel`` then holds the others to it), or None
+    (any count) where all are None. A module's input is checked against its arrays' lengths,
+    not its ``num_features``, as PyTorch's: a layer grown by replacing its arrays runs."""
+    for a in arrays:
+        if a is not None:
+            return int(a.shape[0]) if a.ndim >= 1 else None
+    return None
+
+
 def check_per_channel(c: int, **arrays: Array | None) -> None:
     for name, a in arrays.items():
         if a is not None and tuple(a.shape) != (c,):

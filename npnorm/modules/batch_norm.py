@@ -7,7 +7,7 @@ from typing import Any
 
 from .._backend import Array, counter_dtype
 from .._checks import check_count, check_eps, check_real
-from ..functional._channels import check_channels, check_training_eps
+from ..functional._channels import channels_of, check_channels, check_training_eps
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
 from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
 
@@ -101,12 +101,11 @@ class _BatchNorm(_NormBase):
             raise ValueError(f"expected {dims} input (got {input.ndim}D input of shape {tuple(input.shape)})")
 
     def _expected_channels(self, buffers_in_use: bool) -> int | None:
-        """The channel count an input must have: ``num_features`` where a per-channel
-        array (weight, bias, or the running statistics when in use) takes part, else any
-        (None), as PyTorch checks only those arrays' lengths."""
+        """The channel count an input must have: the length of the per-channel arrays that
+        take part (weight, bias, and the running statistics when in use), else any (None),
+        as PyTorch checks those arrays' lengths and not ``num_features``."""
         running = (self.running_mean, self.running_var) if buffers_in_use else ()
-        in_use = any(a is not None for a in (self.weight, self.bias, *running))
-        return self.num_features if in_use else None
+        return channels_of(self.weight, self.bias, *running)
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)

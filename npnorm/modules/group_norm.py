@@ -7,7 +7,7 @@ from typing import Any
 
 from .._backend import Array
 from .._checks import check_count, check_eps
-from ..functional._channels import check_channels
+from ..functional._channels import channels_of, check_channels
 from ..functional.group_norm import check_groups, group_norm_backward, group_norm_forward
 from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates, channels_last
 
@@ -97,9 +97,9 @@ class GroupNorm(Module):
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
-        # as PyTorch's: without weight and bias, any channel count divisible by num_groups
-        affine = self.weight is not None or self.bias is not None
-        check_channels(input, self.num_channels if affine else None, "GroupNorm")
+        # as PyTorch's: the length of weight and bias (not num_channels); without them,
+        # any channel count divisible by num_groups
+        check_channels(input, channels_of(self.weight, self.bias), "GroupNorm")
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
         saved = (self._input_for_backward(input), mean, rstd, self.weight, self.bias, self.num_groups)
         return y, saved, {}

@@ -137,6 +137,11 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(
                 f"expected at least 2D input (got {input.ndim}D input of shape {tuple(input.shape)})"
             )
+        if int(input.shape[1]) == 0:  # as PyTorch's, in every mode
+            raise ValueError(
+                f"SyncBatchNorm number of input channels should be non-zero (got input of shape "
+                f"{tuple(input.shape)})"
+            )
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         if self.training:
