@@ -127,11 +127,12 @@ def _set_flags_after_load(source: Any, target: Any) -> None:
     target.train(source.training)
 
 
-def _drop_unset_buffers(source: Any, target: Any) -> None:
-    """Set to None the buffers of ``target`` that are None in ``source``: a BatchNorm
-    whose running statistics were set to None after construction (it then normalizes
-    with batch statistics in eval too, in both libraries) has no such keys to load."""
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
+def _drop_unset(source: Any, target: Any) -> None:
+    """Set to None the parameters and buffers of ``target`` that are None in ``source``:
+    a layer whose weight (or bias) was set to None after construction (it then
+    normalizes without it, in both libraries), or a BatchNorm whose running statistics
+    were (it then normalizes with batch statistics in eval too), has no such keys to load."""
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
         if getattr(source, name, None) is None and getattr(target, name, None) is not None:
             setattr(target, name, None)
 
@@ -199,7 +200,7 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     ours = pair.npnorm_class(
         **pair.arguments(module), device=device, dtype=name if name in FLOAT_NAMES else "float32", xp=xp
     )
-    _drop_unset_buffers(module, ours)
+    _drop_unset(module, ours)
     ours.load_state_dict(module.state_dict())
     _set_flags_after_load(module, ours)
     return ours
@@ -261,7 +262,7 @@ def to_torch(module: Module) -> Any:
     ref = cls(**arguments, dtype=tdtype)
     if not has_bias:
         ref.bias = None
-    _drop_unset_buffers(module, ref)
+    _drop_unset(module, ref)
     state = OrderedDict((k, torch.from_numpy(to_host(v))) for k, v in module.state_dict().items())
     # the module's own version, as a torch state_dict carries it: a BatchNorm whose counter
     # is None has no num_batches_tracked key, which torch fills in for an unversioned dict

@@ -273,3 +273,36 @@ def test_to_torch_on_a_torch_without_the_bias_argument(torch, monkeypatch, rng, 
     ref.eval(), ours.eval()
     x = rng.normal(size=(2, 3, 2, 2))
     np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("unset", ["weight", "bias"])
+@pytest.mark.parametrize(
+    "name,args,shape",
+    [
+        ("BatchNorm1d", (3,), (5, 3, 2)),
+        ("InstanceNorm1d", (3,), (5, 3, 4)),
+        ("GroupNorm", (1, 3), (5, 3, 2)),
+        ("LayerNorm", (4,), (5, 3, 4)),
+        ("RMSNorm", (4,), (5, 3, 4)),
+    ],
+)
+def test_a_parameter_set_to_none_converts_both_ways(torch, rng, name, args, shape, unset):
+    # torch runs a layer whose weight (or bias) was set to None after construction; from_torch
+    # and to_torch built it with the parameter and their loads raised "missing key(s)"
+    kwargs = {"affine": True} if name == "InstanceNorm1d" else {}
+    ref = getattr(torch.nn, name)(*args, dtype=torch.float64, **kwargs).eval()  # buffers kept
+    if not hasattr(ref, unset) or getattr(ref, unset) is None:
+        pytest.skip(f"{name} has no {unset}")
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.uniform_(0.5, 1.5)
+    setattr(ref, unset, None)
+    ours = npnorm.from_torch(ref)
+    assert getattr(ours, unset) is None
+    x = rng.normal(size=shape)
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    back = npnorm.to_torch(ours)
+    assert getattr(back, unset) is None
+    assert back.state_dict().keys() == ref.state_dict().keys()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
