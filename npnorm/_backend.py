@@ -251,7 +251,9 @@ def check_device(xp: Namespace, device: Any) -> Any:
         return device
     except Exception as err:  # torch: RuntimeError or AssertionError; NumPy: ValueError
         default = _default_device(xp)
-        if default is not None and str(device) == str(default):
+        # another library's name of it: "cpu", or "cpu:0" (torch.device("cpu", 0)), index 0
+        # of a device without indices
+        if default is not None and str(device) in (str(default), f"{default}:0"):
             return default
         raise ValueError(
             f"device {device!r} is not a device of backend {backend_name(xp)} ({err}); None means "

@@ -339,6 +339,12 @@ def test_a_torch_device_naming_the_cpu_is_numpys_cpu(torch):
     ln = npnorm.LayerNorm(3)
     w = ln.weight
     assert ln.to(device=torch.device("cpu")).weight is w  # (to() refused what the constructor took)
+    for cpu0 in ("cpu:0", torch.device("cpu", 0)):  # index 0 of torch's cpu: the same (refused)
+        torch.nn.LayerNorm(3, device=cpu0)
+        assert isinstance(npnorm.BatchNorm1d(3, device=cpu0).running_mean, np.ndarray)
+        assert ln.to(device=cpu0).weight is w
+    with pytest.raises(ValueError, match="not a device of backend numpy"):
+        npnorm.LayerNorm(3, device="cpu:1")
 
 
 def test_reset_parameters_calls_reset_running_stats(torch):
