@@ -793,3 +793,28 @@ def test_closed_form_and_check_steps_say_what_they_take():
         closed_form(None, np.ones((2, 3, 4)))
     with pytest.raises(TypeError, match=r"grads must map step names to gradients.*got list"):
         check_steps(tape, [1, 2])
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "offset,scale",
+    [(0.0, 1e-3), (0.0, 1e-2), (0.0, 1e2), (1e2, 0.1), (1e3, 0.1), (1e4, 1.0)],
+)
+def test_every_check_passes_on_data_far_from_unit_scale(case, offset, scale):
+    """The step h_i = h·max(1, |s_i|) was 1% of a variance of 1e-4 and of a spread of 0.1
+    about 1000: right gradients were called WRONG (and a mean square pushed below 0 gave
+    NaN). Now the step follows the element's magnitude, with Richardson extrapolation."""
+    name, _, mode = case.partition(":")
+    kw = {"eval": mode in ("eval", "running stats")}
+    if name == "group_norm":
+        kw["groups"] = {"1 group": 1, "middle": 3, "C groups": 6}[mode]
+    args, kwargs = example(name, **kw)
+    x = offset + scale * np.asarray(args[0])
+    if name in ("batch_norm", "instance_norm") and args[1] is not None:  # running stats to match
+        args = (x, offset + scale * args[1], scale * scale * args[2], *args[3:])
+    else:
+        args = (x, *args[1:])
+    tape = staged_forward(name, *args, **kwargs)
+    grads = staged_backward(tape, upstream(tape.output.shape))
+    rows = check_steps(tape, grads)
+    assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]

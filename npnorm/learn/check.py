@@ -3,10 +3,15 @@
 The loss is ``L = sum(y · grad_output)``, a random projection of the output, so its
 gradient with respect to ``y`` is ``grad_output`` and every output element's path
 back is exercised. For a step ``s`` the checker perturbs one element of ``s`` at a
-time by ``±h`` (scaled by the element's magnitude), re-runs only the nodes after
+time by ``±h`` (scaled to the element's magnitude), re-runs only the nodes after
 ``s`` (the nodes before it do not change) and takes the central difference
 
-    dL/ds[i] ~ (L(s + h e_i) - L(s - h e_i)) / (2 h)
+    D(h) = (L(s + h e_i) - L(s - h e_i)) / (2 h)    (error ~ c·h², from the curvature)
+
+at ``h`` and ``h/2``, and combines them so that the ``h²`` error cancels
+(Richardson extrapolation):
+
+    dL/ds[i] ~ (4·D(h/2) - D(h)) / 3
 
 A gradient passes when ``max |given - numeric| <= atol + rtol · max |numeric|`` and
 its shape is the step's shape exactly: a gradient of shape (C,) for a step of shape
@@ -111,13 +116,19 @@ def numeric_gradient(
 ) -> np.ndarray:
     """Central differences of ``L = sum(y · grad_output)`` with respect to step ``name``.
 
-    For each element ``i`` of the step's value ``s``, with ``h_i = h · max(1, |s[i]|)``::
+    For each element ``i`` of the step's value ``s``, with a step scaled to the element,
+    ``h_i = h · max(|s[i]|, mean |s|)`` (``h`` where ``s`` is all zeros), and
+    ``D(t) = (L(s + t e_i) - L(s - t e_i)) / (2 t)``::
 
-        dL/ds[i] ~ (L(s + h_i e_i) - L(s - h_i e_i)) / (2 h_i)
+        dL/ds[i] ~ (4 D(h_i / 2) - D(h_i)) / 3
 
-    Only the graph after ``name`` is re-run (``Tape.rerun``); two re-runs per element,
-    so keep the arrays small. Edges in ``frozen`` keep their recorded values, so the
-    result is the gradient along the other paths only.
+    ``D``'s error is ``c·t² + O(t⁴)``, so this combination (Richardson extrapolation)
+    leaves ``O(h_i⁴)``: a variance of 1e-4, or inputs of 1000 ± 0.1, are checked as
+    well as unit-scale data (one ``D(h_i)`` with ``h_i = h · max(1, |s[i]|)`` called
+    right gradients wrong there). Only the graph after ``name`` is re-run
+    (``Tape.rerun``); four re-runs per element, so keep the arrays small. Edges in
+    ``frozen`` keep their recorded values, so the result is the gradient along the
+    other paths only.
 
     Parameters
     ----------
@@ -128,7 +139,8 @@ def numeric_gradient(
     grad_output : ndarray
         The upstream gradient ``dy``, of the output's shape: ``L = sum(y · dy)``.
     h : float, default 1e-6
-        The finite-difference step, relative to each element's magnitude (at least 1).
+        The finite-difference step, relative to each element's magnitude (or to the
+        step's mean magnitude, where that is larger).
     frozen : collection of (str, str), default ()
         Edges ``(input name, node name)`` held at their recorded values; see
         :func:`term_paths`.
@@ -160,16 +172,21 @@ def numeric_gradient(
     """
     v0 = np.asarray(tape[name], dtype=np.float64)
     out = tape.output_name
-    num = np.empty(v0.shape)
-    for i in np.ndindex(v0.shape):
-        step = h * max(1.0, abs(float(v0[i])))
+    typical = float(np.mean(np.abs(v0))) if v0.size else 0.0  # the step's mean magnitude
+
+    def central(i: tuple[int, ...], t: float) -> float:  # D(t) for element i
         losses = []
         for sign in (1.0, -1.0):
             v = v0.copy()
-            v[i] += sign * step
+            v[i] += sign * t
             y = tape.rerun({name: v}, frozen).get(out, tape.output)
             losses.append(float(np.sum(y * grad_output)))
-        num[i] = (losses[0] - losses[1]) / (2.0 * step)
+        return (losses[0] - losses[1]) / (2.0 * t)
+
+    num = np.empty(v0.shape)
+    for i in np.ndindex(v0.shape):
+        step = h * (max(abs(float(v0[i])), typical) or 1.0)  # h_i
+        num[i] = (4.0 * central(i, step / 2.0) - central(i, step)) / 3.0  # the h_i² errors cancel
     return num
 
 
