@@ -260,6 +260,17 @@ def test_the_check_needs_float64_and_the_output_shape():
         staged_backward(tape64, np.ones(tape64.output.shape[1:]))
 
 
+@pytest.mark.parametrize("axes", [2, -3, (0, 2), (1, -1)])
+def test_staged_normalize_refuses_an_axis_out_of_range_or_repeated_as_numpy(axes):
+    # it wrapped them (a % ndim): axis 2 of a 2-D input normalized axis 0, and (1, -1)
+    # counted the values of axis 1 twice
+    x = np.random.default_rng(0).standard_normal((4, 3))
+    with pytest.raises(ValueError, match=r"out of bounds|repeated axis"):
+        staged_normalize(x, axes)
+    np.testing.assert_array_equal(staged_normalize(x, (-1,)).output, staged_normalize(x, 1).output)
+    assert not np.allclose(staged_normalize(x, 0).output, staged_normalize(x, 1).output)
+
+
 # --- properties that follow from the derivation ---
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from functools import partial
 
 import numpy as np
+from numpy.lib.array_utils import normalize_axis_tuple
 
 from .._checks import check_eps
 from ._graph import affine, backward, same, standardize
@@ -68,8 +69,9 @@ def staged_normalize(
     Raises
     ------
     ValueError
-        When ``eps`` is negative, ``correction`` is not 0 or 1, the axes hold no more
-        than ``correction`` values, or weight or bias does not broadcast against input.
+        When ``eps`` is negative, ``correction`` is not 0 or 1, an axis is repeated or
+        out of range (``numpy.exceptions.AxisError``, a ValueError), the axes hold no
+        more than ``correction`` values, or weight or bias does not broadcast against input.
     TypeError
         With ``float64=True``, when an array is not a floating-point NumPy array.
 
@@ -94,7 +96,8 @@ def staged_normalize(
         x, weight, bias = float64_leaves(input=input, weight=weight, bias=bias)
         assert x is not None
         input = x
-    norm_axes = tuple(sorted(a % input.ndim for a in ((axes,) if isinstance(axes, int) else axes)))
+    # NumPy's rules: an axis out of range is an AxisError, a repeated one a ValueError
+    norm_axes = tuple(sorted(normalize_axis_tuple(axes, input.ndim, "axes")))
     if correction not in (0, 1):
         raise ValueError(f"correction must be 0 (biased variance) or 1 (n-1), got {correction!r}")
     if count(input.shape, norm_axes) <= correction:
