@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,23 +86,40 @@ def nvidia_smi() -> str:
 
 
 def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
-    """Run ``cmd`` with stdout and stderr into ``log``; its exit status, time and whether it timed out."""
+    """Run ``cmd`` with stdout and stderr into ``log``; its exit status, time and whether it timed out.
+
+    The stage runs in a process group of its own, and the whole group is killed when it
+    ends or times out: a timed-out pytest's xdist workers (or a main job's children) would
+    otherwise go on using the GPU under the next stages, skewing their timings."""
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            rc: int | None = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, check=False
-            ).returncode
+            rc: int | None = proc.wait(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
             rc, timed_out = None, True
+        finally:
+            _kill_group(proc)
     seconds = round(time.perf_counter() - t0, 1)
     if timed_out:
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"\n[gpu-check: stopped after the stage's limit of {timeout:.0f} s]\n")
     return {"returncode": rc, "timed_out": timed_out, "seconds": seconds, "log": log.name}
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL the process group ``proc`` leads (what is left of it), then reap ``proc``."""
+    if hasattr(os, "killpg"):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is gone already
+            pass
+    else:  # no process groups: the stage's own process
+        proc.kill()
+    proc.wait()
 
 
 def _tail(path: Path, lines: int = 15) -> str:

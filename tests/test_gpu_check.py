@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -149,6 +150,37 @@ def test_stage_limit_stops_a_hung_stage_and_says_so(tmp_path):
     )
     assert res["timed_out"] and res["returncode"] is None and res["seconds"] < 20
     assert "stopped after the stage's limit" in (tmp_path / "s.log").read_text()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "killpg") or not Path("/proc/self/stat").exists(),
+    reason="process groups are POSIX; the check reads /proc",
+)
+def test_a_stage_that_times_out_takes_its_children_with_it(tmp_path):
+    """subprocess.run's timeout killed only the stage's own process: a pytest's xdist
+    workers went on running (on the GPU) under the next stages."""
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    res = _gpu_check._run_logged([sys.executable, "-c", script], tmp_path / "s.log", 3.0)
+    assert res["timed_out"]
+    pid = int(pid_file.read_text())
+
+    def alive() -> bool:  # a zombie (no one reaps it here) has stopped running
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 def _result(stand_in: bool) -> dict:
