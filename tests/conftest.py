@@ -8,7 +8,8 @@ test module are reported as one skip line for the module.
 Hypothesis profiles: "ci" draws the same examples on every run (derandomized), "dev"
 draws new ones each run (failures are kept in .hypothesis/ and replayed first).
 "ci" is the default where the environment variable CI is set (CI services set it;
-.ci/run does), "dev" elsewhere; ``--hypothesis-profile=NAME`` picks one explicitly.
+.ci/run does), "dev" elsewhere; ``--hypothesis-profile=NAME`` picks one explicitly
+("gpu", "dev" without shrinking, is the GPU check's).
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 import npnorm
 from npnorm._backend import resolve_namespace, to_host
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=25, print_blob=True)
+# the GPU check's tests stage (npnorm._gpu_check): no shrinking, so that a failure that is slow
+# on every call (a CUDA compile error) is reported at once instead of running out the stage
+settings.register_profile(
+    "gpu",
+    deadline=None,
+    max_examples=25,
+    print_blob=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
+)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 

@@ -298,7 +298,13 @@ def test_tests_stage_command_workers_and_no_benchmark_plugin(monkeypatch, tmp_pa
     assert ("-n" in cmd) == (xdist and workers > 0)
     if "-n" in cmd:
         assert cmd[cmd.index("-n") + 1] == "3"
-    assert cmd[-4:] == ["-k", "cupy", f"--junit-xml={tmp_path / 'junit.xml'}", "tests"]
+    assert cmd[-5:] == [
+        "--hypothesis-profile=gpu",
+        "-k",
+        "cupy and not stand_in",
+        f"--junit-xml={tmp_path / 'junit.xml'}",
+        "tests",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -321,3 +327,12 @@ def test_gpu_check_passes_workers_to_the_tests_stage(monkeypatch, tmp_path):
     monkeypatch.setattr(_gpu_check, "default_workers", lambda: 7)
     _gpu_check.run(tmp_path, stages=("tests",), stand_in=True)
     assert seen == [5, 7]
+
+
+def test_the_gpu_profile_reports_a_failure_without_shrinking_it():
+    # the tests stage passes --hypothesis-profile=gpu: a CUDA compile error recompiles on
+    # every call, and shrinking it ran the stage into its limit with no report
+    from hypothesis import Phase, settings
+
+    phases = settings.get_profile("gpu").phases
+    assert Phase.shrink not in phases and Phase.generate in phases
