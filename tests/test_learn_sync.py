@@ -182,6 +182,8 @@ def test_the_command_refuses_bad_splits_and_options(capsys):
         ["sync_batch_norm", "--split", "-1,2"],
         ["sync_batch_norm", "--eval"],
         ["layer_norm", "--split", "1,1"],
+        ["sync_batch_norm", "--split", ",".join(["1"] * 65)],  # threads: 2000 broke their barrier
+        ["sync_batch_norm", "--split", "100000000000,1"],  # asked for terabytes
     )
     for argv in bad:
         with pytest.raises(SystemExit) as exit_:
@@ -189,3 +191,5 @@ def test_the_command_refuses_bad_splits_and_options(capsys):
         assert exit_.value.code == 2, argv
     err = capsys.readouterr().err
     assert "--split: two ranks at least" in err and "--split applies to sync_batch_norm" in err
+    assert "got 65 ranks and 65 samples" in err and "got 2 ranks and 100000000001 samples" in err
+    assert _cli.main(["sync_batch_norm", "--split", ",".join(["1"] * 64)]) == 0  # 64 ranks run

@@ -281,8 +281,13 @@ def overview() -> None:
     print("(both in npnorm's source repository, not in an installed package)")
 
 
+MAX_RANKS, MAX_SAMPLES = 64, 1_000_000  # --split's bounds
+
+
 def _split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]:
-    """``--split 5,1,0``: samples per rank; two ranks at least, one sample at least."""
+    """``--split 5,1,0``: samples per rank; two ranks at least, one sample at least, and a
+    size that prints tables a reader can follow (every rank is a thread: 2000 ranks broke
+    the threads' barrier after a minute, 1e11 samples asked for terabytes)."""
     if text is None:
         return SPLIT
     try:
@@ -291,6 +296,11 @@ def _split(parser: argparse.ArgumentParser, text: str | None) -> tuple[int, ...]
         parser.error(f"--split: expected samples per rank such as 5,1,0, got {text!r}")
     if len(split) < 2 or min(split) < 0 or sum(split) < 1:
         parser.error(f"--split: two ranks at least, counts >= 0, one sample at least; got {text!r}")
+    if len(split) > MAX_RANKS or sum(split) > MAX_SAMPLES:
+        parser.error(
+            f"--split: at most {MAX_RANKS} ranks and {MAX_SAMPLES} samples in all (the tables are "
+            f"for reading); got {len(split)} ranks and {sum(split)} samples"
+        )
     return split
 
 
