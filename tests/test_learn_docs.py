@@ -54,6 +54,20 @@ def test_the_link_checker_catches_a_moved_line_and_a_missing_file(tmp_path):
     assert "[`b = 2`](code.py#L2)" in page.read_text()
 
 
+def test_fix_keeps_an_anchor_that_holds_where_its_text_is_on_several_lines(tmp_path):
+    # --fix called such a link unfixable (exit 1) though the check passed, and rewrote
+    # every page whether or not a link moved
+    target = tmp_path / "code.py"
+    target.write_text("a = 1\nb = 2\na = 1  # again\n")
+    page = tmp_path / "page.md"
+    page.write_text("[`a = 1`](code.py#L3) [`b = 2`](code.py#L2)\n")
+    stamp = page.stat().st_mtime_ns
+    assert _doclinks.problems(page) == [] and _doclinks.fix(page) == []
+    assert page.stat().st_mtime_ns == stamp  # nothing moved: not rewritten
+    page.write_text("[`a = 1`](code.py#L2)\n")  # broken, and ambiguous: said so
+    assert "is on 2 lines" in _doclinks.fix(page)[0]
+
+
 def test_every_formula_row_links_to_code():
     """Each row of a node or local-derivative table ends in a link to the line that computes it."""
     for page in PAGES:

@@ -71,7 +71,9 @@ def problems(md: Path) -> list[str]:
 
 
 def fix(md: Path) -> list[str]:
-    """Move each line anchor of ``md`` to the one line holding its text; return what could not be fixed."""
+    """Move each line anchor of ``md`` that no longer lands on its text to the one line
+    holding it; return what could not be fixed. An anchor that holds stays, even where its
+    text is on several lines; the page is written only where a link moved."""
     unfixable = []
 
     def repair(m: re.Match[str]) -> str:
@@ -81,13 +83,21 @@ def fix(md: Path) -> list[str]:
         if not code or not re.fullmatch(r"L\d+", frag) or re.match(r"[a-z]+:", target):
             return m.group(0)
         path = (md.parent / file).resolve()
-        at = _lines_with(path, code.group(1)) if path.exists() else []
+        if not path.exists():
+            unfixable.append(f"{md}: {file}: no such file")
+            return m.group(0)
+        at = _lines_with(path, code.group(1))
+        if int(frag[1:]) in at:  # the anchor holds
+            return m.group(0)
         if len(at) != 1:
             unfixable.append(f"{md}: `{code.group(1)}` is on {len(at)} lines of {file}: {at}")
             return m.group(0)
         return f"[{text}]({file}#L{at[0]})"
 
-    md.write_text(LINK.sub(repair, md.read_text(encoding="utf-8")), encoding="utf-8")
+    before = md.read_text(encoding="utf-8")
+    after = LINK.sub(repair, before)
+    if after != before:
+        md.write_text(after, encoding="utf-8")
     return unfixable
 
 
