@@ -829,3 +829,13 @@ def test_every_check_passes_on_data_far_from_unit_scale(case, offset, scale):
     grads = staged_backward(tape, upstream(tape.output.shape))
     rows = check_steps(tape, grads)
     assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]
+
+
+def test_python_m_npnorm_learn_runs_the_same_command():
+    # "npnorm.learn is a package and cannot be directly executed" before
+    def run(*argv):
+        cmd = [sys.executable, "-m", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    out, same = run("npnorm.learn", "layer_norm"), run("npnorm", "learn", "layer_norm")
+    assert out.returncode == 0 and out.stdout == same.stdout, out.stderr
