@@ -177,6 +177,19 @@ def check_flag(value: Any, what: str) -> bool:
     raise TypeError(f"{what} must be a bool, got {value!r}")
 
 
+def check_backward_training(value: Any, what: str) -> bool:
+    """A BatchNorm backward's ``training``, which it requires: the forward's is False by
+    default (inference), a training forward's gradient is another formula, and the saved
+    ``mean``/``rstd`` do not say which the forward was."""
+    if value is None:
+        raise TypeError(
+            f"{what}() needs training=: the value the forward was called with (True: batch "
+            "statistics, whose gradient flows through them; False: running statistics, the "
+            "forward's default)"
+        )
+    return check_flag(value, f"{what}: training")
+
+
 def check_real(value: Any, what: str) -> float:
     """A real number (of any type: NumPy's float32 too; not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -371,7 +371,10 @@ def test_a_training_flag_that_is_not_a_bool_is_a_type_error_as_in_torch(torch, f
         ),
     }
     for what, call in calls.items():
-        with pytest.raises(TypeError, match=rf"{what} must be a bool, got"):
+        expected = rf"{what} must be a bool, got"
+        if flag is None and what.endswith("backward: training"):  # the backwards require it
+            expected = rf"{what.split(':')[0]}\(\) needs training="
+        with pytest.raises(TypeError, match=expected):
             call()
     assert rm.tolist() == [0, 0, 0] and rv.tolist() == [1, 1, 1]
     y, *_ = F.batch_norm_forward(x, rm, rv, training=np.True_)  # NumPy's bool is a bool
@@ -471,3 +474,16 @@ def test_the_input_is_checked_against_the_arrays_lengths_not_num_features(torch,
     m.weight = np.ones(5, np.float32)  # arrays that disagree: the first sets C, the next is named
     with pytest.raises(ValueError, match=r"must have shape \(5,\) \(one value per channel\), got \(3,\)"):
         m(x)
+
+
+@pytest.mark.parametrize("fn", ["batch_norm_backward", "sync_batch_norm_backward"])
+def test_the_backward_needs_the_forwards_training_flag(rng, fn):
+    # the forward's default is inference (training=False), the backward's was True: with both
+    # defaults, an inference forward's dx came from the training formula, silently
+    x = rng.normal(size=(4, 3, 2))
+    _, mean, rstd, _, _ = F.batch_norm_forward(x, np.zeros(3), np.ones(3))
+    backward = getattr(F, fn)
+    with pytest.raises(TypeError, match=r"needs training=: the value the forward was called with"):
+        backward(np.ones_like(x), x, mean, rstd)
+    dx, _, _ = backward(np.ones_like(x), x, mean, rstd, training=False)
+    np.testing.assert_allclose(dx, np.ones_like(x) * rstd.reshape(1, 3, 1))

@@ -544,7 +544,7 @@ def test_tiny_shapes():
         ours = F.batch_norm_forward(x, None, None, training=True)
         ref = generic_kernel("batch_norm_forward")(xp, x, None, None, None, None, True, 0.1, 1e-5)
         np.testing.assert_allclose(ours[0], ref[0], rtol=1e-12, atol=1e-12)
-        dx = F.batch_norm_backward(dy, x, ours[1], ours[2])[0]
+        dx = F.batch_norm_backward(dy, x, ours[1], ours[2], training=True)[0]
         dx_ref = generic_kernel("batch_norm_backward")(xp, dy, x, ref[1], ref[2], None, None, True)[0]
         np.testing.assert_allclose(dx, dx_ref, rtol=1e-9, atol=1e-9)
         y, _mean, _rstd = F.group_norm_forward(x, 1)

@@ -464,13 +464,13 @@ def test_batch_norm_dx_centres_dy_as_torch_does(torch, family, shape):
         with npnorm.use_kernels("reference"):
             args64 = [a.astype(np.float64) for a in (x, w, b)]
             f = F.batch_norm_forward(args64[0], None, None, *args64[1:], training=True)
-            dx64 = F.batch_norm_backward(dy.astype(np.float64), args64[0], f[1], f[2], *args64[1:])[0]
+            dx64 = F.batch_norm_backward(dy.astype(np.float64), args64[0], f[1], f[2], *args64[1:], True)[0]
         xt = torch.tensor(x, requires_grad=True)
         wt, bt = torch.tensor(w), torch.tensor(b)
         torch.nn.functional.batch_norm(xt, None, None, wt, bt, True).backward(torch.tensor(dy))
         with npnorm.use_kernels(family):
             f = F.batch_norm_forward(x, None, None, w, b, training=True)
-            dx = F.batch_norm_backward(dy, x, f[1], f[2], w, b)[0]
+            dx = F.batch_norm_backward(dy, x, f[1], f[2], w, b, True)[0]
         ratios.append(_error(dx, dx64) / _error(xt.grad.numpy(), dx64))
     assert np.median(ratios) <= 1.5, ratios
 

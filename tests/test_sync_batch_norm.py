@@ -594,7 +594,7 @@ def test_a_missing_argument_on_one_rank_raises_on_every_rank():
             F.sync_batch_norm_forward(None if rank == 1 else x, None, None, training=True, comm=comm)
         y, mean, rstd, _, _ = F.sync_batch_norm_forward(x, None, None, training=True, comm=comm)
         with pytest.raises(TypeError) as backward:
-            F.sync_batch_norm_backward(None if rank == 2 else y, x, mean, rstd, comm=comm)
+            F.sync_batch_norm_backward(None if rank == 2 else y, x, mean, rstd, training=True, comm=comm)
         m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
         m(x)
         with pytest.raises(TypeError) as module:
@@ -620,7 +620,7 @@ def test_statistics_of_another_length_on_one_rank_raise_on_every_rank():
         if rank == 1:
             mean, rstd = np.ones(4), np.ones(4)
         with pytest.raises(ValueError) as info:
-            F.sync_batch_norm_backward(y, x, mean, rstd, comm=comm)
+            F.sync_batch_norm_backward(y, x, mean, rstd, training=True, comm=comm)
         return str(info.value)
 
     messages = run_ranks(3, rank_fn)
@@ -1037,7 +1037,9 @@ def test_the_functional_backward_with_other_channel_counts_raises_on_every_rank(
         with pytest.raises(ValueError, match=r"different numbers of channels \(rank 0: 3, rank 1: 2"):
             F.sync_batch_norm_backward(np.ones_like(bad), bad, *bad_stats, training=True, comm=comm)
         with pytest.raises(TypeError, match="failed on rank 1 of 3"):  # not "0 channels"
-            F.sync_batch_norm_backward(*((None, None, None) if r == 1 else (x, x, mean)), rstd, comm=comm)
+            F.sync_batch_norm_backward(
+                *((None, None, None) if r == 1 else (x, x, mean)), rstd, training=True, comm=comm
+            )
         dx, _, _ = F.sync_batch_norm_backward(np.ones_like(x), x, mean, rstd, training=True, comm=comm)
         return dx.shape
 
@@ -1096,7 +1098,7 @@ def test_a_variance_beyond_float32_normalizes_and_saves_rstd_as_batch_norm(other
     out = run_ranks(2, rank_fn)
     y, dx = np.concatenate([o[0] for o in out]), np.concatenate([o[1] for o in out])
     y_bn, mean_bn, rstd_bn, _, _ = F.batch_norm_forward(x, None, None, training=True)
-    dx_bn, _, _ = F.batch_norm_backward(dy, x, mean_bn, rstd_bn)
+    dx_bn, _, _ = F.batch_norm_backward(dy, x, mean_bn, rstd_bn, training=True)
     np.testing.assert_allclose(y, y_bn, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(out[0][2], rstd_bn, rtol=1e-6)
     np.testing.assert_allclose(dx, dx_bn, rtol=1e-5, atol=1e-44)

@@ -377,6 +377,6 @@ def test_a_backward_whose_odd_array_is_not_grad_output_does_not_blame_it(torch):
     x = np.ones((4, 3), np.float32)
     with pytest.raises(TypeError, match=r"weight: torch\.Tensor") as info:
         npnorm.functional.batch_norm_backward(
-            x, x, np.zeros(3, np.float32), np.ones(3, np.float32), torch.ones(3)
+            x, x, np.zeros(3, np.float32), np.ones(3, np.float32), torch.ones(3), training=True
         )
     assert "pass grad_output" not in str(info.value)

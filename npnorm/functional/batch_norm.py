@@ -7,7 +7,15 @@ Reducing Internal Covariate Shift", https://arxiv.org/abs/1502.03167.
 from __future__ import annotations
 
 from .._backend import Array, Namespace, no_fp_warnings
-from .._checks import check_eps, check_flag, check_grad_output, check_out, float_inputs, prod
+from .._checks import (
+    check_backward_training,
+    check_eps,
+    check_flag,
+    check_grad_output,
+    check_out,
+    float_inputs,
+    prod,
+)
 from ._channels import (
     channel_norm_backward,
     channel_norm_forward,
@@ -140,7 +148,7 @@ def batch_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
-    training: bool = True,
+    training: bool | None = None,
     *,
     out: Array | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
@@ -167,8 +175,12 @@ def batch_norm_backward(
         As returned by ``batch_norm_forward``.
     weight, bias : arrays of shape (C,), optional
         As given to the forward.
-    training : bool, default True
-        The value the forward was called with.
+    training : bool
+        The value the forward was called with. Required (a TypeError without it): the
+        forward's default is False (inference, as PyTorch's ``F.batch_norm``), the
+        gradient of a training forward another formula, and ``mean``/``rstd`` do not
+        say which the forward was (PyTorch's ``native_batch_norm_backward`` requires
+        its ``train`` too).
     out : array, keyword-only, optional
         Where to write ``dx``: an array of the input's backend, shape and
         dtype (any layout), written in place and returned in its place.
@@ -189,7 +201,7 @@ def batch_norm_backward(
     array([[1.5],
            [1.5]])
     """
-    training = check_flag(training, "batch_norm_backward: training")
+    training = check_backward_training(training, "batch_norm_backward")
     xp = float_inputs(
         grad_output, input, mean, rstd, weight, bias,
         names=("grad_output", "input", "mean", "rstd", "weight", "bias"), required=4,

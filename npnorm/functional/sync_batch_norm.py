@@ -27,7 +27,16 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, to_host, to_namespace
-from .._checks import cast, check_eps, check_flag, check_grad_output, float_inputs, prod, work_dtype
+from .._checks import (
+    cast,
+    check_backward_training,
+    check_eps,
+    check_flag,
+    check_grad_output,
+    float_inputs,
+    prod,
+    work_dtype,
+)
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
 from .._stats import RECENTRE_ABOVE, moments, wide_sum, xhat_from
 from ._channels import (
@@ -133,7 +142,7 @@ def sync_batch_norm_backward(
     rstd: Array,
     weight: Array | None = None,
     bias: Array | None = None,
-    training: bool = True,
+    training: bool | None = None,
     *,
     comm: Comm | None = None,
 ) -> tuple[Array, Array | None, Array | None]:
@@ -168,7 +177,8 @@ def sync_batch_norm_backward(
         What ``sync_batch_norm_forward`` returned.
     weight, bias : arrays of shape (C,), optional
     training : bool
-        The value the forward was called with.
+        The value the forward was called with; required, as ``batch_norm_backward``'s
+        (the forward's default is False).
     comm : mpi4py intracommunicator, keyword-only
         The forward's communicator (default ``MPI.COMM_WORLD``).
 
@@ -187,7 +197,7 @@ def sync_batch_norm_backward(
     >>> dx.shape, dw, db
     ((4, 3, 5), None, None)
     """
-    training = check_flag(training, "sync_batch_norm_backward: training")
+    training = check_backward_training(training, "sync_batch_norm_backward")
     if not training:
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, False)
     comm = resolve_comm(comm)

@@ -155,7 +155,7 @@ def simulate_sync_batch_norm(
     >>> run.stats[:, 0]                         # n_r: values per channel on each rank
     array([9., 0., 6.])
     >>> y, mean, rstd, _, _ = F.batch_norm_forward(x, None, None, training=True)
-    >>> dx, _, _ = F.batch_norm_backward(dy, x, mean, rstd)
+    >>> dx, _, _ = F.batch_norm_backward(dy, x, mean, rstd, training=True)
     >>> np.allclose(run.output, y), np.allclose(run.grad_input, dx)
     (True, True)
     >>> [e.kind for e in run.log]               # header, statistics, channel counts, backward sums
