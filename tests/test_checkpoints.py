@@ -369,6 +369,24 @@ def test_load_one_layer_by_prefix_from_a_torch_model(torch, rng):
     )
 
 
+def test_a_whole_models_state_dict_without_prefix_names_the_prefixes_that_fit(torch):
+    # the error listed every key of the model as unexpected, with no hint of prefix=
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Sequential(torch.nn.LayerNorm(4))
+    )
+    with pytest.raises(RuntimeError) as info:
+        npnorm.LayerNorm(4).load_state_dict(model.state_dict())
+    message = str(info.value)
+    # the BatchNorm's weight and bias fit a LayerNorm(4) too; the Linear's (4, 4) weight does not
+    assert "this layer's keys may be under a prefix: prefix='1.', prefix='2.0.')" in message
+    with pytest.raises(RuntimeError) as info:
+        npnorm.BatchNorm1d(4).load_state_dict(model.state_dict())
+    assert "prefix='1.')" in str(info.value)
+    with pytest.raises(RuntimeError) as info:
+        npnorm.LayerNorm(5).load_state_dict(model.state_dict())  # no shape fits: no hint
+    assert "prefix" not in str(info.value)
+
+
 def test_prefix_does_not_match_a_longer_name():
     full = {
         "layer.1.weight": np.full(3, 1.0),

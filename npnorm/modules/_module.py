@@ -99,6 +99,24 @@ def dtype_name(xp: Namespace, dtype: Any) -> str:
     raise TypeError(f"unsupported dtype {dtype!r} (a module's arrays are float, int or bool)")
 
 
+def _prefix_hint(missing: list[str], source: Mapping[Any, Any], own: Mapping[str, Array]) -> str:
+    """A whole model's state_dict given to one layer: a hint naming the prefixes (at most
+    three) under which every missing key is found with this layer's shape."""
+    found: list[str] = []
+    for key in source:
+        name = missing[0]
+        if not (isinstance(key, str) and key.endswith("." + name)):
+            continue
+        head = key[: -len(name)]
+        fits = all(tuple(getattr(source.get(head + k), "shape", ())) == tuple(own[k].shape) for k in missing)
+        if fits and head not in found:
+            found.append(head)
+    if not found:
+        return ""
+    listed = ", ".join(f"prefix={p!r}" for p in found[:3]) + (", ..." if len(found) > 3 else "")
+    return f" (a model's state_dict? this layer's keys may be under a prefix: {listed})"
+
+
 class Module:
     """Base class of every npnorm layer: parameters, buffers, grads, train/eval,
     ``state_dict``, backend moves, pickling.
@@ -627,6 +645,7 @@ class Module:
             errors.append("unexpected key(s): " + ", ".join(repr(prefix + k) for k in unexpected))
         if strict and missing:
             note = f" (no key of the state_dict starts with {prefix!r})" if prefix and not source else ""
+            note += "" if prefix else _prefix_hint(missing, source, own)
             errors.append("missing key(s): " + ", ".join(repr(prefix + k) for k in missing) + note)
         staged: dict[str, Array] = {}
         for key, current in own.items():
