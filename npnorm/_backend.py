@@ -148,6 +148,11 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
     if xp is None:
         xp = "numpy"
     if isinstance(xp, str):
+        if xp in (*FLOAT_NAMES, "bfloat16", "half", "float", "double"):  # m.to("float64"): torch habit
+            raise ValueError(
+                f"xp={xp!r} names a dtype, not an array backend: a dtype goes in dtype= "
+                f"(m.to(dtype={xp!r}), or npnorm's constructors' dtype=)"
+            )
         try:
             module = importlib.import_module(xp)
         except ImportError as err:

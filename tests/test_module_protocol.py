@@ -390,6 +390,17 @@ def test_xp_that_is_no_array_library_is_a_clear_error():
         npnorm.LayerNorm(3).to("json")
 
 
+@pytest.mark.parametrize("name", ["float64", "float16", "bfloat16", "double"])
+def test_to_a_dtype_name_says_it_goes_in_dtype(name):
+    # m.to("float64") (torch's m.to(dtype) habit) said the backend 'float64' is not installed
+    m = npnorm.LayerNorm(3)
+    w = m.weight
+    with pytest.raises(ValueError, match=rf"xp='{name}' names a dtype.*m.to\(dtype='{name}'\)"):
+        m.to(name)
+    assert m.weight is w
+    assert npnorm.LayerNorm(3).to(dtype="float64").weight.dtype == np.float64
+
+
 @pytest.mark.parametrize("device", ["cuda", "gpu:0", 0])
 def test_a_device_numpy_lacks_is_a_clear_error(device):
     with pytest.raises(ValueError, match=r"not a device of backend numpy.*xp= chooses the backend"):
