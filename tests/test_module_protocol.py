@@ -322,8 +322,10 @@ def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, ma
     ours(x)
     getattr(ours, reset)()
     if torch_raised:
-        with pytest.raises(RuntimeError, match="overwritten in place by reset_"):  # (reset_running_stats
-            # for reset_parameters where that wrote first, as torch's calls it first too)
+        # the method called is named (reset_parameters calls reset_running_stats first, as
+        # torch's does: the message named only that one, which the user never called)
+        named = rf"overwritten in place by {reset} since"
+        with pytest.raises(RuntimeError, match=named):
             ours.backward(np.ones(shape, np.float32))
     else:
         ours.backward(np.ones(shape, np.float32))

@@ -691,6 +691,13 @@ class Module:
             if hit:
                 self._saved = _Overwritten(hit, by, kept)
 
+    def _name_overwrite(self, before: Any, by: str) -> None:
+        """Where the saved forward ``before`` was overwritten since, by ``by`` or the methods
+        it called (reset_parameters calls reset_running_stats), name ``by`` in the error."""
+        saved = self._saved
+        if isinstance(saved, _Overwritten) and not isinstance(before, _Overwritten):
+            self._saved = _Overwritten(saved.names, by, saved.kept)
+
     def _write(self, name: str, value: Any, *, uncounted: bool = False) -> bool:
         """Set parameter or buffer ``name`` to ``value`` (of the module's backend):
         into the module's own array, in place, where shape and dtype match (True), or

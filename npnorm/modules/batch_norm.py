@@ -62,8 +62,10 @@ class _NormBase(Module):
     def reset_parameters(self) -> None:
         """``reset_running_stats()``, then ``weight`` back to ones and ``bias`` to zeros
         (where the layer has them), in place as PyTorch's ``reset_parameters``."""
+        before = self._saved
         self.reset_running_stats()  # a subclass's override included, as in PyTorch
         self._refill({"weight": 1, "bias": 0}, "reset_parameters")
+        self._name_overwrite(before, "reset_parameters")  # the method called, not its helper
 
     def _missing_key_defaults(self, version: int | None) -> dict[str, Array]:
         # As PyTorch's _NormBase: a checkpoint from before num_batches_tracked existed
