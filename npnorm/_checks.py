@@ -272,7 +272,10 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
         raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
     if out.dtype != like.dtype and not same_but_byte_order(out.dtype, like.dtype):
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
-    if any(st == 0 and n > 1 for st, n in zip(getattr(out, "strides", ()), out.shape, strict=False)):
+    # (an empty array has no two elements anywhere: NumPy gives np.empty((0, 3, 8)) zero strides)
+    if prod(out.shape) > 0 and any(
+        st == 0 and n > 1 for st, n in zip(getattr(out, "strides", ()), out.shape, strict=False)
+    ):
         raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
             f"{what} has more than one element at one memory location (a zero stride, from "
             "broadcasting): each element needs its own; pass a copy (out.copy())"

@@ -103,6 +103,20 @@ def test_out_is_written_and_returned(family, dtype):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_out_takes_an_empty_batch_as_the_functions_do(family):
+    # NumPy gives np.empty((0, 4, 5, 6)) zero strides: out= was refused as a broadcast array
+    x = np.empty((0, 4, 5, 6), np.float32)
+    assert 0 in x.strides
+    with npnorm.use_kernels(family):
+        for name, fwd, bwd in cases(x, np.empty_like(x)):
+            out = np.empty_like(x)
+            assert fwd(out)[0] is out, name
+            assert bwd(out)[0] is out, name
+    with pytest.raises(ValueError, match="zero stride"):  # a broadcast out still is refused
+        F.layer_norm_forward(np.ones((2, 3)), 3, out=np.broadcast_to(np.zeros(3), (2, 3)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_out_may_be_the_input_itself(family):
     """In place (``out=x``, ``out=dy``): the result is what a fresh output gets."""
     rng = _rng()
