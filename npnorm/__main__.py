@@ -287,12 +287,12 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if run(verbose=not args.quiet) else 1
 
 
-def _run_to_a_pipe() -> int:
-    """``main()``, and quietly done where the reader of standard output stops reading
+def _run_to_a_pipe(argv: list[str] | None = None) -> int:
+    """``main(argv)``, and quietly done where the reader of standard output stops reading
     (``python -m npnorm learn layer_norm | head``: a BrokenPipeError traceback before),
     as the shell's own tools do (the status 141 of a process that SIGPIPE ended)."""
     try:
-        status = main()
+        status = main(argv)
         sys.stdout.flush()
         return status
     except BrokenPipeError:

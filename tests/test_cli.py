@@ -211,3 +211,13 @@ def test_a_reader_that_stops_reading_ends_it_quietly():
     err = p.stderr.read().decode()
     p.stderr.close()
     assert p.wait(timeout=120) == 141 and "BrokenPipeError" not in err, err
+
+
+def test_python_m_npnorm_demo_is_python_m_npnorm_demo():
+    # "npnorm.demo is a package and cannot be directly executed" before (as npnorm.learn's)
+    def run(*argv):
+        cmd = [sys.executable, "-m", *argv, "--help"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+    out, same = run("npnorm.demo"), run("npnorm", "demo")
+    assert out.returncode == 0 and out.stdout == same.stdout and "--quick" in out.stdout, out.stderr

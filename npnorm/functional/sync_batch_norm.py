@@ -68,6 +68,12 @@ def sync_batch_norm_forward(
     """SyncBatchNorm forward: ``batch_norm_forward`` with the statistics of the
     global batch, the union of every rank's ``input``.
 
+    Ioffe & Szegedy (2015), https://arxiv.org/abs/1502.03167; the merge of the ranks'
+    statistics is Chan, Golub & LeVeque (1979), "Updating formulae and a pairwise
+    algorithm for computing sample variances". Per channel c, over every rank's values:
+
+        y = (x - mean_c) / sqrt(var_c + eps) * weight_c + bias_c     (var_c biased, global)
+
     Training. Rank r holds n_r values of channel c (N * prod(spatial)) with mean
     mean_r and M2_r = sum((x - mean_r)**2) (two passes). The ranks' triples are
     merged in rank order (Chan et al.), empty ranks skipped; merging b into a:
@@ -148,10 +154,11 @@ def sync_batch_norm_backward(
 ) -> tuple[Array, Array | None, Array | None]:
     """SyncBatchNorm backward from the upstream gradient and the saved global statistics.
 
-    With xhat = (x - mean_c) * rstd_c and dxhat = dy * weight_c, and sums over the
-    n values of channel c on *every* rank (one all-reduce of [sum(dy),
-    sum(dy * (x - mean_c))] per channel, means taken with the global count n, after
-    an allgather of the ranks' channel counts):
+    Ioffe & Szegedy (2015), https://arxiv.org/abs/1502.03167. With xhat =
+    (x - mean_c) * rstd_c and dxhat = dy * weight_c, and sums over the n values of
+    channel c on *every* rank (one all-reduce of [sum(dy), sum(dy * (x - mean_c))] per
+    channel, means taken with the global count n, after an allgather of the ranks'
+    channel counts):
 
         dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 
