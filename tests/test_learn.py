@@ -260,6 +260,32 @@ def test_the_check_needs_float64_and_the_output_shape():
         staged_backward(tape64, np.ones(tape64.output.shape[1:]))
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "batch_norm"])
+@pytest.mark.parametrize("bias", [None, 1e-5, 1e-8])
+def test_every_check_passes_on_centred_data_and_small_biases(name, bias):
+    """Steps of values near 0 (the mean of centred rows or channels, a small bias) took
+    steps of their own size, drowned in rounding: right gradients were called WRONG."""
+    x = np.random.default_rng(3).standard_normal((4, 3, 5))
+    axis = -1 if name == "layer_norm" else (0, 2)
+    x = x - x.mean(axis=axis, keepdims=True)  # centred: the mean step is ~1e-17
+    if name == "layer_norm":
+        args = (x, 5, np.full(5, 1.5), None if bias is None else np.full(5, bias))
+    else:
+        args = (x, None, None, np.full(3, 1.5), None if bias is None else np.full(3, bias))
+    kwargs = {} if name == "layer_norm" else {"training": True}
+    tape = staged_forward(name, *args, **kwargs)
+    rows = check_steps(tape, staged_backward(tape, upstream(tape.output.shape)))
+    assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]
+
+
+def test_a_numeric_gradient_that_is_nan_is_said_to_be_so():
+    # a step so large that var + eps went below 0: the row read "var: WRONG: " with no reason
+    tape = staged_forward("layer_norm", np.random.default_rng(0).standard_normal((2, 4)) * 1e-4, 4)
+    grads = staged_backward(tape, upstream(tape.output.shape))
+    [row] = check_steps(tape, grads, names=["var"], h=1e4)
+    assert not row.ok and "numeric gradient is nan or inf" in str(row)
+
+
 @pytest.mark.parametrize("axes", [2, -3, (0, 2), (1, -1)])
 def test_staged_normalize_refuses_an_axis_out_of_range_or_repeated_as_numpy(axes):
     # it wrapped them (a % ndim): axis 2 of a 2-D input normalized axis 0, and (1, -1)

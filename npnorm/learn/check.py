@@ -117,8 +117,9 @@ def numeric_gradient(
     """Central differences of ``L = sum(y · grad_output)`` with respect to step ``name``.
 
     For each element ``i`` of the step's value ``s``, with a step scaled to the element,
-    ``h_i = h · max(|s[i]|, mean |s|)`` (``h`` where ``s`` is all zeros), and
-    ``D(t) = (L(s + t e_i) - L(s - t e_i)) / (2 t)``::
+    ``h_i = h · max(|s[i]|, mean |s|, std(input))`` (``h`` where all are 0; the input's
+    spread keeps a step of values near 0, such as the mean of centred rows or a small
+    bias, from drowning in rounding), and ``D(t) = (L(s + t e_i) - L(s - t e_i)) / (2 t)``::
 
         dL/ds[i] ~ (4 D(h_i / 2) - D(h_i)) / 3
 
@@ -140,7 +141,7 @@ def numeric_gradient(
         The upstream gradient ``dy``, of the output's shape: ``L = sum(y · dy)``.
     h : float, default 1e-6
         The finite-difference step, relative to each element's magnitude (or to the
-        step's mean magnitude, where that is larger).
+        step's mean magnitude, or the input's standard deviation, where larger).
     frozen : collection of (str, str), default ()
         Edges ``(input name, node name)`` held at their recorded values; see
         :func:`term_paths`.
@@ -173,6 +174,8 @@ def numeric_gradient(
     v0 = np.asarray(tape[name], dtype=np.float64)
     out = tape.output_name
     typical = float(np.mean(np.abs(v0))) if v0.size else 0.0  # the step's mean magnitude
+    if "input" in tape and np.size(tape["input"]):  # and the data's spread, where larger
+        typical = max(typical, float(np.std(tape["input"])))
 
     def central(i: tuple[int, ...], t: float) -> float:  # D(t) for element i
         losses = []
@@ -184,9 +187,10 @@ def numeric_gradient(
         return (losses[0] - losses[1]) / (2.0 * t)
 
     num = np.empty(v0.shape)
-    for i in np.ndindex(v0.shape):
-        step = h * (max(abs(float(v0[i])), typical) or 1.0)  # h_i
-        num[i] = (4.0 * central(i, step / 2.0) - central(i, step)) / 3.0  # the h_i² errors cancel
+    with np.errstate(all="ignore"):  # a step out of the domain gives nan, which the verdict names
+        for i in np.ndindex(v0.shape):
+            step = h * (max(abs(float(v0[i])), typical) or 1.0)  # h_i
+            num[i] = (4.0 * central(i, step / 2.0) - central(i, step)) / 3.0  # the h_i² errors cancel
     return num
 
 
@@ -213,6 +217,12 @@ def compare(
     a = given.astype(np.float64)
     if not np.all(np.isfinite(a)):
         return CheckRow(name, False, True, nan, nan, shape, got, "contains nan or inf")
+    if not np.all(np.isfinite(numeric)):  # not the gradient's fault: say so
+        note = (
+            "the numeric gradient is nan or inf: a finite-difference step left the function's "
+            "domain (a variance pushed below 0?); try a smaller h"
+        )
+        return CheckRow(name, False, True, nan, nan, shape, got, note)
     err = float(np.max(np.abs(a - numeric), initial=0.0))
     scale = float(np.max(np.abs(numeric), initial=0.0))
     rel = err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
