@@ -148,11 +148,14 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
     if xp is None:
         xp = "numpy"
     if isinstance(xp, str):
-        if xp in (*FLOAT_NAMES, "bfloat16", "half", "float", "double"):  # m.to("float64"): torch habit
-            raise ValueError(
-                f"xp={xp!r} names a dtype, not an array backend: a dtype goes in dtype= "
-                f"(m.to(dtype={xp!r}), or npnorm's constructors' dtype=)"
+        named = {"half": "float16", "float": "float32", "double": "float64"}.get(xp, xp)
+        if named in (*FLOAT_NAMES, "bfloat16"):  # m.to("float64"): a torch habit
+            hint = (
+                f"m.to(dtype={named!r}), or the constructors' dtype="
+                if named in FLOAT_NAMES
+                else "a module's dtype is float16, float32 or float64"
             )
+            raise ValueError(f"xp={xp!r} names a dtype, not an array backend: dtypes go in dtype= ({hint})")
         try:
             module = importlib.import_module(xp)
         except ImportError as err:

@@ -392,15 +392,20 @@ def test_xp_that_is_no_array_library_is_a_clear_error():
         npnorm.LayerNorm(3).to("json")
 
 
-@pytest.mark.parametrize("name", ["float64", "float16", "bfloat16", "double"])
-def test_to_a_dtype_name_says_it_goes_in_dtype(name):
+@pytest.mark.parametrize(
+    "name,dtype", [("float64", "float64"), ("float16", "float16"), ("double", "float64"), ("half", "float16")]
+)
+def test_to_a_dtype_name_says_it_goes_in_dtype(name, dtype):
     # m.to("float64") (torch's m.to(dtype) habit) said the backend 'float64' is not installed
     m = npnorm.LayerNorm(3)
     w = m.weight
-    with pytest.raises(ValueError, match=rf"xp='{name}' names a dtype.*m.to\(dtype='{name}'\)"):
+    hint = rf"xp='{name}' names a dtype.*dtypes go in dtype= \(m.to\(dtype='{dtype}'\)"
+    with pytest.raises(ValueError, match=hint):
         m.to(name)
     assert m.weight is w
-    assert npnorm.LayerNorm(3).to(dtype="float64").weight.dtype == np.float64
+    assert m.to(dtype=dtype).weight.dtype == np.dtype(dtype)  # the call it suggests works
+    with pytest.raises(ValueError, match="a module's dtype is float16, float32 or float64"):
+        m.to("bfloat16")
 
 
 @pytest.mark.parametrize("device", ["cuda", "gpu:0", 0])
