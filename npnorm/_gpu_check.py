@@ -90,21 +90,22 @@ def nvidia_smi() -> str:
 def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
     """Run ``cmd`` with stdout and stderr into ``log``; its exit status, time and whether it timed out.
 
-    The stage runs in a process group of its own, and the whole group is killed when it
-    ends or times out: a timed-out pytest's xdist workers (or a main job's children) would
-    otherwise go on using the GPU under the next stages, skewing their timings."""
+    A stage that times out is killed with every process below it: a timed-out pytest's
+    xdist workers (or a main job's children) would otherwise go on using the GPU under the
+    next stages, skewing their timings. The stage stays in this process's group, so that a
+    job runner that kills the group (``kill -- -PGID``) stops it too."""
     t0 = time.perf_counter()
     with open(log, "w", encoding="utf-8") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         try:
             rc: int | None = proc.wait(timeout=timeout)
             timed_out = False
         except subprocess.TimeoutExpired:
             rc, timed_out = None, True
         finally:
-            _kill_group(proc)
+            _kill_tree(proc)
     seconds = round(time.perf_counter() - t0, 1)
     if timed_out:
         with open(log, "a", encoding="utf-8") as f:
@@ -112,16 +113,33 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
     return {"returncode": rc, "timed_out": timed_out, "seconds": seconds, "log": log.name}
 
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL the process group ``proc`` leads (what is left of it), then reap ``proc``."""
-    if hasattr(os, "killpg"):
+def _kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL ``proc`` and the processes below it (found in Linux's /proc before the kill:
+    an orphan is the init process's child after it), then reap ``proc``."""
+    for pid in [*_descendants(proc.pid), proc.pid]:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # the group is gone already
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone already
             pass
-    else:  # no process groups: the stage's own process
-        proc.kill()
     proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc/*/stat's parent ids (none where there is no
+    /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)": state, ppid
+        except (OSError, IndexError):  # a process that ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -152,10 +153,55 @@ def test_stage_limit_stops_a_hung_stage_and_says_so(tmp_path):
     assert "stopped after the stage's limit" in (tmp_path / "s.log").read_text()
 
 
-@pytest.mark.skipif(
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, which no one reaps here, has stopped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _ended(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
+
+
+def _pid_from(path: Path, within: float = 30.0) -> int:
+    deadline = time.monotonic() + within
+    while not (path.exists() and path.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+PROC = pytest.mark.skipif(
     not hasattr(os, "killpg") or not Path("/proc/self/stat").exists(),
-    reason="process groups are POSIX; the check reads /proc",
+    reason="process groups are POSIX; the checks read /proc",
 )
+
+
+@PROC
+def test_a_stage_goes_with_the_job_when_a_runner_kills_the_jobs_process_group(tmp_path):
+    """a0bbaf9 put each stage in a session of its own: a job runner's kill of the job's
+    process group (kill -- -PGID) then left the stage running on the GPU, unlimited."""
+    pid_file = tmp_path / "stage.pid"
+    stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    job = (
+        "import sys\nfrom pathlib import Path\nfrom npnorm import _gpu_check\n"
+        f"_gpu_check._run_logged([sys.executable, '-c', {stage!r}], Path({str(tmp_path / 's.log')!r}), 60)\n"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", job], start_new_session=True)
+    try:
+        pid = _pid_from(pid_file)
+        os.killpg(runner.pid, signal.SIGKILL)  # the job's whole group, as a runner kills it
+        assert _ended(pid)
+    finally:
+        runner.wait()
+
+
+@PROC
 def test_a_stage_that_times_out_takes_its_children_with_it(tmp_path):
     """subprocess.run's timeout killed only the stage's own process: a pytest's xdist
     workers went on running (on the GPU) under the next stages."""
@@ -166,21 +212,9 @@ def test_a_stage_that_times_out_takes_its_children_with_it(tmp_path):
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         "time.sleep(60)\n"
     )
-    res = _gpu_check._run_logged([sys.executable, "-c", script], tmp_path / "s.log", 3.0)
+    res = _gpu_check._run_logged([sys.executable, "-c", script], tmp_path / "s.log", 10.0)
     assert res["timed_out"]
-    pid = int(pid_file.read_text())
-
-    def alive() -> bool:  # a zombie (no one reaps it here) has stopped running
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            return False
-        return state != "Z"
-
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive()
+    assert _ended(_pid_from(pid_file))
 
 
 def _result(stand_in: bool) -> dict:
