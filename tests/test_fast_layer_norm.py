@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import npnorm
 import npnorm.functional as F
 from npnorm import _threads
 from npnorm.functional._dispatch import generic_kernel, kernel, use_kernels
@@ -466,3 +467,23 @@ def test_fortran_ordered_power_of_two_rows_as_c_ordered(small_blocks):
 
     for a, e in zip(results(np.asfortranarray(x), np.asfortranarray(dy)), results(x, dy), strict=True):
         np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("family", [f for f in npnorm.kernels_available() if f != "reference"])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rows_whose_rstd_is_infinite_give_the_references_nans(family, op):
+    """eps = 0 and a spread that underflows (values of 1e-310): rstd is inf. The fast row
+    backwards, which take rstd^2, gave +-inf where the reference (and torch) give NaN."""
+    rng = np.random.default_rng(0)
+    x, dy = rng.standard_normal((3, 3, 3)) * 1e-310, rng.standard_normal((3, 3, 3))
+    fwd, bwd = getattr(F, f"{op}_forward"), getattr(F, f"{op}_backward")
+
+    def dx() -> np.ndarray:
+        saved = fwd(x, 3, eps=0.0)[1:]
+        return bwd(dy, x, 3, *saved)[0]
+
+    with npnorm.use_kernels("reference"):
+        ref = dx()
+    assert np.isinf(ref).any() or np.isnan(ref).any()
+    with npnorm.use_kernels(family):
+        np.testing.assert_array_equal(dx(), ref)

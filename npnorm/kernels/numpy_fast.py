@@ -62,6 +62,7 @@ from ._blocks import (
     scratch,
     sum_in_order,
     tiled,
+    tiny_spread,
     vecmat,
     view,
 )
@@ -227,7 +228,9 @@ def layer_norm_backward(
     R = x.R
     mean_c = per_row(mean, R, ct, "mean")  # R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    if huge_spread(rstd_c, ct):  # dy * (x - mean) would overflow ct: the generic kernel
+    # dy * (x - mean) would overflow ct, or rstd^2 (eps ~ 0, a spread below ~1e-15) would:
+    # the generic kernel, which forms xhat first
+    if huge_spread(rstd_c, ct) or tiny_spread(rstd_c, ct):
         args = (xp, grad_output, input, shape, mean, rstd, weight, bias, out)
         return generic_kernel("layer_norm_backward")(*args)
     r64 = rstd_c.astype(np.float64)  # R
@@ -376,7 +379,7 @@ def rms_norm_backward(
     dy = _rows(grad_output, shape, ct)  # R rows of D values
     R = x.R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    if huge_spread(rstd_c, ct):  # dy * x would overflow ct: the generic kernel
+    if huge_spread(rstd_c, ct) or tiny_spread(rstd_c, ct):  # as layer_norm_backward's: the generic kernel
         return generic_kernel("rms_norm_backward")(xp, grad_output, input, shape, rstd, weight, out)
     r64 = rstd_c.astype(np.float64)  # R
     rr = r64 * r64 / D  # R  rstd^2 / D, in float64 (see layer_norm_backward)
