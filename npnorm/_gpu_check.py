@@ -114,13 +114,16 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
 
 
 def _kill_tree(proc: subprocess.Popen[Any]) -> None:
-    """SIGKILL ``proc`` and the processes below it (found in Linux's /proc before the kill:
-    an orphan is the init process's child after it), then reap ``proc``."""
-    for pid in [*_descendants(proc.pid), proc.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):  # gone already
-            pass
+    """Where ``proc`` still runs (it timed out), SIGKILL it and the processes below it
+    (found in Linux's /proc before the kill: an orphan is the init process's child after
+    it); then reap ``proc``. A ``proc`` that ended was reaped by ``wait``: its pid may be
+    another process's by now, so nothing is killed."""
+    if proc.poll() is None:  # not reaped: the pid is still proc's
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # gone already
+                pass
     proc.wait()
 
 
