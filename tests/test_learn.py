@@ -425,6 +425,9 @@ def test_the_biased_closed_form_is_wrong_for_the_n_minus_1_graph():
     mixed["mean"] = closed_form(tape, grads["xhat"])["mean"]
     mixed["var"] = -tape["rstd"] * tape["xhat"] * np.mean(grads["xhat"] * tape["xhat"], axis=0, keepdims=True)
     assert [r.name for r in check_terms(tape, mixed, grad_output=dy) if not r.ok] == ["var"]
+    with pytest.raises(ValueError, match=r"pass grad_output: the upstream gradient dy") as info:
+        check_terms(tape, mixed, grad_output=None)  # it named a grads argument check_terms lacks
+    assert "grads" not in str(info.value)
 
 
 # --- arguments and errors: exactly those of npnorm.functional ---
@@ -589,7 +592,7 @@ def test_the_benchmark_baseline_is_the_staged_graph_and_matches_the_library(laye
         (["batch_norm", "--eval", "--staged-vs-closed"], "equal to 1e-10"),
         (["group_norm", "--staged-vs-closed"], "equal to 1e-10"),
         (["rms_norm", "--matrix"], "J is symmetric"),
-        (["bessel"], "term 3 with / n (the biased closed form on the n-1 graph): WRONG"),
+        (["bessel"], "term 3 with / n (the biased closed form on the n-1 graph): WRONG\n"),
         ([], "exercises: batch_norm_staged"),
     ],
 )

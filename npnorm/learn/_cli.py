@@ -247,8 +247,9 @@ def bessel() -> bool:
     mixed["var"] = -rstd * xhat * np.mean(grads["xhat"] * xhat, axis=0, keepdims=True)  # / n, as if biased
     wrong = check_terms(u, mixed, grad_output=dy)[-1]
     print(f"   term 3 with / (n-1): {'ok' if right[-1].ok else 'WRONG'}")
-    print(f"   term 3 with / n (the biased closed form on the n-1 graph): {'ok' if wrong.ok else 'WRONG'}, ")
-    print(f"   max |term - finite differences| = {wrong.max_abs:.2e}")
+    verdict = "ok" if wrong.ok else "WRONG"
+    print(f"   term 3 with / n (the biased closed form on the n-1 graph): {verdict}")
+    print(f"      (max |term - finite differences| = {wrong.max_abs:.2e})")
     print(derivation("batch_norm_eval.md"))
     return all(r.ok for r in rows) and all(r.ok for r in right) and not wrong.ok
 

@@ -238,13 +238,17 @@ def _broadcasts(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return True
 
 
-def _upstream(tape: Tape, grads: Mapping[str, Any], grad_output: Any) -> np.ndarray:
+def _upstream(tape: Tape, grads: Mapping[str, Any] | None, grad_output: Any) -> np.ndarray:
+    """``grad_output`` as float64 of the output's shape; from ``grads`` (check_steps'
+    mapping; None for check_terms, which has none) where it is None."""
     if tape.output.dtype != np.float64:
         raise TypeError(
             f"the step checker needs a float64 tape, got {tape.output.dtype} "
             "(staged_forward always computes in float64)"
         )
     if grad_output is None:
+        if grads is None:
+            raise ValueError("pass grad_output: the upstream gradient dy the terms were computed from")
         if tape.output_name not in grads:
             raise ValueError(
                 f"pass grad_output, or the gradient of the output step {tape.output_name!r} in grads"
@@ -456,7 +460,7 @@ def check_terms(
     >>> [(row.name, row.ok) for row in check_terms(tape, terms, grad_output=dy)]
     [('direct', True), ('mean', True), ('var', True)]
     """
-    dy = _upstream(tape, {}, grad_output)
+    dy = _upstream(tape, None, grad_output)
     st = tape.standardized
     assert st is not None
     rows = []
