@@ -22,6 +22,7 @@ and main-job stages fail (no cupy case runs). It proves nothing about a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -30,9 +31,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +95,10 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
     A stage that times out is killed with every process below it: a timed-out pytest's
     xdist workers (or a main job's children) would otherwise go on using the GPU under the
     next stages, skewing their timings. The stage stays in this process's group, so that a
-    job runner that kills the group (``kill -- -PGID``) stops it too."""
+    job runner that kills the group (``kill -- -PGID``) stops it too, and a SIGTERM or
+    SIGHUP to this process alone stops the stage before it exits (``_signals_exit``)."""
     t0 = time.perf_counter()
-    with open(log, "w", encoding="utf-8") as f:
+    with open(log, "w", encoding="utf-8") as f, _signals_exit():
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -111,6 +114,27 @@ def _run_logged(cmd: list[str], log: Path, timeout: float) -> dict[str, Any]:
         with open(log, "a", encoding="utf-8") as f:
             f.write(f"\n[gpu-check: stopped after the stage's limit of {timeout:.0f} s]\n")
     return {"returncode": rc, "timed_out": timed_out, "seconds": seconds, "log": log.name}
+
+
+@contextlib.contextmanager
+def _signals_exit() -> Iterator[None]:
+    """While a stage runs, SIGTERM and SIGHUP raise SystemExit (128 + the signal), so that
+    the stage's ``finally`` kills it: Python's default for them ends the process at once,
+    and the stage ran on. Only the main thread may set handlers; elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    names = [s for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s)]
+    before = {name: signal.signal(getattr(signal, name), leave) for name in names}
+    try:
+        yield
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
 
 
 def _kill_tree(proc: subprocess.Popen[Any]) -> None:

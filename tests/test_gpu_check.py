@@ -202,6 +202,30 @@ def test_a_stage_goes_with_the_job_when_a_runner_kills_the_jobs_process_group(tm
 
 
 @PROC
+def test_a_sigterm_to_the_job_alone_stops_its_stage_too(tmp_path):
+    """Python's default SIGTERM ended gpu-check at once, without the stage's finally: the
+    stage ran on, on the GPU."""
+    pid_file = tmp_path / "stage.pid"
+    stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    job = (
+        "import sys\nfrom pathlib import Path\nfrom npnorm import _gpu_check\n"
+        f"_gpu_check._run_logged([sys.executable, '-c', {stage!r}], Path({str(tmp_path / 's.log')!r}), 60)\n"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", job], start_new_session=True)
+    try:
+        pid = _pid_from(pid_file)
+        runner.send_signal(signal.SIGTERM)  # the job's process only
+        assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+        assert _ended(pid)
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+            runner.wait()
+        if pid_file.exists() and _running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@PROC
 def test_a_stage_that_times_out_takes_its_children_with_it(tmp_path):
     """subprocess.run's timeout killed only the stage's own process: a pytest's xdist
     workers went on running (on the GPU) under the next stages."""
