@@ -5,6 +5,7 @@ there and consistent."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -182,10 +184,10 @@ PROC = pytest.mark.skipif(
 )
 
 
-@PROC
-def test_a_stage_goes_with_the_job_when_a_runner_kills_the_jobs_process_group(tmp_path):
-    """a0bbaf9 put each stage in a session of its own: a job runner's kill of the job's
-    process group (kill -- -PGID) then left the stage running on the GPU, unlimited."""
+@contextlib.contextmanager
+def _job_with_a_stage(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A gpu-check job (its own session, as a runner starts one) running a stage that
+    sleeps: ``(the job's process, the stage's pid)``. Whatever is left is killed after."""
     pid_file = tmp_path / "stage.pid"
     stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     job = (
@@ -194,35 +196,32 @@ def test_a_stage_goes_with_the_job_when_a_runner_kills_the_jobs_process_group(tm
     )
     runner = subprocess.Popen([sys.executable, "-c", job], start_new_session=True)
     try:
-        pid = _pid_from(pid_file)
-        os.killpg(runner.pid, signal.SIGKILL)  # the job's whole group, as a runner kills it
-        assert _ended(pid)
+        yield runner, _pid_from(pid_file)
     finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
         runner.wait()
+        if pid_file.exists() and _running(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+@PROC
+def test_a_stage_goes_with_the_job_when_a_runner_kills_the_jobs_process_group(tmp_path):
+    """a0bbaf9 put each stage in a session of its own: a job runner's kill of the job's
+    process group (kill -- -PGID) then left the stage running on the GPU, unlimited."""
+    with _job_with_a_stage(tmp_path) as (runner, stage):
+        os.killpg(runner.pid, signal.SIGKILL)  # the job's whole group, as a runner kills it
+        assert _ended(stage)
 
 
 @PROC
 def test_a_sigterm_to_the_job_alone_stops_its_stage_too(tmp_path):
     """Python's default SIGTERM ended gpu-check at once, without the stage's finally: the
     stage ran on, on the GPU."""
-    pid_file = tmp_path / "stage.pid"
-    stage = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    job = (
-        "import sys\nfrom pathlib import Path\nfrom npnorm import _gpu_check\n"
-        f"_gpu_check._run_logged([sys.executable, '-c', {stage!r}], Path({str(tmp_path / 's.log')!r}), 60)\n"
-    )
-    runner = subprocess.Popen([sys.executable, "-c", job], start_new_session=True)
-    try:
-        pid = _pid_from(pid_file)
+    with _job_with_a_stage(tmp_path) as (runner, stage):
         runner.send_signal(signal.SIGTERM)  # the job's process only
         assert runner.wait(timeout=30) == 128 + signal.SIGTERM
-        assert _ended(pid)
-    finally:
-        if runner.poll() is None:
-            os.killpg(runner.pid, signal.SIGKILL)
-            runner.wait()
-        if pid_file.exists() and _running(int(pid_file.read_text())):
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        assert _ended(stage)
 
 
 @PROC
