@@ -452,12 +452,12 @@ def _report(name: str, analytic: Array, n: np.ndarray, atol: float, rtol: float)
     if a.shape != n.shape:
         return f"  {name}: the analytic gradient has shape {a.shape}, expected {n.shape}"
     err = np.abs(a - n)
-    bad = ~(err <= atol + rtol * np.abs(n))  # NaN on either side fails (err > tol would pass it)
+    tol = atol + rtol * np.abs(n)
+    bad = ~(err <= tol)  # NaN on either side fails (err > tol would pass it)
     if not bad.any():
         return ""
     # The worst failing element: the largest discrepancy relative to its own tolerance (the
     # largest absolute one may sit on a large gradient that passes); a NaN is the worst.
-    tol = atol + rtol * np.abs(n)
     with np.errstate(divide="ignore", invalid="ignore"):
         ranked = np.where(bad, np.nan_to_num(err / tol, nan=np.inf), -1.0)  # (NaN on either side: inf)
     worst = np.unravel_index(int(np.argmax(ranked)), err.shape) if err.ndim else ()

@@ -475,7 +475,16 @@ def extreme_coefficients(
     ``tiny_spread``. The caller runs the next family's kernel instead (numba: the
     "numpy" family's; that: the reference's)."""
     rstd = np.asarray(rstd)
-    return huge_spread(rstd, ct) or (tiny and tiny_spread(rstd, ct)) or scale_overflows(rstd, weight, ct)
+    spread = extreme_spread(rstd, ct) if tiny else huge_spread(rstd, ct)
+    return spread or scale_overflows(rstd, weight, ct)
+
+
+def extreme_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """``huge_spread`` or ``tiny_spread``: some statistic whose coefficients in a fast
+    backward (about ``rstd^2``) would under- or overflow ``ct``, or whose rstd is inf
+    (eps = 0 and a spread that underflows). The row backwards then run the generic
+    kernel, which forms xhat first."""
+    return huge_spread(rstd, ct) or tiny_spread(rstd, ct)
 
 
 def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:

@@ -46,9 +46,9 @@ from ._blocks import (
     block_rows,
     blocks,
     colsum,
+    extreme_spread,
     finish,
     grad_as,
-    huge_spread,
     inv_rms,
     output,
     param,
@@ -62,7 +62,6 @@ from ._blocks import (
     scratch,
     sum_in_order,
     tiled,
-    tiny_spread,
     vecmat,
     view,
 )
@@ -228,9 +227,7 @@ def layer_norm_backward(
     R = x.R
     mean_c = per_row(mean, R, ct, "mean")  # R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    # dy * (x - mean) would overflow ct, or rstd^2 (eps ~ 0, a spread below ~1e-15) would:
-    # the generic kernel, which forms xhat first
-    if huge_spread(rstd_c, ct) or tiny_spread(rstd_c, ct):
+    if extreme_spread(rstd_c, ct):  # dy * (x - mean) or rstd^2 would leave ct: the generic kernel
         args = (xp, grad_output, input, shape, mean, rstd, weight, bias, out)
         return generic_kernel("layer_norm_backward")(*args)
     r64 = rstd_c.astype(np.float64)  # R
@@ -379,7 +376,7 @@ def rms_norm_backward(
     dy = _rows(grad_output, shape, ct)  # R rows of D values
     R = x.R
     rstd_c = per_row(rstd, R, ct, "rstd")  # R
-    if huge_spread(rstd_c, ct) or tiny_spread(rstd_c, ct):  # as layer_norm_backward's: the generic kernel
+    if extreme_spread(rstd_c, ct):  # dy * x or rstd^2 would leave ct: the generic kernel
         return generic_kernel("rms_norm_backward")(xp, grad_output, input, shape, rstd, weight, out)
     r64 = rstd_c.astype(np.float64)  # R
     rr = r64 * r64 / D  # R  rstd^2 / D, in float64 (see layer_norm_backward)

@@ -28,7 +28,7 @@ from .._backend import Namespace, no_fp_warnings
 from .._checks import prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
 from . import numpy_fast_columns as columns
-from ._blocks import block_rows, huge_spread, param, tiny_spread
+from ._blocks import block_rows, extreme_spread, param
 from .numpy_fast_channels import (
     NS,
     CoefficientOverflow,
@@ -103,7 +103,7 @@ def sync_batch_norm_dx(
     ct = np.dtype(work_dtype(xp, input, weight, mean))
     C = int(input.shape[1])
     m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
-    if input.size == 0 or huge_spread(r, ct) or tiny_spread(r, ct):  # nothing to sweep, or
+    if input.size == 0 or extreme_spread(r, ct):  # nothing to sweep, or
         # coefficients that underflow or overflow ct
         return generic_kernel("sync_batch_norm_dx")(
             xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc

@@ -103,8 +103,8 @@ def _prefix_hint(missing: list[str], source: Mapping[Any, Any], own: Mapping[str
     """A whole model's state_dict given to one layer: a hint naming the prefixes (at most
     three) under which every missing key is found with this layer's shape."""
     found: list[str] = []
+    name = missing[0]  # each prefix must hold this key, and then every other missing one
     for key in source:
-        name = missing[0]
         if not (isinstance(key, str) and key.endswith("." + name)):
             continue
         head = key[: -len(name)]
