@@ -15,6 +15,7 @@ Three layers of tests:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -537,6 +538,64 @@ def test_a_saved_forward_lost_on_one_rank_raises_on_every_rank(torch, how):
     assert "SyncBatchNorm failed on rank 1 of 3: SyncBatchNorm.backward" in results[0][0], results
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_eval_forward_on_one_rank_before_the_synced_backward_raises_on_every_rank(grad):
+    """An eval forward on rank 0 alone (which the README allows: no collective call) between
+    the synced training forward and its backward: rank 0's backward was then the eval
+    forward's, local (or, after an eval forward inside no_grad, a RuntimeError there alone),
+    and the other ranks waited in the backward's exchange for ever. Now every rank raises,
+    and the ranks stay in step."""
+
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        m(x)
+        if rank == 0:
+            m.eval()
+            with contextlib.nullcontext() if grad else npnorm.no_grad():
+                m(x)
+            m.train()
+        with pytest.raises(RuntimeError) as info:
+            m.backward(np.ones_like(x))
+        assert m.grads == {}
+        m(x)
+        return str(info.value), tuple(m.backward(np.ones_like(x)).shape)  # in step
+
+    results = run_ranks(3, rank_fn)
+    assert all(isinstance(r, tuple) for r in results), results
+    assert len(set(results)) == 1, results
+    expected = "did not sync" if grad else "no saved forward"
+    assert "SyncBatchNorm failed on rank 0 of 3: SyncBatchNorm.backward" in results[0][0], results
+    assert expected in results[0][0], results
+
+
+def test_an_eval_forward_and_backward_on_one_rank_after_a_finished_step_is_its_own():
+    """The other side of the test above: once the synced backward ran (or the training
+    forward ran inside no_grad, as a recalibration of the running statistics does), an
+    eval forward and backward on one rank alone are that rank's own, with no exchange."""
+
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        trained = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        trained(x)
+        trained.backward(np.ones_like(x))
+        recalibrated = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        with npnorm.no_grad():
+            recalibrated(x)
+        if rank != 0:
+            return None
+        shapes = []
+        for m in (trained, recalibrated):
+            m.eval()
+            m(x)
+            shapes.append(tuple(m.backward(np.ones_like(x)).shape))  # would wait for ranks 1, 2
+        return shapes
+
+    assert run_ranks(3, rank_fn) == [[(2, 3, 4)] * 2, None, None]
+
+
 def test_a_backward_on_one_rank_of_a_module_that_never_synced_raises_there_alone():
     """A module that ran no synced forward (new, unpickled, copied) has no backward the
     other ranks take part in: its backward raises at once on that rank, which joined an
@@ -847,6 +906,32 @@ def test_comm_must_be_an_intracommunicator():
 
     with pytest.raises(TypeError, match="intercommunicator"):
         npnorm.SyncBatchNorm(3, comm=Inter(2))
+
+
+def test_the_functional_pair_and_a_reassigned_comm_are_checked_as_the_constructor_checks():
+    """Only the constructor checked ``comm``: the functional pair took an intercommunicator
+    (its ranks then waited for ever, or normalized a slice alone) and a string
+    (AttributeError: no Get_size), and ``m.comm = "world"`` failed at the next training
+    step with that AttributeError."""
+
+    class Inter(NoCollectives):
+        def Is_inter(self) -> bool:
+            return True
+
+    x = np.random.default_rng(0).normal(size=(4, 3, 2))
+    ones = np.ones(3)
+    for bad, match in (("world", "mpi4py intracommunicator"), (Inter(2), "intercommunicator")):
+        for training in (True, False):
+            with pytest.raises(TypeError, match=match):
+                F.sync_batch_norm_forward(x, None if training else ones, ones, training=training, comm=bad)
+            with pytest.raises(TypeError, match=match):
+                F.sync_batch_norm_backward(x, x, ones, ones, training=training, comm=bad)
+        m = npnorm.SyncBatchNorm(3, dtype="float64")
+        m.comm = bad
+        before = snapshot(m)
+        with pytest.raises(TypeError, match=match):
+            m(x)
+        assert_state_equal(m, *before)
 
 
 @pytest.mark.parametrize("cls,shape", [(npnorm.BatchNorm1d, (4, 3)), (npnorm.BatchNorm2d, (2, 3, 2, 2))])

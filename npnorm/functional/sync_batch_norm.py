@@ -37,7 +37,7 @@ from .._checks import (
     prod,
     work_dtype,
 )
-from .._mpi import Comm, allgather, allgather_object, allreduce_sum, resolve_comm
+from .._mpi import Comm, allgather, allgather_object, allreduce_sum, check_comm, resolve_comm
 from .._stats import RECENTRE_ABOVE, moments, wide_sum, xhat_from
 from ._channels import (
     as_ncs,
@@ -95,7 +95,9 @@ def sync_batch_norm_forward(
     outputs). Errors are collective: a bad input on any rank, channel counts or dtypes
     that differ across ranks, or a global count of 1 value per channel raise the
     same ``ValueError`` (``TypeError`` for a non-floating or mixed-backend input) on
-    every rank, with the same message.
+    every rank, with the same message. ``training`` and ``comm`` are checked on each
+    rank alone, before any exchange (they decide whether and where the call is
+    collective): a bad one raises there at once.
 
     Parameters
     ----------
@@ -133,6 +135,7 @@ def sync_batch_norm_forward(
     ((4, 3, 5), (3,))
     """
     training = check_flag(training, "sync_batch_norm_forward: training")
+    comm = check_comm(comm)  # (an intercommunicator had hung, a string given AttributeError)
     if not training:
         return batch_norm_forward(input, running_mean, running_var, weight, bias, False, momentum, eps)
     comm = resolve_comm(comm)
@@ -172,7 +175,8 @@ def sync_batch_norm_backward(
 
     Called collectively, with ``mean``/``rstd`` as ``sync_batch_norm_forward``
     returned them on the same communicator (so the same C on every rank); a bad
-    ``grad_output`` (or other argument) on any rank raises the same error on every rank.
+    ``grad_output`` (or other array argument) on any rank raises the same error on every
+    rank. ``training`` and ``comm`` are checked on each rank alone, as the forward's.
 
     Parameters
     ----------
@@ -205,6 +209,7 @@ def sync_batch_norm_backward(
     ((4, 3, 5), None, None)
     """
     training = check_backward_training(training, "sync_batch_norm_backward")
+    comm = check_comm(comm)  # (an intercommunicator had hung, a string given AttributeError)
     if not training:
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, False)
     comm = resolve_comm(comm)

@@ -6,6 +6,7 @@ from types import ModuleType
 from typing import Any
 
 from .._backend import Array
+from .._grad_mode import is_grad_enabled
 from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.sync_batch_norm import fail_backward, synced_backward, synced_forward
@@ -61,7 +62,8 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
     global batch of 1 value per channel raise the same ``ValueError`` (``TypeError``
     for a non-floating or wrong-backend input, ``RuntimeError`` where one process raises
     one) on every rank, leaving every rank's parameters, buffers and counter unchanged;
-    so does a backward on a rank that lost or changed what its synced forward saved.
+    so does a backward on a rank that lost or changed what its synced forward saved, or
+    ran an eval forward since.
 
     Parameters
     ----------
@@ -111,7 +113,7 @@ class SyncBatchNorm(_BatchNorm):
     __doc__ = _SYNC_BATCH_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     # what copies and pickles leave out, with the saved forward (Module._copy)
-    _forward_context = (*Module._forward_context, "_synced_channels")
+    _forward_context = (*Module._forward_context, "_synced_channels", "_synced_pending")
 
     def __init__(
         self,
@@ -145,17 +147,22 @@ class SyncBatchNorm(_BatchNorm):
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         if self.training:
-            comm = resolve_comm(self.comm)
+            comm = resolve_comm(check_comm(self.comm))  # (``m.comm`` may have been set since)
             if int(comm.Get_size()) > 1:
                 result = self._synced_forward(comm, input)
                 # the backward is collective now, whatever becomes of what was saved
-                # (``no_grad``, ``to()``, ``load_state_dict``): its exchange's C
+                # (``no_grad``, ``to()``, ``load_state_dict``): its exchange's C; and
+                # pending, where this forward saved for it
                 self._synced_channels: int | None = int(input.shape[1])
+                self._synced_pending = is_grad_enabled()
                 return result
         # eval (running statistics, or this rank's batch statistics without them), or one
         # rank: BatchNorm's forward, no collective call
         y, saved, updates = super()._forward(input)
-        self._synced_channels = None
+        if not getattr(self, "_synced_pending", False):
+            self._synced_channels = None  # no synced backward to come: this one is local
+        # else the other ranks may call the synced forward's backward: this rank's backward
+        # must take part, if only to raise with them (an eval forward on one rank between)
         return y, (*saved, False), updates
 
     def _synced_forward(self, comm: Comm, input: Array) -> tuple[Array, Saved, Updates]:
@@ -214,18 +221,30 @@ class SyncBatchNorm(_BatchNorm):
         RuntimeError
             As ``Module.backward``; over several ranks, on every rank where one rank's
             saved forward is missing (a forward inside ``no_grad``, a ``to()``),
-            overwritten (a ``load_state_dict``) or modified in place since (the other
-            ranks would wait in the backward's exchange).
+            overwritten (a ``load_state_dict``) or modified in place since, or replaced
+            by an eval forward on that rank alone (the other ranks would wait in the
+            backward's exchange).
         """
         # the last forward on this module synced (a copy or a pickle has none: the other
         # ranks' modules are not in a backward with it); the payload's C is its input's
         channels = getattr(self, "_synced_channels", None)
-        if channels is not None:
-            try:
-                self._check_saved_forward()
-            except RuntimeError as err:
-                fail_backward(resolve_comm(self.comm), err, channels, type(self).__name__)
-        return super().backward(grad_output)
+        if channels is None:
+            return super().backward(grad_output)
+        comm = resolve_comm(check_comm(self.comm))
+        try:
+            self._check_saved_forward()
+            if self._saved[-1] is not True:  # type: ignore[index]  # (checked: a saved tuple)
+                raise RuntimeError(
+                    f"{type(self).__name__}.backward(): the last forward on this rank did not "
+                    "sync (eval mode) and replaced the synced training forward whose backward "
+                    "the ranks were to run together: call backward before another forward on "
+                    "the module (evaluate a copy: copy.deepcopy(m).eval())"
+                )
+        except RuntimeError as err:
+            fail_backward(comm, err, channels, type(self).__name__)
+        grad_input = super().backward(grad_output)
+        self._synced_pending = False  # done: a later eval forward's backward is this rank's own
+        return grad_input
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, _, weight, bias, synced = saved
