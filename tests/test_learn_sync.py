@@ -96,6 +96,8 @@ def test_a_split_that_does_not_fit_is_refused():
         simulate_sync_batch_norm(x, x, [3])
     with pytest.raises(ValueError, match="grad_output must have the shape"):
         simulate_sync_batch_norm(x, x[:, :1], [2, 1])
+    with pytest.raises(ValueError, match=r"split \(1.5, 1.5\) must be whole counts"):
+        simulate_sync_batch_norm(x, x, [1.5, 1.5])  # (said "split (1, 1) must ... sum to N = 3")
 
 
 # --- the shortcuts ----------------------------------------------------------------------

@@ -161,6 +161,8 @@ def simulate_sync_batch_norm(
     >>> [e.kind for e in run.log]               # header, statistics, channel counts, backward sums
     ['Allgather', 'Allgather', 'Allgather', 'Allreduce']
     """
+    if any(int(k) != k for k in split):  # (int() truncated 2.5, and the message named 2)
+        raise ValueError(f"split {tuple(split)} must be whole counts of samples, one per rank")
     split = tuple(int(k) for k in split)
     if len(split) < 2:
         raise ValueError(f"a split over two ranks at least, got {split} (one rank is BatchNorm: no exchange)")
