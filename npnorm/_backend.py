@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import math
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
@@ -400,10 +401,31 @@ def torch_refuses_in_place(a: Any) -> bool:
     return bool(a.is_inference() and not torch.is_inference_mode_enabled())
 
 
+def repeats_elements(a: Any) -> bool:
+    """Whether two of ``a``'s elements are at one memory location: a zero stride along an
+    axis of length 2 or more (broadcasting: NumPy's ``broadcast_to``, torch's ``expand``).
+    An empty array has no two elements (NumPy gives ``np.empty((0, 3))`` zero strides)."""
+    shape = tuple(a.shape)
+    strides = a.stride() if array_api_compat.is_torch_array(a) else getattr(a, "strides", None)
+    if strides is None or math.prod(shape) == 0:
+        return False
+    return any(st == 0 and n > 1 for st, n in zip(strides, shape, strict=False))
+
+
 def writable(a: Any) -> bool:
-    """Whether ``a``'s values can be written in place (not a read-only NumPy array, nor
-    an array of an immutable library such as JAX)."""
-    return bool(array_api_compat.is_writeable_array(a))
+    """Whether ``a``'s values can be written in place: not a read-only NumPy array (nor
+    an array_api_strict array over one), not an array of an immutable library such as
+    JAX, and no two of its elements at one memory location (a zero stride: NumPy's
+    ``broadcast_to`` made writable, torch's ``expand``, to which torch refuses writes).
+    ``array_api_compat.is_writeable_array`` says True for the last two and for a
+    read-only array_api_strict array, whose writes then raised half-way through a
+    module's update."""
+    if not array_api_compat.is_writeable_array(a) or repeats_elements(a):
+        return False
+    if type(a).__module__.startswith("array_api_strict"):  # it wraps a NumPy array, which
+        inner = getattr(a, "_array", None)  # holds the flag (no public attribute has it)
+        return not isinstance(inner, np.ndarray) or bool(inner.flags.writeable)
+    return True
 
 
 def write_uncounted(current: Array, value: Array) -> None:

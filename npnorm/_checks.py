@@ -15,7 +15,16 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, check_floating, compute_dtype, grad_tracked, namespace_of, writable
+from ._backend import (
+    Array,
+    Namespace,
+    check_floating,
+    compute_dtype,
+    grad_tracked,
+    namespace_of,
+    repeats_elements,
+    writable,
+)
 
 Shape = tuple[int, ...]
 
@@ -272,10 +281,7 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
         raise ValueError(f"{what} must have the input's shape {tuple(like.shape)}, got {tuple(out.shape)}")
     if out.dtype != like.dtype and not same_but_byte_order(out.dtype, like.dtype):
         raise TypeError(f"{what} must have the input's dtype {like.dtype}, got {out.dtype}")
-    # (an empty array has no two elements anywhere: NumPy gives np.empty((0, 3, 8)) zero strides)
-    if prod(out.shape) > 0 and any(
-        st == 0 and n > 1 for st, n in zip(getattr(out, "strides", ()), out.shape, strict=False)
-    ):
+    if repeats_elements(out):
         raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
             f"{what} has more than one element at one memory location (a zero stride, from "
             "broadcasting): each element needs its own; pass a copy (out.copy())"

@@ -327,22 +327,47 @@ def test_an_empty_batch_trains_as_in_torch(torch, family, shape):
     assert half.grads["weight"].dtype == half.grads["bias"].dtype == np.float16
 
 
-@pytest.mark.parametrize("kind", ["numpy read-only", "torch leaf that requires grad"])
+@pytest.mark.parametrize(
+    "kind, error, match",
+    [
+        ("numpy read-only", ValueError, "running_var cannot be written in place"),
+        ("torch expand", ValueError, "running_var cannot be written in place"),
+        ("torch leaf that requires grad", RuntimeError, "requires grad"),
+        ("a write that fails", OSError, "the write of running_var failed"),
+    ],
+)
 @pytest.mark.parametrize("fn", ["batch_norm", "instance_norm"])
-def test_a_refused_running_var_write_leaves_running_mean_as_it_was(rng, torch, fn, kind):
+def test_a_refused_running_var_write_leaves_running_mean_as_it_was(
+    rng, torch, monkeypatch, fn, kind, error, match
+):
     # running_var is written second: a refusal there left running_mean updated; PyTorch
-    # leaves both as they were
+    # leaves both as they were. The first three are refused before any write; the last
+    # fails in the write itself, after running_mean's, which is then put back
     x = rng.normal(size=(4, 3, 5)).astype(np.float32)
-    if kind.startswith("numpy"):
-        rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
+    rm, rv = np.zeros(3, np.float32), np.ones(3, np.float32)
+    if kind == "numpy read-only":
         rv.flags.writeable = False
+    elif kind.startswith("torch"):
+        x, rm = torch.tensor(x), torch.zeros(3)
+        rv = torch.ones(1).expand(3) if kind == "torch expand" else torch.ones(3, requires_grad=True)
     else:
-        x = torch.tensor(x)
-        rm, rv = torch.zeros(3), torch.ones(3, requires_grad=True)
+        import npnorm.functional._channels as channels
+
+        def failing(write):
+            def second_fails(current, value):
+                if current is rv:
+                    raise OSError("the write of running_var failed")
+                write(current, value)
+
+            return second_fails
+
+        monkeypatch.setattr(channels, "write_uncounted", failing(channels.write_uncounted))
+        monkeypatch.setattr(channels, "_write_counted", failing(channels._write_counted))
     call = F.batch_norm if fn == "batch_norm" else F.instance_norm
-    with pytest.raises((ValueError, RuntimeError)):
+    with pytest.raises(error, match=match):
         call(x, rm, rv, None, None, True, 0.1, 1e-5)
     assert np.asarray(rm).tolist() == [0.0, 0.0, 0.0]
+    assert np.asarray(rv.detach() if kind.startswith("torch") else rv).tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("flag", ["False", 1, 0, None, np.array(True)])

@@ -272,3 +272,99 @@ def test_a_0d_parameters_grad_accumulates_in_place_on_torch(torch, rng, kind, dt
     """As above, with torch tensors as the backend (xp="torch")."""
     xp = array_api_compat.array_namespace(torch.zeros(1))
     _0d_grad_accumulates(xp, lambda a, dtype: torch.asarray(a, dtype=getattr(torch, dtype)), dtype, kind, rng)
+
+
+def _unwritable(kind, values):
+    """``values`` (NumPy float32, all equal) as an array whose elements cannot each take a
+    write: a torch ``expand`` (torch refuses writes to it), an array_api_strict array over a
+    read-only NumPy array, a NumPy zero-stride view made writable (a write to one element is
+    a write to all)."""
+    if kind == "torch expand":
+        import torch
+
+        return torch.from_numpy(values[:1].copy()).expand(values.shape[0])
+    if kind == "array_api_strict read-only":
+        strict = pytest.importorskip("array_api_strict")
+        held = values.copy()
+        held.flags.writeable = False
+        return strict.asarray(held)
+    return np.lib.stride_tricks.as_strided(values[:1].copy(), values.shape, (0,), writeable=True)
+
+
+def _as_numpy(a):
+    return np.asarray(a._array) if hasattr(a, "_array") else np.asarray(a)
+
+
+@pytest.mark.parametrize("kind", ["torch expand", "array_api_strict read-only", "numpy zero stride"])
+def test_an_array_that_cannot_take_writes_in_place_is_replaced_not_half_written(kind):
+    """A parameter, buffer or grad that cannot be written in place element by element was
+    taken as writable (array_api_compat says so for these three): load_state_dict,
+    reset_parameters, a training forward's running statistics and backward's gradient sums
+    wrote the first arrays, then raised on it (torch: "more than one element of the
+    written-to tensor refers to a single memory location"; array_api_strict: "assignment
+    destination is read-only"), or, for the NumPy view, wrote one value over all. Now such
+    an array is replaced by a new one, as a read-only NumPy array is."""
+    if kind == "torch expand":
+        pytest.importorskip("torch")
+    xp = {"torch expand": "torch", "array_api_strict read-only": "array_api_strict"}.get(kind)
+    kw = {"dtype": "float32"} if xp is None else {"dtype": "float32", "xp": xp}
+    rng = np.random.default_rng(0)
+    x32 = rng.normal(size=(6, 5)).astype(np.float32)
+    plain, odd = npnorm.BatchNorm1d(5, **kw), npnorm.BatchNorm1d(5, **kw)
+    x = plain.xp.asarray(x32)
+    twos, halves = np.full(5, 2.0, np.float32), np.full(5, 0.5, np.float32)
+
+    for m in (plain, odd):  # a load whose last key is the odd array
+        if m is odd:
+            m.bias = _unwritable(kind, np.zeros(5, np.float32))
+        m.load_state_dict({"weight": m.xp.asarray(twos), "bias": m.xp.asarray(halves)}, strict=False)
+    for m in (plain, odd):  # a training step that updates the odd running_var
+        if m is odd:
+            m.running_var = _unwritable(kind, np.ones(5, np.float32))
+        y = m(x)
+        m.backward(m.xp.ones_like(y))
+    for m in (plain, odd):  # a backward that adds into an odd grad
+        if m is odd:
+            m.grads["bias"] = _unwritable(kind, np.ones(5, np.float32))
+        else:
+            m.grads["bias"] = m.xp.asarray(np.ones(5, np.float32))
+        m(x)
+        m.backward(m.xp.ones_like(y))
+    for key, value in plain.state_dict().items():
+        np.testing.assert_array_equal(_as_numpy(odd.state_dict()[key]), _as_numpy(value), err_msg=key)
+    for key, value in plain.grads.items():
+        np.testing.assert_array_equal(_as_numpy(odd.grads[key]), _as_numpy(value), err_msg=key)
+    odd.weight = _unwritable(kind, np.zeros(5, np.float32))
+    odd.reset_parameters()
+    np.testing.assert_array_equal(_as_numpy(odd.weight), np.ones(5, np.float32))
+    np.testing.assert_array_equal(_as_numpy(odd.bias), np.zeros(5, np.float32))
+
+
+@pytest.mark.parametrize("op", ["load_state_dict", "reset_running_stats", "reset_parameters"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_a_change_after_an_empty_batch_fails_the_backward_where_torch_does(torch, op, mode, affine):
+    """torch's batch_norm on an empty batch is ``input * weight + bias``, whose backward keeps
+    the weight alone: a load_state_dict or reset of the running statistics before it runs
+    there, and raised here (the running statistics were taken as kept, as for a batch)."""
+    x = np.zeros((0, 3, 2), np.float32)
+    ours, ref = npnorm.BatchNorm1d(3, affine=affine), torch.nn.BatchNorm1d(3, affine=affine)
+    getattr(ours, mode)()
+    getattr(ref, mode)()
+    y = ours(x)
+    xt = torch.from_numpy(x).requires_grad_()
+    yt = ref(xt)
+    if op == "load_state_dict":
+        ours.load_state_dict({k: np.array(v) for k, v in ours.state_dict().items()})
+        ref.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()})
+    else:
+        getattr(ours, op)()
+        getattr(ref, op)()
+    try:
+        yt.backward(torch.ones_like(yt))
+    except RuntimeError:
+        with pytest.raises(RuntimeError, match="overwritten"):
+            ours.backward(np.ones_like(y))
+        assert affine  # (torch raises only where the weight was overwritten)
+        return
+    assert ours.backward(np.ones_like(y)).shape == x.shape

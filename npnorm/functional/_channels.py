@@ -92,9 +92,10 @@ def store_running(
             for name, a in (("running_mean", running_mean), ("running_var", running_var))
             if not writable(a)
         ]
-        if fixed:  # a read-only NumPy array, or an immutable one (JAX's): refused before any write
+        if fixed:  # read-only (NumPy), immutable (JAX) or broadcast (expand): refused before any write
             raise ValueError(
-                f"{' and '.join(fixed)} cannot be written in place (read-only or immutable), as this call "
+                f"{' and '.join(fixed)} cannot be written in place (read-only, immutable, or broadcast: "
+                "several elements at one memory location), as this call "
                 "updates the running statistics; batch_norm_forward / instance_norm_forward return them "
                 "instead (nothing was written)"
             )

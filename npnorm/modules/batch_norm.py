@@ -95,6 +95,16 @@ class _BatchNorm(_NormBase):
     _kept_for_backward = ("weight", "running_mean", "running_var")  # as torch's batch_norm_backward
     _written_uncounted = ("running_mean", "running_var")  # as torch's batch_norm kernel
 
+    def _kept(self) -> tuple[str, ...] | None:
+        """After a forward of an empty batch, the weight alone: PyTorch's batch_norm returns
+        ``input * weight + bias`` there, whose backward keeps no running statistics (a
+        ``load_state_dict`` or ``reset_running_stats`` before the backward does not make it
+        raise)."""
+        saved = self._saved
+        if isinstance(saved, tuple) and saved and 0 in tuple(getattr(saved[0], "shape", (1,))):
+            return ("weight",)
+        return super()._kept()
+
     _expected_ndims: tuple[int, ...] = ()
 
     def _check_input_dim(self, input: Array) -> None:
