@@ -57,6 +57,12 @@ LAYERS = {
         ((5,), {"elementwise_affine": False}),
         (4, 3, 5),
     ),
+    "RMSNorm no affine": (
+        lambda dt: npnorm.RMSNorm(5, elementwise_affine=False, dtype=dt),
+        "RMSNorm",
+        ((5,), {"elementwise_affine": False}),
+        (4, 3, 5),
+    ),
     "LayerNorm no bias": (
         lambda dt: npnorm.LayerNorm(5, bias=False, dtype=dt),
         "LayerNorm",
