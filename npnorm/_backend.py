@@ -334,7 +334,9 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     else:
         host = _to_host(value)
         if _not_numbers(host):  # a list of None, say
-            raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}")
+            held = " that NumPy holds only as Python objects" if host.dtype.kind == "O" else ""
+            beyond = " (an integer beyond int64's range?)" if held and _has_big_int(value) else ""
+            raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}{held}{beyond}")
         if isinstance(host, np.ndarray) and (
             not host.dtype.isnative or any(s < 0 for s in host.strides) or not host.flags.writeable
         ):
@@ -354,6 +356,13 @@ def _kind(value: Any) -> str:
     """``value``'s class, and its dtype where it has one (``ndarray of datetime64[D]``)."""
     dtype = getattr(value, "dtype", None)
     return type(value).__name__ + ("" if dtype is None else f" of {dtype}")
+
+
+def _has_big_int(value: Any) -> bool:
+    """Whether ``value`` is, or a list or tuple (nested) holds, an int beyond int64's range."""
+    if isinstance(value, (list, tuple)):
+        return any(_has_big_int(v) for v in value)
+    return isinstance(value, int) and not -(2**63) <= value < 2**63
 
 
 def _not_numbers(value: Any) -> bool:

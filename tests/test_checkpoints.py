@@ -418,3 +418,24 @@ def test_prefix_errors_name_full_keys(rng):
     assert_state_equal(m, state, grads)
     with pytest.raises(RuntimeError, match=re.escape("no key of the state_dict starts with 'dec.'")):
         m.load_state_dict(full, prefix="dec")
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (
+            [1.0, 2**70],
+            r"got list that NumPy holds only as Python objects \(an integer beyond int64's range\?\)",
+        ),
+        ([None, 1.0], r"got list that NumPy holds only as Python objects\)"),
+        (None, r"got NoneType\)"),
+    ],
+)
+def test_values_that_are_not_numbers_say_what_they_are(value, says):
+    """An int beyond int64 reached NumPy as an object array, and the error said only "got
+    int" (an int is a number); nothing is loaded."""
+    m = npnorm.LayerNorm(2, dtype="float64")
+    with pytest.raises(RuntimeError, match=r"'weight': cannot convert to an array \(TypeError: .*" + says):
+        m.load_state_dict({"weight": value, "bias": [0.0, 0.0]})
+    np.testing.assert_array_equal(m.weight, np.ones(2))
+    np.testing.assert_array_equal(m.bias, np.zeros(2))
