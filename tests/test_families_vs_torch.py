@@ -142,7 +142,9 @@ def test_each_family_passes_gradcheck(name, family):
 @pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=20, deadline=None)
 @given(
-    rows=hnp.arrays(np.float64, (3, 8), elements=st.floats(-8, 8, allow_subnormal=False, width=32)),
+    rows=hnp.arrays(
+        np.float64, (3, 8), elements=st.floats(-8, 8, allow_subnormal=False, width=32), fill=st.nothing()
+    ),
     exponent=st.integers(-30, -20),
 )
 def test_tiny_float32_rows_with_eps_0_are_normalized_as_in_float64(family, rows, exponent):

@@ -54,7 +54,7 @@ EPS = st.sampled_from([1e-5, 1e-3, 0.5])
 
 
 def arrays(shape, elements=values):
-    return hnp.arrays(np.float64, shape, elements=elements)
+    return hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing())
 
 
 @st.composite

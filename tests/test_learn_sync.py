@@ -37,8 +37,8 @@ def batches(draw, dtype=np.float64):
     c = draw(st.integers(1, 3))
     shape = (sum(split), c, *spatial)
     elements = st.floats(-20, 20, allow_nan=False, allow_subnormal=False)
-    x = draw(hnp.arrays(dtype, shape, elements=elements))
-    dy = draw(hnp.arrays(dtype, shape, elements=elements))
+    x = draw(hnp.arrays(dtype, shape, elements=elements, fill=st.nothing()))
+    dy = draw(hnp.arrays(dtype, shape, elements=elements, fill=st.nothing()))
     w = draw(hnp.arrays(dtype, (c,), elements=st.floats(0.5, 2)))
     b = draw(hnp.arrays(dtype, (c,), elements=st.floats(-1, 1)))
     return tuple(split), x, dy, w, b
@@ -110,7 +110,9 @@ def test_a_split_that_does_not_fit_is_refused():
     data=st.data(),
 )
 def test_the_uncounted_average_is_right_with_equal_counts(per_rank, ranks, data):
-    x = data.draw(hnp.arrays(np.float64, (per_rank * ranks, 2, 3), elements=st.floats(-5, 5)))
+    x = data.draw(
+        hnp.arrays(np.float64, (per_rank * ranks, 2, 3), elements=st.floats(-5, 5), fill=st.nothing())
+    )
     mean, var = S.uncounted_mean(S.split_batch(x, [per_rank] * ranks))
     np.testing.assert_allclose(mean, x.mean(axis=(0, 2)), rtol=0, atol=1e-12)
     np.testing.assert_allclose(var, x.var(axis=(0, 2)), rtol=0, atol=1e-10)

@@ -46,8 +46,8 @@ def batch_orders(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
     tail = draw(hnp.array_shapes(min_dims=k, max_dims=k, min_side=1, max_side=7))
     dtype = np.dtype(draw(st.sampled_from(FLOATS)))
     finite = st.floats(-50, 50, width=min(32, 8 * dtype.itemsize))
-    c = draw(hnp.arrays(dtype, batch + tail, elements=finite))
-    g = draw(hnp.arrays(dtype, batch + tail, elements=finite))
+    c = draw(hnp.arrays(dtype, batch + tail, elements=finite, fill=st.nothing()))
+    g = draw(hnp.arrays(dtype, batch + tail, elements=finite, fill=st.nothing()))
 
     def laid_out(a: np.ndarray, how: str, perm: list[int]) -> np.ndarray:
         if how == "F":
