@@ -104,7 +104,7 @@ def _values(shape):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16"])
 @pytest.mark.parametrize("name", list(LAYERS))
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
