@@ -512,3 +512,42 @@ def test_the_backward_needs_the_forwards_training_flag(rng, fn):
         backward(np.ones_like(x), x, mean, rstd)
     dx, _, _ = backward(np.ones_like(x), x, mean, rstd, training=False)
     np.testing.assert_allclose(dx, np.ones_like(x) * rstd.reshape(1, 3, 1))
+
+
+@pytest.mark.parametrize("fn", ["batch_norm", "instance_norm"])
+@pytest.mark.parametrize("given", ["running_mean", "running_var", "neither"])
+def test_a_missing_running_buffer_without_batch_statistics_is_torchs_runtime_error(torch, fn, given):
+    """BatchNorm in eval (and InstanceNorm with use_input_stats=False) without one running
+    buffer or both: torch raises RuntimeError ("running_var must be defined in evaluation
+    mode"), npnorm raised ValueError ("must be given together", "needs running_mean and
+    running_var"); with batch statistics the two agree on ValueError for one buffer."""
+    x = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
+    buffers = {"running_mean": np.zeros(3, np.float32), "running_var": np.ones(3, np.float32)}
+    rm, rv = (buffers[k] if k == given else None for k in ("running_mean", "running_var"))
+    flag = "training" if fn == "batch_norm" else "use_input_stats"
+    t = [None if a is None else torch.from_numpy(a) for a in (rm, rv)]
+    for batch_stats in (False, True):
+        if batch_stats and given == "neither":
+            continue  # (batch statistics without buffers: no error)
+        try:
+            getattr(torch.nn.functional, fn)(torch.from_numpy(x), *t, **{flag: batch_stats})
+        except (RuntimeError, ValueError) as err:
+            theirs = err
+        with pytest.raises(type(theirs)) as ours:
+            getattr(F, fn)(x, rm, rv, **{flag: batch_stats})
+        if not batch_stats and fn == "batch_norm":  # the buffer torch names
+            assert str(theirs).split()[0] in str(ours.value), (theirs, ours.value)
+    if fn == "batch_norm":  # the module in eval, as torch.nn.BatchNorm1d's
+        m = npnorm.BatchNorm1d(3).eval()
+        ref = torch.nn.BatchNorm1d(3).eval()
+        for name in ("running_mean", "running_var"):
+            if name != given:
+                setattr(m, name, None)
+                setattr(ref, name, None)
+        if given == "neither":  # (both None: batch statistics, as torch's)
+            assert m(x).shape == x.shape and ref(torch.from_numpy(x)).shape == x.shape
+            return
+        with pytest.raises(RuntimeError, match="must be defined in evaluation mode"):
+            ref(torch.from_numpy(x))
+        with pytest.raises(RuntimeError, match="must be defined in evaluation mode"):
+            m(x)

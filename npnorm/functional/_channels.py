@@ -193,6 +193,22 @@ def empty_backward(
     return dx, dweight, dbias
 
 
+def check_running_given(
+    running_mean: Array | None, running_var: Array | None, use_batch_stats: bool, what: str
+) -> None:
+    """Without batch statistics (BatchNorm in eval, InstanceNorm with
+    ``use_input_stats=False``) both running buffers, else PyTorch's ``RuntimeError``."""
+    if use_batch_stats or (running_mean is not None and running_var is not None):
+        return
+    if what == "instance_norm":
+        raise RuntimeError(
+            "Expected running_mean and running_var to be defined when use_input_stats is false "
+            "(instance_norm then normalizes with them)"
+        )
+    missing = "running_mean" if running_mean is None else "running_var"
+    raise RuntimeError(f"{missing} must be defined in evaluation mode (training=False)")
+
+
 def check_buffers_paired(running_mean: Array | None, running_var: Array | None) -> None:
     """Both running buffers or neither; and, as PyTorch's batch_norm, none a torch tensor
     that requires grad while grad is enabled (torch: "not differentiable with respect to

@@ -23,6 +23,7 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    check_running_given,
     check_training_eps,
     empty_backward,
     empty_forward,
@@ -120,14 +121,13 @@ def batch_norm_forward(
     )  # fmt: skip
     c = check_channels(input, None, "batch_norm")
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    check_running_given(running_mean, running_var, training, "batch_norm")
     check_buffers_paired(running_mean, running_var)
     values = int(input.shape[0]) * prod(input.shape[2:])  # per channel
     if training and values == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
         )
-    if not training and running_mean is None:
-        raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
     check_out(xp, out, input)
     if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
         return (

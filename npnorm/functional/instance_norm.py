@@ -15,6 +15,7 @@ from ._channels import (
     check_channels,
     check_momentum,
     check_per_channel,
+    check_running_given,
     empty_backward,
     empty_forward,
     store_running,
@@ -109,14 +110,13 @@ def instance_norm_forward(
     )  # fmt: skip
     c = check_channels(input, None, "instance_norm", min_ndim=2)
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    check_running_given(running_mean, running_var, use_input_stats, "instance_norm")
     check_buffers_paired(running_mean, running_var)
     s = prod(input.shape[2:])  # spatial values per instance
     if use_input_stats and s == 1:
         raise ValueError(
             f"Expected more than 1 spatial element when training, got input size {tuple(input.shape)}"
         )
-    if not use_input_stats and running_mean is None:
-        raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
     check_out(xp, out, input)
     n = int(input.shape[0])
     if use_input_stats and (s == 0 or n == 0):  # instances without values, or none

@@ -129,7 +129,7 @@ def sync_batch_norm_forward(
     >>> x = np.random.default_rng(0).normal(size=(4, 3, 5))
     >>> y, mean, rstd, rm, rv = F.sync_batch_norm_forward(x, None, None, training=False)
     Traceback (most recent call last):
-    ValueError: batch_norm in inference mode (training=False) needs running_mean and running_var
+    RuntimeError: running_mean must be defined in evaluation mode (training=False)
     >>> y, mean, rstd, rm, rv = F.sync_batch_norm_forward(x, np.zeros(3), np.ones(3), training=False)
     >>> y.shape, mean.shape
     ((4, 3, 5), (3,))

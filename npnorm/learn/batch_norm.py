@@ -14,7 +14,13 @@ from functools import partial
 import numpy as np
 
 from .._checks import check_eps
-from ..functional._channels import check_buffers_paired, check_channels, check_momentum, check_per_channel
+from ..functional._channels import (
+    check_buffers_paired,
+    check_channels,
+    check_momentum,
+    check_per_channel,
+    check_running_given,
+)
 from ._graph import affine, backward, channel_view, standardize
 from ._inputs import float64_leaves, refuse_empty
 from ._tape import Tape
@@ -42,12 +48,11 @@ def batch_norm(
     assert x is not None
     c = check_channels(x, None, "batch_norm")
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
+    check_running_given(rm, rv, training, "batch_norm")
     check_buffers_paired(rm, rv)
     n = x.shape[0] * int(np.prod(x.shape[2:]))  # values per channel
     if training and n == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
-    if not training and rm is None:
-        raise ValueError("batch_norm in inference mode (training=False) needs running_mean and running_var")
     refuse_empty(x, "batch_norm")  # (after the functional form's errors)
     axes = (0, *range(2, x.ndim))  # batch and spatial axes: one statistic per channel
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)

@@ -11,7 +11,13 @@ from functools import partial
 import numpy as np
 
 from .._checks import check_eps
-from ..functional._channels import check_buffers_paired, check_channels, check_momentum, check_per_channel
+from ..functional._channels import (
+    check_buffers_paired,
+    check_channels,
+    check_momentum,
+    check_per_channel,
+    check_running_given,
+)
 from ._graph import affine, backward, channel_view, standardize
 from ._inputs import float64_leaves, refuse_empty
 from ._tape import Tape
@@ -40,12 +46,11 @@ def instance_norm(
     assert x is not None
     c = check_channels(x, None, "instance_norm", min_ndim=2)
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
+    check_running_given(rm, rv, use_input_stats, "instance_norm")
     check_buffers_paired(rm, rv)
     n = int(np.prod(x.shape[2:]))  # spatial values per (sample, channel)
     if use_input_stats and n == 1:
         raise ValueError(f"Expected more than 1 spatial element when training, got input size {x.shape}")
-    if not use_input_stats and rm is None:
-        raise ValueError("instance_norm with use_input_stats=False needs running_mean and running_var")
     refuse_empty(x, "instance_norm")  # (after the functional form's errors)
     axes = tuple(range(2, x.ndim))  # spatial axes: one statistic per (sample, channel)
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)
