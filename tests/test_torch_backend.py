@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from helpers import randomize
@@ -62,8 +64,11 @@ def test_inputs_that_require_grad_leave_no_autograd_history(torch, make, shape):
     for training in (True, True, False):
         m.train(training)
         x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
-        y = m(x)
-        dx = m.backward(torch.ones(shape, dtype=torch.float64, requires_grad=True))
+        with pytest.warns(UserWarning, match="outside torch's autograd") as said:
+            y = m(x)
+        assert said[0].filename == __file__  # (the user's line, not npnorm's)
+        with pytest.warns(UserWarning, match="outside torch's autograd"):
+            dx = m.backward(torch.ones(shape, dtype=torch.float64, requires_grad=True))
         assert _no_history(y) and _no_history(dx)
         assert x.grad is None  # npnorm's backward returns dx; autograd never ran
     for name, value in (*m.state_dict().items(), *m.grads.items()):
@@ -75,9 +80,10 @@ def test_functional_batch_norm_on_a_torch_modules_buffers(torch):
     # the torch module's own buffers stay plain buffers: its next forward works
     ref = torch.nn.BatchNorm1d(3).double()
     x = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
-    y = npnorm.functional.batch_norm(
-        x, ref.running_mean, ref.running_var, ref.weight, ref.bias, training=True
-    )
+    with pytest.warns(UserWarning, match="outside torch's autograd"):
+        y = npnorm.functional.batch_norm(
+            x, ref.running_mean, ref.running_var, ref.weight, ref.bias, training=True
+        )
     assert _no_history(y) and _no_history(ref.running_mean) and _no_history(ref.running_var)
     assert ref.weight.grad is None
     out = torch.empty_like(x, requires_grad=True)
@@ -87,6 +93,25 @@ def test_functional_batch_norm_on_a_torch_modules_buffers(torch):
         y, _, _ = npnorm.functional.layer_norm_forward(x, 3, ref.weight, ref.bias, out=out)
     assert y is out
     ref(x).sum().backward()  # raised "not differentiable with respect to running_mean"
+
+
+def test_a_silent_cut_in_a_torch_models_autograd_is_warned_of(torch):
+    """npnorm.functional in a torch model's residual branch: its result has no grad_fn, so
+    loss.backward() dropped the branch's gradient without a word (the Linear's weight got
+    the residual's gradient alone). It still computes outside autograd, and now warns;
+    under no_grad, or on detached tensors, it does not."""
+    lin = torch.nn.Linear(4, 8).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    h = lin(x)
+    with pytest.warns(UserWarning, match=r"layer_norm_forward ran on torch tensors that require grad"):
+        y = npnorm.functional.layer_norm(h, (8,))
+    assert _no_history(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        npnorm.functional.layer_norm(h.detach(), (8,))
+        with torch.no_grad():
+            npnorm.functional.layer_norm(h, (8,))
+        npnorm.functional.layer_norm(torch.randn(3, 8), (8,), torch.nn.Parameter(torch.ones(8)).detach())
 
 
 def test_loading_torch_parameters_keeps_the_module_apart_from_autograd(torch):

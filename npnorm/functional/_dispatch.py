@@ -31,14 +31,16 @@ import contextvars
 import importlib
 import importlib.util
 import os
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import array_api_compat
 import numpy as np
 
-from .._backend import Namespace
+from .._backend import Namespace, grad_tracked
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -344,7 +346,7 @@ def run(op: str, xp: Namespace, *args: Any, out: Any, reads: tuple[Any, ...]) ->
     is the input or grad_output itself the kernels handle)."""
     fn = kernel(op, xp)
     if xp.__name__ == TORCH:
-        return _run_detached(fn, xp, args, out)
+        return _run_detached(fn, xp, args, out, op)
     if isinstance(out, np.ndarray) and any(
         isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in reads
     ):
@@ -379,13 +381,36 @@ def as_native(a: Any) -> Any:
     return as_plain(a) if isinstance(a, np.ndarray) and not a.dtype.isnative else a
 
 
-def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], out: Any) -> Any:
+def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], out: Any, op: str) -> Any:
     """Run a kernel on torch tensors outside autograd: npnorm computes its own backward,
     so the kernel sees every tensor detached (the same memory, without history). An
     input that requires grad then gives a result without a ``grad_fn``, and the running
-    buffers it writes, a torch module's own among them, gain no history either."""
+    buffers it writes, a torch module's own among them, gain no history either; with
+    grad mode on, a ``UserWarning`` says so (a torch model's ``loss.backward()`` would
+    otherwise drop this branch's gradient without a word)."""
+    if any(grad_tracked(a) for a in args):
+        warnings.warn(
+            f"npnorm's {op} ran on torch tensors that require grad, outside torch's autograd: its "
+            "result has no grad_fn, and no gradient flows back through it to them. npnorm's "
+            "backward computes the gradients (Module.backward, npnorm.functional's *_backward); "
+            "pass detached tensors (t.detach()), or call under torch.no_grad(), where that is meant",
+            UserWarning,
+            stacklevel=_first_outside_npnorm(),
+        )
     result = fn(xp, *(detached(a) for a in args), detached(out))
     return result if out is None else (out, *result[1:])
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # npnorm/
+
+
+def _first_outside_npnorm() -> int:
+    """The ``stacklevel`` that points a warning made by the caller at the first frame
+    outside npnorm (the user's call, through however many of npnorm's functions)."""
+    frame, level = sys._getframe(1), 1  # the caller: stacklevel 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def detached(a: Any) -> Any:
