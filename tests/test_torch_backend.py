@@ -235,21 +235,40 @@ def test_an_input_changed_in_place_after_forward_as_in_torch(torch, name, layout
         torch.testing.assert_close(ours.grads[k], p.grad, rtol=1e-10, atol=1e-10)
 
 
-def test_a_module_made_in_inference_mode_trains_and_loads_outside_it(torch, rng):
-    # torch refuses in-place writes to inference tensors outside inference_mode, after
-    # making them: load_state_dict left the weight written and raised on the bias, and a
-    # forward raised after counting the batch. The module's arrays are replaced instead.
+def test_a_module_made_in_inference_mode_refuses_training_outside_it_as_torch(torch, rng):
+    """torch refuses in-place writes to inference tensors outside inference_mode: its
+    BatchNorm made there raises at the training forward's counter update. npnorm trained,
+    writing running_mean in place (through .data) and binding a new counter, so that a
+    state_dict taken before saw one update and not the other. Now the training forward
+    raises torch's error with nothing changed; eval runs, training inside inference_mode
+    runs, and load_state_dict gives the module new arrays (then it trains anywhere)."""
     with torch.inference_mode():
         bn = npnorm.BatchNorm1d(3, xp="torch")
+        inn = npnorm.InstanceNorm1d(3, track_running_stats=True, xp="torch")
+        ref = torch.nn.BatchNorm1d(3)
         ln = npnorm.LayerNorm(3, xp="torch")
     x = torch.tensor(rng.normal(size=(4, 3)), dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        ref(x)
+    for m, data in ((bn, x), (inn, x.reshape(2, 3, 2))):
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+            m(data)
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        m.eval()
+        m(data)  # no update: runs, as torch's eval
+        m.train()
+        with torch.inference_mode():
+            m(data)
+        assert not torch.equal(m.running_mean, before["running_mean"])
+    y = ln(x)  # no buffers: trains, and its backward runs
+    ln.backward(torch.ones_like(y))
+    bn.load_state_dict({k: v.clone() for k, v in torch.nn.BatchNorm1d(3).state_dict().items()})
     ref = torch.nn.BatchNorm1d(3)
-    y = bn(x)
-    torch.testing.assert_close(y, ref(x).detach())
+    torch.testing.assert_close(bn(x), ref(x).detach())
     torch.testing.assert_close(bn.running_mean, ref.running_mean)
-    assert int(bn.num_batches_tracked) == 1
     bn.backward(torch.ones_like(x))
-    bn.backward(torch.ones_like(x))  # the grads accumulate too
     ln.load_state_dict({"weight": torch.full((3,), 2.0), "bias": torch.ones(3)})
     assert ln.weight.tolist() == [2.0] * 3 and ln.bias.tolist() == [1.0] * 3
 

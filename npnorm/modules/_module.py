@@ -271,6 +271,13 @@ class Module:
                     f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
                 )
             current: Any = getattr(self, name, None)
+            if torch_refuses_in_place(current):  # as torch's num_batches_tracked.add_(1) raises
+                raise RuntimeError(
+                    f"Inplace update to inference tensor outside InferenceMode is not allowed: "
+                    f"{cls}'s {name} was made inside torch.inference_mode(), and this training "
+                    "forward updates it (nothing was changed); train inside inference_mode, or "
+                    "give the module new buffers (module.load_state_dict of clones made outside it)"
+                )
             if _is_array(current) and _is_array(value) and tuple(value.shape) != tuple(current.shape):
                 raise ValueError(
                     f"{cls}._forward's update of {name!r} has shape {tuple(value.shape)}, the buffer "
