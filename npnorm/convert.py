@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +138,15 @@ def _drop_unset(source: Any, target: Any) -> None:
             setattr(target, name, None)
 
 
+# a torch module's hooks on its own calls (torch.nn.Module's attributes), which from_torch warns of
+_HOOKS = {
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_hooks": "forward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_backward_hooks": "backward hooks",
+}
+
+
 def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any = None) -> Module:
     """The npnorm layer equivalent to a ``torch.nn`` normalization layer.
 
@@ -149,7 +159,9 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
 
     Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm,
     InstanceNorm1d/2d/3d and SyncBatchNorm (``npnorm.convert.PAIRS``). The class must be one of
-    these exactly: a subclass may compute something else and is refused.
+    these exactly: a subclass may compute something else and is refused. Hooks on the
+    layer's calls (``register_forward_hook`` and the like) are not carried over: a
+    ``UserWarning`` names them.
 
     Parameters
     ----------
@@ -189,9 +201,22 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     pair = next((p for p in PAIRS if type(module) is getattr(torch.nn, p.torch_name, None)), None)
     if pair is None:
         hint = " (an npnorm module: npnorm.to_torch converts that way)" if isinstance(module, Module) else ""
+        if getattr(module, "parametrizations", None) is not None:
+            hint = (
+                " (a layer with parametrizations: torch.nn.utils.parametrize.remove_parametrizations("
+                "module, name) makes it a plain layer again, with the computed values)"
+            )
         raise TypeError(
             f"npnorm.from_torch converts {_names(PAIRS, True)} (exactly these classes, not subclasses); "
             f"got {type(module).__module__}.{type(module).__qualname__}{hint}"
+        )
+    hooks = [kind for attribute, kind in _HOOKS.items() if getattr(module, attribute, None)]
+    if hooks:  # (a subclass is refused; a hook may change the output as much, or only watch it)
+        warnings.warn(
+            f"npnorm.from_torch: the {type(module).__name__} has {', '.join(hooks)}, which the npnorm "
+            "layer does not carry over: it computes the layer alone",
+            UserWarning,
+            stacklevel=2,
         )
     tensors = [*module.parameters(), *module.buffers()]
     floating = [t.dtype for t in tensors if t.is_floating_point()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -239,6 +240,30 @@ def test_clear_errors(torch):
         npnorm.from_torch(npnorm.LayerNorm(3))
     with pytest.raises(TypeError, match=re.escape("npnorm.to_torch converts npnorm's LayerNorm")):
         npnorm.to_torch(torch.nn.LayerNorm(3))
+    parametrized = torch.nn.LayerNorm(3)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", torch.nn.Identity())
+    with pytest.raises(TypeError, match="a layer with parametrizations: torch"):
+        npnorm.from_torch(parametrized)
+
+
+def test_hooks_that_are_not_carried_over_are_warned_of(torch, rng):
+    """A forward hook or pre-hook changes what a torch layer computes as much as a subclass
+    (which is refused): from_torch dropped them without a word (outputs 1.7 apart)."""
+    ref = torch.nn.LayerNorm(4)
+    ref.register_forward_pre_hook(lambda mod, inp: (inp[0] + 1,))
+    handle = ref.register_forward_hook(lambda mod, inp, out: out * 2)
+    with pytest.warns(
+        UserWarning, match="has forward pre-hooks, forward hooks, which the npnorm layer"
+    ) as said:
+        ours = npnorm.from_torch(ref)
+    assert said[0].filename == __file__
+    x = rng.normal(size=(3, 4)).astype(np.float32)
+    np.testing.assert_allclose(ours(x), npnorm.LayerNorm(4)(x))  # the layer alone
+    handle.remove()
+    ref._forward_pre_hooks.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        npnorm.from_torch(ref)
 
 
 def test_torch_is_imported_lazily_and_its_absence_is_a_clear_error():
