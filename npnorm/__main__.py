@@ -223,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         "--norms",
         nargs="+",
         choices=("none", "batch", "layer", "rms", "group", "instance"),
-        help="norms to train (default all; the sweeps always include none)",
+        help=(
+            "norms to train (default all; the sweeps always include none, and the full run's "
+            "batch-size sweep, made with batch, a LayerNorm reference too)"
+        ),
     )
     demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="all random state comes from it (default 0)"

@@ -399,3 +399,60 @@ def test_train_eval_gap_scores_every_image_in_batches_of_its_size(data):
     want = float(np.mean(np.concatenate([head, tail]).argmax(axis=1) == data.y_test))
     acc, _ = ex.train_eval_gap(net, data.x_test, data.y_test, b)
     assert acc == want
+
+
+def test_a_write_that_fails_is_one_line_and_figures_of_an_earlier_run_are_named(
+    tmp_path, monkeypatch, capsys
+):
+    """A folder that takes no results.json (a folder of that name, a full disk) gave a
+    traceback after all the training; figures left by an earlier run (a batch-size sweep,
+    when this run has no batch) stayed beside the new results without a word."""
+    from npnorm.demo import cli
+
+    monkeypatch.setattr(ex, "QUICK", TINY)
+    (tmp_path / "results.json").mkdir()
+    assert cli.run(quick=True, out=str(tmp_path), norms=["none"], seed=0) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m npnorm demo: cannot write in {tmp_path}: ") and "results.json" in err
+    (tmp_path / "results.json").rmdir()
+    (tmp_path / "batch_size_sweep.png").write_bytes(PNG_SIGNATURE)
+    assert cli.run(quick=True, out=str(tmp_path), norms=["none"], seed=0) == 0
+    out = capsys.readouterr().out
+    assert "left from an earlier run, not made by this one: batch_size_sweep.png" in out
+    json.loads((tmp_path / "results.json").read_text())
+
+
+def test_results_json_is_strict_json():
+    """A diverged run's NaN loss went into results.json as NaN, which strict parsers refuse."""
+    from npnorm.demo.cli import _finite_or_none
+
+    value = {"loss": [1.0, float("nan")], "rates": (float("inf"), 2.0), "n": 3, "name": "none"}
+    assert json.loads(json.dumps(_finite_or_none(value), allow_nan=False)) == {
+        "loss": [1.0, None],
+        "rates": [None, 2.0],
+        "n": 3,
+        "name": "none",
+    }
+
+
+@pytest.mark.parametrize("norms", [["batch"], ["none", "batch"], list(td.NORMS[:4])])
+def test_layer_statistics_title_fits_and_the_mean_row_has_each_norms_scale(tmp_path, monkeypatch, norms):
+    """With one or two columns the two-line title ran off both sides of the figure; and the
+    mean row shared one scale, so no norm's mean of -60 flattened every norm's to 0, where
+    the README says it stays between -1.5 and 0.2."""
+    pytest.importorskip("matplotlib")
+    from npnorm.demo import figures
+
+    saved = {}
+    monkeypatch.setattr(figures, "_save", lambda fig, path: saved.setdefault("fig", fig))
+    result = json.loads((REPO / "docs" / "demo" / "results.json").read_text())["layer_statistics"]
+    result = {**result, "norms": {n: result["norms"][n] for n in norms}}
+    figures.layer_statistics(result, tmp_path / "s.png", seed=0)
+    fig = saved["fig"]
+    fig.canvas.draw()  # (the constrained layout, then the title's place)
+    box, title = fig.bbox, fig._suptitle.get_window_extent()
+    assert box.x0 <= title.x0 and title.x1 <= box.x1, (title, box)
+    axes = np.array(fig.axes[: 3 * len(norms)]).reshape(3, len(norms))
+    for col in range(1, len(norms)):
+        assert axes[0, col].get_shared_y_axes().joined(axes[0, 0], axes[0, col])
+        assert not axes[1, col].get_shared_y_axes().joined(axes[1, 0], axes[1, col])

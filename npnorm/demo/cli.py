@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import pathlib
 import sys
 import time
@@ -85,25 +86,49 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int)
         results["compare"] = ex.compare_norms(data, norms, settings, seed, progress)
     table = format_table(results["compare"])
     print(table)
-    written = [figures.curves(results["compare"], out_dir / "curves.png", seed=seed)]
     if "batch" in norms:
         with bar("BatchNorm batch-size sweep", ex.steps_batch_sweep(data, settings)) as progress:
             results["batch_size_sweep"] = ex.batch_size_sweep(data, settings, seed, progress)
-        written.append(
-            figures.batch_size_sweep(results["batch_size_sweep"], out_dir / "batch_size_sweep.png", seed=seed)
-        )
     with bar("learning-rate sweep", ex.steps_lr_sweep(data, norms, settings)) as progress:
         results["lr_sweep"] = ex.lr_sweep(data, norms, settings, seed, progress)
-    written.append(figures.lr_sweep(results["lr_sweep"], out_dir / "lr_sweep.png", seed=seed))
     with bar("per-layer statistics", ex.steps_layer_stats(data, norms, settings)) as progress:
         results["layer_statistics"] = ex.layer_statistics(data, norms, settings, seed, progress)
-    written.append(
-        figures.layer_statistics(results["layer_statistics"], out_dir / "layer_statistics.png", seed=seed)
-    )
 
-    (out_dir / "table.txt").write_text(table + "\n", encoding="utf-8")
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    try:  # (a folder that takes no files: a one-line error, as for a bad --out)
+        written = [figures.curves(results["compare"], out_dir / "curves.png", seed=seed)]
+        if "batch_size_sweep" in results:
+            sweep = results["batch_size_sweep"]
+            written.append(figures.batch_size_sweep(sweep, out_dir / "batch_size_sweep.png", seed=seed))
+        written.append(figures.lr_sweep(results["lr_sweep"], out_dir / "lr_sweep.png", seed=seed))
+        stats = results["layer_statistics"]
+        written.append(figures.layer_statistics(stats, out_dir / "layer_statistics.png", seed=seed))
+        (out_dir / "table.txt").write_text(table + "\n", encoding="utf-8")
+        # strict JSON: a diverged run's NaN or inf loss as null
+        text = json.dumps(_finite_or_none(results), indent=1, allow_nan=False)
+        (out_dir / "results.json").write_text(text + "\n", encoding="utf-8")
+    except OSError as err:
+        print(f"python -m npnorm demo: cannot write in {out_dir}: {err}", file=sys.stderr)
+        return 1
     written += [out_dir / "table.txt", out_dir / "results.json"]
     print("wrote " + ", ".join(p.name for p in written) + f" in {out_dir}")
+    earlier = [name for name in FIGURES if (out_dir / name).exists() and out_dir / name not in written]
+    if earlier:  # (not this run's: say so, rather than delete files in the user's folder)
+        print(f"left from an earlier run, not made by this one: {', '.join(earlier)}")
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+# every figure a run may write
+FIGURES = ("curves.png", "batch_size_sweep.png", "lr_sweep.png", "layer_statistics.png")
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every float that is not finite (a diverged run's loss) replaced by None,
+    in nested dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value

@@ -199,8 +199,12 @@ def layer_statistics(result: dict[str, Any], path: pathlib.Path, *, seed: int) -
     norms = list(result["norms"])
     lrs = result["lrs"]
     styles = ["-", "--", ":", "-."][: len(lrs)]
-    fig = Figure(figsize=(3.6 * len(norms) + 1, 10), layout="constrained")
-    axes = fig.subplots(3, len(norms), sharey="row", sharex=True, squeeze=False)
+    # (11 inches at least: the two-line title is about as wide)
+    fig = Figure(figsize=(max(3.6 * len(norms) + 1, 11), 10), layout="constrained")
+    axes = fig.subplots(3, len(norms), sharex=True, squeeze=False)
+    for col in range(1, len(norms)):  # the std and gradient rows on one scale each; the mean row
+        axes[0, col].sharey(axes[0, 0])  # not: no norm's -60 would flatten the norms' +-1 to 0
+        axes[2, col].sharey(axes[2, 0])
     for col, norm in enumerate(norms):
         for k, lr in enumerate(lrs):
             rows = result["norms"][norm][str(lr)]

@@ -68,7 +68,8 @@ def single_threaded() -> Iterator[None]:
     """Run BLAS (the matrix products) and npnorm's kernels on one thread inside the block.
 
     These arrays are tiny: threads cost more in hand-offs than they save (much more on a busy
-    machine), and one thread gives the same numbers for a seed on every machine.
+    machine), and one thread gives the same numbers for a seed on every run of a machine (on
+    another processor the matrix products may round differently).
     """
     before = npnorm.get_num_threads()
     npnorm.set_num_threads(1)
@@ -424,7 +425,7 @@ class History:
 
     train_loss: list[float] = field(default_factory=list)  # mean minibatch loss of each epoch
     test_accuracy: list[float] = field(default_factory=list)  # held-out accuracy after each epoch
-    seconds: float = 0.0  # wall time of the training steps
+    seconds: float = 0.0  # wall time of the epochs: steps, held-out scoring and callbacks
     diverged: bool = False  # a loss became inf or nan; training stopped there
 
 
