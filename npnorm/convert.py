@@ -260,6 +260,8 @@ def to_torch(module: Module) -> Any:
         When torch is not installed.
     TypeError
         When ``module`` is not one of the converted npnorm classes.
+    ValueError
+        When its arrays are on torch's meta device (no values).
 
     Examples
     --------
@@ -275,6 +277,12 @@ def to_torch(module: Module) -> Any:
         raise TypeError(
             f"npnorm.to_torch converts npnorm's {_names(PAIRS, False)} (exactly these classes); "
             f"got {type(module).__module__}.{type(module).__qualname__}"
+        )
+    meta = [k for k, v in module.state_dict().items() if getattr(v, "is_meta", False)]
+    if meta:  # (torch's own error: "Cannot copy out of meta tensor; no data!")
+        raise ValueError(
+            f"npnorm.to_torch: {', '.join(meta)} are on torch's meta device, which holds no values to "
+            f"convert: build the torch layer itself there (torch.nn.{pair.torch_name}(..., device='meta'))"
         )
     tdtype = getattr(torch, dtype_name(module.xp, module.dtype))
     cls = getattr(torch.nn, pair.torch_name)

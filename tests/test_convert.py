@@ -246,6 +246,14 @@ def test_clear_errors(torch):
         npnorm.from_torch(parametrized)
 
 
+def test_a_module_on_the_meta_device_says_it_has_no_values(torch):
+    """to_torch raised torch's bare "Cannot copy out of meta tensor; no data!"."""
+    with pytest.raises(
+        ValueError, match=r"weight, bias are on torch's meta device.*LayerNorm\(\.\.\., device='meta'\)"
+    ):
+        npnorm.to_torch(npnorm.LayerNorm(4, xp="torch", device="meta"))
+
+
 def test_hooks_that_are_not_carried_over_are_warned_of(torch, rng):
     """A forward hook or pre-hook changes what a torch layer computes as much as a subclass
     (which is refused): from_torch dropped them without a word (outputs 1.7 apart)."""
