@@ -445,8 +445,22 @@ def test_layer_statistics_title_fits_and_the_mean_row_has_each_norms_scale(tmp_p
 
     saved = {}
     monkeypatch.setattr(figures, "_save", lambda fig, path: saved.setdefault("fig", fig))
-    result = json.loads((REPO / "docs" / "demo" / "results.json").read_text())["layer_statistics"]
-    result = {**result, "norms": {n: result["norms"][n] for n in norms}}
+    steps = np.arange(0, 100, 5)
+    ramp = np.linspace(0, 1, steps.size)[:, None]
+
+    def record(norm, lr):  # no norm at the large rate drifts to a mean of -60, as in the full run
+        drift = -60.0 if norm == "none" and lr == 0.3 else -0.5
+        return {
+            "step": steps.tolist(),
+            "mean": (drift * ramp * [1.0, 1.0]).tolist(),
+            "std": (1.0 + ramp * [1.0, 2.0]).tolist(),
+            "grad_norm": (1.0 - 0.5 * ramp * [1.0, 1.0, 1.0]).tolist(),
+            "diverged": False,
+        }
+
+    lrs = [0.05, 0.3]
+    result = {"every": 5, "lrs": lrs, "epochs": 20, "batch_size": 32}
+    result["norms"] = {n: {str(lr): record(n, lr) for lr in lrs} for n in norms}
     figures.layer_statistics(result, tmp_path / "s.png", seed=0)
     fig = saved["fig"]
     fig.canvas.draw()  # (the constrained layout, then the title's place)

@@ -570,6 +570,48 @@ def test_an_eval_forward_on_one_rank_before_the_synced_backward_raises_on_every_
     assert expected in results[0][0], results
 
 
+def test_after_a_backward_that_failed_on_every_rank_nothing_is_pending():
+    """The collective failure above left the synced backward "pending" on every rank: the
+    next eval forward and backward on one rank alone joined an exchange no other rank
+    entered (a hang; here the stand-in's barrier breaks)."""
+
+    def rank_fn(comm):
+        rank = comm.Get_rank()
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
+        m(x)
+        if rank == 0:
+            m.eval()
+            m(x)
+            m.train()
+        with pytest.raises(RuntimeError, match="did not sync"):
+            m.backward(np.ones_like(x))
+        m(x)
+        with pytest.raises(ValueError, match="grad_output must have the shape"):  # fails in the exchange
+            m.backward(np.ones((1, 3, 4)) if rank == 1 else np.ones_like(x))
+        if rank != 0:
+            return None
+        m.eval()
+        m(x)
+        return tuple(m.backward(np.ones_like(x)).shape)  # rank 0's own
+
+    assert run_ranks(3, rank_fn) == [(2, 3, 4), None, None]
+
+
+def test_buffers_made_in_inference_mode_on_one_rank_raise_on_every_rank(torch):
+    """The refusal of inference-mode buffers ran after the ranks' exchange, on their rank
+    alone: the other ranks updated their running statistics and counter."""
+
+    def rank_fn(comm):
+        with torch.inference_mode() if comm.Get_rank() == 0 else contextlib.nullcontext():
+            m = npnorm.SyncBatchNorm(3, comm=comm, xp="torch", dtype="float64")
+        with pytest.raises(RuntimeError, match="failed on rank 0 of 2: Inplace update to inference tensor"):
+            m(torch.randn(2, 3, 4, dtype=torch.float64))
+        return int(m.num_batches_tracked), m.running_mean.tolist()
+
+    assert run_ranks(2, rank_fn) == [(0, [0.0] * 3)] * 2
+
+
 def test_an_eval_forward_and_backward_on_one_rank_after_a_finished_step_is_its_own():
     """The other side of the test above: once the synced backward ran (or the training
     forward ran inside no_grad, as a recalibration of the running statistics does), an
@@ -722,8 +764,15 @@ def test_torch_tensors_that_require_grad_leave_no_history_across_ranks(torch):
             history += [t.requires_grad for t in (y, dx, m.running_mean, *m.grads.values())]
         return history
 
-    for history in run_ranks(2, rank_fn):
+    # and each synced forward warns that it runs outside autograd, as on one rank (it said
+    # nothing across ranks: its kernels are not called through the dispatcher)
+    with pytest.warns(
+        UserWarning, match="sync_batch_norm_forward ran on torch tensors that require grad"
+    ) as said:
+        results = run_ranks(2, rank_fn)
+    for history in results:
         assert history == [False] * len(history)
+    assert len([w for w in said if "outside torch's autograd" in str(w.message)]) == 4  # 2 ranks, 2 steps
 
 
 def test_run_ranks_stops_ranks_waiting_for_a_failed_one():

@@ -386,9 +386,18 @@ def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], 
     so the kernel sees every tensor detached (the same memory, without history). An
     input that requires grad then gives a result without a ``grad_fn``, and the running
     buffers it writes, a torch module's own among them, gain no history either; with
-    grad mode on, a ``UserWarning`` says so (a torch model's ``loss.backward()`` would
-    otherwise drop this branch's gradient without a word)."""
-    if any(grad_tracked(a) for a in args):
+    grad mode on, a forward warns (``warn_outside_autograd``)."""
+    warn_outside_autograd(op, args)
+    result = fn(xp, *(detached(a) for a in args), detached(out))
+    return result if out is None else (out, *result[1:])
+
+
+def warn_outside_autograd(op: str, tensors: tuple[Any, ...]) -> None:
+    """The ``UserWarning`` of a forward ``op`` given torch tensors that require grad while
+    grad mode is on: its result has no ``grad_fn`` (npnorm computes outside autograd), so
+    a torch model's ``loss.backward()`` would drop this branch's gradient without a word.
+    (A backward, whose saved input may require grad, says nothing: its forward did.)"""
+    if op.endswith("_forward") and any(grad_tracked(a) for a in tensors):
         warnings.warn(
             f"npnorm's {op} ran on torch tensors that require grad, outside torch's autograd: its "
             "result has no grad_fn, and no gradient flows back through it to them. npnorm's "
@@ -397,8 +406,6 @@ def _run_detached(fn: Callable[..., Any], xp: Namespace, args: tuple[Any, ...], 
             UserWarning,
             stacklevel=_first_outside_npnorm(),
         )
-    result = fn(xp, *(detached(a) for a in args), detached(out))
-    return result if out is None else (out, *result[1:])
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # npnorm/

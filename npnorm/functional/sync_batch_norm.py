@@ -47,7 +47,7 @@ from ._channels import (
     check_per_channel,
     running_update,
 )
-from ._dispatch import as_plain, detached, generic, kernel
+from ._dispatch import as_plain, detached, generic, kernel, warn_outside_autograd
 from .batch_norm import batch_norm_backward, batch_norm_forward
 
 _WHAT = "sync_batch_norm"
@@ -261,6 +261,7 @@ def synced_forward(
     if not table[:, 0].all():  # some rank failed its checks: every rank knows, every rank raises
         raise_collectively(comm, error, what)
     _check_across_ranks(table, what)
+    warn_outside_autograd("sync_batch_norm_forward", (input, weight, bias))  # (as run()'s kernels)
     input, weight, bias = detached(input), detached(weight), detached(bias)  # torch: no autograd
 
     # local (count, mean, M2) per channel, two-pass, in the computation dtype

@@ -271,18 +271,30 @@ class Module:
                     f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
                 )
             current: Any = getattr(self, name, None)
-            if torch_refuses_in_place(current):  # as torch's num_batches_tracked.add_(1) raises
-                raise RuntimeError(
-                    f"Inplace update to inference tensor outside InferenceMode is not allowed: "
-                    f"{cls}'s {name} was made inside torch.inference_mode(), and this training "
-                    "forward updates it (nothing was changed); train inside inference_mode, or "
-                    "give the module new buffers (module.load_state_dict of clones made outside it)"
-                )
+            self._check_update_allowed(name, current)
             if _is_array(current) and _is_array(value) and tuple(value.shape) != tuple(current.shape):
                 raise ValueError(
                     f"{cls}._forward's update of {name!r} has shape {tuple(value.shape)}, the buffer "
                     f"{tuple(current.shape)}"
                 )
+
+    def _check_update_allowed(self, name: str, current: Any) -> None:
+        """The ``RuntimeError`` of torch where the buffer ``current`` cannot be updated in
+        place now: an inference tensor outside ``torch.inference_mode()``, as torch's
+        BatchNorm raises at its counter's ``add_(1)`` (nothing is changed)."""
+        if torch_refuses_in_place(current):
+            raise RuntimeError(
+                f"Inplace update to inference tensor outside InferenceMode is not allowed: "
+                f"{type(self).__name__}'s {name} was made inside torch.inference_mode(), and this "
+                "training forward updates it (nothing was changed); train inside inference_mode, or "
+                "give the module new buffers (module.load_state_dict of clones made outside it)"
+            )
+
+    def _check_updates_allowed(self) -> None:
+        """``_check_update_allowed`` for every buffer a training forward updates, before it
+        runs (SyncBatchNorm: so that every rank raises, before the ranks' exchange)."""
+        for name in self._buffer_names:
+            self._check_update_allowed(name, getattr(self, name, None))
 
     def _versions(self, input: Array, saved: Saved) -> _Versions | None:
         """The in-place change counters (torch tensors' ``_version``; other backends

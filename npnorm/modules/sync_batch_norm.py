@@ -173,6 +173,7 @@ class SyncBatchNorm(_BatchNorm):
         try:
             self._check_backend(input)
             self._check_input_dim(input)
+            self._check_updates_allowed()  # (Module.forward's check comes after the exchange)
             check_channels(input, self._expected_channels(self.track_running_stats), what)
             check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
             factor = 0.0 if self.momentum is None else self.momentum
@@ -238,13 +239,17 @@ class SyncBatchNorm(_BatchNorm):
                     f"{type(self).__name__}.backward(): the last forward on this rank did not "
                     "sync (eval mode) and replaced the synced training forward whose backward "
                     "the ranks were to run together: call backward before another forward on "
-                    "the module (evaluate a copy: copy.deepcopy(m).eval())"
+                    "the module (evaluate a copy: copy.deepcopy(m).eval()); a training step "
+                    "whose backward is skipped (a NaN loss, say) leaves that backward to come: "
+                    "run such forwards inside npnorm.no_grad()"
                 )
         except RuntimeError as err:
+            self._synced_pending = False  # every rank raises: nothing pending any more
             fail_backward(comm, err, channels, type(self).__name__)
-        grad_input = super().backward(grad_output)
-        self._synced_pending = False  # done: a later eval forward's backward is this rank's own
-        return grad_input
+        try:
+            return super().backward(grad_output)
+        finally:  # done, or failed on every rank: a later eval forward's backward is this rank's own
+            self._synced_pending = False
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         input, mean, rstd, _, weight, bias, synced = saved
