@@ -538,6 +538,20 @@ def test_a_saved_forward_lost_on_one_rank_raises_on_every_rank(torch, how):
     assert "SyncBatchNorm failed on rank 1 of 3: SyncBatchNorm.backward" in results[0][0], results
 
 
+def _synced_then_eval_on_rank_0(comm, grad: bool):
+    """A SyncBatchNorm after a synced training forward on every rank, then an eval forward
+    on rank 0 alone (inside no_grad unless ``grad``); returns it and the rank's input."""
+    m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+    x = np.random.default_rng(comm.Get_rank()).normal(size=(2, 3, 4))
+    m(x)
+    if comm.Get_rank() == 0:
+        m.eval()
+        with contextlib.nullcontext() if grad else npnorm.no_grad():
+            m(x)
+        m.train()
+    return m, x
+
+
 @pytest.mark.parametrize("grad", [True, False])
 def test_an_eval_forward_on_one_rank_before_the_synced_backward_raises_on_every_rank(grad):
     """An eval forward on rank 0 alone (which the README allows: no collective call) between
@@ -547,15 +561,7 @@ def test_an_eval_forward_on_one_rank_before_the_synced_backward_raises_on_every_
     and the ranks stay in step."""
 
     def rank_fn(comm):
-        rank = comm.Get_rank()
-        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
-        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
-        m(x)
-        if rank == 0:
-            m.eval()
-            with contextlib.nullcontext() if grad else npnorm.no_grad():
-                m(x)
-            m.train()
+        m, x = _synced_then_eval_on_rank_0(comm, grad)
         with pytest.raises(RuntimeError) as info:
             m.backward(np.ones_like(x))
         assert m.grads == {}
@@ -577,13 +583,7 @@ def test_after_a_backward_that_failed_on_every_rank_nothing_is_pending():
 
     def rank_fn(comm):
         rank = comm.Get_rank()
-        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
-        x = np.random.default_rng(rank).normal(size=(2, 3, 4))
-        m(x)
-        if rank == 0:
-            m.eval()
-            m(x)
-            m.train()
+        m, x = _synced_then_eval_on_rank_0(comm, True)
         with pytest.raises(RuntimeError, match="did not sync"):
             m.backward(np.ones_like(x))
         m(x)
