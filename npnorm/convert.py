@@ -278,7 +278,8 @@ def to_torch(module: Module) -> Any:
             f"npnorm.to_torch converts npnorm's {_names(PAIRS, False)} (exactly these classes); "
             f"got {type(module).__module__}.{type(module).__qualname__}"
         )
-    meta = [k for k, v in module.state_dict().items() if getattr(v, "is_meta", False)]
+    own = module.state_dict()
+    meta = [k for k, v in own.items() if getattr(v, "is_meta", False)]
     if meta:  # (torch's own error: "Cannot copy out of meta tensor; no data!")
         raise ValueError(
             f"npnorm.to_torch: {', '.join(meta)} are on torch's meta device, which holds no values to "
@@ -296,7 +297,7 @@ def to_torch(module: Module) -> Any:
     if not has_bias:
         ref.bias = None
     _drop_unset(module, ref)
-    state = OrderedDict((k, torch.from_numpy(to_host(v))) for k, v in module.state_dict().items())
+    state = OrderedDict((k, torch.from_numpy(to_host(v))) for k, v in own.items())
     # the module's own version, as a torch state_dict carries it: a BatchNorm whose counter
     # is None has no num_batches_tracked key, which torch fills in for an unversioned dict
     state._metadata = OrderedDict({"": {"version": getattr(ref, "_version", 1)}})  # type: ignore[attr-defined]

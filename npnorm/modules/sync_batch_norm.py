@@ -198,10 +198,13 @@ class SyncBatchNorm(_BatchNorm):
         weight, mean, invstd and counts, not the running statistics, so that overwriting
         those between forward and backward does not raise there (on one rank, or in eval,
         BatchNorm's: F.batch_norm's backward keeps them)."""
+        return _SYNCED_KEPT if self._saved_synced() else super()._kept()
+
+    def _saved_synced(self) -> bool:
+        """Whether what the last forward saved is a synced training forward's (the saved
+        tuple's last item; an eval or one-rank forward's is False)."""
         saved = self._saved
-        if isinstance(saved, tuple) and saved and saved[-1] is True:  # a synced forward
-            return _SYNCED_KEPT
-        return super()._kept()
+        return isinstance(saved, tuple) and bool(saved) and saved[-1] is True
 
     def backward(self, grad_output: Array) -> Array:
         """Gradient of the input for the last forward, as ``Module.backward``; after a
@@ -234,7 +237,7 @@ class SyncBatchNorm(_BatchNorm):
         comm = resolve_comm(check_comm(self.comm))
         try:
             self._check_saved_forward()
-            if self._saved[-1] is not True:  # type: ignore[index]  # (checked: a saved tuple)
+            if not self._saved_synced():
                 raise RuntimeError(
                     f"{type(self).__name__}.backward(): the last forward on this rank did not "
                     "sync (eval mode) and replaced the synced training forward whose backward "
