@@ -263,7 +263,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo.cli import run as run_demo
 
-        return run_demo(quick=args.quick, out=args.out, norms=args.norms, seed=args.seed)
+        return run_demo(quick=args.quick, out=args.out, norms=args.norms, seed=args.seed, quiet=args.quiet)
     if args.command == "profile":
         from ._profile import run as run_profile
 
@@ -293,7 +293,8 @@ def _run(args: argparse.Namespace) -> int:
 def _run_to_a_pipe(argv: list[str] | None = None) -> int:
     """``main(argv)``, and quietly done where the reader of standard output stops reading
     (``python -m npnorm learn layer_norm | head``: a BrokenPipeError traceback before),
-    as the shell's own tools do (the status 141 of a process that SIGPIPE ended)."""
+    as the shell's own tools do (the status 141 of a process that SIGPIPE ended); and
+    Ctrl-C ends it with one line and the status 130, as the shell's tools (not a traceback)."""
     try:
         status = main(argv)
         sys.stdout.flush()
@@ -302,6 +303,9 @@ def _run_to_a_pipe(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's last flush writes nowhere
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+    except KeyboardInterrupt:  # Ctrl-C: one line (a traceback before), the shell's status 128 + SIGINT
+        print("python -m npnorm: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

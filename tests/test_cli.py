@@ -221,3 +221,15 @@ def test_python_m_npnorm_demo_is_python_m_npnorm_demo():
 
     out, same = run("npnorm.demo"), run("npnorm", "demo")
     assert out.returncode == 0 and out.stdout == same.stdout and "--quick" in out.stdout, out.stderr
+
+
+def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C in a long command (the demo, the bench) ended in a traceback."""
+    import npnorm.__main__ as cli
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    assert cli._run_to_a_pipe([]) == 130
+    assert capsys.readouterr().err == "python -m npnorm: interrupted\n"

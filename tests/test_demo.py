@@ -470,3 +470,15 @@ def test_layer_statistics_title_fits_and_the_mean_row_has_each_norms_scale(tmp_p
     for col in range(1, len(norms)):
         assert axes[0, col].get_shared_y_axes().joined(axes[0, 0], axes[0, col])
         assert not axes[1, col].get_shared_y_axes().joined(axes[1, 0], axes[1, col])
+
+
+@pytest.mark.parametrize("argv", [["--quiet", "demo"], ["demo", "--quiet"]])
+def test_quiet_shows_no_progress_bars(tmp_path, monkeypatch, capsys, argv):
+    """``--quiet`` prints nothing: the progress bars (on standard error) were still drawn."""
+    from npnorm.__main__ import main as cli_main
+
+    monkeypatch.setattr(ex, "QUICK", TINY)
+    assert cli_main([*argv, "--quick", "--out", str(tmp_path), "--norms", "none"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", "")
+    assert (tmp_path / "results.json").exists()

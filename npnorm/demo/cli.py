@@ -45,7 +45,9 @@ def format_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int) -> int:
+def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int, quiet: bool = False) -> int:
+    """The demo; ``quiet``: no progress bars (``--quiet``: the caller discards standard
+    output; the bars go to standard error). The exit status."""
     missing = missing_requirements()
     if missing:
         print(
@@ -74,7 +76,9 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int)
     print(f"figures go to {out_dir}")
 
     def bar(desc: str, total: int) -> Any:
-        return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, leave=False, mininterval=0.2)
+        return tqdm(
+            total=total, desc=desc, unit="step", file=sys.stderr, leave=False, mininterval=0.2, disable=quiet
+        )
 
     results: dict[str, Any] = {
         "seed": seed,
