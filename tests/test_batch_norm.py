@@ -472,6 +472,44 @@ def test_other_channel_counts_run_where_torch_runs_them(torch, rng, mode, kw, ot
             ours(x)
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: npnorm.BatchNorm1d(3), lambda: npnorm.GroupNorm(1, 3), lambda: npnorm.SyncBatchNorm(3)]
+)
+def test_an_input_of_other_channels_than_a_replaced_weight_names_the_weight(make):
+    """A weight replaced by one of 4 values, on input of 3 channels: the error blamed the
+    input ("expected 4 channels") without saying that the 4 is the weight's length
+    (PyTorch: "weight should contain 3 elements not 4")."""
+    m = make()
+    m.weight = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"expected 4 channels at dim 1 \(the length of its weight\), got"):
+        m(np.zeros((4, 3, 5), np.float32))
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_a_counter_of_one_value_in_any_shape_averages_as_torchs(torch, rng, shape):
+    """momentum=None with a num_batches_tracked of shape (1,) (set by hand): torch trains,
+    its counter keeps its shape; npnorm raised NumPy's "only 0-dimensional arrays can be
+    converted to Python scalars". A counter of two values is torch's ValueError, nothing
+    changed."""
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    ours, theirs = npnorm.BatchNorm1d(3, momentum=None), torch.nn.BatchNorm1d(3, momentum=None)
+    ours.num_batches_tracked = np.full(shape, 2)
+    theirs.num_batches_tracked = torch.full(shape, 2)
+    ours(x)
+    theirs(torch.from_numpy(x))
+    np.testing.assert_array_equal(ours.num_batches_tracked, theirs.num_batches_tracked.numpy())
+    np.testing.assert_allclose(ours.running_mean, theirs.running_mean.numpy(), rtol=1e-6)
+    ours.num_batches_tracked = np.array([2, 3])
+    theirs.num_batches_tracked = torch.tensor([2, 3])
+    with pytest.raises(ValueError):
+        theirs(torch.from_numpy(x))
+    before = {k: np.copy(v) for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=r"num_batches_tracked must hold one count .* got shape \(2,\)"):
+        ours(x)
+    for k, v in ours.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_the_input_is_checked_against_the_arrays_lengths_not_num_features(torch, rng, mode):
     # model surgery: a layer grown to 5 channels by replacing its arrays runs on 5 channels,
@@ -551,3 +589,28 @@ def test_a_missing_running_buffer_without_batch_statistics_is_torchs_runtime_err
             ref(torch.from_numpy(x))
         with pytest.raises(RuntimeError, match="must be defined in evaluation mode"):
             m(x)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (2, 3, 0)])
+def test_an_empty_batch_in_inference_needs_no_running_buffers(torch, shape):
+    """torch's batch_norm returns an empty batch's empty output in eval without running
+    buffers (it returns before asking for them); npnorm raised "running_mean must be
+    defined in evaluation mode". InstanceNorm with use_input_stats=False still raises, as
+    torch's does."""
+    x = np.zeros(shape, np.float32)
+    w, b = np.ones(3, np.float32), np.zeros(3, np.float32)
+    theirs = torch.nn.functional.batch_norm(torch.from_numpy(x), None, None, training=False)
+    for family in npnorm.kernels_available():
+        with npnorm.use_kernels(family):
+            y = F.batch_norm(x, None, None, w, b, training=False)
+            assert y.shape == tuple(theirs.shape) == shape and y.dtype == np.float32
+            _, mean, rstd, rm, rv = F.batch_norm_forward(x, None, None, w, b, training=False)
+            assert mean.shape == rstd.shape == (3,) and rm is None and rv is None
+            dx, dw, db = F.batch_norm_backward(x, x, mean, rstd, w, b, training=False)
+            assert dx.shape == shape
+            np.testing.assert_array_equal(dw, 0)
+            np.testing.assert_array_equal(db, 0)
+    with pytest.raises(RuntimeError, match="use_input_stats is false"):
+        torch.nn.functional.instance_norm(torch.from_numpy(x), None, None, use_input_stats=False)
+    with pytest.raises(RuntimeError, match="use_input_stats is false"):
+        F.instance_norm(x, None, None, use_input_stats=False)

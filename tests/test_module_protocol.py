@@ -106,7 +106,9 @@ def test_numpy_integers_and_floats_configure_a_layer_as_in_torch():
     for bad in (0, -2):
         with pytest.raises(ValueError, match="num_groups must be a positive int"):
             npnorm.GroupNorm(bad, 4)
-    for bad in ("1e-5", None, True):  # PyTorch: TypeError ("must be float"); negative: ValueError
+    # PyTorch: TypeError ("must be float") on the first two, and True taken as 1.0; npnorm
+    # refuses a bool as a flag passed in eps's place (BatchNorm1d(4, True)), a choice
+    for bad in ("1e-5", None, True):
         with pytest.raises(TypeError, match="eps must be a non-negative number"):
             npnorm.functional.layer_norm(x, 3, eps=bad)
         with pytest.raises(TypeError, match="eps must be a non-negative number"):

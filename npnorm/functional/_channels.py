@@ -113,8 +113,9 @@ def _write_counted(current: Array, value: Array) -> None:
     current[...] = value
 
 
-def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -> int:
-    """``x`` is (N, C, *) with at least ``min_ndim`` dims; return C (checked against ``num``)."""
+def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2, source: str = "") -> int:
+    """``x`` is (N, C, *) with at least ``min_ndim`` dims; return C (checked against ``num``,
+    the length of the module's array named ``source``, where given)."""
     if x.ndim < min_ndim:
         raise ValueError(
             f"{what} expects input of shape (N, C, *) with at least {min_ndim} dims, "
@@ -122,19 +123,22 @@ def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2) -
         )
     c = int(x.shape[1])
     if num is not None and c != num:
-        raise ValueError(f"{what} expected {num} channels at dim 1, got input of shape {tuple(x.shape)}")
+        whose = f" (the length of its {source})" if source else ""
+        shape = tuple(x.shape)
+        raise ValueError(f"{what} expected {num} channels at dim 1{whose}, got input of shape {shape}")
     return c
 
 
-def channels_of(*arrays: Array | None) -> int | None:
-    """The channel count the given per-channel arrays ask of an input: the length of the
-    first that is not None (``check_per_channel`` then holds the others to it), or None
-    (any count) where all are None. A module's input is checked against its arrays' lengths,
-    not its ``num_features``, as PyTorch's: a layer grown by replacing its arrays runs."""
-    for a in arrays:
+def channels_of(**arrays: Array | None) -> tuple[int | None, str]:
+    """The channel count the given per-channel arrays ask of an input, and the name of the
+    array that says so: the length of the first that is not None (``check_per_channel``
+    then holds the others to it), or ``(None, "")`` (any count) where all are None. A
+    module's input is checked against its arrays' lengths, not its ``num_features``, as
+    PyTorch's: a layer grown by replacing its arrays runs."""
+    for name, a in arrays.items():
         if a is not None:
-            return int(a.shape[0]) if a.ndim >= 1 else None
-    return None
+            return (int(a.shape[0]), name) if a.ndim >= 1 else (None, "")
+    return None, ""
 
 
 def check_per_channel(c: int, **arrays: Array | None) -> None:

@@ -92,10 +92,12 @@ def batch_norm_forward(
     Raises
     ------
     ValueError
-        On a wrong shape, when training with one value per channel, in inference
-        without buffers, or on a negative or NaN ``eps``. An empty batch (no values per channel) is no
-        error, as in PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN
-        (statistics of nothing), and the buffers come back as they were.
+        On a wrong shape, when training with one value per channel, or on a negative
+        or NaN ``eps``. An empty batch (no values per channel) is no error, as in
+        PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN (statistics of
+        nothing), and the buffers come back as they were.
+    RuntimeError
+        In inference without a running buffer (PyTorch's error), but for an empty batch.
     TypeError
         On non-floating input, arrays of different backends, an ``eps`` that is
         not a real number, or a ``training`` that is not a bool (as PyTorch's).
@@ -121,15 +123,16 @@ def batch_norm_forward(
     )  # fmt: skip
     c = check_channels(input, None, "batch_norm")
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
-    check_running_given(running_mean, running_var, training, "batch_norm")
-    check_buffers_paired(running_mean, running_var)
     values = int(input.shape[0]) * prod(input.shape[2:])  # per channel
+    # (an empty batch in inference needs no buffers: PyTorch returns its empty output)
+    check_running_given(running_mean, running_var, training or values == 0, "batch_norm")
+    check_buffers_paired(running_mean, running_var)
     if training and values == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
         )
     check_out(xp, out, input)
-    if training and values == 0:  # an empty batch: the buffers stay as they are (PyTorch)
+    if values == 0 and (training or running_mean is None):  # an empty batch: the buffers stay (PyTorch)
         return (
             *empty_forward(xp, input, (c,), weight, bias, out),
             as_native(running_mean),

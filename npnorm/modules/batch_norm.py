@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -10,6 +11,18 @@ from .._checks import check_count, check_eps, check_real
 from ..functional._channels import channels_of, check_channels, check_training_eps
 from ..functional.batch_norm import batch_norm_backward, batch_norm_forward
 from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
+
+
+def cumulative_factor(xp: ModuleType, counter: Array) -> float:
+    """``1 / num_batches_tracked``, the step of ``momentum=None``'s cumulative average, from
+    a counter of one value whatever its shape (PyTorch's ``float()`` of a one-element
+    tensor: a counter of shape (1,) trains there); PyTorch's ValueError for more values."""
+    if len(counter.shape) and math.prod(counter.shape) != 1:
+        raise ValueError(
+            "num_batches_tracked must hold one count (momentum=None averages over it), "
+            f"got shape {tuple(counter.shape)}"
+        )
+    return 1.0 / float(xp.reshape(counter, ()))
 
 
 class _NormBase(Module):
@@ -112,25 +125,27 @@ class _BatchNorm(_NormBase):
             dims = " or ".join(f"{d}D" for d in self._expected_ndims)
             raise ValueError(f"expected {dims} input (got {input.ndim}D input of shape {tuple(input.shape)})")
 
-    def _expected_channels(self, buffers_in_use: bool) -> int | None:
+    def _expected_channels(self, buffers_in_use: bool) -> tuple[int | None, str]:
         """The channel count an input must have: the length of the per-channel arrays that
         take part (weight, bias, and the running statistics when in use), else any (None),
-        as PyTorch checks those arrays' lengths and not ``num_features``."""
-        running = (self.running_mean, self.running_var) if buffers_in_use else ()
-        return channels_of(self.weight, self.bias, *running)
+        as PyTorch checks those arrays' lengths and not ``num_features``; and the array's
+        name (``channels_of``)."""
+        running = {"running_mean": self.running_mean, "running_var": self.running_var}
+        return channels_of(weight=self.weight, bias=self.bias, **(running if buffers_in_use else {}))
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         self._check_input_dim(input)
         buffers_in_use = not self.training or self.track_running_stats
-        check_channels(input, self._expected_channels(buffers_in_use), type(self).__name__)
+        expected, source = self._expected_channels(buffers_in_use)
+        check_channels(input, expected, type(self).__name__, source=source)
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             # a 0-d array: NumPy arithmetic on a 0-d array returns a NumPy scalar
             updates["num_batches_tracked"] = self.xp.asarray(self.num_batches_tracked + 1)
             if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(updates["num_batches_tracked"])
+                factor = cumulative_factor(self.xp, updates["num_batches_tracked"])
         # batch statistics when training, or when there are no running statistics (a bool
         # whatever was set: training = 1 trains, as in PyTorch; the functions take only bools)
         use_batch_stats = bool(self.training) or (self.running_mean is None and self.running_var is None)

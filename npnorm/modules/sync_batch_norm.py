@@ -11,7 +11,7 @@ from .._mpi import Comm, check_comm, resolve_comm
 from ..functional._channels import check_channels, check_training_eps
 from ..functional.sync_batch_norm import fail_backward, synced_backward, synced_forward
 from ._module import DEVICE_DTYPE_XP_DOC, Module, Saved, Updates
-from .batch_norm import _BatchNorm
+from .batch_norm import _BatchNorm, cumulative_factor
 
 _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI job
     (Ioffe & Szegedy 2015, https://arxiv.org/abs/1502.03167), as
@@ -174,14 +174,15 @@ class SyncBatchNorm(_BatchNorm):
             self._check_backend(input)
             self._check_input_dim(input)
             self._check_updates_allowed()  # (Module.forward's check comes after the exchange)
-            check_channels(input, self._expected_channels(self.track_running_stats), what)
+            expected, source = self._expected_channels(self.track_running_stats)
+            check_channels(input, expected, what, source=source)
             check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
             factor = 0.0 if self.momentum is None else self.momentum
             updates: Updates = {}
             if self.track_running_stats and self.num_batches_tracked is not None:
                 updates["num_batches_tracked"] = self.num_batches_tracked + 1
                 if self.momentum is None:  # cumulative moving average
-                    factor = 1.0 / float(updates["num_batches_tracked"])
+                    factor = cumulative_factor(self.xp, updates["num_batches_tracked"])
         except Exception as err:  # whatever fails here, every rank must hear of it
             error, factor, updates = err, 0.0, {}
         running_mean = self.running_mean if self.track_running_stats else None
