@@ -159,11 +159,17 @@ class _Worker:
 
     def wait(self, ticket: int) -> None:
         """Until the tasks of ``ticket`` have run (their ``start`` must have returned),
-        even if the wait is interrupted: the interruption is raised after."""
+        even if the wait is interrupted: the interruption is raised after. Also until the
+        worker's thread is found dead (an exception sent into it from outside, as
+        ``PyThreadState_SetAsyncExc`` does, ends its loop): its tasks will never run, and
+        ``take`` says so (the caller waited for ever, Ctrl-C included, before)."""
         interrupted: BaseException | None = None
         while self.finished < ticket:
             try:
-                self._outbox.get()  # a token per finished ticket (maybe an older one's)
+                self._outbox.get(timeout=ALIVE_CHECK_S)  # a token per finished ticket (maybe an older one's)
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    break
             except BaseException as e:  # re-raised below
                 interrupted = e
         if interrupted is not None:
@@ -172,6 +178,12 @@ class _Worker:
     def take(self, ticket: int) -> list[tuple[Any, BaseException | None]]:
         """The outcomes of the tasks of ``ticket``, which ``wait`` waited for."""
         got, outcomes = self._outcomes
+        if got != ticket and not self.thread.is_alive():
+            raise RuntimeError(
+                f"npnorm's thread pool: its thread {self.thread.name} was ended by an exception raised "
+                "into it from outside, so this call's tasks on it did not run; the next call starts a "
+                "new one"
+            )
         if got != ticket:  # cannot happen: tickets run in the order they were handed
             raise RuntimeError(f"npnorm's thread pool: outcomes of hand-off {got}, expected {ticket}")
         self._outcomes = (got, [])  # (results and exceptions are the caller's alone now)
@@ -194,6 +206,9 @@ def _outcome(task: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, e
 
 
+# seconds between a waiting caller's looks at whether the worker it waits for is alive
+ALIVE_CHECK_S = 0.5
+
 _busy = threading.Lock()  # held by the one call using the pool
 _workers_list: list[_Worker] = []
 _tickets = itertools.count(1)  # one per call that uses the pool (taken under _busy)
@@ -205,6 +220,8 @@ def _workers(needed: int, most: int) -> list[_Worker]:
     needs them (``set_num_threads(64)`` and a call split in two tasks start one, not 63).
     The caller holds ``_busy``: no task is running on the pool."""
     global _workers_list
+    if not all(w.thread.is_alive() for w in _workers_list):  # (see ``_Worker.wait``)
+        _workers_list = [w for w in _workers_list if w.thread.is_alive()]
     if len(_workers_list) > most:
         # the list is cut first, then the workers cut off stop, so that an interruption
         # leaves the list short (filled again by the next call), never holding a stopped

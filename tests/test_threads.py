@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -164,6 +166,37 @@ def test_pool_works_in_a_forked_child():
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+KILL_A_WORKER = """
+import ctypes
+from npnorm import _threads
+_threads.set_num_threads(2)
+assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]
+worker = _threads._workers_list[0]
+class Killed(Exception):
+    pass
+# an exception sent into the sleeping worker's thread: raised there as it wakes for a call
+ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.thread.ident), ctypes.py_object(Killed))
+try:
+    _threads.run_parallel([lambda: 1, lambda: 2])
+except RuntimeError as err:
+    print("raised:", err)
+print("alive:", worker.thread.is_alive())
+print("next:", _threads.run_parallel([lambda: 3, lambda: 4]))
+"""
+
+
+def test_a_worker_killed_from_outside_is_an_error_not_a_hang():
+    """An exception sent into a pool thread (``PyThreadState_SetAsyncExc``, as some tools
+    that stop threads do) ended its loop; the call that had handed it tasks waited for
+    ever, Ctrl-C included, and the pool stayed taken. Now that call raises RuntimeError,
+    and the next call starts a new worker."""
+    out = subprocess.run([sys.executable, "-c", KILL_A_WORKER], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("raised: npnorm's thread pool: its thread npnorm-0 was ended"), out.stdout
+    assert lines[1:] == ["alive: False", "next: [3, 4]"], out.stdout
+
+
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
 def test_an_interrupted_wait_still_waits_for_the_workers():
     """A KeyboardInterrupt while the caller waits for a worker is raised once the worker's
@@ -224,8 +257,8 @@ class _GetThenInterrupt:
     def __init__(self, queue, shot: list):
         self.queue, self.shot = queue, shot  # one shot for all the workers
 
-    def get(self):
-        token = self.queue.get()
+    def get(self, timeout=None):
+        token = self.queue.get(timeout=timeout)
         if self.shot:
             self.shot.clear()
             raise KeyboardInterrupt
