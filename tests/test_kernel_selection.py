@@ -364,3 +364,28 @@ def test_a_numba_that_fails_to_import_otherwise_than_importerror_falls_back(tmp_
     env.pop("NPNORM_KERNELS", None)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_kernel_is_taken_only_once_its_family_is_loaded(monkeypatch):
+    """A family's kernels are registered as its module's body runs: a call in one thread
+    while another thread was still importing that module took a kernel whose helpers,
+    defined further down, did not exist yet. The kernel is now taken only once the family
+    is loaded (``_load``, which waits for the import under its lock)."""
+
+    def registered_early(*args):
+        raise AssertionError("taken while its module was still being imported")
+
+    loaded = []
+
+    def load(key, modules):
+        loaded.append(key)
+        _dispatch._LOADED.add(key)  # (the import done)
+        _dispatch._SPECIALIZED[("layer_norm_forward", "numpy")] = fast
+
+    fast = family_kernel("layer_norm_forward", "numpy")  # (the family loaded, as it would be)
+    monkeypatch.setattr(_dispatch, "_LOADED", _dispatch._LOADED - {"numpy"})
+    monkeypatch.setitem(_dispatch._SPECIALIZED, ("layer_norm_forward", "numpy"), registered_early)
+    monkeypatch.setattr(_dispatch, "_load", load)
+    with npnorm.use_kernels("numpy"):
+        assert kernel("layer_norm_forward", xp) is fast
+    assert loaded == ["numpy"]

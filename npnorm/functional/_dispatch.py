@@ -329,7 +329,10 @@ def kernel(op: str, xp: Namespace) -> Callable[..., Any]:
         return _GENERIC[op]
     name = xp.__name__
     if name == NUMPY:
-        fn = _SPECIALIZED.get((op, selected))
+        # a kernel registered by a module that another thread is still importing may call
+        # helpers defined further down it: taken only once the family is loaded (whose
+        # import family_kernel waits for)
+        fn = _SPECIALIZED.get((op, selected)) if selected in _LOADED else None
         return fn if fn is not None else family_kernel(op, selected)
     if name not in _LOADED:
         _load(name, tuple(p for p in _PROVIDERS.get(name, ()) if importlib.util.find_spec(p) is not None))
