@@ -480,6 +480,8 @@ def test_an_input_of_other_channels_than_a_replaced_weight_names_the_weight(make
     input ("expected 4 channels") without saying that the 4 is the weight's length
     (PyTorch: "weight should contain 3 elements not 4")."""
     m = make()
+    with pytest.raises(ValueError, match=r"expected 3 channels at dim 1, got input of shape \(4, 5, 5\)"):
+        m(np.zeros((4, 5, 5), np.float32))  # (arrays of num_features values: the input is named alone)
     m.weight = np.ones(4, np.float32)
     with pytest.raises(ValueError, match=r"expected 4 channels at dim 1 \(the length of its weight\), got"):
         m(np.zeros((4, 3, 5), np.float32))

@@ -138,7 +138,9 @@ class _BatchNorm(_NormBase):
         self._check_input_dim(input)
         buffers_in_use = not self.training or self.track_running_stats
         expected, source = self._expected_channels(buffers_in_use)
-        check_channels(input, expected, type(self).__name__, source=source)
+        check_channels(
+            input, expected, type(self).__name__, source=source if expected != self.num_features else ""
+        )
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
