@@ -48,9 +48,9 @@ def batch_norm(
     assert x is not None
     c = check_channels(x, None, "batch_norm")
     check_per_channel(c, running_mean=rm, running_var=rv, weight=w, bias=b)
-    check_running_given(rm, rv, training, "batch_norm")
-    check_buffers_paired(rm, rv)
     n = x.shape[0] * int(np.prod(x.shape[2:]))  # values per channel
+    check_running_given(rm, rv, training or n == 0, "batch_norm")  # (as the functional form)
+    check_buffers_paired(rm, rv)
     if training and n == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
     refuse_empty(x, "batch_norm")  # (after the functional form's errors)
