@@ -134,10 +134,21 @@ class _Worker:
         self._outbox: queue.SimpleQueue[None] = queue.SimpleQueue()
         self.finished = 0  # the last ticket whose tasks ran (written by the worker only)
         self._outcomes: tuple[int, list[tuple[Any, BaseException | None]]] = (0, [])
+        # set by the worker's own thread as its loop ends, stopped or killed (not
+        # ``thread.is_alive()``, which an interruption of the asking thread can turn False
+        # for a thread that still runs: CPython 3.10-3.12)
+        self.dead = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.dead = True
+            self._outbox.put(None)  # (wakes a caller waiting for a ticket it will never run)
+
+    def _serve(self) -> None:
         while True:
             handed = self._inbox.get()
             if handed is None:
@@ -160,7 +171,7 @@ class _Worker:
     def wait(self, ticket: int) -> None:
         """Until the tasks of ``ticket`` have run (their ``start`` must have returned),
         even if the wait is interrupted: the interruption is raised after. Also until the
-        worker's thread is found dead (an exception sent into it from outside, as
+        worker has ended (an exception sent into its thread from outside, as
         ``PyThreadState_SetAsyncExc`` does, ends its loop): its tasks will never run, and
         ``take`` says so (the caller waited for ever, Ctrl-C included, before)."""
         interrupted: BaseException | None = None
@@ -168,17 +179,18 @@ class _Worker:
             try:
                 self._outbox.get(timeout=ALIVE_CHECK_S)  # a token per finished ticket (maybe an older one's)
             except queue.Empty:
-                if not self.thread.is_alive():
-                    break
+                pass
             except BaseException as e:  # re-raised below
                 interrupted = e
+            if self.dead and self.finished < ticket:
+                break
         if interrupted is not None:
             raise interrupted
 
     def take(self, ticket: int) -> list[tuple[Any, BaseException | None]]:
         """The outcomes of the tasks of ``ticket``, which ``wait`` waited for."""
         got, outcomes = self._outcomes
-        if got != ticket and not self.thread.is_alive():
+        if got != ticket and self.dead:
             raise RuntimeError(
                 f"npnorm's thread pool: its thread {self.thread.name} was ended by an exception raised "
                 "into it from outside, so this call's tasks on it did not run; the next call starts a "
@@ -206,7 +218,8 @@ def _outcome(task: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, e
 
 
-# seconds between a waiting caller's looks at whether the worker it waits for is alive
+# seconds between a waiting caller's looks at whether the worker it waits for has ended
+# (a safety net: an ended worker wakes its caller itself)
 ALIVE_CHECK_S = 0.5
 
 _busy = threading.Lock()  # held by the one call using the pool
@@ -220,8 +233,8 @@ def _workers(needed: int, most: int) -> list[_Worker]:
     needs them (``set_num_threads(64)`` and a call split in two tasks start one, not 63).
     The caller holds ``_busy``: no task is running on the pool."""
     global _workers_list
-    if not all(w.thread.is_alive() for w in _workers_list):  # (see ``_Worker.wait``)
-        _workers_list = [w for w in _workers_list if w.thread.is_alive()]
+    if any(w.dead for w in _workers_list):  # (see ``_Worker.wait``)
+        _workers_list = [w for w in _workers_list if not w.dead]
     if len(_workers_list) > most:
         # the list is cut first, then the workers cut off stop, so that an interruption
         # leaves the list short (filled again by the next call), never holding a stopped
@@ -300,7 +313,12 @@ def run_parallel(tasks: Sequence[Callable[[], T]]) -> list[T]:
                     w.forget(ticket)  # are nobody's now: nothing of the call stays held
             if interrupted is not None:
                 raise interrupted
-        per_thread = [mine, *(w.take(ticket) for w in workers)]
+        try:
+            per_thread = [mine, *(w.take(ticket) for w in workers)]
+        except RuntimeError:  # a worker ended from outside (``_Worker.take``)
+            for w in workers:
+                w.forget(ticket)
+            raise
         outcomes = [per_thread[i % threads][i // threads] for i in range(len(tasks))]
     for _, err in outcomes:
         if err is not None:
