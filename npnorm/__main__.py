@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -294,7 +295,8 @@ def _run_to_a_pipe(argv: list[str] | None = None) -> int:
     """``main(argv)``, and quietly done where the reader of standard output stops reading
     (``python -m npnorm learn layer_norm | head``: a BrokenPipeError traceback before),
     as the shell's own tools do (the status 141 of a process that SIGPIPE ended); and
-    Ctrl-C ends it with one line and the status 130, as the shell's tools (not a traceback)."""
+    Ctrl-C ends it with one line (not a traceback) and ``INTERRUPTED``, on which ``_exit``
+    ends the process by SIGINT, as Python itself does, so that a shell loop stops too."""
     try:
         status = main(argv)
         sys.stdout.flush()
@@ -303,10 +305,23 @@ def _run_to_a_pipe(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)  # the interpreter's last flush writes nowhere
         os.dup2(devnull, sys.stdout.fileno())
         return 141
-    except KeyboardInterrupt:  # Ctrl-C: one line (a traceback before), the shell's status 128 + SIGINT
+    except KeyboardInterrupt:  # Ctrl-C: one line (a traceback before)
         print("python -m npnorm: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
+
+
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process SIGINT ended
+
+
+def _exit(status: int) -> None:
+    """End the process with ``status``; an interrupted command by SIGINT where the platform
+    has it (an exit with 130 let a shell loop around ``python -m npnorm`` go on)."""
+    if status == INTERRUPTED and os.name == "posix":
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(_run_to_a_pipe())
+    _exit(_run_to_a_pipe())

@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 
@@ -233,3 +234,20 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "main", interrupted)
     assert cli._run_to_a_pipe([]) == 130
     assert capsys.readouterr().err == "python -m npnorm: interrupted\n"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGINT by kill is POSIX's")
+def test_ctrl_c_ends_the_process_by_sigint_so_a_shell_loop_stops():
+    """After its one line, an interrupted command ends by SIGINT, as Python does with an
+    uncaught KeyboardInterrupt: an exit with status 130 told a shell that the command had
+    handled the Ctrl-C, and a loop around it went on (seen with the SIGINT sent to the
+    loop's process group, as a terminal does)."""
+    code = (
+        "import npnorm.__main__ as m\n"
+        "def interrupted(argv=None):\n"
+        "    raise KeyboardInterrupt\n"
+        "m.main = interrupted\n"
+        "m._exit(m._run_to_a_pipe())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGINT and out.stderr == "python -m npnorm: interrupted\n", out
