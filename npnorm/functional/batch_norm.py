@@ -92,8 +92,9 @@ def batch_norm_forward(
     Raises
     ------
     ValueError
-        On a wrong shape, when training with one value per channel, or on a negative
-        or NaN ``eps``. An empty batch (no values per channel) is no error, as in
+        On a wrong shape, when training with one value per channel, on one running
+        buffer without the other (an empty batch too, which PyTorch takes), or on a
+        negative or NaN ``eps``. An empty batch (no values per channel) is no error, as in
         PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN (statistics of
         nothing), and the buffers come back as they were.
     RuntimeError
