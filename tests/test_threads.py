@@ -169,18 +169,19 @@ def test_pool_works_in_a_forked_child():
 KILL_A_WORKER = """
 import ctypes
 from npnorm import _threads
-_threads.set_num_threads(2)
-assert _threads.run_parallel([lambda: 1, lambda: 2]) == [1, 2]
+_threads.set_num_threads(3)
+assert _threads.run_parallel([lambda: 1, lambda: 2, lambda: 3]) == [1, 2, 3]
 worker = _threads._workers_list[0]
 class Killed(Exception):
     pass
 # an exception sent into the sleeping worker's thread: raised there as it wakes for a call
 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.thread.ident), ctypes.py_object(Killed))
 try:
-    _threads.run_parallel([lambda: 1, lambda: 2])
+    _threads.run_parallel([lambda: 1, lambda: 2, lambda: 3])
 except RuntimeError as err:
     print("raised:", err)
 print("ended:", worker.dead)
+print("outcomes kept:", [len(w._outcomes[1]) for w in _threads._workers_list])
 print("next:", _threads.run_parallel([lambda: 3, lambda: 4]))
 """
 
@@ -189,12 +190,12 @@ def test_a_worker_killed_from_outside_is_an_error_not_a_hang():
     """An exception sent into a pool thread (``PyThreadState_SetAsyncExc``, as some tools
     that stop threads do) ended its loop; the call that had handed it tasks waited for
     ever, Ctrl-C included, and the pool stayed taken. Now that call raises RuntimeError,
-    and the next call starts a new worker."""
+    keeping none of the other workers' outcomes, and the next call starts a new worker."""
     out = subprocess.run([sys.executable, "-c", KILL_A_WORKER], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("raised: npnorm's thread pool: its thread npnorm-0 was ended"), out.stdout
-    assert lines[1:] == ["ended: True", "next: [3, 4]"], out.stdout
+    assert lines[1:] == ["ended: True", "outcomes kept: [0, 0]", "next: [3, 4]"], out.stdout
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
