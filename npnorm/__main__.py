@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import io
 import os
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -314,12 +313,19 @@ INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a process SIGINT end
 
 
 def _exit(status: int) -> None:
-    """End the process with ``status``; an interrupted command by SIGINT where the platform
-    has it (an exit with 130 let a shell loop around ``python -m npnorm`` go on)."""
-    if status == INTERRUPTED and os.name == "posix":
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    """End the process with ``status``; an interrupted command as Python ends on an uncaught
+    KeyboardInterrupt, with no second report of it: its output flushed, its exit handlers
+    run, then by SIGINT where the platform has it (an exit with 130 let a shell loop around
+    ``python -m npnorm`` go on; a kill of its own lost the output still buffered)."""
+    if status == INTERRUPTED:
+        shown = sys.excepthook
+
+        def quiet(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+            if not issubclass(kind, KeyboardInterrupt):  # (its one line is printed)
+                shown(kind, value, tb)
+
+        sys.excepthook = quiet
+        raise KeyboardInterrupt
     sys.exit(status)
 
 

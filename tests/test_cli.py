@@ -236,18 +236,32 @@ def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "python -m npnorm: interrupted\n"
 
 
-@pytest.mark.skipif(os.name != "posix", reason="SIGINT by kill is POSIX's")
-def test_ctrl_c_ends_the_process_by_sigint_so_a_shell_loop_stops():
-    """After its one line, an interrupted command ends by SIGINT, as Python does with an
-    uncaught KeyboardInterrupt: an exit with status 130 told a shell that the command had
-    handled the Ctrl-C, and a loop around it went on (seen with the SIGINT sent to the
-    loop's process group, as a terminal does)."""
+@pytest.mark.skipif(os.name != "posix", reason="death by SIGINT is POSIX's")
+@pytest.mark.parametrize("entry", ["npnorm", "npnorm.demo", "npnorm.learn"])
+def test_ctrl_c_ends_the_process_by_sigint_so_a_shell_loop_stops(entry):
+    """After its one line, an interrupted command ends as Python does on an uncaught
+    KeyboardInterrupt: its output flushed, then by SIGINT. An exit with status 130 told
+    a shell that the command had handled the Ctrl-C, and a loop around it went on (seen
+    with the SIGINT sent to the loop's process group, as a terminal does); a kill of its
+    own lost what standard output still buffered; ``python -m npnorm.demo`` and
+    ``npnorm.learn`` exited with 130 still."""
     code = (
+        "import runpy\n"
         "import npnorm.__main__ as m\n"
         "def interrupted(argv=None):\n"
+        "    print('made before the Ctrl-C')\n"
         "    raise KeyboardInterrupt\n"
         "m.main = interrupted\n"
-        "m._exit(m._run_to_a_pipe())\n"
+        # (python -m npnorm's __main__ block is this line; run_module would run a copy
+        # of npnorm.__main__ without the patch)
+        + (
+            "m._exit(m._run_to_a_pipe())\n"
+            if entry == "npnorm"
+            else f"runpy.run_module({entry!r}, run_name='__main__')\n"
+        )
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == -signal.SIGINT and out.stderr == "python -m npnorm: interrupted\n", out
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (a pipe: buffered)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == -signal.SIGINT, out
+    assert out.stderr == "python -m npnorm: interrupted\n", out
+    assert out.stdout == "made before the Ctrl-C\n", out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ..__main__ import _run_to_a_pipe
+from ..__main__ import _exit, _run_to_a_pipe
 
 if __name__ == "__main__":
-    sys.exit(_run_to_a_pipe(["demo", *sys.argv[1:]]))
+    _exit(_run_to_a_pipe(["demo", *sys.argv[1:]]))
