@@ -482,3 +482,25 @@ def test_quiet_shows_no_progress_bars(tmp_path, monkeypatch, capsys, argv):
     out, err = capsys.readouterr()
     assert (out, err) == ("", "")
     assert (tmp_path / "results.json").exists()
+
+
+def test_an_interrupted_figure_write_leaves_the_earlier_figure_whole(tmp_path, monkeypatch):
+    """A Ctrl-C while a figure was written left a truncated PNG at its path (savefig wrote
+    straight to it); the figure is now written beside it and renamed, so the earlier file
+    stays as it was, and no part is left."""
+    from matplotlib.figure import Figure
+
+    from npnorm.demo import figures
+
+    path = tmp_path / "curves.png"
+    path.write_bytes(PNG_SIGNATURE + b"an earlier run's figure")
+
+    def interrupted(self, fname, **kwargs):
+        pathlib.Path(fname).write_bytes(PNG_SIGNATURE[:4])  # a part written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        figures._save(Figure(), path)
+    assert path.read_bytes() == PNG_SIGNATURE + b"an earlier run's figure"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]

@@ -106,10 +106,10 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int,
         written.append(figures.lr_sweep(results["lr_sweep"], out_dir / "lr_sweep.png", seed=seed))
         stats = results["layer_statistics"]
         written.append(figures.layer_statistics(stats, out_dir / "layer_statistics.png", seed=seed))
-        (out_dir / "table.txt").write_text(table + "\n", encoding="utf-8")
+        figures.write_whole(out_dir / "table.txt", lambda p: p.write_text(table + "\n", encoding="utf-8"))
         # strict JSON: a diverged run's NaN or inf loss as null
         text = json.dumps(_finite_or_none(results), indent=1, allow_nan=False)
-        (out_dir / "results.json").write_text(text + "\n", encoding="utf-8")
+        figures.write_whole(out_dir / "results.json", lambda p: p.write_text(text + "\n", encoding="utf-8"))
     except OSError as err:
         print(f"python -m npnorm demo: cannot write in {out_dir}: {err}", file=sys.stderr)
         return 1
