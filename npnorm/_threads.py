@@ -182,7 +182,7 @@ class _Worker:
                 pass
             except BaseException as e:  # re-raised below
                 interrupted = e
-            if self.dead and self.finished < ticket:
+            if self.dead:  # (its tasks will never run: see take)
                 break
         if interrupted is not None:
             raise interrupted
@@ -190,13 +190,14 @@ class _Worker:
     def take(self, ticket: int) -> list[tuple[Any, BaseException | None]]:
         """The outcomes of the tasks of ``ticket``, which ``wait`` waited for."""
         got, outcomes = self._outcomes
-        if got != ticket and self.dead:
-            raise RuntimeError(
-                f"npnorm's thread pool: its thread {self.thread.name} was ended by an exception raised "
-                "into it from outside, so this call's tasks on it did not run; the next call starts a "
-                "new one"
-            )
-        if got != ticket:  # cannot happen: tickets run in the order they were handed
+        if got != ticket:
+            if self.dead:
+                raise RuntimeError(
+                    f"npnorm's thread pool: its thread {self.thread.name} was ended by an exception "
+                    "raised into it from outside, so this call's tasks on it did not run; the next call "
+                    "starts a new one"
+                )
+            # cannot happen otherwise: tickets run in the order they were handed
             raise RuntimeError(f"npnorm's thread pool: outcomes of hand-off {got}, expected {ticket}")
         self._outcomes = (got, [])  # (results and exceptions are the caller's alone now)
         return outcomes

@@ -129,18 +129,20 @@ class _BatchNorm(_NormBase):
         """The channel count an input must have: the length of the per-channel arrays that
         take part (weight, bias, and the running statistics when in use), else any (None),
         as PyTorch checks those arrays' lengths and not ``num_features``; and the array's
-        name (``channels_of``)."""
+        name (``channels_of``) where that length is not ``num_features`` (a replaced
+        array, which the error names), else ""."""
         running = {"running_mean": self.running_mean, "running_var": self.running_var}
-        return channels_of(weight=self.weight, bias=self.bias, **(running if buffers_in_use else {}))
+        expected, source = channels_of(
+            weight=self.weight, bias=self.bias, **(running if buffers_in_use else {})
+        )
+        return expected, source if expected != self.num_features else ""
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
         self._check_backend(input)
         self._check_input_dim(input)
         buffers_in_use = not self.training or self.track_running_stats
         expected, source = self._expected_channels(buffers_in_use)
-        check_channels(
-            input, expected, type(self).__name__, source=source if expected != self.num_features else ""
-        )
+        check_channels(input, expected, type(self).__name__, source=source)
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

@@ -175,7 +175,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input_dim(input)
             self._check_updates_allowed()  # (Module.forward's check comes after the exchange)
             expected, source = self._expected_channels(self.track_running_stats)
-            check_channels(input, expected, what, source=source if expected != self.num_features else "")
+            check_channels(input, expected, what, source=source)
             check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
             factor = 0.0 if self.momentum is None else self.momentum
             updates: Updates = {}
