@@ -26,7 +26,16 @@ from typing import Any
 import array_api_compat
 import numpy as np
 
-from ._backend import Array, Namespace, copy_array, namespace_of, to_host, to_namespace, writable
+from ._backend import (
+    Array,
+    Namespace,
+    check_floating,
+    copy_array,
+    namespace_of,
+    to_host,
+    to_namespace,
+    writable,
+)
 from ._checks import check_real
 from ._grad_mode import enable_grad
 from .modules._module import Module
@@ -81,7 +90,9 @@ def gradcheck(
         in its current train/eval mode. Every forward of the check starts from the
         buffers as the check found them (a training forward updates them), and the
         parameters, buffers, grads, dtype, backend, mode and saved context are
-        restored afterwards, whatever happens.
+        restored afterwards, whatever happens. Modules do not nest: a module that
+        holds another npnorm module is refused (the check would miss the inner
+        one's gradients and change its buffers); check each on its own.
 
         Or a pair of functions, checked for the input and every parameter in
         ``params`` that is not None:
@@ -99,8 +110,8 @@ def gradcheck(
         ``(lambda x, w, b: F.layer_norm_forward(x, 4, w, b),
         lambda dy, x, w, b, mean, rstd: F.layer_norm_backward(dy, x, 4, mean, rstd, w, b))``.
     x : array
-        The input (any float dtype and backend; the check runs on a float64 copy, laid
-        out in memory as ``x`` is for a strided NumPy view).
+        The input (a floating dtype the layers take, of any backend; the check runs
+        on a float64 copy, laid out in memory as ``x`` is for a strided NumPy view).
     *params : array or None
         Only with a function pair: the parameters passed to ``forward`` after
         ``x`` (float64 copies; ``None`` passes through unchecked).
@@ -128,11 +139,14 @@ def gradcheck(
         and the analytic and numeric values side by side; also when the backward
         returns no gradient for a parameter, and when the forward changed its input
         or a parameter in place (finite differences need a forward that leaves
-        them as they were).
+        them as they were), or the backward changed them or its upstream gradient.
     TypeError
         When ``target`` is neither a Module nor a (forward, backward) pair, params
-        are given with a Module, a module's parameter is not a floating-point array,
-        ``x`` is not an array, an option is not a number (``seed``: not an int), or
+        are given with a Module, a module holds another module or did not call
+        ``Module.__init__``, a module's parameter is not a floating-point array,
+        ``x`` (or a param) is not an array of a floating dtype the layers take
+        (integer, bool, complex, NumPy longdouble or ml_dtypes' bfloat16), an
+        option is not a number (``seed``: not an int), or
         ``forward`` or ``backward`` returns neither an array nor a tuple starting
         with one (a module's forward: not an array).
     ValueError
@@ -163,13 +177,15 @@ def gradcheck(
     True
     """
     eps, atol, rtol, seed = _options(eps, atol, rtol, seed)
-    namespace_of(x, what="x")  # an array, before anything runs
+    _check_float(x, "x")  # an array of floats, before anything runs
     if isinstance(target, Module):
         if params:
             raise TypeError(
                 f"gradcheck(module, x) takes no params: a module's parameters are its own "
                 f"(got {len(params)} extra argument(s)); " + _ACCEPTS
             )
+        target._check_initialized()
+        _check_no_inner_modules(target)
         with enable_grad():
             return _check_module(target, x, eps, atol, rtol, seed)
     if isinstance(target, tuple) and len(target) == 2 and all(callable(f) for f in target):
@@ -194,6 +210,35 @@ def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, f
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"gradcheck: seed must be an int, got {seed!r}")
     return values["eps"], values["atol"], values["rtol"], int(seed)
+
+
+def _check_float(a: Any, what: str) -> None:
+    """A TypeError unless ``a`` is an array of a floating dtype the layers take: the
+    check's float64 copy of an integer, bool or complex array checked another function
+    than the one called on it (a layer refuses integer input; a complex one lost its
+    imaginary part)."""
+    check_floating(namespace_of(a, what=what), a, f"gradcheck: {what}")
+
+
+def _check_no_inner_modules(module: Module) -> None:
+    """A TypeError where ``module`` holds another npnorm Module: modules do not nest (a
+    module's parameters, buffers, mode and dtype are its own), so the check would neither
+    check the inner one's gradients nor restore its buffers and grads after."""
+    for name, value in vars(module).items():
+        held = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, (list, tuple))
+            else [value]
+        )
+        if any(isinstance(v, Module) for v in held):
+            raise TypeError(
+                f"gradcheck: {type(module).__name__}.{name} holds an npnorm Module. Modules do not nest: "
+                "the check would miss the inner module's parameter gradients and leave its buffers, "
+                "counters and grads changed. Check each module on its own (or, for a layer of your "
+                "own, hold the inner layer's arrays as this module's parameters and buffers)"
+            )
 
 
 def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
@@ -230,7 +275,9 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
             )
         _check_unchanged(f"{type(module).__name__}'s forward", given)
         u = _projection(xp, y, seed)
+        given["its grad_output"] = (copy_array(u), u)
         analytic: dict[str, Array] = {"input": module.backward(u)}
+        _check_unchanged(f"{type(module).__name__}'s backward", given)
         analytic.update({f"grad {k}": v for k, v in module.grads.items()})
 
         def loss(at: Array) -> float:
@@ -293,6 +340,9 @@ def _check_pair(
     seed: int,
 ) -> bool:
     xp = namespace_of(x, *params, what="x and params")
+    for i, p in enumerate(params):
+        if p is not None:
+            _check_float(p, f"params[{i}]")
     x64 = _laid_out_as(x, to_namespace(x, xp, xp.float64))
     p64 = [None if p is None else to_namespace(p, xp, xp.float64) for p in params]
     given = {"x": (copy_array(x64), x64)}
@@ -306,7 +356,9 @@ def _check_pair(
             f"got {type(out).__name__}" + ("" if y is out else f" whose first item is a {type(y).__name__}")
         )
     u = _projection(xp, y, seed)
+    given["dy"] = (copy_array(u), u)
     back = backward(u, x64, *p64, *saved)
+    _check_unchanged("backward", given)
     dx, dparams = (back[0], tuple(back[1:])) if isinstance(back, tuple) and back else (back, ())
     if not array_api_compat.is_array_api_obj(dx):
         raise TypeError(
@@ -340,18 +392,25 @@ def _check_pair(
 
 
 def _check_unchanged(what: str, arrays: dict[str, tuple[Array, Array]]) -> None:
-    """A GradcheckError where ``what`` (the first forward of the check) changed one of
-    ``arrays`` (name: (copy taken before, the array passed)) in place: each perturbed
-    evaluation would then start from another point, and the numeric gradients mean nothing."""
+    """A GradcheckError where ``what`` (the check's first forward, or its backward) changed
+    one of ``arrays`` (name: (copy taken before, the array passed)) in place: after a forward,
+    each perturbed evaluation would start from another point, and the numeric gradients
+    mean nothing; after the backward, the check compared them with gradients of another
+    point (a backward that scaled its grad_output in place failed as a wrong gradient)."""
     changed = [
         name
         for name, (before, after) in arrays.items()
         if not np.array_equal(to_host(before), to_host(after), equal_nan=True)
     ]
     if changed:
+        need = (
+            "finite differences need a forward that leaves its input and parameters as they were"
+            if what.endswith("forward")
+            else f"the check uses {'it' if len(changed) == 1 else 'them'} again after it, and a caller's "
+            "arrays would change too"
+        )
         raise GradcheckError(
-            f"gradcheck: {what} changed {', '.join(changed)} in place; finite differences need a "
-            "forward that leaves its input and parameters as they were (compute into new arrays)"
+            f"gradcheck: {what} changed {', '.join(changed)} in place; {need} (compute into new arrays)"
         )
 
 

@@ -501,3 +501,115 @@ def test_a_module_forward_that_changes_its_parameter_in_place_is_named(rng):
     with pytest.raises(npnorm.GradcheckError, match="Growing's forward changed w in place"):
         npnorm.gradcheck(m, rng.normal(size=(2, 3)))
     np.testing.assert_array_equal(m.w, 1.0)  # restored
+
+
+class _ScaledNorm(npnorm.Module):
+    """y = g * x / ||x|| over the last axis (ScaleNorm); ``in_place`` names what its
+    backward changes in place: "dy" (scaled by g: a memory-saving habit) or "x" (divided
+    by the norm), else nothing. The gradient it returns is right either way."""
+
+    _parameter_names = ("g",)
+
+    def __init__(self, in_place=None):
+        super().__init__(dtype="float64")
+        self.g = np.asarray(2.0)
+        self.in_place = in_place
+
+    def _forward(self, x):
+        norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+        return self.g * x / norm, (x, norm, self.g), {}
+
+    def _backward(self, dy, saved):
+        x, norm, g = saved
+        if self.in_place == "x":
+            x /= norm
+            u = x
+        else:
+            u = x / norm
+        dg = np.sum(dy * u)
+        if self.in_place == "dy":
+            dy *= g
+            dxhat = dy
+        else:
+            dxhat = dy * g
+        return (dxhat - u * np.sum(dxhat * u, axis=-1, keepdims=True)) / norm, {"g": dg}
+
+
+@pytest.mark.parametrize("in_place,named", [("dy", "its grad_output"), ("x", "its input")])
+def test_a_backward_that_changes_its_arrays_in_place_is_named(rng, in_place, named):
+    """A right backward that scaled its grad_output in place failed as '15 of 15 elements
+    differ' (the check's projection had changed), and one that divided its saved input in
+    place as wrong values; torch's gradcheck passes the first."""
+    x = rng.normal(size=(3, 5))
+    assert npnorm.gradcheck(_ScaledNorm(), x)
+    with pytest.raises(npnorm.GradcheckError, match=f"_ScaledNorm's backward changed {named} in place"):
+        npnorm.gradcheck(_ScaledNorm(in_place), x)
+
+
+def test_a_pair_whose_backward_changes_dy_or_x_in_place_is_named(rng):
+    def backward_dy(dy, x, w):
+        dy *= w  # in place
+        return dy, dy * x / w
+
+    def backward_x(dy, x, w):
+        x *= dy  # in place: dL/dw
+        return dy * w, x
+
+    for backward, named in ((backward_dy, "dy"), (backward_x, "x")):
+        with pytest.raises(npnorm.GradcheckError, match=rf"backward changed {named} in place"):
+            npnorm.gradcheck((lambda x, w: x * w, backward), rng.normal(size=3), np.full(3, 2.0))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [np.int64, np.bool_, np.complex128, np.longdouble],
+    ids=["int64", "bool", "complex", "longdouble"],
+)
+def test_x_or_a_param_of_a_dtype_the_layers_refuse_is_a_type_error(rng, dtype):
+    """The check ran on a float64 copy and returned True for an input the layer itself
+    refuses (integer LayerNorm input), and dropped a complex one's imaginary part."""
+    x = (rng.normal(size=(3, 4)) * 4).astype(dtype)
+    with pytest.raises(TypeError, match=rf"gradcheck: x must have a floating dtype .*got {np.dtype(dtype)}"):
+        npnorm.gradcheck(npnorm.LayerNorm(4), x)
+    pair = (lambda x, w: x * w, lambda dy, x, w: (dy * w, dy * x))
+    with pytest.raises(TypeError, match=r"gradcheck: params\[0\] must have a floating dtype"):
+        npnorm.gradcheck(pair, rng.normal(size=4), np.ones(4, dtype))
+
+
+def test_a_module_holding_another_is_refused_and_the_inner_one_left_alone(rng):
+    """Modules do not nest: the check returned True having checked only the outer
+    module's own parameter, and left the inner BatchNorm's counter, running statistics and
+    grads changed."""
+
+    class BatchNormThenScale(npnorm.Module):
+        _parameter_names = ("s",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.bn = npnorm.BatchNorm1d(3, dtype="float64")
+            self.s = np.asarray(1.5)
+
+        def _forward(self, x):
+            y = self.bn(x)
+            return self.s * y, (y, self.s), {}
+
+        def _backward(self, dy, saved):
+            y, s = saved
+            return self.bn.backward(dy * s), {"s": np.sum(dy * y)}
+
+    m = BatchNormThenScale()
+    state, grads = snapshot(m.bn)
+    with pytest.raises(
+        TypeError, match=r"BatchNormThenScale\.bn holds an npnorm Module\. Modules do not nest"
+    ):
+        npnorm.gradcheck(m, rng.normal(size=(4, 3)))
+    assert_state_equal(m.bn, state, grads)
+
+
+def test_a_module_that_skipped_super_init_is_told_so(rng):
+    class NoInit(npnorm.Module):
+        def __init__(self):
+            self.dtype = np.float64
+
+    with pytest.raises(TypeError, match=r"NoInit.__init__ did not call super\(\).__init__"):
+        npnorm.gradcheck(NoInit(), rng.normal(size=3))

@@ -722,3 +722,171 @@ def test_a_load_into_another_parameter_of_the_same_buffer_is_no_overwrite():
     m(np.ones((2, 4)))
     m.load_state_dict({"b": np.full(4, 3.0)}, strict=False)
     np.testing.assert_array_equal(m.backward(np.ones((2, 4))), 1.0)
+
+
+class _Ema(npnorm.Module):
+    """y = x, with an exponential moving average of the batch mean as a buffer (float) and
+    a call counter (int32): ``update(m, x)`` gives the forward's updates."""
+
+    _buffer_names = ("ema", "calls")
+
+    def __init__(self, update, **kw):
+        super().__init__(**kw)
+        self.ema = self.xp.zeros(3, dtype=self.dtype)
+        self.calls = self.xp.asarray(np.zeros((), np.int32))
+        self.update = update
+
+    def _forward(self, x):
+        return x, (), self.update(self, x)
+
+    def _backward(self, dy, saved):
+        return dy, {}
+
+
+@pytest.mark.parametrize(
+    "update,ema,calls",
+    [
+        (lambda m, x: {"ema": 0.9 * m.ema + 0.1 * x.mean(0)}, None, 0),  # float64 x: a float64 update
+        (lambda m, x: {"ema": np.full(3, 3, np.int64), "calls": m.calls + np.int64(1)}, 3.0, 1),
+        (lambda m, x: {"calls": 5, "ema": np.float64(2.0) * np.ones(3, np.float16)}, 2.0, 5),
+        (lambda m, x: {"calls": np.int64(7)}, 0.0, 7),  # a NumPy scalar
+    ],
+)
+def test_a_forward_update_keeps_its_buffers_dtype_in_place(rng, update, ema, calls):
+    """An update in another dtype replaced the buffer by a new array of that dtype (a
+    float32 buffer became float64, and a state_dict taken before stopped seeing updates);
+    it is cast into the buffer, as PyTorch's in-place updates keep a buffer's dtype."""
+    m = _Ema(update, dtype="float32")
+    held = m.state_dict()
+    x = rng.normal(size=(4, 3))
+    m(x)
+    assert (m.ema.dtype, m.calls.dtype) == (np.float32, np.int32)
+    assert m.ema is held["ema"] and m.calls is held["calls"]
+    want = (0.1 * x.mean(0)).astype(np.float32) if ema is None else np.full(3, ema, np.float32)
+    np.testing.assert_array_equal(m.ema, want)
+    assert int(m.calls) == calls
+
+
+@pytest.mark.parametrize(
+    "update,match",
+    [
+        (lambda m, x: {"ema": None}, r"update of 'ema' is a NoneType, not an array"),
+        (lambda m, x: {"ema": [0.0, 0.0, 0.0]}, r"update of 'ema' is a list, not an array"),
+        (lambda m, x: {"calls": m.calls + 0.5}, r"update of 'calls' has dtype float64, the buffer int32"),
+        (lambda m, x: {"calls": 2.0}, r"update of 'calls' has dtype float64, the buffer int32"),
+        (lambda m, x: {"ema": m.ema + 1j}, r"update of 'ema' has dtype complex64, the buffer float32"),
+    ],
+)
+def test_a_forward_update_that_is_no_array_or_loses_values_changes_nothing(rng, update, match):
+    """None took the buffer out of state_dict (a later load failed on an 'unexpected key'),
+    a number or a list became the buffer itself, and floats went into an int buffer as a
+    new float array."""
+    m = _Ema(update, dtype="float32")
+    state, grads = snapshot(m)
+    with pytest.raises(TypeError, match=match):
+        m(rng.normal(size=(4, 3)).astype(np.float32))
+    assert_state_equal(m, state, grads)
+
+
+def test_a_forward_update_of_another_backend_changes_nothing(torch, rng):
+    m = _Ema(lambda m, x: {"ema": torch.zeros(3)}, dtype="float32")
+    state, grads = snapshot(m)
+    with pytest.raises(TypeError, match=r"update of 'ema' is a Tensor, of another backend"):
+        m(rng.normal(size=(4, 3)).astype(np.float32))
+    assert_state_equal(m, state, grads)
+
+
+@pytest.mark.parametrize(
+    "dy_shape,backward_returns,error,match",
+    [
+        (
+            (4,),
+            None,
+            ValueError,
+            r"grad_output must have the shape of the forward's output \(3, 4\), got \(4,\)",
+        ),
+        ((1, 4), None, ValueError, r"forward's output \(3, 4\), got \(1, 4\)"),
+        ((3, 4), lambda dx: None, TypeError, r"returned a grad_input that is a NoneType, not an array"),
+        (
+            (3, 4),
+            lambda dx: dx[:1],
+            ValueError,
+            r"grad_input of shape \(1, 4\), the forward's input \(3, 4\)",
+        ),
+    ],
+)
+def test_a_users_backward_with_a_gradient_of_another_shape_adds_nothing(
+    rng, dy_shape, backward_returns, error, match
+):
+    """Module.backward checked the parameters' gradients only: a grad_output of (4,) for a
+    (3, 4) output was broadcast by a layer of your own and a wrong gradient added into
+    grads (PyTorch: "Mismatch in shape"), and a grad_input of None or of another shape
+    was returned as it was."""
+
+    class Layer(_ScaleWithBuffers):
+        def _backward(self, dy, saved):
+            dx, grads = super()._backward(dy, saved)
+            return (dx if backward_returns is None else backward_returns(dx)), grads
+
+    m = Layer(dtype="float32")
+    m(rng.normal(size=(3, 4)).astype(np.float32))
+    with pytest.raises(error, match=match):
+        m.backward(np.ones(dy_shape, np.float32))
+    assert m.grads == {}
+
+
+def test_a_users_grad_input_in_another_float_dtype_is_cast_to_the_inputs(rng):
+    """As PyTorch's autograd casts a Function's gradient to its input's dtype."""
+
+    class Wide(_ScaleWithBuffers):
+        def _backward(self, dy, saved):
+            dx, grads = super()._backward(dy, saved)
+            return dx.astype(np.float64), grads
+
+    m = Wide(dtype="float32")
+    x = rng.normal(size=(3, 4)).astype(np.float16)
+    m(x)
+    assert m.backward(np.ones((3, 4), np.float16)).dtype == np.float16
+
+
+def test_a_layer_that_lists_a_name_it_never_sets_or_twice_is_told_so():
+    """A name in _parameter_names never set gave a bare AttributeError from state_dict,
+    parameters() and gradcheck (the forward worked); a name listed twice (a parameter and
+    a buffer) became one state_dict key."""
+
+    class Forgot(npnorm.Module):
+        _parameter_names = ("w", "b")
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.w = np.ones(3)
+
+    for call in (lambda m: m.state_dict(), lambda m: m.parameters(), lambda m: m.to(dtype="float32")):
+        with pytest.raises(
+            AttributeError, match=r"Forgot lists 'b' in _parameter_names but never set self\.b"
+        ):
+            call(Forgot())
+    with pytest.raises(TypeError, match=r"Twice: 'w' named more than once in _parameter_names"):
+
+        class Twice(npnorm.Module):
+            _parameter_names = ("w",)
+            _buffer_names = ("w",)
+
+
+def test_a_layer_without_forward_or_backward_says_which():
+    class Neither(npnorm.Module):
+        pass
+
+    with pytest.raises(NotImplementedError, match=r"Neither does not implement _forward\(input\)"):
+        Neither()(np.ones(3))
+
+    class NoBackward(npnorm.Module):
+        def _forward(self, x):
+            return x, (), {}
+
+    m = NoBackward()
+    m(np.ones(3))
+    with pytest.raises(
+        NotImplementedError, match=r"NoBackward does not implement _backward\(grad_output, saved\)"
+    ):
+        m.backward(np.ones(3))

@@ -190,7 +190,7 @@ class Module:
     # records in its ``_metadata`` and load_state_dict reads back (BatchNorm/InstanceNorm: 2)
     _version: int = 1
     # What the last forward left for backward, which copies and pickles leave out
-    _forward_context: tuple[str, ...] = ("_saved", "_saved_versions")
+    _forward_context: tuple[str, ...] = ("_saved", "_saved_versions", "_saved_io")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A layer's ``_parameter_names`` and ``_buffer_names`` must be tuples of names: a
@@ -203,6 +203,15 @@ class Module:
                     f"{cls.__name__}.{attr} must be a tuple of names, got {names!r} (a tuple of "
                     "one name needs its comma: ('weight',))"
                 )
+        # a name twice (a parameter that is also a buffer) became one key of state_dict
+        names = [*cls._parameter_names, *cls._buffer_names]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise TypeError(
+                f"{cls.__name__}: {', '.join(map(repr, twice))} named more than once in "
+                f"_parameter_names {tuple(cls._parameter_names)} and _buffer_names "
+                f"{tuple(cls._buffer_names)}: each array is one parameter or one buffer"
+            )
 
     def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
@@ -212,6 +221,7 @@ class Module:
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
         self._saved_versions: _Versions | None = None
+        self._saved_io: _InOut | None = None
 
     # --- forward / backward -------------------------------------------------
 
@@ -239,11 +249,7 @@ class Module:
         array
             The output, of the shape and dtype of ``input``.
         """
-        if "grads" not in self.__dict__:  # (backward, zero_grad and to() fail without it)
-            raise TypeError(
-                f"{type(self).__name__}.__init__ did not call super().__init__(dtype=dtype, xp=xp): "
-                "npnorm.Module sets the module's backend, dtype, mode and grads there"
-            )
+        self._check_initialized()
         result = self._forward(input)
         if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping)):
             raise TypeError(
@@ -252,18 +258,34 @@ class Module:
                 + _described(result)
             )
         output, saved, updates = result
-        self._check_updates(updates)  # all of them, before anything is written
+        updates = self._checked_updates(updates)  # all of them, before anything is written
         for name, value in updates.items():
             self._write(name, value, uncounted=name in self._written_uncounted)
         self._saved = saved if is_grad_enabled() else None
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
+        self._saved_io = None if self._saved is None else _InOut.of(input, output)
         return output
 
-    def _check_updates(self, updates: Mapping[str, Any]) -> None:
-        """A TypeError or ValueError unless every entry of ``_forward``'s ``updates`` names
-        a buffer and, where that buffer exists, has its shape: one unknown name was written
-        after the others, and a parameter named there was overwritten."""
+    def _check_initialized(self) -> None:
+        """The TypeError of a layer whose ``__init__`` did not call ``Module.__init__``
+        (forward, backward, zero_grad, to() and gradcheck fail further on without it)."""
+        if "grads" not in self.__dict__:
+            raise TypeError(
+                f"{type(self).__name__}.__init__ did not call super().__init__(dtype=dtype, xp=xp): "
+                "npnorm.Module sets the module's backend, dtype, mode and grads there"
+            )
+
+    def _checked_updates(self, updates: Mapping[str, Any]) -> dict[str, Any]:
+        """``_forward``'s ``updates``, each checked and in its buffer's dtype: a TypeError
+        or ValueError unless every entry names a buffer and is an array of the module's
+        backend (a NumPy scalar or a Python number is made one) and, where that buffer
+        exists, has its shape. An update of another dtype is cast to the buffer's, as
+        PyTorch's in-place updates keep a buffer's dtype (a float64 update of a float32
+        buffer made it float64, no longer updated in place), unless it is of a wider kind
+        (floats for an integer buffer, integers for a bool one): that raises. Before, one unknown
+        name was written after the others, and a parameter named there was overwritten."""
         cls = type(self).__name__
+        checked: dict[str, Any] = {}
         for name, value in updates.items():
             if name not in self._buffer_names:
                 raise TypeError(
@@ -272,11 +294,44 @@ class Module:
                 )
             current: Any = getattr(self, name, None)
             self._check_update_allowed(name, current)
-            if _is_array(current) and _is_array(value) and tuple(value.shape) != tuple(current.shape):
-                raise ValueError(
-                    f"{cls}._forward's update of {name!r} has shape {tuple(value.shape)}, the buffer "
-                    f"{tuple(current.shape)}"
-                )
+            checked[name] = self._as_update(name, value, current)
+        return checked
+
+    def _as_update(self, name: str, value: Any, current: Any) -> Any:
+        """``value``, an update of buffer ``name`` (now ``current``), checked and cast
+        (see ``_checked_updates``)."""
+        what = f"{type(self).__name__}._forward's update of {name!r}"
+        held = current if _is_array(current) else None
+        if isinstance(value, (np.generic, bool, int, float)) and not isinstance(value, np.complexfloating):
+            value = self.xp.asarray(value)  # (0-d NumPy arithmetic gives a NumPy scalar)
+        if not _is_array(value):
+            raise TypeError(
+                f"{what} is a {type(value).__name__}, not an array (a buffer's new value is an array "
+                "of the module's backend)"
+            )
+        xp = self.xp if held is None else array_api_compat.array_namespace(held)
+        if array_api_compat.array_namespace(value) is not xp:
+            raise TypeError(
+                f"{what} is a {type(value).__name__}, of another backend than the module's: compute "
+                "it with the module's arrays"
+            )
+        if held is None:
+            return value
+        if tuple(value.shape) != tuple(held.shape):
+            raise ValueError(f"{what} has shape {tuple(value.shape)}, the buffer {tuple(held.shape)}")
+        if value.dtype == held.dtype or same_but_byte_order(value.dtype, held.dtype):
+            return value
+        kinds = ("bool", "integral", "real floating")  # each cast exactly enough into the next
+        rank = [
+            next((i for i, k in enumerate(kinds) if xp.isdtype(d, k)), None)
+            for d in (value.dtype, held.dtype)
+        ]
+        if rank[0] is None or rank[1] is None or rank[0] > rank[1]:
+            raise TypeError(
+                f"{what} has dtype {value.dtype}, the buffer {held.dtype}: a buffer keeps its dtype, "
+                "and this update would lose its values there (cast it yourself where that is meant)"
+            )
+        return xp.astype(value, held.dtype)
 
     def _check_update_allowed(self, name: str, current: Any) -> None:
         """The ``RuntimeError`` of torch where the buffer ``current`` cannot be updated in
@@ -371,6 +426,7 @@ class Module:
                 "gradient and a dict of the parameters' ({name: gradient or None}); got " + _described(result)
             )
         grad_input, param_grads = result
+        grad_input = self._checked_grad_input(grad_output, grad_input)
         unknown = sorted(set(param_grads) - set(self._parameter_names))
         if unknown:
             raise TypeError(
@@ -396,6 +452,49 @@ class Module:
             if held is None or not _into(held, total):  # in place, as PyTorch accumulates .grad
                 self.grads[name] = total
         return grad_input
+
+    def _checked_grad_input(self, grad_output: Any, grad_input: Any) -> Any:
+        """``grad_input`` as ``_backward`` returned it, checked against the saved forward
+        (after ``_backward`` ran, which checks the layers' own arguments, collectively for
+        SyncBatchNorm): a ValueError where ``grad_output`` has not the forward's output's
+        shape (PyTorch's "Mismatch in shape"; a layer of your own broadcast it and added a
+        wrong gradient into ``grads``), and a TypeError or ValueError where ``grad_input``
+        is not an array of the input's shape. A ``grad_input`` of another float dtype is
+        cast to the input's, as PyTorch's autograd casts one."""
+        io = getattr(
+            self, "_saved_io", None
+        )  # (None: a pickle of an older npnorm, a subclass's own __init__)
+        if io is None:
+            return grad_input
+        cls = type(self).__name__
+        got = getattr(grad_output, "shape", None)
+        if io.output_shape is not None and (got is None or tuple(got) != io.output_shape):
+            raise ValueError(
+                f"grad_output must have the shape of the forward's output {io.output_shape}, got "
+                + (str(tuple(got)) if got is not None else f"a {type(grad_output).__name__}")
+                + f" ({cls}.backward; nothing was added to grads)"
+            )
+        if io.input_shape is None:
+            return grad_input
+        if not _is_array(grad_input):
+            raise TypeError(
+                f"{cls}._backward returned a grad_input that is a {type(grad_input).__name__}, not an "
+                f"array of the forward's input's shape {io.input_shape}"
+            )
+        if tuple(grad_input.shape) != io.input_shape:
+            raise ValueError(
+                f"{cls}._backward returned a grad_input of shape {tuple(grad_input.shape)}, the forward's "
+                f"input {io.input_shape}: the input's gradient has its shape"
+            )
+        xp = array_api_compat.array_namespace(grad_input)
+        dtype = io.input_dtype
+        if grad_input.dtype == dtype or same_but_byte_order(grad_input.dtype, dtype):
+            return grad_input
+        try:
+            floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(dtype, "real floating")
+        except (TypeError, ValueError):  # the input's dtype is of another backend
+            return grad_input
+        return xp.astype(grad_input, dtype) if floats else grad_input
 
     def _as_parameter_grad(self, name: str, g: Any) -> Any:
         """A gradient that ``_backward`` returned, in the parameter's dtype, as PyTorch's
@@ -447,7 +546,10 @@ class Module:
             )
 
     def _forward(self, input: Array) -> tuple[Array, Saved, Updates]:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement _forward(input) -> (output, saved, updates), "
+            "which npnorm.Module.forward calls (see help(npnorm.Module))"
+        )
 
     def _kept(self) -> tuple[str, ...] | None:
         """``_kept_for_backward``, for the forward saved now (a layer whose backward keeps
@@ -478,7 +580,10 @@ class Module:
         ``eps=None``). Nothing by default; ``gradcheck`` restores the module after."""
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement _backward(grad_output, saved) -> (grad_input, "
+            "{name: grad or None}), which npnorm.Module.backward calls (see help(npnorm.Module))"
+        )
 
     # --- parameters, grads, modes ------------------------------------------
 
@@ -487,12 +592,29 @@ class Module:
 
         The values are the module's own arrays, not copies.
         """
-        return {n: getattr(self, n) for n in self._parameter_names if getattr(self, n) is not None}
+        own = {n: self._declared(n) for n in self._parameter_names}
+        return {n: v for n, v in own.items() if v is not None}
 
     def buffers(self) -> dict[str, Array]:
         """Name-to-array dict of the buffers that exist (running statistics and
         ``num_batches_tracked``); the module's own arrays, not copies."""
-        return {n: getattr(self, n) for n in self._buffer_names if getattr(self, n) is not None}
+        own = {n: self._declared(n) for n in self._buffer_names}
+        return {n: v for n, v in own.items() if v is not None}
+
+    def _declared(self, name: str) -> Any:
+        """Parameter or buffer ``name`` (None where absent), or an AttributeError that says
+        the layer lists it but never set it (a bare "no attribute" came from state_dict,
+        parameters() or gradcheck, while forward worked)."""
+        try:
+            return getattr(self, name)
+        except AttributeError:
+            if name in self.__dict__:  # (raised by something else)
+                raise
+            kind = "_parameter_names" if name in self._parameter_names else "_buffer_names"
+            raise AttributeError(
+                f"{type(self).__name__} lists {name!r} in {kind} but never set self.{name}: create it "
+                f"in __init__ (self.{name} = None where the layer has none)"
+            ) from None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the accumulated gradients, as PyTorch's ``zero_grad``: forget them
@@ -795,7 +917,7 @@ class Module:
         device = check_device(new_xp, device)  # (torch.device("cpu") names NumPy's "cpu")
         moved: dict[str, Array] = {}
         for name in (*self._parameter_names, *self._buffer_names):
-            value = getattr(self, name)
+            value = self._declared(name)
             if value is not None:
                 counter = name == "num_batches_tracked"
                 moved[name] = self._moved(value, new_xp, new_dtype, device, counter=counter)
@@ -916,6 +1038,25 @@ def _described(value: Any) -> str:
         items = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
         return f"a tuple of {len(value)} item(s) ({items})"
     return type(value).__name__
+
+
+class _InOut(NamedTuple):
+    """The shapes of a saved forward's input and output and the input's dtype (None where
+    one is not an array: a layer of your own may take or return something else), which
+    ``backward`` checks ``grad_output`` and the returned ``grad_input`` against."""
+
+    input_shape: tuple[int, ...] | None
+    input_dtype: Any
+    output_shape: tuple[int, ...] | None
+
+    @staticmethod
+    def of(input: Any, output: Any) -> _InOut:
+        array = _is_array(input)
+        return _InOut(
+            tuple(input.shape) if array else None,
+            input.dtype if array else None,
+            tuple(output.shape) if _is_array(output) else None,
+        )
 
 
 def _version_of(a: Any) -> int | None:
