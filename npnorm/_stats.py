@@ -36,6 +36,8 @@ node; ``npnorm.learn`` runs that staged backward and checks each step of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import array_api_compat
 
 from ._backend import Array, Namespace
@@ -54,11 +56,42 @@ Axes = tuple[int, ...]
 RECENTRE_ABOVE = 4.0
 
 
-def square_dtype(xp: Namespace, dtype: object) -> object:
-    """The dtype squares of ``dtype`` values are summed in: float64 where the backend
-    has it (float32 squares overflow above ~1.8e19), else ``dtype``."""
+def square_dtype(xp: Namespace, a: Array) -> object:
+    """The dtype squares of ``a``'s values are summed in: float64 where the backend has
+    it on ``a``'s device (float32 squares overflow above ~1.8e19), else ``a``'s dtype
+    (JAX without x64; a device without float64, such as torch's "mps": every layer
+    raised there, asking for float64)."""
     wide = getattr(xp, "float64", None)
-    return dtype if wide is None else xp.result_type(dtype, wide)
+    if wide is None or not _float64_on(xp, a):
+        return a.dtype
+    return xp.result_type(a.dtype, wide)
+
+
+def _float64_on(xp: Namespace, a: Array) -> bool:
+    """Whether ``a``'s device has float64, as the namespace's inspection API says
+    (``__array_namespace_info__().dtypes(device=...)``); True where it cannot say."""
+    if array_api_compat.is_numpy_namespace(xp):  # (every call of the reference on NumPy)
+        return True
+    device = array_api_compat.device(a)
+    key = (xp.__name__, type(device).__name__, str(device))  # (a device may be no dict key)
+    known = _FLOAT64_ON.get(key)
+    if known is None:
+        known = _FLOAT64_ON[key] = _device_has_float64(xp, device)
+    return known
+
+
+_FLOAT64_ON: dict[tuple[str, str, str], bool] = {}  # (namespace, device): what _device_has_float64 said
+
+
+def _device_has_float64(xp: Namespace, device: Any) -> bool:
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is None:
+        return True
+    try:
+        floats = info().dtypes(device=device, kind="real floating")
+    except Exception:  # an older namespace, or a device it does not list: assume it has it
+        return True
+    return "float64" in floats
 
 
 def wide_sum(xp: Namespace, a: Array, axes: Axes, *, keepdims: bool = False) -> Array:
@@ -67,7 +100,7 @@ def wide_sum(xp: Namespace, a: Array, axes: Axes, *, keepdims: bool = False) -> 
     NumPy adds along a strided axis (BatchNorm's samples, LayerNorm's rows) one value
     after another, and ~1e5 values of ``dy`` with a common part of 1e3 kept three digits
     of ``mean(dy)`` (dx off by 20% of its size, PyTorch's by 3e-5)."""
-    return xp.sum(a, axis=axes, keepdims=keepdims, dtype=square_dtype(xp, a.dtype))
+    return xp.sum(a, axis=axes, keepdims=keepdims, dtype=square_dtype(xp, a))
 
 
 def wide_mean(xp: Namespace, a: Array, axes: Axes) -> Array:
@@ -85,7 +118,7 @@ def moments(xp: Namespace, x: Array, axes: Axes, *, center: bool = True) -> tupl
 
     Both keep the reduced axes (size 1) so that they broadcast against ``x``.
     """
-    xw = cast(xp, x, square_dtype(xp, x.dtype))  # same shape as x, float64
+    xw = cast(xp, x, square_dtype(xp, x))  # same shape as x, float64
     if center:
         mean = xp.mean(xw, axis=axes, keepdims=True)  # reduced axes -> 1
         xc = xw - mean  # same shape as x
@@ -195,6 +228,6 @@ def scaled(xp: Namespace, a: Array, rstd: Array, weight: Array) -> Array:
     (``square_dtype``) and applied before rounding once, as PyTorch scales by
     ``invstd * w``. With float32 factors either product alone can leave float32 where the
     result fits (rstd 1e15, a 1e25 and w 1e-8; or rstd 1e14 and w 1e25)."""
-    wide = square_dtype(xp, rstd.dtype)
+    wide = square_dtype(xp, rstd)
     scale = cast(xp, rstd, wide) * cast(xp, weight, wide)  # shape of rstd, float64: rstd * w
     return cast(xp, a * scale, a.dtype)  # shape of a

@@ -137,3 +137,26 @@ def test_a_pickled_module_comes_back_on_its_device():
     assert back(xs.ones((4, 3), device=D1)).device == D1
     here = pickle.loads(pickle.dumps(npnorm.BatchNorm1d(3, xp="array_api_strict")))
     assert here.weight.device == xs.Device("CPU_DEVICE")
+
+
+NO_F64 = xs.Device("no_float64")  # array_api_strict's device without float64 (as torch's "mps")
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", [n for n in MODULES if not n.startswith("SyncBatchNorm")])
+def test_a_device_without_float64_sums_in_float32(name, training):
+    """The statistics were summed in float64 wherever the namespace has float64, not its
+    device: on one without (torch's "mps"), every layer raised. They are summed in the
+    input's dtype there, as for JAX without x64, close to the float64 sums."""
+    make, shape = MODULES[name]
+    m = make(device=NO_F64, xp="array_api_strict").train(training)
+    ref = make().train(training)
+    x = (np.random.default_rng(0).normal(size=shape) * 3 + 1).astype(np.float32)
+    y = m(xs.asarray(x, device=NO_F64))
+    dx = m.backward(xs.ones_like(y) * 0.5)
+    y_ref, dx_ref = ref(x), ref.backward(np.full(shape, 0.5, np.float32))
+    assert y.device == NO_F64 and y.dtype == dx.dtype == xs.float32
+    for got, want in ((y, y_ref), (dx, dx_ref), *((m.buffers()[k], v) for k, v in ref.buffers().items())):
+        np.testing.assert_allclose(
+            np.asarray(got.to_device(xs.Device("CPU_DEVICE"))), want, rtol=1e-5, atol=1e-5
+        )
