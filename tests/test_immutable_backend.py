@@ -138,6 +138,30 @@ def test_the_pure_functions_run_under_jit():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b_), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("name", [n for n in LAYERS if not n.startswith("SyncBatchNorm")])
+def test_a_module_call_under_jit_that_would_keep_traced_values_is_refused(name):
+    """A module call under jax.jit returned and left tracers in the running statistics,
+    the counter and the saved forward: every later use of the module raised JAX's
+    UnexpectedTracerError. It is refused with nothing changed; in eval mode inside
+    npnorm.no_grad() (nothing kept) it runs."""
+    from conftest import assert_state_equal, snapshot
+
+    make, shape = LAYERS[name]
+    m = make(xp="jax.numpy")
+    x = jnp.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32))
+    state, grads = snapshot(m)
+    with pytest.raises(TypeError, match=r"under a JAX transformation .* nothing was changed"):
+        jax.jit(lambda a: m(a))(x)
+    assert_state_equal(m, state, grads)
+    y = m(x)  # the module works, untouched
+    m.backward(jnp.ones_like(y))
+    m.eval()
+    with npnorm.no_grad():
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(lambda a: m(a))(x)), np.asarray(m(x)), rtol=1e-6, atol=1e-6
+        )
+
+
 def test_a_jax_module_moves_to_torch_without_torchs_read_only_warning(torch):
     """JAX's arrays reach NumPy read-only through DLPack, and torch warns when it is
     given a read-only 0-d array (the counter), once per process: in a fresh process with

@@ -8,6 +8,7 @@ saved for backward. All math lives in :mod:`npnorm.functional`.
 from __future__ import annotations
 
 import copy
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
@@ -250,6 +251,12 @@ class Module:
             The output, of the shape and dtype of ``input``.
         """
         self._check_initialized()
+        # a JAX tracer kept in the module breaks it: refused before _forward where the call
+        # would keep one (a saved forward, a training forward's running statistics), so that
+        # the error is this one (momentum=None's counter raised JAX's own in _forward)
+        traced = _traced(input)
+        if traced and (is_grad_enabled() or (self.training and self.buffers())):
+            self._refuse_traced(bool(self.training and self.buffers()))
         result = self._forward(input)
         if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping)):
             raise TypeError(
@@ -258,6 +265,8 @@ class Module:
                 + _described(result)
             )
         output, saved, updates = result
+        if traced and updates:  # (a layer of your own that updates its buffers in eval mode)
+            self._refuse_traced(True)
         updates = self._checked_updates(updates)  # all of them, before anything is written
         for name, value in updates.items():
             self._write(name, value, uncounted=name in self._written_uncounted)
@@ -265,6 +274,18 @@ class Module:
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         self._saved_io = None if self._saved is None else _InOut.of(input, output)
         return output
+
+    def _refuse_traced(self, updates: bool) -> None:
+        """The TypeError of a module called on a JAX tracer where the call would keep traced
+        values: they die with the transformation and broke every later use of the module."""
+        raise TypeError(
+            f"{type(self).__name__}: a module call under a JAX transformation (jax.jit, grad, vmap) "
+            "would keep traced values in the module (its "
+            + ("running statistics" if updates else "saved forward")
+            + "), which break every later use of it; nothing was changed. Transform the functions of "
+            "npnorm.functional (the *_forward and *_backward pairs) instead, or call the module in "
+            "eval mode inside npnorm.no_grad()"
+        )
 
     def _check_initialized(self) -> None:
         """The TypeError of a layer whose ``__init__`` did not call ``Module.__init__``
@@ -1038,6 +1059,14 @@ def _described(value: Any) -> str:
         items = ", ".join(type(v).__name__ for v in value[:4]) + (", ..." if len(value) > 4 else "")
         return f"a tuple of {len(value)} item(s) ({items})"
     return type(value).__name__
+
+
+def _traced(a: Any) -> bool:
+    """Whether ``a`` is a JAX tracer: a value inside jax.jit, grad or vmap, which dies with
+    the transformation (JAX is not imported for this)."""
+    jax = sys.modules.get("jax")
+    tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+    return tracer is not None and isinstance(a, tracer)
 
 
 class _InOut(NamedTuple):
