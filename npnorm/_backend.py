@@ -114,6 +114,9 @@ def namespace_of(*arrays: Any, what: str = "arrays", names: Sequence[str] | None
                 f"pass grad_output as an array of the forward's backend ({theirs}), converted from "
                 f"{type(present[0]).__name__} (moving the module with to() would drop the saved forward)"
             )
+        elif names is not None:  # a function's arrays (a module checks its own, without names)
+            lead = next(n for n, a in zip(names, arrays, strict=True) if a is not None)
+            hint = f"convert them to one backend first (the {lead}'s: {first})"
         else:
             hint = (
                 f"move them to one backend first: for {type(present[0]).__name__} input, "
@@ -250,20 +253,25 @@ _FLOAT_CHARS = "efd"  # NumPy's float16, float32, float64: checked without isdty
 
 def check_device(xp: Namespace, device: Any) -> Any:
     """The device of ``xp`` that ``device`` names: itself where ``xp`` can create arrays
-    there, the backend's default device where ``device`` is another library's object of
-    the same name (``torch.device("cpu")`` on NumPy), ``None`` for ``None``; else a
-    ``ValueError`` that says which backend refused it and why."""
+    there, the backend's device of that name where ``device`` is another library's object
+    or a name (``torch.device("cpu")`` on NumPy, "cpu" on JAX), ``None`` for ``None``;
+    else a ``ValueError`` that says which backend refused it and why."""
     if device is None:
         return None
     try:
         xp.empty((0,), device=device)
         return device
     except Exception as err:  # torch: RuntimeError or AssertionError; NumPy: ValueError
+        # another library's name of xp's default device: "cpu", or "cpu:0" (torch.device("cpu",
+        # 0)), index 0 of a device without indices. JAX names no default: then each of its
+        # devices, by its platform too (its CPU device is TFRT_CPU_0: a ported device="cpu"
+        # failed). (torch's inspection would probe every device type, with warnings.)
         default = _default_device(xp)
-        # another library's name of it: "cpu", or "cpu:0" (torch.device("cpu", 0)), index 0
-        # of a device without indices
-        if default is not None and str(device) in (str(default), f"{default}:0"):
-            return default
+        devices = [default] if default is not None else _inspected(xp, lambda info: list(info.devices()), [])
+        for known in devices:
+            names = [f"{n}{i}" for n in (str(known), getattr(known, "platform", None)) for i in ("", ":0")]
+            if known is not None and str(device) in names:
+                return known
         raise ValueError(
             f"device {device!r} is not a device of backend {backend_name(xp)} ({err}); None means "
             f"the backend's default device, and xp= chooses the backend"

@@ -181,3 +181,17 @@ def test_a_jax_module_moves_to_torch_without_torchs_read_only_warning(torch):
     )
     done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "torch.device"])
+def test_a_ported_cpu_device_names_jaxs(device):
+    """JAX's CPU device is TFRT_CPU_0 (its platform "cpu"), and JAX's inspection names no
+    default device: a ported ``device="cpu"`` was "not a device of backend jax.numpy"."""
+    if device == "torch.device":
+        device = pytest.importorskip("torch").device("cpu")
+    m = npnorm.LayerNorm(5, xp="jax.numpy", device=device)
+    (cpu,) = jax.devices("cpu")
+    assert m.weight.devices() == {cpu}
+    assert m.to(device=device).weight.devices() == {cpu}
+    with pytest.raises(ValueError, match=r"'gpu:7' is not a device of backend jax\.numpy"):
+        npnorm.LayerNorm(5, xp="jax.numpy", device="gpu:7")

@@ -148,8 +148,21 @@ def test_backend_mismatch_is_a_type_error(rng):
     import array_api_strict
 
     m = npnorm.LayerNorm(3)
-    with pytest.raises(TypeError, match="different array backends"):
+    with pytest.raises(TypeError, match=r"different array backends.*module\.to\('array_api_strict'\)"):
         m(array_api_strict.asarray(rng.normal(size=(2, 3))))
+
+
+def test_a_functions_backend_mismatch_names_no_module(rng):
+    """A function's hint said "module.to(...) moves a module's arrays" where no module is
+    involved."""
+    import array_api_strict
+
+    x = array_api_strict.asarray(rng.normal(size=(2, 3)))
+    with pytest.raises(
+        TypeError, match=r"convert them to one backend first \(the input's: array_api_strict\)"
+    ) as err:
+        F.layer_norm_forward(x, 3, np.ones(3), None)
+    assert "module" not in str(err.value)
 
 
 def test_failed_forward_keeps_saved_context(rng):
