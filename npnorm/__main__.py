@@ -141,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     from ._threads import get_num_threads
     from .functional._dispatch import ENV_VAR, get_kernels
 
-    # a wrong value of either variable is a usage error, said in one line (not a traceback)
+    # a wrong value of either variable is a usage error, said in one line (not a traceback);
+    # --help prints the help all the same
+    asks_help = bool({"-h", "--help"} & set(argv))
     for name, read in ((ENV_VAR, get_kernels), (THREADS_VAR, get_num_threads)):
-        if os.environ.get(name):
+        if os.environ.get(name) and not asks_help:
             try:
                 read()
             except ValueError as err:

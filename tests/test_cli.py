@@ -154,6 +154,21 @@ def test_a_wrong_threads_variable_is_a_one_line_usage_error(value):
     assert out.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("variable", ["NPNORM_NUM_THREADS", "NPNORM_KERNELS"])
+def test_help_is_printed_whatever_the_variables_say(variable):
+    """A wrong variable made ``--help`` a usage error (exit 2, no help)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, variable: "0"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m npnorm bench")
+
+
 def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     """A --json file or an output folder that cannot be written is a usage error before the
     command runs (tracebacks after a 36 s cold warmup, or after the demo's training)."""

@@ -41,6 +41,7 @@ import array_api_compat
 import numpy as np
 
 from .._backend import Namespace, grad_tracked
+from .._threads import get_num_threads
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -164,7 +165,11 @@ def _checked(name: object) -> str:
 
 
 def _default() -> str:
-    """The start value: ``NPNORM_KERNELS`` if set, else the first available family."""
+    """The start value: ``NPNORM_KERNELS`` if set, else the first available family. Read
+    at the first call of any operation, with ``NPNORM_NUM_THREADS``, so that a wrong value
+    of either raises there (a wrong thread count raised only at the first call large
+    enough to split over threads: a small test passed, a real workload failed)."""
+    get_num_threads()
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
         try:
