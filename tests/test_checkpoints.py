@@ -282,6 +282,17 @@ def test_a_meta_tensor_checkpoint_is_a_listed_error_and_changes_nothing(torch):
     assert_state_equal(m, *before)
 
 
+def test_a_load_into_a_module_on_the_meta_device_warns_as_torchs(torch):
+    """The values were dropped without a word (torch warns once per key: a no-op)."""
+    m = npnorm.LayerNorm(4, xp="torch", device="meta")
+    with pytest.warns(UserWarning) as caught:
+        m.load_state_dict({"weight": torch.full((4,), 2.0), "bias": torch.ones(4)})
+    assert [str(w.message).split(", which")[0] for w in caught] == [
+        f"for {key!r}: copying into a tensor on torch's meta device" for key in ("weight", "bias")
+    ]
+    assert m.weight.is_meta and m.bias.is_meta
+
+
 def test_values_on_another_device_load_onto_the_modules(rng):
     # as torch's copy_ loads a CPU checkpoint into a CUDA module: array_api_strict's second
     # device stands in; the value on it used to fail the in-place write after the

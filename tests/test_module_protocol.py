@@ -890,3 +890,13 @@ def test_a_layer_without_forward_or_backward_says_which():
         NotImplementedError, match=r"NoBackward does not implement _backward\(grad_output, saved\)"
     ):
         m.backward(np.ones(3))
+
+
+def test_an_overwrite_of_two_saved_arrays_says_were():
+    m = npnorm.LayerNorm(3)
+    m(np.ones((2, 3), np.float32))
+    m.load_state_dict({"weight": np.full(3, 2.0), "bias": np.ones(3)})
+    with pytest.raises(
+        RuntimeError, match="the weight, bias that the last forward used were overwritten in place"
+    ):
+        m.backward(np.ones((2, 3), np.float32))

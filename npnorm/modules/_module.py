@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
@@ -397,10 +398,11 @@ class Module:
                 "(a forward inside npnorm.no_grad() saves nothing, and to() or a copy drops what was saved)"
             )
         if isinstance(self._saved, _Overwritten):
+            names = self._saved.names
             raise RuntimeError(
-                f"{type(self).__name__}.backward(): the {', '.join(self._saved.names)} that the last "
-                f"forward used was overwritten in place by {self._saved.by} since (PyTorch's backward "
-                "raises there too): run forward again"
+                f"{type(self).__name__}.backward(): the {', '.join(names)} that the last forward used "
+                f"{'was' if len(names) == 1 else 'were'} overwritten in place by {self._saved.by} since "
+                "(PyTorch's backward raises there too): run forward again"
             )
         versions = getattr(self, "_saved_versions", None)  # None: a subclass without our __init__
         if versions is not None and versions.saved is self._saved:
@@ -408,8 +410,8 @@ class Module:
             if moved:  # as PyTorch's check of the tensors its backward saved
                 raise RuntimeError(
                     f"{type(self).__name__}.backward(): the {', '.join(moved)} that the last forward "
-                    "used was modified in place since (PyTorch's backward raises there too): run "
-                    "forward again"
+                    f"used {'was' if len(moved) == 1 else 'were'} modified in place since (PyTorch's "
+                    "backward raises there too): run forward again"
                 )
 
     def backward(self, grad_output: Array) -> Array:
@@ -832,6 +834,14 @@ class Module:
                 f"Error(s) in loading state_dict for {type(self).__name__} (nothing was changed):\n\t"
                 + "\n\t".join(errors)
             )
+        for key in staged:
+            if getattr(own[key], "is_meta", False):  # (loaded without a word, values dropped)
+                warnings.warn(
+                    f"for {prefix + key!r}: copying into a tensor on torch's meta device, which holds no "
+                    "values, is a no-op, as in PyTorch (create the module on a real device to load values)",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._overwrote([key for key, value in staged.items() if self._write(key, value)], "load_state_dict")
         return IncompatibleKeys([prefix + k for k in missing], [prefix + k for k in unexpected])
 
