@@ -1,4 +1,5 @@
-"""``python -m npnorm``: check every layer on every backend (see ``npnorm._selfcheck``).
+"""``python -m npnorm``: check every layer on NumPy and on the backends found of
+array_api_strict, torch and cupy (see ``npnorm._selfcheck``).
 
 ``python -m npnorm bench [--quick] [--cold] [--reuse-memory] [--json FILE] [--reps N]``: time
 every layer (see ``npnorm._bench``).
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with _silenced(skip == 1):
             return run_learn(argv[skip + 1 :])
-    parser = argparse.ArgumentParser(prog="python -m npnorm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m npnorm",
+        description=(__doc__ or "").replace("``", ""),  # its paragraphs as written, without markup
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--quiet",
         action="store_true",

@@ -280,3 +280,17 @@ def test_ctrl_c_ends_the_process_by_sigint_so_a_shell_loop_stops(entry):
     assert out.returncode == -signal.SIGINT, out
     assert out.stderr == "python -m npnorm: interrupted\n", out
     assert out.stdout == "made before the Ctrl-C\n", out
+
+
+def test_the_main_help_keeps_its_paragraphs_without_markup(capsys):
+    """argparse reflowed the module docstring into one paragraph, double backquotes kept
+    and words broken ("--reuse-" / "memory")."""
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text
+    assert (
+        "\npython -m npnorm bench [--quick] [--cold] [--reuse-memory] [--json FILE] [--reps N]: time\n"
+        in text
+    )
