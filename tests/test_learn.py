@@ -868,3 +868,54 @@ def test_python_m_npnorm_learn_runs_the_same_command():
 
     out, same = run("npnorm.learn", "layer_norm"), run("npnorm", "learn", "layer_norm")
     assert out.returncode == 0 and out.stdout == same.stdout, out.stderr
+
+
+def _grade_solution_changed(name, change):
+    """The grade of exercise ``name``'s solution with ``change`` applied to what it returns."""
+    exercise = EXERCISES[name]
+    solution = load(ROOT / "exercises" / "solutions" / f"{name}.py", exercise.function)
+
+    def changed(*args):
+        return change(solution(*args))
+
+    return grade(exercise, changed)
+
+
+def test_a_key_that_names_no_step_is_named_in_the_grade():
+    """A misspelt key next to the right one passed unseen, and one in place of it was only
+    'missing'."""
+    passed = _grade_solution_changed("batch_norm_staged", lambda d: {**d, "variance": d["var"]})
+    assert passed.ok and passed.message().endswith(
+        "Not checked: 'variance', no step of this exercise (a typo?)."
+    )
+    failed = _grade_solution_changed(
+        "closed_form", lambda d: {"var0" if k == "mean" else k: v for k, v in d.items()}
+    )
+    assert not failed.ok
+    assert "missing (no gradient given). Not checked: 'var0', no term of this exercise" in failed.message()
+
+
+def test_a_term_of_a_statistics_shape_is_told_to_broadcast():
+    result = _grade_solution_changed(
+        "closed_form", lambda d: {**d, "mean": np.asarray(d["mean"])[:1, :, :1, :1]}
+    )
+    assert "where the term has shape (4, 3, 2, 2)" in result.message()
+    assert "np.broadcast_to(term, shape)" in result.message()
+
+
+def test_a_small_real_error_is_not_passed_off_as_rounding():
+    """eps left out of dvar fails at ~4e-6 of the gradient: the message looked like noise."""
+    result = _grade_solution_changed("batch_norm_staged", lambda d: {**d, "var": d["var"] * (1 + 4e-6)})
+    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "var"
+    assert "small, but far above rounding in float64, so a real difference" in result.message()
+
+
+def test_a_broadcast_error_points_back_at_the_shapes_of_earlier_gradients():
+    """The traceback shows the line where the wrong shape met another: the mistake is earlier."""
+    exercise = EXERCISES["batch_norm_staged"]
+
+    def no_keepdims(t, dy):
+        return {"xc": np.ones((1, 3, 1, 3)) * np.ones((4, 3, 2, 2))}
+
+    result = grade(exercise, no_keepdims)
+    assert "a statistic's gradient keeps its reduced axes (keepdims=True)" in result.message()

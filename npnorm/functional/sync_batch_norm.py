@@ -534,5 +534,5 @@ def sync_batch_norm_dx_generic(
     dxhat = dy * w  # N,C,S
     mean_dxhat = w * xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: term 2's mean
     mean_dxhat_xhat = w * r * xp.reshape(cast(xp, mean_dyxc, ct), (1, -1, 1))  # 1,C,1: term 3's
-    dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 - term 2 - term 3
+    dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 + term 2 + term 3, signed
     return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)

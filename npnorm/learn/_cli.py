@@ -70,9 +70,13 @@ def step_table(tape: Tape, rows: list[CheckRow]) -> str:
 def _header(tape: Tape) -> str:
     st = tape.standardized
     assert st is not None
+    stats = (
+        f"n = {st.n} values per statistic (Σ and n over the axes {st.axes})"
+        if st.batch_stats
+        else "statistics: the running buffers (constants)"
+    )
     return (
-        f"{tape.description}: n = {st.n} values per statistic (Σ and n over the axes {st.axes}), "
-        f"eps = {st.eps:g}, float64\n"
+        f"{tape.description}: {stats}, eps = {st.eps:g}, float64\n"
         "loss L = sum(y · dy), dy random normal; each step's gradient d<step> = dL/d<step> from\n"
         "staged_backward, checked against central differences of L in that step (perturb one element,\n"
         "re-run only the graph after the step)"
@@ -153,6 +157,16 @@ def staged_vs_closed(name: str, *, eval: bool, groups: int) -> bool:
     return ok and all(r.ok for r in rows) and diff <= 1e-10
 
 
+# the values the first statistic serves, as the pages name them
+_FIRST_STATISTIC = {
+    "batch_norm": "channel 0",
+    "layer_norm": "the first row",
+    "rms_norm": "the first row",
+    "group_norm": "the first group",
+    "instance_norm": "the first instance (sample 0, channel 0)",
+}
+
+
 def show_matrix(name: str, *, eval: bool, groups: int) -> bool:
     args, kwargs = example(name, eval=eval, groups=groups)
     tape = staged_forward(name, *args, **kwargs)
@@ -161,8 +175,9 @@ def show_matrix(name: str, *, eval: bool, groups: int) -> bool:
     J, J_num, xhat, rstd = jacobian(tape)
     n, eps = xhat.size, st.eps
     fd = float(np.max(np.abs(J - J_num)))
-    print(f"{tape.description}: the matrix view of the first group (n = {n} values)")
-    print("dx = J · dxhat over the group, J = ∂xhat/∂x:")
+    first = _FIRST_STATISTIC.get(tape.layer, "the first group")  # the values one statistic serves
+    print(f"{tape.description}: the matrix view of {first} (n = {n} values)")
+    print(f"dx = J · dxhat over {first}, J = ∂xhat/∂x:")
     if not st.batch_stats:
         formula = "rstd · I (the statistics are constants)"
     elif st.center:

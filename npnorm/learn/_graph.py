@@ -102,7 +102,7 @@ def standardize_backward(t: Tape, d: Grads) -> None:
     """Gradients of nodes 5 to 1, from ``d[out]`` (dxhat): rstd, var, xc, mean, then ``src``."""
     st = t.standardized
     assert st is not None
-    n, c = st.n, st.correction
+    n, correction = st.n, st.correction  # correction: 0 (the biased variance the layers use), or 1
     xc = "xc" if st.center else st.src
     var = "var" if st.center else "ms"
     dxhat = d[st.out]
@@ -112,8 +112,8 @@ def standardize_backward(t: Tape, d: Grads) -> None:
     # node 4, rstd = (var + eps)^(-1/2): ∂rstd/∂var = -1/2 (var + eps)^(-3/2) = -rstd³/2
     d[var] = -0.5 * t["rstd"] ** 3 * d["rstd"]  # axes -> 1
     if st.batch_stats:
-        # node 3, var = Σ xc² / n: ∂var/∂xc = 2 xc / n
-        dxc = dxc + d[var] * 2.0 * t[xc] / (n - c)  # shape of x: the path through var
+        # node 3, var = Σ xc² / n: ∂var/∂xc = 2 xc / n (n - 1 with correction=1, Bessel's)
+        dxc = dxc + d[var] * 2.0 * t[xc] / (n - correction)  # shape of x: the path through var
     d[xc] = dxc
     if not st.center:
         return  # RMSNorm: xc is x itself, done

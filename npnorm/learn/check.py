@@ -195,9 +195,10 @@ def numeric_gradient(
 
 
 def compare(
-    name: str, given: Any, numeric: np.ndarray, *, atol: float = ATOL, rtol: float = RTOL
+    name: str, given: Any, numeric: np.ndarray, *, atol: float = ATOL, rtol: float = RTOL, what: str = "step"
 ) -> CheckRow:
-    """The verdict on ``given`` against ``numeric`` (same shape required, never broadcast)."""
+    """The verdict on ``given`` against ``numeric`` (same shape required, never broadcast);
+    ``what`` ("step", or "term" of the closed form) names it in a shape note."""
     shape = tuple(numeric.shape)
     nan = float("nan")
     if given is TODO:
@@ -208,8 +209,13 @@ def compare(
         return CheckRow(name, False, False, nan, nan, shape, None, f"not an array: {type(given).__name__}")
     got = tuple(given.shape)
     if got != shape:
-        note = f"shape {got} where the step has shape {shape}"
-        if _broadcasts(got, shape):
+        note = f"shape {got} where the {what} has shape {shape}"
+        if _broadcasts(got, shape) and what == "term":
+            note += (
+                " (it would broadcast, but each term has the shape of the value normalized: "
+                "broadcast it, np.broadcast_to(term, shape))"
+            )
+        elif _broadcasts(got, shape):
             note += " (it would broadcast, but a gradient has its step's shape exactly)"
         return CheckRow(name, False, False, nan, nan, shape, got, note)
     if not np.issubdtype(given.dtype, np.floating):
@@ -466,5 +472,5 @@ def check_terms(
     rows = []
     for name, frozen in term_paths(tape).items():
         numeric = numeric_gradient(tape, st.src, dy, h=h, frozen=frozen)
-        rows.append(compare(name, terms.get(name), numeric, atol=atol, rtol=rtol))
+        rows.append(compare(name, terms.get(name), numeric, atol=atol, rtol=rtol, what="term"))
     return rows

@@ -139,6 +139,7 @@ class Grade:
     rows: list[CheckRow]
     error: str = ""
     raised: bool = True  # the error is the traceback of what the function raised
+    unknown: tuple[str, ...] = ()  # keys of the returned dict that name no step (or term): typos?
 
     @property
     def ok(self) -> bool:
@@ -155,20 +156,38 @@ class Grade:
             return f"FAIL: {self.error}"
         wrong = [r for r in self.rows if not r.ok]
         terms = self.exercise.call is _terms
+        unknown = ""
+        if self.unknown:  # (a misspelt key was reported as "missing"; an extra one passed unseen)
+            kind = "term" if terms else "step"
+            unknown = (
+                f" Not checked: {', '.join(map(repr, self.unknown))}, no {kind} of this exercise (a typo?)."
+            )
         if not wrong:
             if terms:
-                return "PASS: each term matches finite differences along its paths, and their sum matches dx."
-            return f"PASS: all {len(self.rows)} gradients match finite differences."
+                return (
+                    "PASS: each term matches finite differences along its paths, and their sum matches dx."
+                    + unknown
+                )
+            return f"PASS: all {len(self.rows)} gradients match finite differences." + unknown
         first = wrong[0]
         if terms and first.name in TERM_NAMES:
             where = f"Wrong term: `{first.name}` ({TERM_NAMES[first.name]})"
         else:
             where = f"Wrong step: `{first.name}` (the first wrong one going back from y: fix it first)"
-        return f"FAIL: {len(wrong)} of {len(self.rows)} wrong. {where}: {first.note or _diff(first)}"
+        detail = first.note or _diff(first)
+        if unknown and not detail.endswith((".", "?")):
+            detail += "."
+        return f"FAIL: {len(wrong)} of {len(self.rows)} wrong. {where}: {detail}" + unknown
 
 
 def _diff(row: CheckRow) -> str:
-    return f"max |yours - numeric| = {row.max_abs:.3e} ({row.max_rel:.1e} of the gradient's size)"
+    text = f"max |yours - numeric| = {row.max_abs:.3e} ({row.max_rel:.1e} of the gradient's size)"
+    if row.max_rel < 1e-3:  # (it failed: above RTOL, 1e-6, where rounding stays near 1e-10)
+        text += (
+            "; small, but far above rounding in float64, so a real difference: a term slightly off, "
+            "such as eps left out, or a value rounded to float32?"
+        )
+    return text
 
 
 def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
@@ -178,8 +197,14 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
     reference = staged_backward(tape, dy)  # only its order is used: the order the steps are computed in
     try:  # on a tape of its own: whatever the function changes in place, the check's tape stays as built
         grads, terms = exercise.call(fn, exercise.make(), dy.copy())
-    except (Exception, SystemExit):  # sys.exit() in the learner's code is a failure too
-        return Grade(exercise, tape, [], traceback.format_exc(limit=-2))
+    except (Exception, SystemExit) as err:  # sys.exit() in the learner's code is a failure too
+        text = traceback.format_exc(limit=-2)
+        if isinstance(err, ValueError) and "broadcast" in str(err):  # (the line shown is the victim)
+            text += (
+                "A broadcast error usually means that a gradient computed earlier has the wrong shape: "
+                "a statistic's gradient keeps its reduced axes (keepdims=True), as in (1, C, 1, 1).\n"
+            )
+        return Grade(exercise, tape, [], text)
     rows: list[CheckRow] = []
     if exercise.call is _terms:
         if not isinstance(terms, Mapping):
@@ -196,7 +221,7 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
         if all(r.shape_ok for r in rows):
             total = np.sum([np.asarray(terms[r.name]) for r in rows], axis=0)  # dx: the sum of the terms
             rows.append(compare(st.src, total, numeric_gradient(tape, st.src, dy)))
-        return Grade(exercise, tape, rows)
+        return Grade(exercise, tape, rows, unknown=_unknown(terms, [r.name for r in rows]))
     if not isinstance(grads, Mapping):
         return Grade(
             exercise,
@@ -208,7 +233,12 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
     names = list(exercise.names) if exercise.names else [k for k in reference if k != tape.output_name]
     order = [k for k in reference if k in names]
     rows = check_steps(tape, grads, grad_output=dy, names=order)
-    return Grade(exercise, tape, rows)
+    return Grade(exercise, tape, rows, unknown=_unknown(grads, [*reference, tape.output_name]))
+
+
+def _unknown(given: Mapping[Any, Any], known: list[str]) -> tuple[str, ...]:
+    """The keys of ``given`` that are not in ``known`` (as str, in their order)."""
+    return tuple(str(k) for k in given if k not in known)
 
 
 def load(path: Path, function: str) -> Callable[..., Any]:

@@ -40,7 +40,8 @@ def group_norm(
     grouped = (x.shape[0], num_groups, x.size // (x.shape[0] * num_groups))  # N, G, C/G·S
     view = channel_view(x.ndim)  # (C,) -> (1, C, 1, ..., 1)
     t = Tape("group_norm", input=x, weight=w, bias=b)
-    t.description = f"GroupNorm ({num_groups} groups) of input {x.shape}, grouped as {grouped}"
+    groups = f"{num_groups} group{'' if num_groups == 1 else 's'}"
+    t.description = f"GroupNorm ({groups}) of input {x.shape}, grouped as {grouped}"
     t.node("xg", "xg = x viewed as (N, G, C/G·S)", lambda a: np.reshape(a, grouped), "input")  # node 1
     standardize(t, "xg", (2,), eps, out="xhatg")  # nodes 2-6: mean, xc, var, rstd, xhatg
     t.node("xhat", "xhat = xhatg viewed as x", lambda a: np.reshape(a, x.shape), "xhatg")  # node 7
