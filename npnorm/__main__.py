@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # a wrong value of either variable is a usage error, said in one line (not a traceback);
     # --help prints the help all the same
-    asks_help = bool({"-h", "--help"} & set(argv))
+    asks_help = any(a == "-h" or (len(a) >= 3 and "--help".startswith(a)) for a in argv)  # (argparse: --he)
     for name, read in ((ENV_VAR, get_kernels), (THREADS_VAR, get_num_threads)):
         if os.environ.get(name) and not asks_help:
             try:

@@ -264,12 +264,14 @@ def check_device(xp: Namespace, device: Any) -> Any:
     except Exception as err:  # torch: RuntimeError or AssertionError; NumPy: ValueError
         # another library's name of xp's default device: "cpu", or "cpu:0" (torch.device("cpu",
         # 0)), index 0 of a device without indices. JAX names no default: then each of its
-        # devices, by its platform too (its CPU device is TFRT_CPU_0: a ported device="cpu"
-        # failed). (torch's inspection would probe every device type, with warnings.)
+        # devices, by its platform too (a ported device="cpu" failed: JAX's CPU device,
+        # "cpu:0" or "TFRT_CPU_0" by version, went unmatched). (torch's inspection would probe
+        # every device type, with warnings.)
         default = _default_device(xp)
         devices = [default] if default is not None else _inspected(xp, lambda info: list(info.devices()), [])
         for known in devices:
-            names = [f"{n}{i}" for n in (str(known), getattr(known, "platform", None)) for i in ("", ":0")]
+            named = [str(known), getattr(known, "platform", None)]
+            names = [f"{n}{i}" for n in named if isinstance(n, str) for i in ("", ":0")]
             if known is not None and str(device) in names:
                 return known
         raise ValueError(

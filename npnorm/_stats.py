@@ -69,18 +69,26 @@ def square_dtype(xp: Namespace, a: Array) -> object:
 
 def _float64_on(xp: Namespace, a: Array) -> bool:
     """Whether ``a``'s device has float64, as the namespace's inspection API says
-    (``__array_namespace_info__().dtypes(device=...)``); True where it cannot say."""
-    if array_api_compat.is_numpy_namespace(xp):  # (every call of the reference on NumPy)
+    (``__array_namespace_info__().dtypes(device=...)``), asked once per device; True
+    where it cannot say. NumPy is not asked, nor JAX, whose answer follows its x64 flag
+    (which ``result_type`` follows too: a cached answer went stale when it was turned on)."""
+    if xp in _ALWAYS:
         return True
-    device = array_api_compat.device(a)
-    key = (xp.__name__, type(device).__name__, str(device))  # (a device may be no dict key)
-    known = _FLOAT64_ON.get(key)
+    device = getattr(a, "device", None)  # (the Array API's attribute: no namespace lookup)
+    try:
+        known = _FLOAT64_ON.get((xp, device))
+    except TypeError:  # a device that is no dict key
+        return _device_has_float64(xp, device)
     if known is None:
-        known = _FLOAT64_ON[key] = _device_has_float64(xp, device)
+        if array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_jax_namespace(xp):
+            _ALWAYS.add(xp)
+            return True
+        known = _FLOAT64_ON[(xp, device)] = _device_has_float64(xp, device)
     return known
 
 
-_FLOAT64_ON: dict[tuple[str, str, str], bool] = {}  # (namespace, device): what _device_has_float64 said
+_FLOAT64_ON: dict[tuple[Namespace, Any], bool] = {}  # (namespace, device): what _device_has_float64 said
+_ALWAYS: set[Namespace] = set()  # namespaces not asked (NumPy, JAX)
 
 
 def _device_has_float64(xp: Namespace, device: Any) -> bool:

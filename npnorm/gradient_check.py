@@ -406,8 +406,8 @@ def _check_unchanged(what: str, arrays: dict[str, tuple[Array, Array]]) -> None:
         need = (
             "finite differences need a forward that leaves its input and parameters as they were"
             if what.endswith("forward")
-            else f"the check uses {'it' if len(changed) == 1 else 'them'} again after it, and a caller's "
-            "arrays would change too"
+            else f"the check uses {'it' if len(changed) == 1 else 'them'} again afterwards, and a "
+            "caller's arrays would change too"
         )
         raise GradcheckError(
             f"gradcheck: {what} changed {', '.join(changed)} in place; {need} (compute into new arrays)"

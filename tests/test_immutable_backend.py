@@ -195,3 +195,48 @@ def test_a_ported_cpu_device_names_jaxs(device):
     assert m.to(device=device).weight.devices() == {cpu}
     with pytest.raises(ValueError, match=r"'gpu:7' is not a device of backend jax\.numpy"):
         npnorm.LayerNorm(5, xp="jax.numpy", device="gpu:7")
+
+
+@pytest.mark.parametrize("xp", ["numpy", "jax.numpy", "array_api_strict"])
+def test_the_string_none_names_no_device(xp):
+    """A device with no platform attribute added "None" to the names matched."""
+    with pytest.raises(ValueError, match="'None' is not a device of backend"):
+        npnorm.LayerNorm(5, xp=xp, device="None")
+
+
+def test_x64_turned_on_after_a_float32_call_sums_in_float64():
+    """Whether a device has float64 was cached: a JAX call before x64 was turned on kept
+    later calls' sums in float32 (a result 6e-3 off at a large offset)."""
+    x = (np.random.default_rng(0).normal(size=(4, 64)) + 3e3).astype(np.float32)
+    npnorm.LayerNorm(64, xp="jax.numpy")(jnp.asarray(x))  # x64 off
+    jax.config.update("jax_enable_x64", True)
+    try:
+        y = npnorm.LayerNorm(64, xp="jax.numpy")(jnp.asarray(x))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    want = npnorm.LayerNorm(64, dtype="float32")(x)  # float64 sums (float32 ones: 6e-3 off)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=0, atol=1e-6)
+
+
+def test_a_layer_of_your_own_with_constant_buffers_runs_under_jit_without_grad():
+    """The refusal before the forward asked whether the module has buffers: a layer whose
+    buffers are constants was refused in training mode inside no_grad, "its running
+    statistics" named."""
+
+    class Shift(npnorm.Module):
+        _buffer_names = ("shift",)
+
+        def __init__(self):
+            super().__init__()
+            self.shift = jnp.full(3, 2.0, dtype=jnp.float32)
+
+        def _forward(self, x):
+            return x + self.shift, (), {}
+
+        def _backward(self, dy, saved):
+            return dy, {}
+
+    m = Shift()
+    with npnorm.no_grad():
+        y = jax.jit(lambda a: m(a))(jnp.zeros(3, dtype=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(y), 2.0)

@@ -210,7 +210,7 @@ class Module:
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise TypeError(
-                f"{cls.__name__}: {', '.join(map(repr, twice))} named more than once in "
+                f"{cls.__name__}: {', '.join(map(repr, twice))} named more than once among its "
                 f"_parameter_names {tuple(cls._parameter_names)} and _buffer_names "
                 f"{tuple(cls._buffer_names)}: each array is one parameter or one buffer"
             )
@@ -256,8 +256,8 @@ class Module:
         # would keep one (a saved forward, a training forward's running statistics), so that
         # the error is this one (momentum=None's counter raised JAX's own in _forward)
         traced = _traced(input)
-        if traced and (is_grad_enabled() or (self.training and self.buffers())):
-            self._refuse_traced(bool(self.training and self.buffers()))
+        if traced and (is_grad_enabled() or self._updates_buffers()):
+            self._refuse_traced(self._updates_buffers())
         result = self._forward(input)
         if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[2], Mapping)):
             raise TypeError(
@@ -275,6 +275,12 @@ class Module:
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         self._saved_io = None if self._saved is None else _InOut.of(input, output)
         return output
+
+    def _updates_buffers(self) -> bool:
+        """Whether a forward now updates buffers (the layers with running statistics, in
+        training mode): asked before the forward only where its input is a JAX tracer. A
+        layer of your own says nothing here (False); its updates are seen when returned."""
+        return False
 
     def _refuse_traced(self, updates: bool) -> None:
         """The TypeError of a module called on a JAX tracer where the call would keep traced
@@ -322,19 +328,26 @@ class Module:
     def _as_update(self, name: str, value: Any, current: Any) -> Any:
         """``value``, an update of buffer ``name`` (now ``current``), checked and cast
         (see ``_checked_updates``)."""
+        if (
+            current is not None
+            and type(value) is type(current)
+            and value.dtype == current.dtype
+            and value.shape == current.shape
+        ):
+            return value  # (the built-in layers' updates: nothing to check, nothing to cast)
         what = f"{type(self).__name__}._forward's update of {name!r}"
         held = current if _is_array(current) else None
         if isinstance(value, (np.generic, bool, int, float)) and not isinstance(value, np.complexfloating):
             value = self.xp.asarray(value)  # (0-d NumPy arithmetic gives a NumPy scalar)
         if not _is_array(value):
             raise TypeError(
-                f"{what} is a {type(value).__name__}, not an array (a buffer's new value is an array "
-                "of the module's backend)"
+                f"{what} is not an array (got {type(value).__name__}); a buffer's new value is an "
+                "array of the module's backend"
             )
         xp = self.xp if held is None else array_api_compat.array_namespace(held)
         if array_api_compat.array_namespace(value) is not xp:
             raise TypeError(
-                f"{what} is a {type(value).__name__}, of another backend than the module's: compute "
+                f"{what} is of another backend than the module's (got {type(value).__name__}): compute "
                 "it with the module's arrays"
             )
         if held is None:
@@ -482,11 +495,10 @@ class Module:
         SyncBatchNorm): a ValueError where ``grad_output`` has not the forward's output's
         shape (PyTorch's "Mismatch in shape"; a layer of your own broadcast it and added a
         wrong gradient into ``grads``), and a TypeError or ValueError where ``grad_input``
-        is not an array of the input's shape. A ``grad_input`` of another float dtype is
-        cast to the input's, as PyTorch's autograd casts one."""
-        io = getattr(
-            self, "_saved_io", None
-        )  # (None: a pickle of an older npnorm, a subclass's own __init__)
+        is neither None (no gradient: an integer input's, as a PyTorch backward may return)
+        nor an array of the input's shape. A ``grad_input`` of another float dtype is cast
+        to the input's, as PyTorch's autograd casts one."""
+        io = getattr(self, "_saved_io", None)  # (None: a pickle of an older npnorm, or no __init__)
         if io is None:
             return grad_input
         cls = type(self).__name__
@@ -494,30 +506,28 @@ class Module:
         if io.output_shape is not None and (got is None or tuple(got) != io.output_shape):
             raise ValueError(
                 f"grad_output must have the shape of the forward's output {io.output_shape}, got "
-                + (str(tuple(got)) if got is not None else f"a {type(grad_output).__name__}")
+                + (str(tuple(got)) if got is not None else f"no array ({type(grad_output).__name__})")
                 + f" ({cls}.backward; nothing was added to grads)"
             )
-        if io.input_shape is None:
+        if io.input_shape is None or grad_input is None:
             return grad_input
         if not _is_array(grad_input):
             raise TypeError(
-                f"{cls}._backward returned a grad_input that is a {type(grad_input).__name__}, not an "
-                f"array of the forward's input's shape {io.input_shape}"
+                f"{cls}._backward returned a grad_input that is not an array (got "
+                f"{type(grad_input).__name__}): the input's gradient, of its shape {io.input_shape}, or None"
             )
         if tuple(grad_input.shape) != io.input_shape:
             raise ValueError(
                 f"{cls}._backward returned a grad_input of shape {tuple(grad_input.shape)}, the forward's "
                 f"input {io.input_shape}: the input's gradient has its shape"
             )
+        if type(grad_input) is not io.input_type or grad_input.dtype == io.input_dtype:
+            return grad_input  # (of another library: passed on as it is, its dtypes not comparable)
         xp = array_api_compat.array_namespace(grad_input)
-        dtype = io.input_dtype
-        if grad_input.dtype == dtype or same_but_byte_order(grad_input.dtype, dtype):
+        floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(io.input_dtype, "real floating")
+        if not floats or same_but_byte_order(grad_input.dtype, io.input_dtype):
             return grad_input
-        try:
-            floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(dtype, "real floating")
-        except (TypeError, ValueError):  # the input's dtype is of another backend
-            return grad_input
-        return xp.astype(grad_input, dtype) if floats else grad_input
+        return xp.astype(grad_input, io.input_dtype)
 
     def _as_parameter_grad(self, name: str, g: Any) -> Any:
         """A gradient that ``_backward`` returned, in the parameter's dtype, as PyTorch's
@@ -1086,6 +1096,7 @@ class _InOut(NamedTuple):
 
     input_shape: tuple[int, ...] | None
     input_dtype: Any
+    input_type: type
     output_shape: tuple[int, ...] | None
 
     @staticmethod
@@ -1094,6 +1105,7 @@ class _InOut(NamedTuple):
         return _InOut(
             tuple(input.shape) if array else None,
             input.dtype if array else None,
+            type(input),
             tuple(output.shape) if _is_array(output) else None,
         )
 
@@ -1212,6 +1224,8 @@ class _HostArray(NamedTuple):
 
 def _is_array(value: Any) -> bool:
     """An array of some backend (NumPy scalars and Python numbers are not)."""
+    if type(value) is np.ndarray:  # (the common case, without array_api_compat's checks)
+        return True
     return array_api_compat.is_array_api_obj(value) and not isinstance(
         value, (bool, int, float, complex, np.generic)
     )

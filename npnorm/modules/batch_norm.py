@@ -62,6 +62,9 @@ class _NormBase(Module):
             self.running_var = xp_.ones((c,), **on)
             self.num_batches_tracked = xp_.asarray(0, dtype=counter_dtype(xp_), device=on["device"])
 
+    def _updates_buffers(self) -> bool:
+        return bool(self.training) and bool(self.track_running_stats) and bool(self.buffers())
+
     def reset_running_stats(self) -> None:
         """Running mean back to zeros, running variance to ones, ``num_batches_tracked``
         to 0, as in a new module (nothing to do without ``track_running_stats``). In
