@@ -919,3 +919,12 @@ def test_a_broadcast_error_points_back_at_the_shapes_of_earlier_gradients():
 
     result = grade(exercise, no_keepdims)
     assert "a statistic's gradient keeps its reduced axes (keepdims=True)" in result.message()
+
+
+def test_a_term_key_the_grader_does_not_check_is_named_and_shown_as_given():
+    """A key named like the source step ("input") was taken as checked among the terms;
+    a non-str key 3 was shown as '3'."""
+    extra = _grade_solution_changed("closed_form", lambda d: {**d, "input": d["mean"], 3: d["mean"]})
+    assert extra.ok and extra.message().endswith(
+        "Not checked: 'input', 3, no term of this exercise (a typo?)."
+    )

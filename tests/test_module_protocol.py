@@ -943,3 +943,93 @@ def test_a_users_grad_input_of_another_library_is_passed_on_as_before(torch):
     m = TorchGrad(dtype="float32")
     m(np.ones((3, 4), np.float32))
     assert m.backward(np.ones((3, 4), np.float32)).dtype == torch.float64
+
+
+def test_a_users_grad_input_that_is_a_numpy_scalar_is_taken():
+    """0-d NumPy arithmetic gives a NumPy scalar: the class docstring's Scale layer failed
+    the grad_input check on a 0-d input."""
+
+    class Scale(npnorm.Module):
+        _parameter_names = ("weight",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.weight = np.asarray(2.0)
+
+        def _forward(self, input):
+            return input * self.weight, (input, self.weight), {}
+
+        def _backward(self, grad_output, saved):
+            input, weight = saved
+            return grad_output * weight, {"weight": np.sum(grad_output * input)}
+
+    m = Scale()
+    m(np.asarray(3.0))
+    dx = m.backward(np.asarray(1.0))
+    assert isinstance(dx, np.ndarray) and dx.shape == () and float(dx) == 2.0
+    assert npnorm.gradcheck(Scale(), np.asarray(3.0))
+
+
+def test_a_buffer_held_as_a_python_number_takes_an_update():
+    """The shortcut for updates of the buffer's own type read a Python int's dtype."""
+
+    class Counter(npnorm.Module):
+        _buffer_names = ("calls",)
+
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def _forward(self, x):
+            return x, (), {"calls": self.calls + 1}
+
+        def _backward(self, dy, saved):
+            return dy, {}
+
+    m = Counter()
+    m(np.ones(2, np.float32))
+    assert isinstance(m.calls, np.ndarray) and int(m.calls) == 1
+
+
+def test_a_users_grad_input_for_a_memmap_input_is_cast_to_its_dtype(tmp_path):
+    """The cast to the input's dtype was skipped where the input's class was a subclass
+    (a memmap, a torch Parameter): it took them for another library's."""
+
+    class Wide(_ScaleWithBuffers):
+        def _backward(self, dy, saved):
+            dx, grads = super()._backward(dy, saved)
+            return dx.astype(np.float64), grads
+
+    x = np.lib.format.open_memmap(tmp_path / "x.npy", mode="w+", dtype=np.float32, shape=(3, 4))
+    x[...] = 1.0
+    m = Wide(dtype="float32")
+    m(x)
+    assert m.backward(np.ones((3, 4), np.float32)).dtype == np.float32
+
+
+def test_a_buffer_update_on_another_device_is_moved_there_before_any_write():
+    """An update on another device failed in the write, after the updates before it had
+    been written (a forward that raises must change nothing); it is moved onto the buffer's
+    device, as PyTorch's copy_ writes across devices."""
+    xs = pytest.importorskip("array_api_strict")
+    elsewhere = xs.Device("device1")
+
+    class TwoBuffers(npnorm.Module):
+        _buffer_names = ("a", "b")
+
+        def __init__(self):
+            super().__init__(xp="array_api_strict")
+            self.a = xs.zeros(3, dtype=xs.float32)
+            self.b = xs.zeros(3, dtype=xs.float32)
+
+        def _forward(self, x):
+            return x, (), {"a": self.a + 1, "b": xs.ones(3, dtype=xs.float32, device=elsewhere)}
+
+        def _backward(self, dy, saved):
+            return dy, {}
+
+    m = TwoBuffers()
+    a, b = m.a, m.b
+    m(xs.ones(3, dtype=xs.float32))
+    assert m.a is a and m.b is b and m.b.device == a.device  # written in place, on their device
+    np.testing.assert_array_equal(np.asarray(m.b), 1.0)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import staged_backward, staged_forward
 from ._tape import Tape
-from .check import TERM_NAMES, CheckRow, check_steps, check_terms, compare, numeric_gradient
+from .check import TERM_NAMES, CheckRow, check_steps, check_terms, compare, numeric_gradient, term_paths
 from .examples import example, upstream
 from .normalize import staged_normalize
 
@@ -159,9 +159,7 @@ class Grade:
         unknown = ""
         if self.unknown:  # (a misspelt key was reported as "missing"; an extra one passed unseen)
             kind = "term" if terms else "step"
-            unknown = (
-                f" Not checked: {', '.join(map(repr, self.unknown))}, no {kind} of this exercise (a typo?)."
-            )
+            unknown = f" Not checked: {', '.join(self.unknown)}, no {kind} of this exercise (a typo?)."
         if not wrong:
             if terms:
                 return (
@@ -202,7 +200,8 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
         if isinstance(err, ValueError) and "broadcast" in str(err):  # (the line shown is the victim)
             text += (
                 "A broadcast error usually means that a gradient computed earlier has the wrong shape: "
-                "a statistic's gradient keeps its reduced axes (keepdims=True), as in (1, C, 1, 1).\n"
+                "a statistic's gradient keeps its reduced axes (keepdims=True): the statistic's own shape, "
+                "as (1, C, 1, 1) for BatchNorm's or (N, 1, 1, 1) for a LayerNorm row's.\n"
             )
         return Grade(exercise, tape, [], text)
     rows: list[CheckRow] = []
@@ -221,7 +220,7 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
         if all(r.shape_ok for r in rows):
             total = np.sum([np.asarray(terms[r.name]) for r in rows], axis=0)  # dx: the sum of the terms
             rows.append(compare(st.src, total, numeric_gradient(tape, st.src, dy)))
-        return Grade(exercise, tape, rows, unknown=_unknown(terms, [r.name for r in rows]))
+        return Grade(exercise, tape, rows, unknown=_unknown(terms, list(term_paths(tape))))
     if not isinstance(grads, Mapping):
         return Grade(
             exercise,
@@ -237,8 +236,8 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
 
 
 def _unknown(given: Mapping[Any, Any], known: list[str]) -> tuple[str, ...]:
-    """The keys of ``given`` that are not in ``known`` (as str, in their order)."""
-    return tuple(str(k) for k in given if k not in known)
+    """The keys of ``given`` that are not in ``known``, as ``repr`` shows them, in their order."""
+    return tuple(repr(k) for k in given if k not in known)
 
 
 def load(path: Path, function: str) -> Callable[..., Any]:

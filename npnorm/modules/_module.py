@@ -329,10 +329,11 @@ class Module:
         """``value``, an update of buffer ``name`` (now ``current``), checked and cast
         (see ``_checked_updates``)."""
         if (
-            current is not None
-            and type(value) is type(current)
+            type(value) is type(current)
+            and _is_array(current)
             and value.dtype == current.dtype
             and value.shape == current.shape
+            and getattr(value, "device", None) == getattr(current, "device", None)
         ):
             return value  # (the built-in layers' updates: nothing to check, nothing to cast)
         what = f"{type(self).__name__}._forward's update of {name!r}"
@@ -354,6 +355,14 @@ class Module:
             return value
         if tuple(value.shape) != tuple(held.shape):
             raise ValueError(f"{what} has shape {tuple(value.shape)}, the buffer {tuple(held.shape)}")
+        there, here = getattr(value, "device", None), getattr(held, "device", None)
+        if there != here:  # onto the buffer's device, as PyTorch's copy_ writes across devices
+            try:  # (it failed in _write, after the updates before it had been written)
+                value = on_device_of(held, value)
+            except Exception as err:  # (a torch meta tensor holds no values to move)
+                raise TypeError(
+                    f"{what} is on device {there}, which cannot be copied to the buffer's ({here}): {err}"
+                ) from err
         if value.dtype == held.dtype or same_but_byte_order(value.dtype, held.dtype):
             return value
         kinds = ("bool", "integral", "real floating")  # each cast exactly enough into the next
@@ -511,6 +520,8 @@ class Module:
             )
         if io.input_shape is None or grad_input is None:
             return grad_input
+        if isinstance(grad_input, np.generic) and io.input_xp is not None:  # (0-d NumPy arithmetic)
+            grad_input = io.input_xp.asarray(grad_input)
         if not _is_array(grad_input):
             raise TypeError(
                 f"{cls}._backward returned a grad_input that is not an array (got "
@@ -521,9 +532,16 @@ class Module:
                 f"{cls}._backward returned a grad_input of shape {tuple(grad_input.shape)}, the forward's "
                 f"input {io.input_shape}: the input's gradient has its shape"
             )
-        if type(grad_input) is not io.input_type or grad_input.dtype == io.input_dtype:
-            return grad_input  # (of another library: passed on as it is, its dtypes not comparable)
-        xp = array_api_compat.array_namespace(grad_input)
+        if type(grad_input) is not io.input_type:  # (a subclass of the input's, a memmap, a Parameter)
+            try:
+                xp = namespace_of(grad_input)
+            except TypeError:
+                return grad_input
+            if xp is not io.input_xp:
+                return grad_input  # of another library: passed on as it is, its dtypes not comparable
+        if grad_input.dtype == io.input_dtype:
+            return grad_input
+        xp = namespace_of(grad_input)
         floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(io.input_dtype, "real floating")
         if not floats or same_but_byte_order(grad_input.dtype, io.input_dtype):
             return grad_input
@@ -1097,6 +1115,7 @@ class _InOut(NamedTuple):
     input_shape: tuple[int, ...] | None
     input_dtype: Any
     input_type: type
+    input_xp: Namespace | None
     output_shape: tuple[int, ...] | None
 
     @staticmethod
@@ -1106,6 +1125,7 @@ class _InOut(NamedTuple):
             tuple(input.shape) if array else None,
             input.dtype if array else None,
             type(input),
+            namespace_of(input) if array else None,
             tuple(output.shape) if _is_array(output) else None,
         )
 
@@ -1224,11 +1244,18 @@ class _HostArray(NamedTuple):
 
 def _is_array(value: Any) -> bool:
     """An array of some backend (NumPy scalars and Python numbers are not)."""
-    if type(value) is np.ndarray:  # (the common case, without array_api_compat's checks)
+    kind = type(value)
+    if kind in _ARRAY_TYPES:  # (the common case, without array_api_compat's checks)
         return True
-    return array_api_compat.is_array_api_obj(value) and not isinstance(
+    if array_api_compat.is_array_api_obj(value) and not isinstance(
         value, (bool, int, float, complex, np.generic)
-    )
+    ):
+        _ARRAY_TYPES.add(kind)
+        return True
+    return False
+
+
+_ARRAY_TYPES: set[type] = {np.ndarray}  # the types _is_array has found to be arrays
 
 
 def _map_arrays(value: Any, on_array: Callable[[Any], Any], other: Callable[[Any], Any]) -> Any:
