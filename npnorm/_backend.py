@@ -357,9 +357,27 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         else:
             out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
+        _check_integers_fit(xp, out, dtype)
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)
     return out
+
+
+def _check_integers_fit(xp: Namespace, a: Array, dtype: Any) -> None:
+    """An OverflowError where integers ``a`` do not fit the integer ``dtype`` they are
+    cast to: NumPy's cast wraps around (a uint64 counter of 2**64 - 1 loaded as -1, and a
+    BatchNorm with momentum=None then divided by 0)."""
+    try:
+        integers = xp.isdtype(a.dtype, "integral") and xp.isdtype(dtype, "integral")
+    except TypeError:  # a dtype the namespace does not know (ml_dtypes' bfloat16): no integers
+        return
+    if not integers or not a.size:
+        return
+    info = xp.iinfo(dtype)
+    lo, hi = int(xp.min(a)), int(xp.max(a))
+    if lo < info.min or hi > info.max:
+        held = str(lo) if lo == hi else f"integers from {lo} to {hi}"
+        raise OverflowError(f"{held} does not fit {dtype} ({info.min} to {info.max})")
 
 
 def _kind(value: Any) -> str:

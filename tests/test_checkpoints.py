@@ -273,6 +273,20 @@ def test_a_value_too_big_for_its_dtype_is_a_listed_error():
     assert int(m.num_batches_tracked) == 0
 
 
+@pytest.mark.parametrize("value", [np.array(2**64 - 1, np.uint64), np.array([2**63], np.uint64)])
+def test_a_counter_beyond_int64_is_a_listed_error_and_changes_nothing(value):
+    """A uint64 counter of an .npz wrapped around: 2**64 - 1 loaded as -1 (and
+    momentum=None then divided by 0)."""
+    m = npnorm.BatchNorm1d(3)
+    with pytest.raises(
+        RuntimeError, match=rf"'num_batches_tracked': cannot convert .*{int(value.max())} does not fit int64"
+    ):
+        m.load_state_dict({**m.state_dict(), "num_batches_tracked": value})
+    assert int(m.num_batches_tracked) == 0
+    m.load_state_dict({**m.state_dict(), "num_batches_tracked": np.array(7, np.uint64)})  # one that fits
+    assert int(m.num_batches_tracked) == 7
+
+
 def test_a_meta_tensor_checkpoint_is_a_listed_error_and_changes_nothing(torch):
     # a model built under torch.device("meta") has no values: torch's load raises RuntimeError
     m = npnorm.LayerNorm(4)
