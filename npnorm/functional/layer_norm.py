@@ -200,7 +200,8 @@ def layer_norm(
     ----------
     input : array, shape (*, *normalized_shape)
     normalized_shape : int or tuple of int
-        The trailing axes to normalize over.
+        The trailing axes to normalize over (an int too, as the modules take;
+        torch's function takes a tuple or list only).
     weight, bias : array of shape normalized_shape, optional
     eps : float, default 1e-5
         Added to the variance before the square root.

@@ -176,7 +176,8 @@ def rms_norm(
     ----------
     input : array, shape (*, *normalized_shape)
     normalized_shape : int or tuple of int
-        The trailing axes to normalize over.
+        The trailing axes to normalize over (an int too, as the modules take;
+        torch's function takes a tuple or list only).
     weight : array of shape normalized_shape, optional
     eps : float or None, default None
         ``None`` means the machine epsilon of the dtype the input is computed in.
