@@ -240,3 +240,26 @@ def test_a_layer_of_your_own_with_constant_buffers_runs_under_jit_without_grad()
     with npnorm.no_grad():
         y = jax.jit(lambda a: m(a))(jnp.zeros(3, dtype=jnp.float32))
     np.testing.assert_array_equal(np.asarray(y), 2.0)
+
+
+def test_batch_norm_trains_on_inputs_committed_to_another_jax_device():
+    """Its running-statistics updates, made on the input's device, were moved back to the
+    buffers' device, which committed the buffers there: the next training step raised JAX's
+    "incompatible devices". (Two host devices need XLA_FLAGS before jax is imported.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, jax, jax.numpy as jnp, npnorm\n"
+        "d0, d1 = jax.devices()\n"
+        "m = npnorm.BatchNorm1d(3, xp=jnp)\n"
+        "for step in range(3):\n"
+        "    x = jax.device_put(jnp.asarray(np.full((4, 3), step, np.float32) + np.arange(4)[:, None]), d1)\n"
+        "    m.backward(jnp.ones_like(m(x)))\n"
+        "print(int(m.num_batches_tracked))\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"

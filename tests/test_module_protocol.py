@@ -1033,3 +1033,61 @@ def test_a_buffer_update_on_another_device_is_moved_there_before_any_write():
     m(xs.ones(3, dtype=xs.float32))
     assert m.a is a and m.b is b and m.b.device == a.device  # written in place, on their device
     np.testing.assert_array_equal(np.asarray(m.b), 1.0)
+
+
+class _OwnContext(npnorm.Module):
+    """A layer that lists its own _forward_context, written before the base's had _saved_io."""
+
+    _forward_context = ("_saved", "_saved_versions")
+
+    def _forward(self, x):
+        return x, (x,), {}
+
+    def _backward(self, dy, saved):
+        return dy, {}
+
+
+def test_a_layer_whose_own_forward_context_predates_saved_io_pickles():
+    """Such a layer kept the saved forward's namespace module in its pickle, which pickle
+    refuses."""
+    import copy
+    import pickle
+
+    m = _OwnContext()
+    m(np.ones(3))
+    assert pickle.loads(pickle.dumps(m))._saved is None
+    assert copy.deepcopy(m)._saved is None
+
+
+def test_an_ml_dtypes_input_of_a_users_layer_passes_its_gradient_on():
+    """The input dtype's kind was asked of NumPy, which does not know ml_dtypes' bfloat16:
+    NumPy's TypeError came out of backward."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    class Identity(npnorm.Module):
+        def _forward(self, x):
+            return x, (), {}
+
+        def _backward(self, dy, saved):
+            return dy.astype(np.float32), {}
+
+    m = Identity()
+    x = np.ones(3, ml_dtypes.bfloat16)
+    m(x)
+    assert m.backward(np.ones(3, ml_dtypes.bfloat16)).dtype == np.float32
+
+
+def test_an_array_proxy_is_judged_per_instance():
+    """A class whose instances forward attributes is an array only while it wraps one: the
+    first such instance made _is_array say so of the class for good."""
+    from npnorm.modules._module import _is_array
+
+    class Proxy:
+        def __init__(self, wrapped):
+            self._wrapped = wrapped
+
+        def __getattr__(self, name):
+            return getattr(self._wrapped, name)
+
+    assert _is_array(Proxy(np.ones(3)))
+    assert not _is_array(Proxy(1.0))

@@ -290,8 +290,9 @@ class Module:
             "would keep traced values in the module (its "
             + ("running statistics" if updates else "saved forward")
             + "), which break every later use of it; nothing was changed. Transform the functions of "
-            "npnorm.functional (the *_forward and *_backward pairs) instead, or call the module in "
-            "eval mode inside npnorm.no_grad()"
+            "npnorm.functional (the *_forward and *_backward pairs) instead, or call the module "
+            "inside npnorm.no_grad() in a mode whose forward updates no buffer (eval, for the layers "
+            "with running statistics)"
         )
 
     def _check_initialized(self) -> None:
@@ -356,8 +357,11 @@ class Module:
         if tuple(value.shape) != tuple(held.shape):
             raise ValueError(f"{what} has shape {tuple(value.shape)}, the buffer {tuple(held.shape)}")
         there, here = getattr(value, "device", None), getattr(held, "device", None)
-        if there != here:  # onto the buffer's device, as PyTorch's copy_ writes across devices
-            try:  # (it failed in _write, after the updates before it had been written)
+        # onto the buffer's device where it is written in place, as PyTorch's copy_ writes across
+        # devices (the write failed, after the updates before it had been written); a buffer that
+        # is replaced (JAX's) takes the update where it is: moved, it was committed to a device
+        if there != here and writable(held):
+            try:
                 value = on_device_of(held, value)
             except Exception as err:  # (a torch meta tensor holds no values to move)
                 raise TypeError(
@@ -520,8 +524,8 @@ class Module:
             )
         if io.input_shape is None or grad_input is None:
             return grad_input
-        if isinstance(grad_input, np.generic) and io.input_xp is not None:  # (0-d NumPy arithmetic)
-            grad_input = io.input_xp.asarray(grad_input)
+        if isinstance(grad_input, np.generic) and issubclass(io.input_type, np.ndarray):
+            grad_input = np.asarray(grad_input)  # (0-d NumPy arithmetic on a NumPy input)
         if not _is_array(grad_input):
             raise TypeError(
                 f"{cls}._backward returned a grad_input that is not an array (got "
@@ -542,7 +546,12 @@ class Module:
         if grad_input.dtype == io.input_dtype:
             return grad_input
         xp = namespace_of(grad_input)
-        floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(io.input_dtype, "real floating")
+        try:
+            floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(
+                io.input_dtype, "real floating"
+            )
+        except TypeError:  # a dtype the namespace does not know (ml_dtypes' bfloat16): passed on
+            return grad_input
         if not floats or same_but_byte_order(grad_input.dtype, io.input_dtype):
             return grad_input
         return xp.astype(grad_input, io.input_dtype)
@@ -1041,7 +1050,7 @@ class Module:
                 state[key] = backend_name(value)
             elif key == "dtype":
                 state[key] = dtype_name(self.xp, value)
-            elif key in self._forward_context:
+            elif key in self._forward_context or key in Module._forward_context:
                 state[key] = None
             else:
                 state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
@@ -1077,7 +1086,7 @@ class Module:
         for key, value in self.__dict__.items():
             if key in ("xp", "dtype"):
                 new.__dict__[key] = value
-            elif key in self._forward_context:
+            elif key in self._forward_context or key in Module._forward_context:
                 new.__dict__[key] = None
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
@@ -1250,7 +1259,10 @@ def _is_array(value: Any) -> bool:
     if array_api_compat.is_array_api_obj(value) and not isinstance(
         value, (bool, int, float, complex, np.generic)
     ):
-        _ARRAY_TYPES.add(kind)
+        # remembered where the class decides it (a library's array type, or a class with
+        # __array_namespace__), not one instance (a proxy that forwards attributes)
+        if hasattr(kind, "__array_namespace__") or not hasattr(value, "__array_namespace__"):
+            _ARRAY_TYPES.add(kind)
         return True
     return False
 
