@@ -341,12 +341,15 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         )
     if array_api_compat.is_array_api_obj(value) and array_api_compat.array_namespace(value) is xp:
         out = copy_array(value)
+        if dtype is not None and out.dtype != dtype and _integral(xp, out.dtype):
+            _check_integers_fit(xp, _to_host(out), dtype)
     else:
         host = _to_host(value)
         if _not_numbers(host):  # a list of None, say
             held = " that NumPy holds only as Python objects" if host.dtype.kind == "O" else ""
             beyond = " (an integer beyond int64's range?)" if held and _has_big_int(value) else ""
             raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}{held}{beyond}")
+        _check_integers_fit(xp, host, dtype)  # (before xp.asarray: JAX without x64 wraps there)
         if isinstance(host, np.ndarray) and (
             not host.dtype.isnative or any(s < 0 for s in host.strides) or not host.flags.writeable
         ):
@@ -357,24 +360,33 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         else:
             out = xp.asarray(host, copy=True)
     if dtype is not None and out.dtype != dtype:
-        _check_integers_fit(xp, out, dtype)
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)
     return out
 
 
-def _check_integers_fit(xp: Namespace, a: Array, dtype: Any) -> None:
-    """An OverflowError where integers ``a`` do not fit the integer ``dtype`` they are
-    cast to: NumPy's cast wraps around (a uint64 counter of 2**64 - 1 loaded as -1, and a
-    BatchNorm with momentum=None then divided by 0)."""
+def _integral(xp: Namespace, dtype: Any) -> bool:
+    """Whether ``dtype`` is an integer dtype of ``xp`` (False for one it does not know, such
+    as ml_dtypes' bfloat16 on NumPy)."""
     try:
-        integers = xp.isdtype(a.dtype, "integral") and xp.isdtype(dtype, "integral")
-    except TypeError:  # a dtype the namespace does not know (ml_dtypes' bfloat16): no integers
+        return bool(xp.isdtype(dtype, "integral"))
+    except TypeError:
+        return False
+
+
+def _check_integers_fit(xp: Namespace, host: Any, dtype: Any) -> None:
+    """An OverflowError where the integers ``host`` (NumPy's) do not fit ``dtype``, an
+    integer dtype of ``xp`` they are to become: the casts wrap around (a uint64 counter of
+    2**64 - 1 loaded as -1, and a BatchNorm with momentum=None then divided by 0; JAX
+    without x64 made an int64 2**40 a 0). Checked on NumPy's copy: torch has no min of its
+    unsigned tensors."""
+    host = np.asarray(host)
+    if dtype is None or host.dtype.kind not in "iu" or not host.size:
         return
-    if not integers or not a.size:
+    if not _integral(xp, dtype):
         return
     info = xp.iinfo(dtype)
-    lo, hi = int(xp.min(a)), int(xp.max(a))
+    lo, hi = int(host.min()), int(host.max())
     if lo < info.min or hi > info.max:
         held = str(lo) if lo == hi else f"integers from {lo} to {hi}"
         raise OverflowError(f"{held} does not fit {dtype} ({info.min} to {info.max})")

@@ -464,3 +464,43 @@ def test_values_that_are_not_numbers_say_what_they_are(value, says):
         m.load_state_dict({"weight": value, "bias": [0.0, 0.0]})
     np.testing.assert_array_equal(m.weight, np.ones(2))
     np.testing.assert_array_equal(m.bias, np.zeros(2))
+
+
+@pytest.mark.parametrize("value", ["numpy uint64", "torch uint64", "torch uint32"])
+def test_an_unsigned_counter_that_fits_loads_into_a_torch_module(torch, value):
+    """The range check asked torch for the min of an unsigned tensor, which torch's CPU
+    kernels lack: every unsigned counter was refused (torch's own layers load them)."""
+    counter = {
+        "numpy uint64": np.array(7, np.uint64),
+        "torch uint64": torch.tensor(7, dtype=torch.uint64),
+        "torch uint32": torch.tensor(7, dtype=torch.uint32),
+    }[value]
+    m = npnorm.BatchNorm1d(3, xp="torch")
+    m.load_state_dict({**m.state_dict(), "num_batches_tracked": counter})
+    assert int(m.num_batches_tracked) == 7 and m.num_batches_tracked.dtype == torch.int64
+
+
+def test_an_empty_integer_buffer_loads_on_torch(torch):
+    """Checking an empty tensor's range raised (torch.amin of an empty tensor)."""
+
+    class Ids(npnorm.Module):
+        _buffer_names = ("ids",)
+
+        def __init__(self):
+            super().__init__(xp="torch")
+            self.ids = torch.zeros(0, dtype=torch.int32)
+
+    m = Ids()
+    m.load_state_dict({"ids": torch.zeros(0, dtype=torch.int64)})
+    assert m.ids.dtype == torch.int32 and m.ids.shape == (0,)
+
+
+@pytest.mark.parametrize("value", [2**40, 2**31])
+def test_a_counter_beyond_int32_is_refused_on_jax_without_x64(value):
+    """JAX without x64 keeps the counter in int32, and its asarray wrapped an int64 2**40 to
+    0 (the running average restarted) before any range was checked."""
+    pytest.importorskip("jax")
+    m = npnorm.BatchNorm1d(3, xp="jax.numpy")
+    with pytest.raises(RuntimeError, match=rf"OverflowError: {value} does not fit int32"):
+        m.load_state_dict({**m.state_dict(), "num_batches_tracked": np.array(value, np.int64)})
+    assert int(m.num_batches_tracked) == 0

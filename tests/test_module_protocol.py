@@ -1091,3 +1091,31 @@ def test_an_array_proxy_is_judged_per_instance():
 
     assert _is_array(Proxy(np.ones(3)))
     assert not _is_array(Proxy(1.0))
+
+
+def test_a_read_only_buffer_keeps_its_device_when_its_update_comes_from_another():
+    """The move onto the buffer's device was skipped for buffers that are not writable
+    (meant for JAX's, which are replaced): an array_api_strict buffer made from a read-only
+    array left for the update's device."""
+    xs = pytest.importorskip("array_api_strict")
+
+    class ReadOnly(npnorm.Module):
+        _buffer_names = ("b",)
+
+        def __init__(self):
+            super().__init__(xp="array_api_strict")
+            raw = np.zeros(3, np.float32)
+            raw.flags.writeable = False
+            self.b = xs.asarray(raw)
+
+        def _forward(self, x):
+            return x, (), {"b": xs.ones(3, dtype=xs.float32, device=xs.Device("device1"))}
+
+        def _backward(self, dy, saved):
+            return dy, {}
+
+    m = ReadOnly()
+    device = m.b.device
+    m(xs.ones(3, dtype=xs.float32))
+    assert m.b.device == device
+    np.testing.assert_array_equal(np.asarray(m.b), 1.0)

@@ -357,10 +357,10 @@ class Module:
         if tuple(value.shape) != tuple(held.shape):
             raise ValueError(f"{what} has shape {tuple(value.shape)}, the buffer {tuple(held.shape)}")
         there, here = getattr(value, "device", None), getattr(held, "device", None)
-        # onto the buffer's device where it is written in place, as PyTorch's copy_ writes across
-        # devices (the write failed, after the updates before it had been written); a buffer that
-        # is replaced (JAX's) takes the update where it is: moved, it was committed to a device
-        if there != here and writable(held):
+        # onto the buffer's device, as PyTorch's copy_ writes across devices (the write failed,
+        # after the updates before it had been written); but JAX's buffers, which are replaced,
+        # take the update where it is (moved, it was committed to a device: the next step raised)
+        if there != here and not array_api_compat.is_jax_array(held):
             try:
                 value = on_device_of(held, value)
             except Exception as err:  # (a torch meta tensor holds no values to move)
