@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
@@ -381,15 +382,22 @@ def _check_integers_fit(xp: Namespace, host: Any, dtype: Any) -> None:
     without x64 made an int64 2**40 a 0). Checked on NumPy's copy: torch has no min of its
     unsigned tensors."""
     host = np.asarray(host)
-    if dtype is None or host.dtype.kind not in "iu" or not host.size:
+    if host.dtype.kind not in "iu" or not host.size or not (dtype is None or _integral(xp, dtype)):
         return
-    if not _integral(xp, dtype):
+    # the dtype xp makes (JAX without x64 makes int32 of int64, asked for or not: None too)
+    with warnings.catch_warnings():  # (JAX warns that it truncates an int64 asked for)
+        warnings.simplefilter("ignore")
+        native = host.dtype.newbyteorder("=")  # (torch refuses a big-endian array, an .npz's)
+        made = xp.asarray(np.zeros((), native) if dtype is None else 0, dtype=dtype).dtype
+    if not _integral(xp, made):
         return
-    info = xp.iinfo(dtype)
+    info, held_info = xp.iinfo(made), np.iinfo(native)
+    if info.min <= held_info.min and info.max >= held_info.max:
+        return  # (every value of the dtype fits: nothing to scan)
     lo, hi = int(host.min()), int(host.max())
     if lo < info.min or hi > info.max:
         held = str(lo) if lo == hi else f"integers from {lo} to {hi}"
-        raise OverflowError(f"{held} does not fit {dtype} ({info.min} to {info.max})")
+        raise OverflowError(f"{held} does not fit {made} ({info.min} to {info.max})")
 
 
 def _kind(value: Any) -> str:

@@ -499,8 +499,25 @@ def test_an_empty_integer_buffer_loads_on_torch(torch):
 def test_a_counter_beyond_int32_is_refused_on_jax_without_x64(value):
     """JAX without x64 keeps the counter in int32, and its asarray wrapped an int64 2**40 to
     0 (the running average restarted) before any range was checked."""
-    pytest.importorskip("jax")
-    m = npnorm.BatchNorm1d(3, xp="jax.numpy")
-    with pytest.raises(RuntimeError, match=rf"OverflowError: {value} does not fit int32"):
-        m.load_state_dict({**m.state_dict(), "num_batches_tracked": np.array(value, np.int64)})
-    assert int(m.num_batches_tracked) == 0
+    jax = pytest.importorskip("jax")
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        m = npnorm.BatchNorm1d(3, xp="jax.numpy")
+        with pytest.raises(RuntimeError, match=rf"OverflowError: {value} does not fit int32"):
+            m.load_state_dict({**m.state_dict(), "num_batches_tracked": np.array(value, np.int64)})
+        assert int(m.num_batches_tracked) == 0
+        ours = npnorm.BatchNorm1d(3)
+        ours.num_batches_tracked = np.asarray(value)
+        with pytest.raises(
+            OverflowError, match=rf"BatchNorm1d.to\(\): num_batches_tracked: {value} does not"
+        ):
+            ours.to(xp="jax.numpy")  # (it became 0 or -2**31 without a word)
+        assert ours.xp is not m.xp and int(ours.num_batches_tracked) == value
+        from npnorm._backend import to_namespace
+
+        for dtype in (m.xp.int64, None):  # asked for int64 or nothing, JAX makes int32
+            with pytest.raises(OverflowError, match=f"{value} does not fit int32"):
+                to_namespace(np.array(value), m.xp, dtype)
+    finally:
+        jax.config.update("jax_enable_x64", x64)

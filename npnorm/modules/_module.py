@@ -988,7 +988,12 @@ class Module:
             value = self._declared(name)
             if value is not None:
                 counter = name == "num_batches_tracked"
-                moved[name] = self._moved(value, new_xp, new_dtype, device, counter=counter)
+                try:
+                    moved[name] = self._moved(value, new_xp, new_dtype, device, counter=counter)
+                except OverflowError as err:  # (integers beyond the new backend's dtype: JAX's int32)
+                    raise OverflowError(
+                        f"{type(self).__name__}.to(): {name}: {err} (nothing was changed)"
+                    ) from err
         grads = {n: self._moved(g, new_xp, new_dtype, device) for n, g in self.grads.items()}
         changed = (new_xp, new_dtype) != (self.xp, self.dtype) or any(
             value is not getattr(self, name) for name, value in moved.items()
