@@ -128,15 +128,18 @@ def test_environment_variable_sets_the_start_value(name):
     assert out.stdout.strip() == name
 
 
+# a small call that prints the ValueError it raises
+SMALL_CALL = (
+    "import numpy as np, npnorm\n"
+    "try:\n"
+    "    npnorm.LayerNorm(4)(np.ones((2, 4), np.float32))\n"
+    "except ValueError as e:\n"
+    "    print(e)\n"
+)
+
+
 def test_bad_environment_value_is_an_error_at_first_use():
-    code = (
-        "import numpy as np, npnorm\n"
-        "try:\n"
-        "    npnorm.LayerNorm(4)(np.ones((2, 4), np.float32))\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
-    )
-    out = _run(code, NPNORM_KERNELS="fortran")
+    out = _run(SMALL_CALL, NPNORM_KERNELS="fortran")
     assert out.returncode == 0, out.stderr
     assert "NPNORM_KERNELS" in out.stdout and "available: reference, numpy" in out.stdout
 
@@ -144,14 +147,7 @@ def test_bad_environment_value_is_an_error_at_first_use():
 def test_a_bad_thread_count_variable_is_an_error_at_the_first_call_of_any_size():
     """NPNORM_NUM_THREADS was read at the first call large enough to split over threads: a
     small call (a test) ran, a large one (the workload) raised."""
-    code = (
-        "import numpy as np, npnorm\n"
-        "try:\n"
-        "    npnorm.LayerNorm(4)(np.ones((2, 4), np.float32))\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
-    )
-    out = _run(code, NPNORM_NUM_THREADS="abc")
+    out = _run(SMALL_CALL, NPNORM_NUM_THREADS="abc")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NPNORM_NUM_THREADS must be a positive integer, got 'abc'"
 
