@@ -72,26 +72,22 @@ def _float64_on(xp: Namespace, a: Array) -> bool:
     (``__array_namespace_info__().dtypes(device=...)``), asked once per device; True
     where it cannot say. NumPy is not asked, nor JAX, whose answer follows its x64 flag
     (which ``result_type`` follows too: a cached answer went stale when it was turned on)."""
-    if xp in _ALWAYS:
-        return True
     device = getattr(a, "device", None)  # (the Array API's attribute: no namespace lookup)
     try:
         known = _FLOAT64_ON.get((xp, device))
     except TypeError:  # a device that is no dict key
         return _device_has_float64(xp, device)
     if known is None:
-        if array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_jax_namespace(xp):
-            _ALWAYS.add(xp)
-            return True
         known = _FLOAT64_ON[(xp, device)] = _device_has_float64(xp, device)
     return known
 
 
 _FLOAT64_ON: dict[tuple[Namespace, Any], bool] = {}  # (namespace, device): what _device_has_float64 said
-_ALWAYS: set[Namespace] = set()  # namespaces not asked (NumPy, JAX)
 
 
 def _device_has_float64(xp: Namespace, device: Any) -> bool:
+    if array_api_compat.is_numpy_namespace(xp) or array_api_compat.is_jax_namespace(xp):
+        return True
     info = getattr(xp, "__array_namespace_info__", None)
     if info is None:
         return True

@@ -205,6 +205,9 @@ class Module:
                     f"{cls.__name__}.{attr} must be a tuple of names, got {names!r} (a tuple of "
                     "one name needs its comma: ('weight',))"
                 )
+        # every layer's forward context holds the base's (a layer that lists its own, written
+        # before the base's grew, kept the saved forward's namespace module in its pickles)
+        cls._forward_context = tuple(dict.fromkeys((*Module._forward_context, *cls._forward_context)))
         # a name twice (a parameter that is also a buffer) became one key of state_dict
         names = [*cls._parameter_names, *cls._buffer_names]
         twice = sorted({n for n in names if names.count(n) > 1})
@@ -536,16 +539,14 @@ class Module:
                 f"{cls}._backward returned a grad_input of shape {tuple(grad_input.shape)}, the forward's "
                 f"input {io.input_shape}: the input's gradient has its shape"
             )
-        if type(grad_input) is not io.input_type:  # (a subclass of the input's, a memmap, a Parameter)
-            try:
-                xp = namespace_of(grad_input)
-            except TypeError:
-                return grad_input
-            if xp is not io.input_xp:
-                return grad_input  # of another library: passed on as it is, its dtypes not comparable
-        if grad_input.dtype == io.input_dtype:
+        if type(grad_input) is io.input_type and grad_input.dtype == io.input_dtype:
             return grad_input
-        xp = namespace_of(grad_input)
+        try:  # (its class may be a subclass of the input's: a memmap, a Parameter)
+            xp = namespace_of(grad_input)
+        except TypeError:
+            return grad_input
+        if xp is not io.input_xp or grad_input.dtype == io.input_dtype:
+            return grad_input  # (of another library: passed on as it is, its dtypes not comparable)
         try:
             floats = xp.isdtype(grad_input.dtype, "real floating") and xp.isdtype(
                 io.input_dtype, "real floating"
@@ -1055,7 +1056,7 @@ class Module:
                 state[key] = backend_name(value)
             elif key == "dtype":
                 state[key] = dtype_name(self.xp, value)
-            elif key in self._forward_context or key in Module._forward_context:
+            elif key in self._forward_context:
                 state[key] = None
             else:
                 state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
@@ -1091,7 +1092,7 @@ class Module:
         for key, value in self.__dict__.items():
             if key in ("xp", "dtype"):
                 new.__dict__[key] = value
-            elif key in self._forward_context or key in Module._forward_context:
+            elif key in self._forward_context:
                 new.__dict__[key] = None
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
