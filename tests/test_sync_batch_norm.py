@@ -1075,25 +1075,35 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, block_
     mean_dy = data.draw(hnp.arrays(ct, c, elements=values), label="mean_dy")
     mean_dyxc = data.draw(hnp.arrays(ct, c, elements=values), label="mean_dyxc")
     tol = {"float64": 1e-11, "float32": 2e-5}[ct.name]
+    n_values = x.size // c
+    sums = generic_kernel("sync_batch_norm_grad_sums")(xp, dy, x, mean, rstd, ct)
+    # mean(x - mean) as the ranks' sums give it (the mean's rounding): the generic kernel
+    # always centres on it, the fast one where the mean is far from 0 (as BatchNorm's)
+    mean_xc = (sums[2].astype(np.float64) / n_values).astype(ct)
     with config(threads, block_bytes):
         fast = (
             family_kernel("sync_batch_norm_moments", "numpy")(xp, x, ct),
             family_kernel("sync_batch_norm_grad_sums", "numpy")(xp, dy, x, mean, rstd, ct),
-            family_kernel("sync_batch_norm_dx", "numpy")(xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc),
+            family_kernel("sync_batch_norm_dx", "numpy")(
+                xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc, mean_xc
+            ),
         )
     ref = (
         (mean, var),
-        generic_kernel("sync_batch_norm_grad_sums")(xp, dy, x, mean, rstd, ct),
-        generic_kernel("sync_batch_norm_dx")(xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc),
+        sums,
+        generic_kernel("sync_batch_norm_dx")(xp, dy, x, mean, rstd, w, mean_dy, mean_dyxc, mean_xc),
     )
-    n_values = x.size // c
     x_max = float(np.max(np.abs(x.astype(np.float64))))
     centred = np.moveaxis(x.astype(np.float64), 1, -1) - mean.astype(np.float64)  # ...,C
     xc_max = float(np.max(np.abs(centred)))  # the spread, without the offset
     dy_max = float(np.max(np.abs(dy.astype(np.float64))))
     scales = (
         (x_max, xc_max * xc_max),  # mean (rounds with |x|), var (from the centred values)
-        (n_values * dy_max, n_values * dy_max * xc_max),  # sum(dy), sum(dy*(x - mean))
+        (
+            n_values * dy_max,
+            n_values * dy_max * xc_max,
+            n_values * xc_max,
+        ),  # sum(dy), sum(dy*(x - mean)), sum(x - mean)
     )
     for (got_pair, want_pair), pair_scales in zip(zip(fast[:2], ref[:2], strict=True), scales, strict=True):
         for got, want, scale in zip(got_pair, want_pair, pair_scales, strict=True):
@@ -1154,6 +1164,36 @@ def test_float32_with_a_large_offset_is_as_accurate_as_batch_norm(offset, spread
     ours = np.concatenate(run_ranks(3, rank_fn))
     err = np.abs(ours - truth).max()
     assert err <= max(3e-7, 2 * np.abs(bn - truth).max()), err
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("offset,spread", [(1e3, 1.0), (1e4, 0.1), (1e3, 1e-3)])
+def test_float32_backward_with_a_large_offset_is_as_accurate_as_batch_norm(family, offset, spread):
+    # the backward did not centre xhat again on what the global mean's rounding to float32
+    # left, as BatchNorm's does: dx was 3-10 times BatchNorm's error (torch's level)
+    rng = np.random.default_rng(1)
+    shape = (12, 4, 3, 3)
+    x = (rng.normal(size=shape) * spread + offset).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    split = (5, 0, 7)  # an empty rank too
+
+    def dx_of(m, x, dy):
+        m(x)
+        return m.backward(dy)
+
+    truth = dx_of(npnorm.BatchNorm2d(4, dtype="float64"), x.astype(np.float64), dy.astype(np.float64))
+    with npnorm.use_kernels(family):
+        bn = dx_of(npnorm.BatchNorm2d(4), x, dy)
+
+    def rank_fn(comm):
+        part = slice(sum(split[: comm.Get_rank()]), sum(split[: comm.Get_rank() + 1]))
+        with npnorm.use_kernels(family):
+            return dx_of(npnorm.SyncBatchNorm(4, comm=comm), x[part], dy[part])
+
+    ours = np.concatenate(run_ranks(3, rank_fn))
+    scale = np.abs(truth).max()
+    err, bn_err = np.abs(ours - truth).max() / scale, np.abs(bn - truth).max() / scale
+    assert err <= max(1.5e-7, 2 * bn_err), (err, bn_err)
 
 
 def test_the_functional_backward_with_other_channel_counts_raises_on_every_rank():
@@ -1271,7 +1311,7 @@ def test_the_per_rank_kernels_emit_no_floating_point_warning(family):
     rstd = (1.0 / np.sqrt(var + 1e-5)).astype(ct)
     mean_dyxc = np.full(1, 4.0, np.float32)
     dx = family_kernel("sync_batch_norm_dx", family)(
-        xp, np.zeros_like(x), x, mean, rstd, None, 0 * rstd, mean_dyxc
+        xp, np.zeros_like(x), x, mean, rstd, None, 0 * rstd, mean_dyxc, 0 * rstd
     )
     assert np.isinf(dx.ravel()[0]) and dx.dtype == np.float16
 

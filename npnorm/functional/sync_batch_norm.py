@@ -159,11 +159,16 @@ def sync_batch_norm_backward(
 
     Ioffe & Szegedy (2015), https://arxiv.org/abs/1502.03167. With xhat =
     (x - mean_c) * rstd_c and dxhat = dy * weight_c, and sums over the n values of
-    channel c on *every* rank (one all-reduce of [sum(dy), sum(dy * (x - mean_c))] per
-    channel, means taken with the global count n, after an allgather of the ranks'
-    channel counts):
+    channel c on *every* rank (one all-reduce of [sum(dy), sum(dy * (x - mean_c)),
+    sum(x - mean_c)] per channel, means taken with the global count n, after an allgather
+    of the ranks' channel counts):
 
         dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+
+    The third sum is 0 in exact arithmetic. The saved ``mean`` is rounded to the input's
+    dtype, and xhat is first centred again on what that rounding left, as BatchNorm's
+    backward does (float32 data with a large common offset: 5-10 times BatchNorm's dx
+    error without it).
 
     The weight and bias gradients are this rank's own sums,
 
@@ -319,7 +324,7 @@ def synced_backward(
     check_channels_across: bool = False,
 ) -> tuple[Array, Array | None, Array | None]:
     """The training backward over a communicator of several ranks: one all-reduce of
-    ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C)]`` in float64; with
+    ``[failed, n, sum(dy) (C), sum(dy*(x - mean)) (C), sum(x - mean) (C)]`` in float64; with
     ``check_channels_across`` (a functional call, which no forward checked), an
     all-gather of each rank's channel count first, so that ranks of different counts
     raise together instead of meeting in all-reduces of different sizes."""
@@ -343,17 +348,19 @@ def synced_backward(
         if not table[:, 0].all():  # some rank failed its checks: every rank raises its error
             raise_collectively(comm, error, what)
         _check_same_channels(table[:, 1], what)
-    payload = np.zeros(2 + 2 * c, dtype=np.float64)  # failed, n, sum dy (C), sum dy*(x - mean) (C)
+    # failed, n, then C each: sum dy, sum dy*(x - mean), sum (x - mean)
+    payload = np.zeros(2 + 3 * c, dtype=np.float64)
     if error is not None:
         payload[0] = 1.0
     else:
         grad_output, input, weight = detached(grad_output), detached(input), detached(weight)  # torch
         ct = work_dtype(xp, input, weight, bias, mean)
         sums = kernel("sync_batch_norm_grad_sums", xp)
-        sum_dy, sum_dyxc = sums(xp, grad_output, input, mean, rstd, ct)  # C, C
+        sum_dy, sum_dyxc, sum_xc = sums(xp, grad_output, input, mean, rstd, ct)  # C, C, C
         payload[1] = int(input.shape[0]) * prod(input.shape[2:])
         payload[2 : 2 + c] = to_host(sum_dy)  # staged through host memory
-        payload[2 + c :] = to_host(sum_dyxc)
+        payload[2 + c : 2 + 2 * c] = to_host(sum_dyxc)
+        payload[2 + 2 * c :] = to_host(sum_xc)
     total = allreduce_sum(comm, payload)  # the backward's one exchange of numbers
     if total[0] > 0:  # some rank failed its checks: every rank knows, every rank raises
         raise_collectively(comm, error, what)
@@ -361,8 +368,10 @@ def synced_backward(
     if n == 0:  # an empty batch on every rank: BatchNorm's gradients on it (empty, zeros)
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
     mean_dy = to_namespace(total[2 : 2 + c] / n, xp, ct)  # C: global mean of dy
-    mean_dyxc = to_namespace(total[2 + c :] / n, xp, ct)  # C: global mean of dy*(x - mean)
-    dx = kernel("sync_batch_norm_dx", xp)(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc)
+    mean_dyxc = to_namespace(total[2 + c : 2 + 2 * c] / n, xp, ct)  # C: global mean of dy*(x - mean)
+    mean_xc = to_namespace(total[2 + 2 * c :] / n, xp, ct)  # C: global mean of x - mean (the rounding's)
+    dx_kernel = kernel("sync_batch_norm_dx", xp)
+    dx = dx_kernel(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc)
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
     # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean)), db = sum(dy)
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
@@ -419,7 +428,7 @@ def fail_backward(comm: Comm, error: Exception, c: int, what: str) -> NoReturn:
     (what its forward saved is missing, overwritten or modified in place): the backward's
     all-reduce of ``synced_backward``, of ``c`` channels, with the failure flag set, then
     the collective raise, so that the other ranks raise the same error instead of waiting."""
-    failed = np.zeros(2 + 2 * c, dtype=np.float64)  # synced_backward's payload: the flag set
+    failed = np.zeros(2 + 3 * c, dtype=np.float64)  # synced_backward's payload: the flag set
     failed[0] = 1.0
     allreduce_sum(comm, failed)
     raise_collectively(comm, error, what)
@@ -500,14 +509,18 @@ def sync_batch_norm_moments_generic(xp: Namespace, input: Array, ct: Any) -> tup
 @no_fp_warnings
 def sync_batch_norm_grad_sums_generic(
     xp: Namespace, grad_output: Array, input: Array, mean: Array, rstd: Array, ct: Any
-) -> tuple[Array, Array]:
-    """Per channel: ``sum(dy)`` and ``sum(dy * (x - mean))`` over this rank's values,
-    accumulated in float64 (``wide_sum``) and returned in ``ct`` (``rstd`` is for kernels
-    that fold the mean when it is small against it)."""
+) -> tuple[Array, Array, Array]:
+    """Per channel: ``sum(dy)``, ``sum(dy * (x - mean))`` and ``sum(x - mean)`` over this
+    rank's values, accumulated in float64 (``wide_sum``) and returned in ``ct`` (``rstd``
+    is for kernels that fold the mean when it is small against it). The last is 0 but for
+    the rounding of ``mean`` to ``ct``: the dx kernel centres xhat again with it."""
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     xc = x - xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # N,C,S
-    return cast(xp, wide_sum(xp, dy, (0, 2)), ct), cast(xp, wide_sum(xp, dy * xc, (0, 2)), ct)  # C, C
+    sum_dy = wide_sum(xp, dy, (0, 2))  # C
+    sum_dyxc = wide_sum(xp, dy * xc, (0, 2))  # C
+    sum_xc = wide_sum(xp, xc, (0, 2))  # C: 0 but for the rounding of mean
+    return cast(xp, sum_dy, ct), cast(xp, sum_dyxc, ct), cast(xp, sum_xc, ct)  # C, C, C
 
 
 @generic("sync_batch_norm_dx")
@@ -521,18 +534,25 @@ def sync_batch_norm_dx_generic(
     weight: Array | None,
     mean_dy: Array,
     mean_dyxc: Array,
+    mean_xc: Array,
 ) -> Array:
     """``dx = rstd*(dxhat - mean_G(dxhat) - xhat*mean_G(dxhat*xhat))`` from the global
-    means of ``dy`` and ``dy*(x - mean)`` (``mean_G``: over every rank's values)."""
+    means of ``dy``, ``dy*(x - mean)`` and ``x - mean`` (``mean_G``: over every rank's
+    values). xhat is first centred again on ``mean_G(x - mean)``, what the rounding of the
+    saved ``mean`` to the input's dtype left, as ``standardize_backward`` centres it:
+    ``mean_G(dy*(x - mean - xi)) = mean_G(dy*(x - mean)) - xi*mean_G(dy)``."""
     ct = work_dtype(xp, input, weight, mean)
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     m = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
     r = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
     w = 1.0 if weight is None else xp.reshape(cast(xp, weight, ct), (1, -1, 1))  # 1,C,1
-    xhat = xhat_from(x, m, r)  # N,C,S
+    g = xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: mean_G(dy)
+    p = xp.reshape(cast(xp, mean_dyxc, ct), (1, -1, 1))  # 1,C,1: mean_G(dy*(x - mean))
+    xi = xp.reshape(cast(xp, mean_xc, ct), (1, -1, 1))  # 1,C,1: mean_G(x - mean), the mean's rounding
+    xhat = xhat_from(x, m, r) - xi * r  # N,C,S: centred again
     dxhat = dy * w  # N,C,S
-    mean_dxhat = w * xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: term 2's mean
-    mean_dxhat_xhat = w * r * xp.reshape(cast(xp, mean_dyxc, ct), (1, -1, 1))  # 1,C,1: term 3's
+    mean_dxhat = w * g  # 1,C,1: term 2's mean
+    mean_dxhat_xhat = w * r * (p - xi * g)  # 1,C,1: term 3's, w*rstd*mean_G(dy*(x - mean - xi))
     dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 + term 2 + term 3, signed
     return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)

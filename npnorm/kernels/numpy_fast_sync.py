@@ -8,9 +8,10 @@ BatchNorm kernels of ``numpy_fast_channels`` cut where the ranks communicate:
   M2, merged per channel with Chan et al.'s formula in float64): the rank's mean and
   biased variance per channel.
 * ``sync_batch_norm_grad_sums``: BatchNorm's backward sums sweep: per channel
-  ``sum(dy)`` and ``sum(dy*(x - mean))`` (x centred first, as there).
+  ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)`` (x centred first, as there).
 * ``sync_batch_norm_dx``: BatchNorm's dx sweep ``dx = a_c*dy + b_c*(x - mean_c) + c_c``
-  with coefficients from the *global* means of ``dy`` and ``dy*(x - mean)``.
+  with coefficients from the *global* means of ``dy``, ``dy*(x - mean)`` and ``x - mean``
+  (xhat centred again where BatchNorm's kernel centres it: a large common offset).
 
 (The normalization sweep needs no kernel of its own: it is BatchNorm's inference
 forward with the global statistics.) BatchNorm1d's (N, C) input and channels-last input
@@ -64,8 +65,8 @@ def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[
 @no_fp_warnings
 def sync_batch_norm_grad_sums(
     xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per channel ``sum(dy)`` and ``sum(dy*(x - mean))``, one sweep."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per channel ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)``, one sweep."""
     if input.size == 0:
         return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
     ct = np.dtype(ct)
@@ -74,16 +75,19 @@ def sync_batch_norm_grad_sums(
     cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
     if cols is not None:
         (x2, dy2), _ = cols
-        col_dy, col_dyxc = columns.grad_sums(dy2, x2, ct, m, True)  # C, C float64
+        col_xc = np.empty(C)  # C float64: sum(x - mean)
+        col_dy, col_dyxc = columns.grad_sums(dy2, x2, ct, m, True, xc_sums=col_xc)  # C, C float64
         assert col_dyxc is not None
-        return col_dy.astype(ct), col_dyxc.astype(ct)
+        return col_dy.astype(ct), col_dyxc.astype(ct), col_xc.astype(ct)
     rows_x = _rows(input, C, ct)
     center = _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))  # dy*(x - mean), never folded
-    sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True)  # R, R
+    sxc = np.empty(rows_x.R, dtype=ct)  # R: sum(x - mean)
+    sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True, xc_sums=sxc)  # R, R
     assert sdx is not None
     sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C, the samples added in float64
     sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)  # C
-    return sum_dy.astype(ct), sum_dyxc.astype(ct)
+    sum_xc = np.sum(np.reshape(sxc, (N, C)), axis=0, dtype=np.float64)  # C
+    return sum_dy.astype(ct), sum_dyxc.astype(ct), sum_xc.astype(ct)
 
 
 @specialized("sync_batch_norm_dx", NS, kernels="numpy")
@@ -97,26 +101,31 @@ def sync_batch_norm_dx(
     weight: np.ndarray | None,
     mean_dy: np.ndarray,
     mean_dyxc: np.ndarray,
+    mean_xc: np.ndarray,
 ) -> np.ndarray:
     """``dx = a*(dy - mean_G(dy)) + b*(x - mean)`` with ``a = rstd*w``,
-    ``b = -rstd^3*w*mean_G(dy*(x - mean))``: one sweep (dy centred before it is scaled)."""
+    ``b = -rstd^3*w*mean_G(dy*(x - mean))``: one sweep (dy centred before it is scaled).
+    Where BatchNorm's kernel centres xhat again (a mean far from 0 against the spread,
+    not ``_foldable``), so does this one, on ``mean_G(x - mean)``."""
     ct = np.dtype(work_dtype(xp, input, weight, mean))
     C = int(input.shape[1])
     m, r = _per_channel(mean, C, ct), _per_channel(rstd, C, ct)  # C, C
     if input.size == 0 or extreme_spread(r, ct):  # nothing to sweep, or
         # coefficients that underflow or overflow ct
         return generic_kernel("sync_batch_norm_dx")(
-            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
+            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc
         )
     f64 = np.dtype(np.float64)
     mean_dy64, mean_dyxc64 = _per_channel(mean_dy, C, f64), _per_channel(mean_dyxc, C, f64)  # C, C
+    fold = _foldable(m, r)  # (else: a large offset, and xhat is centred again)
+    mean_xc64 = None if fold else _per_channel(mean_xc, C, f64)  # C
     try:  # BatchNorm's dx coefficients, with the global means as the sums over one value
         coefs = _batch_dx_coefficients(
-            ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, _foldable(m, r)
+            ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, fold, sum_xc=mean_xc64
         )
     except CoefficientOverflow:
         return generic_kernel("sync_batch_norm_dx")(
-            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc
+            xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc
         )
     cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
     if cols is not None:  # dx in the input's layout

@@ -159,18 +159,22 @@ def _backward(
     """Section 4: the all-reduced sums, the global means, dx, dweight and dbias."""
     C, axes, sums = run.channels, (0, *range(2, x.ndim)), run.sums
     print("\n4. The backward. What each rank sends, per channel (the one all-reduce, float64):")
-    print(f"   {'rank':>4} {'n_r':>4}  {'Σ dy':<30} Σ dy · (x - mean)")
+    print(f"   {'rank':>4} {'n_r':>4}  {'Σ dy':<30} {'Σ dy · (x - mean)':<30} Σ (x - mean)")
     for r, row in enumerate(sums):
-        print(f"   {r:>4} {int(row[1]):>4}  {_rows(row[2 : 2 + C]):<30} {_rows(row[2 + C :])}")
+        cols = (_rows(row[2 + k * C : 2 + (k + 1) * C]) for k in range(3))
+        print(f"   {r:>4} {int(row[1]):>4}  " + "{:<30} {:<30} {}".format(*cols))
     total = sums.sum(axis=0)
-    print(f"   {'sum':>4} {int(total[1]):>4}  {_rows(total[2 : 2 + C]):<30} {_rows(total[2 + C :])}")
+    s1, s2, s3 = (total[2 + k * C : 2 + (k + 1) * C] for k in range(3))  # C each
+    print(
+        f"   {'sum':>4} {int(total[1]):>4}  {_rows(s1):<30} {_rows(s2):<30} |·| <= {np.max(np.abs(s3)):.1e}"
+    )
     mean, rstd = run.ranks[0].mean, run.ranks[0].rstd
     parts = zip(run.parts, S.split_batch(dy, run.split), strict=True)
     by_hand = [np.concatenate([[0, p.size // C], *S.rank_sums(d, p, mean)]) for p, d in parts]
     print(f"   by hand (the sums over each slice): {check('sums', sums, np.array(by_hand))}")
     n = total[1]
-    mean_dxhat = w * total[2 : 2 + C] / n  # C
-    mean_dxhat_xhat = w * rstd * total[2 + C :] / n  # C
+    mean_dxhat = w * s1 / n  # C
+    mean_dxhat_xhat = w * rstd * s2 / n  # C
     print(f"   mean_G(dxhat)        = w · Σ_G dy / n                     = {_rows(mean_dxhat)}")
     print(f"   mean_G(dxhat · xhat) = w · rstd · Σ_G dy · (x - mean) / n = {_rows(mean_dxhat_xhat)}")
     view = (1, -1) + (1,) * (x.ndim - 2)
@@ -178,6 +182,8 @@ def _backward(
     want = [dxhat.mean(axis=axes), (dxhat * xhat).mean(axis=axes)]
     means = check("means", [mean_dxhat, mean_dxhat_xhat], want)
     print(f"     against the means over the concatenated batch: {means}")
+    print("   Σ_G (x - mean) is 0 but for the rounding of the saved mean (float64 here); dx centres")
+    print("   xhat on it first, which matters in float32 with a large common offset (BatchNorm's too)")
     print(
         "   dx = rstd · (dxhat - mean_G(dxhat) - xhat · mean_G(dxhat · xhat)) on each slice, vs BatchNorm's:"
     )
@@ -207,7 +213,7 @@ def _cost(run: S.SyncRun, x: np.ndarray) -> None:
         "forward:  ok flag, C, n_r, dtype (errors raised on every rank)",
         "forward:  n_r, mean_r (C), M2_r (C)",
         "backward: ok flag, C (the ranks' checks and channel counts, before the sums)",
-        "backward: failed flag, n_r, Σ dy (C), Σ dy · (x - mean) (C)",
+        "backward: failed flag, n_r, Σ dy (C), Σ dy · (x - mean) (C), Σ (x - mean) (C)",
     ]
     for e, text in zip(run.log, what, strict=True):
         sent = np.asarray(e.sent[0])

@@ -4,7 +4,8 @@
 ``sync_batch_norm_forward`` and ``sync_batch_norm_backward`` on every slice, each rank a
 thread of :mod:`npnorm._threadcomm` (a stand-in for an MPI communicator, with MPI's
 semantics), and keeps what crossed the ranks: the per-rank ``(n, mean, M2)`` of the
-forward's allgather and the ``[Σ dy, Σ dy · (x - mean)]`` of the backward's all-reduce.
+forward's allgather and the ``[Σ dy, Σ dy · (x - mean), Σ (x - mean)]`` of the backward's
+all-reduce.
 BatchNorm on the concatenated batch is what the result must equal.
 
 The shortcuts other implementations take are here too, one line per formula, to show
@@ -68,8 +69,9 @@ class SyncRun:
 
     @property
     def sums(self) -> np.ndarray:
-        """P, 2 + 2C: each rank's ``[failed, n_r, Σ dy (C), Σ dy · (x - mean) (C)]`` (the backward's)."""
-        return self.exchange("Allreduce", 2 + 2 * self.channels)
+        """P, 2 + 3C: each rank's ``[failed, n_r, Σ dy (C), Σ dy · (x - mean) (C), Σ (x - mean) (C)]``
+        (the backward's)."""
+        return self.exchange("Allreduce", 2 + 3 * self.channels)
 
     @property
     def output(self) -> np.ndarray:
@@ -214,10 +216,14 @@ def rank_moments(part: np.ndarray) -> Stats:
     return float(n_r), mean_r, np.sum(xc * xc, axis=_axes(part))  # (), C, C
 
 
-def rank_sums(dy_part: np.ndarray, part: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A rank's ``Σ dy`` and ``Σ dy · (x - mean)`` by hand, in float64, ``mean`` the global one."""
+def rank_sums(
+    dy_part: np.ndarray, part: np.ndarray, mean: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A rank's ``Σ dy``, ``Σ dy · (x - mean)`` and ``Σ (x - mean)`` by hand, in float64,
+    ``mean`` the global one (the last sums to 0 over the ranks but for ``mean``'s rounding)."""
     xc = part - np.reshape(mean, (1, -1) + (1,) * (part.ndim - 2))  # x - mean, with the global mean
-    return np.sum(dy_part, axis=_axes(part)), np.sum(dy_part * xc, axis=_axes(part))  # C, C
+    axes = _axes(part)
+    return np.sum(dy_part, axis=axes), np.sum(dy_part * xc, axis=axes), np.sum(xc, axis=axes)  # C, C, C
 
 
 # --- the shortcuts, one line per formula ------------------------------------------------
