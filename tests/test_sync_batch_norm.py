@@ -1166,34 +1166,84 @@ def test_float32_with_a_large_offset_is_as_accurate_as_batch_norm(offset, spread
     assert err <= max(3e-7, 2 * np.abs(bn - truth).max()), err
 
 
-@pytest.mark.parametrize("family", npnorm.kernels_available())
-@pytest.mark.parametrize("offset,spread", [(1e3, 1.0), (1e4, 0.1), (1e3, 1e-3)])
-def test_float32_backward_with_a_large_offset_is_as_accurate_as_batch_norm(family, offset, spread):
-    # the backward did not centre xhat again on what the global mean's rounding to float32
-    # left, as BatchNorm's does: dx was 3-10 times BatchNorm's error (torch's level)
-    rng = np.random.default_rng(1)
-    shape = (12, 4, 3, 3)
-    x = (rng.normal(size=shape) * spread + offset).astype(np.float32)
-    dy = rng.normal(size=shape).astype(np.float32)
-    split = (5, 0, 7)  # an empty rank too
+def _dx_by_module(m, x, dy):
+    m(x)
+    return m.backward(dy)
 
-    def dx_of(m, x, dy):
-        m(x)
-        return m.backward(dy)
 
-    truth = dx_of(npnorm.BatchNorm2d(4, dtype="float64"), x.astype(np.float64), dy.astype(np.float64))
-    with npnorm.use_kernels(family):
-        bn = dx_of(npnorm.BatchNorm2d(4), x, dy)
+def _sync_dx(family, x, dy, split):
+    """SyncBatchNorm's dx over ranks holding ``split`` samples each, concatenated."""
 
     def rank_fn(comm):
         part = slice(sum(split[: comm.Get_rank()]), sum(split[: comm.Get_rank() + 1]))
         with npnorm.use_kernels(family):
-            return dx_of(npnorm.SyncBatchNorm(4, comm=comm), x[part], dy[part])
+            return _dx_by_module(npnorm.SyncBatchNorm(x.shape[1], comm=comm), x[part], dy[part])
 
-    ours = np.concatenate(run_ranks(3, rank_fn))
+    return np.concatenate(run_ranks(len(split), rank_fn))
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("offset,spread", [(1e3, 1.0), (1e4, 0.1), (1e3, 1e-3)])
+@pytest.mark.parametrize("dy_offset", [0.0, 1e3])
+def test_float32_backward_with_a_large_offset_is_as_accurate_as_batch_norm(family, offset, spread, dy_offset):
+    # the backward did not centre xhat again on what the global mean's rounding to float32
+    # left, as BatchNorm's does: dx was as far off as PyTorch's (2e-4 of its scale at offset
+    # 1e3 and spread 1e-3; 2 with a common part of 1e3 in dy); the sums crossed the ranks
+    # rounded to float32, which cost the centring 4 times BatchNorm's error with that dy
+    rng = np.random.default_rng(1)
+    shape = (12, 4, 3, 3)
+    x = (rng.normal(size=shape) * spread + offset).astype(np.float32)
+    dy = (rng.normal(size=shape) + dy_offset).astype(np.float32)
+    truth = _dx_by_module(npnorm.BatchNorm2d(4, dtype="float64"), x.astype(np.float64), dy.astype(np.float64))
+    # under "numba", SyncBatchNorm's per-rank steps are the "numpy" family's (README)
+    with npnorm.use_kernels("numpy" if family == "numba" else family):
+        bn = _dx_by_module(npnorm.BatchNorm2d(4), x, dy)
+    ours = _sync_dx(family, x, dy, (5, 0, 7))  # an empty rank too
     scale = np.abs(truth).max()
     err, bn_err = np.abs(ours - truth).max() / scale, np.abs(bn - truth).max() / scale
     assert err <= max(1.5e-7, 2 * bn_err), (err, bn_err)
+
+
+@pytest.mark.parametrize("family", ["reference", "numpy"])
+def test_float32_sums_cross_the_ranks_unrounded(family):
+    # each rank's sums were rounded to float32 before the all-reduce, and the global means
+    # to float32 before the centring subtracted two of them: with a common part of 1e3 in
+    # dy, dx was up to 7 times BatchNorm's error (drawn: the third batch of this seed)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        x = (rng.normal(size=(12, 4, 3, 3)) * 1e-3 + 1e3).astype(np.float32)
+        dy = (rng.normal(size=x.shape) + 1e3).astype(np.float32)
+        truth = _dx_by_module(
+            npnorm.BatchNorm2d(4, dtype="float64"), x.astype(np.float64), dy.astype(np.float64)
+        )
+        with npnorm.use_kernels(family):
+            bn = _dx_by_module(npnorm.BatchNorm2d(4), x, dy)
+        ours = _sync_dx(family, x, dy, (5, 0, 7))
+        scale = np.abs(truth).max()
+        err, bn_err = np.abs(ours - truth).max() / scale, np.abs(bn - truth).max() / scale
+        assert err <= max(1.5e-7, 2 * bn_err), (err, bn_err)
+
+
+@pytest.mark.parametrize("family", ["reference", "numpy"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_an_infinite_gradient_gives_batch_norms_infinities(family, dtype):
+    # the centring's xi*mean(dy) was inf - inf (or 0*inf) there: every dx NaN, where
+    # BatchNorm gives -inf at one value
+    x = np.array([[0.0], [1.0], [2.0], [3.0]], dtype=dtype)
+    dy = np.array([[np.inf], [0.0], [0.0], [0.0]], dtype=dtype)
+    with npnorm.use_kernels(family), np.errstate(all="ignore"):
+        bn = _dx_by_module(npnorm.BatchNorm1d(1, affine=False, dtype=dtype), x, dy)
+        ours = _sync_dx(family, x, dy, (2, 2))
+    np.testing.assert_array_equal(ours, bn)
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_a_constant_gradient_gives_zero_dx_at_a_large_offset(family):
+    # dy = 1 everywhere: the exact dx is 0 (the loss does not change when every value of a
+    # channel moves together); without the centring it was 1.1 on values near 1e3
+    x = (1e3 + 1e-3 * np.random.default_rng(0).normal(size=(16, 2, 3))).astype(np.float32)
+    dx = _sync_dx(family, x, np.ones_like(x), (5, 0, 11))
+    assert np.abs(dx).max() <= 1e-6
 
 
 def test_the_functional_backward_with_other_channel_counts_raises_on_every_rank():

@@ -167,8 +167,8 @@ def sync_batch_norm_backward(
 
     The third sum is 0 in exact arithmetic. The saved ``mean`` is rounded to the input's
     dtype, and xhat is first centred again on what that rounding left, as BatchNorm's
-    backward does (float32 data with a large common offset: 5-10 times BatchNorm's dx
-    error without it).
+    backward does (without it, float32 dx with a large common offset is as far off as
+    PyTorch's: 16 to thousands of times BatchNorm's error).
 
     The weight and bias gradients are this rank's own sums,
 
@@ -367,9 +367,10 @@ def synced_backward(
     n = total[1]
     if n == 0:  # an empty batch on every rank: BatchNorm's gradients on it (empty, zeros)
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
-    mean_dy = to_namespace(total[2 : 2 + c] / n, xp, ct)  # C: global mean of dy
-    mean_dyxc = to_namespace(total[2 + c : 2 + 2 * c] / n, xp, ct)  # C: global mean of dy*(x - mean)
-    mean_xc = to_namespace(total[2 + 2 * c :] / n, xp, ct)  # C: global mean of x - mean (the rounding's)
+    wide = sum_dy.dtype  # float64 where the device has it: the means before they cancel
+    mean_dy = to_namespace(total[2 : 2 + c] / n, xp, wide)  # C: global mean of dy
+    mean_dyxc = to_namespace(total[2 + c : 2 + 2 * c] / n, xp, wide)  # C: global mean of dy*(x - mean)
+    mean_xc = to_namespace(total[2 + 2 * c :] / n, xp, wide)  # C: global mean of x - mean (the rounding's)
     dx_kernel = kernel("sync_batch_norm_dx", xp)
     dx = dx_kernel(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc)
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
@@ -511,16 +512,17 @@ def sync_batch_norm_grad_sums_generic(
     xp: Namespace, grad_output: Array, input: Array, mean: Array, rstd: Array, ct: Any
 ) -> tuple[Array, Array, Array]:
     """Per channel: ``sum(dy)``, ``sum(dy * (x - mean))`` and ``sum(x - mean)`` over this
-    rank's values, accumulated in float64 (``wide_sum``) and returned in ``ct`` (``rstd``
-    is for kernels that fold the mean when it is small against it). The last is 0 but for
-    the rounding of ``mean`` to ``ct``: the dx kernel centres xhat again with it."""
+    rank's values, accumulated and returned in float64 where the device has it
+    (``wide_sum``; ``rstd`` is for kernels that fold the mean when it is small against
+    it). The last is 0 but for the rounding of ``mean`` to ``ct``: the dx kernel centres
+    xhat again with it, which cancels digits that a float32 sum would not have kept."""
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     xc = x - xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # N,C,S
     sum_dy = wide_sum(xp, dy, (0, 2))  # C
     sum_dyxc = wide_sum(xp, dy * xc, (0, 2))  # C
     sum_xc = wide_sum(xp, xc, (0, 2))  # C: 0 but for the rounding of mean
-    return cast(xp, sum_dy, ct), cast(xp, sum_dyxc, ct), cast(xp, sum_xc, ct)  # C, C, C
+    return sum_dy, sum_dyxc, sum_xc  # C, C, C
 
 
 @generic("sync_batch_norm_dx")
@@ -538,21 +540,25 @@ def sync_batch_norm_dx_generic(
 ) -> Array:
     """``dx = rstd*(dxhat - mean_G(dxhat) - xhat*mean_G(dxhat*xhat))`` from the global
     means of ``dy``, ``dy*(x - mean)`` and ``x - mean`` (``mean_G``: over every rank's
-    values). xhat is first centred again on ``mean_G(x - mean)``, what the rounding of the
-    saved ``mean`` to the input's dtype left, as ``standardize_backward`` centres it:
-    ``mean_G(dy*(x - mean - xi)) = mean_G(dy*(x - mean)) - xi*mean_G(dy)``."""
+    values; float64 where the device has it). xhat is first centred again on
+    ``xi = mean_G(x - mean)``, what the rounding of the saved ``mean`` to the input's dtype
+    left, as ``standardize_backward`` centres it: ``mean_G(dy*(x - mean - xi)) =
+    mean_G(dy*(x - mean)) - xi*mean_G(dy)``, taken before the means are rounded to the
+    computation dtype (an infinite ``mean_G(dy)``, from an infinite dy, is left as it was)."""
     ct = work_dtype(xp, input, weight, mean)
     x = as_ncs(xp, input, ct)  # N,C,S
     dy = as_ncs(xp, grad_output, ct)  # N,C,S
     m = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
     r = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
     w = 1.0 if weight is None else xp.reshape(cast(xp, weight, ct), (1, -1, 1))  # 1,C,1
+    shift = mean_xc * mean_dy  # C (wide): xi*mean_G(dy), what mean_G(dy*(x - mean)) gained from xi
+    shift = xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))  # (an infinite dy: no shift)
     g = xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: mean_G(dy)
-    p = xp.reshape(cast(xp, mean_dyxc, ct), (1, -1, 1))  # 1,C,1: mean_G(dy*(x - mean))
+    p = xp.reshape(cast(xp, mean_dyxc - shift, ct), (1, -1, 1))  # 1,C,1: mean_G(dy*(x - mean - xi))
     xi = xp.reshape(cast(xp, mean_xc, ct), (1, -1, 1))  # 1,C,1: mean_G(x - mean), the mean's rounding
     xhat = xhat_from(x, m, r) - xi * r  # N,C,S: centred again
     dxhat = dy * w  # N,C,S
     mean_dxhat = w * g  # 1,C,1: term 2's mean
-    mean_dxhat_xhat = w * r * (p - xi * g)  # 1,C,1: term 3's, w*rstd*mean_G(dy*(x - mean - xi))
+    mean_dxhat_xhat = w * r * p  # 1,C,1: term 3's
     dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 + term 2 + term 3, signed
     return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)

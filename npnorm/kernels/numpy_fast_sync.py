@@ -66,7 +66,7 @@ def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[
 def sync_batch_norm_grad_sums(
     xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per channel ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)``, one sweep."""
+    """Per channel ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)`` (float64), one sweep."""
     if input.size == 0:
         return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
     ct = np.dtype(ct)
@@ -78,16 +78,18 @@ def sync_batch_norm_grad_sums(
         col_xc = np.empty(C)  # C float64: sum(x - mean)
         col_dy, col_dyxc = columns.grad_sums(dy2, x2, ct, m, True, xc_sums=col_xc)  # C, C float64
         assert col_dyxc is not None
-        return col_dy.astype(ct), col_dyxc.astype(ct), col_xc.astype(ct)
+        return col_dy, col_dyxc, col_xc
     rows_x = _rows(input, C, ct)
     center = _Ring(m, block_rows(rows_x.R, rows_x.L, ct.itemsize))  # dy*(x - mean), never folded
     sxc = np.empty(rows_x.R, dtype=ct)  # R: sum(x - mean)
     sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True, xc_sums=sxc)  # R, R
     assert sdx is not None
-    sum_dy = np.sum(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C, the samples added in float64
-    sum_dyxc = np.sum(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)  # C
-    sum_xc = np.sum(np.reshape(sxc, (N, C)), axis=0, dtype=np.float64)  # C
-    return sum_dy.astype(ct), sum_dyxc.astype(ct), sum_xc.astype(ct)
+    sum_dy = np.add.reduce(
+        np.reshape(sdy, (N, C)), axis=0, dtype=np.float64
+    )  # C, the samples added in float64
+    sum_dyxc = np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)  # C
+    sum_xc = np.add.reduce(np.reshape(sxc, (N, C)), axis=0, dtype=np.float64)  # C
+    return sum_dy, sum_dyxc, sum_xc
 
 
 @specialized("sync_batch_norm_dx", NS, kernels="numpy")

@@ -47,7 +47,8 @@ _SYNC_BATCH_NORM_DOC = """BatchNorm over the global batch of a data-parallel MPI
 
     Backward, with ``rstd_c = 1 / sqrt(var_c + eps)``, ``xhat = (x - mean_c) * rstd_c``,
     ``dxhat = dy * weight_c`` and means over the n values of a channel on every rank
-    (one all-reduce of two sums per channel):
+    (one all-reduce of two sums per channel, and a third that centres xhat again on
+    what the saved mean's rounding left, as BatchNorm's backward does):
 
         dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
         dweight_c = sum(dy * xhat)        dbias_c = sum(dy)      (this rank's values)
