@@ -3,6 +3,7 @@ layer out of a whole model's state_dict, and npnorm state going into torch modul
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import numpy as np
@@ -493,6 +494,25 @@ def test_an_empty_integer_buffer_loads_on_torch(torch):
     m = Ids()
     m.load_state_dict({"ids": torch.zeros(0, dtype=torch.int64)})
     assert m.ids.dtype == torch.int32 and m.ids.shape == (0,)
+
+
+def test_unpickling_a_counter_beyond_int32_on_jax_without_x64_names_it():
+    """A JAX module pickled with x64 on, unpickled with it off: the OverflowError did not
+    say which module or buffer (``to()`` names them)."""
+    jax = pytest.importorskip("jax")
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        m = npnorm.BatchNorm1d(3, xp="jax.numpy")
+        m.num_batches_tracked = m.xp.asarray(2**40, dtype=m.xp.int64)
+        blob = pickle.dumps(m)
+        jax.config.update("jax_enable_x64", False)
+        with pytest.raises(
+            OverflowError, match=r"unpickling BatchNorm1d: num_batches_tracked: 1099511627776 does"
+        ):
+            pickle.loads(blob)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
 
 
 @pytest.mark.parametrize("value", [2**40, 2**31])

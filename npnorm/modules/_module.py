@@ -1069,7 +1069,10 @@ class Module:
         restored["dtype"] = resolve_dtype(xp, state["dtype"])
         for key, value in state.items():
             if key not in ("xp", "dtype"):
-                restored[key] = _map_host(value, lambda h: h.restored(xp))
+                try:
+                    restored[key] = _map_host(value, lambda h: h.restored(xp))
+                except OverflowError as err:  # (integers beyond this backend's dtype: JAX's int32)
+                    raise OverflowError(f"unpickling {type(self).__name__}: {key}: {err}") from err
         self.__dict__.update(restored)
 
     def __copy__(self: _M) -> _M:
