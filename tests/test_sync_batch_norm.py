@@ -1188,7 +1188,7 @@ def _sync_dx(family, x, dy, split):
 def test_float32_backward_with_a_large_offset_is_as_accurate_as_batch_norm(family, offset, spread, dy_offset):
     # the backward did not centre xhat again on what the global mean's rounding to float32
     # left, as BatchNorm's does: dx was as far off as PyTorch's (2e-4 of its scale at offset
-    # 1e3 and spread 1e-3; 2 with a common part of 1e3 in dy); the sums crossed the ranks
+    # 1e3 and spread 1e-3; 1.3 with a common part of 1e3 in dy); the sums crossed the ranks
     # rounded to float32, which cost the centring 4 times BatchNorm's error with that dy
     rng = np.random.default_rng(1)
     shape = (12, 4, 3, 3)

@@ -165,10 +165,10 @@ def sync_batch_norm_backward(
 
         dx = rstd_c * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
 
-    The third sum is 0 in exact arithmetic. The saved ``mean`` is rounded to the input's
-    dtype, and xhat is first centred again on what that rounding left, as BatchNorm's
-    backward does (without it, float32 dx with a large common offset is as far off as
-    PyTorch's: 16 to thousands of times BatchNorm's error).
+    The third sum is 0 in exact arithmetic. The saved ``mean`` is rounded to the dtype the
+    layer computes in (float32 for float16 input), and xhat is first centred again on what
+    that rounding left, as BatchNorm's backward does (without it, float32 dx with a large
+    common offset is as far off as PyTorch's: 16 to thousands of times BatchNorm's error).
 
     The weight and bias gradients are this rank's own sums,
 
@@ -541,8 +541,8 @@ def sync_batch_norm_dx_generic(
     """``dx = rstd*(dxhat - mean_G(dxhat) - xhat*mean_G(dxhat*xhat))`` from the global
     means of ``dy``, ``dy*(x - mean)`` and ``x - mean`` (``mean_G``: over every rank's
     values; float64 where the device has it). xhat is first centred again on
-    ``xi = mean_G(x - mean)``, what the rounding of the saved ``mean`` to the input's dtype
-    left, as ``standardize_backward`` centres it: ``mean_G(dy*(x - mean - xi)) =
+    ``xi = mean_G(x - mean)``, what the rounding of the saved ``mean`` to the computation
+    dtype left, as ``standardize_backward`` centres it: ``mean_G(dy*(x - mean - xi)) =
     mean_G(dy*(x - mean)) - xi*mean_G(dy)``, taken before the means are rounded to the
     computation dtype (an infinite ``mean_G(dy)``, from an infinite dy, is left as it was)."""
     ct = work_dtype(xp, input, weight, mean)

@@ -66,7 +66,8 @@ def sync_batch_norm_moments(xp: Namespace, input: np.ndarray, ct: Any) -> tuple[
 def sync_batch_norm_grad_sums(
     xp: Namespace, grad_output: np.ndarray, input: np.ndarray, mean: np.ndarray, rstd: np.ndarray, ct: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per channel ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)`` (float64), one sweep."""
+    """Per channel ``sum(dy)``, ``sum(dy*(x - mean))`` and ``sum(x - mean)``, one sweep: each
+    (sample, channel) row summed in the data's dtype, the rows added in float64."""
     if input.size == 0:
         return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
     ct = np.dtype(ct)
