@@ -79,3 +79,24 @@ def test_an_empty_batch_chunked_along_every_axis_gives_numpys_results(name):
     assert _state(ours).keys() == _state(ref).keys()
     for k, v in _state(ref).items():
         np.testing.assert_array_equal(_state(ours)[k], v, err_msg=k)
+
+
+def test_sync_batch_norm_takes_float16_dask_input_as_batch_norm_does():
+    """dask's namespace has no float16 attribute: the ranks' dtype exchange refused the
+    input with "must have a floating dtype (float16/32/64, or bfloat16), got float16",
+    where F.batch_norm takes it."""
+    from npnorm._threadcomm import run_ranks
+
+    x = np.random.default_rng(0).normal(size=(5, 3, 4)).astype(np.float16)
+    want = F.batch_norm(da.from_array(x, chunks=2), None, None, training=True)
+
+    def rank_fn(comm):
+        part = x[:2] if comm.Get_rank() == 0 else x[2:]
+        y, *_ = F.sync_batch_norm_forward(da.from_array(part, chunks=2), None, None, training=True, comm=comm)
+        return y
+
+    got = da.concatenate(run_ranks(2, rank_fn))
+    assert isinstance(got, da.Array) and got.dtype == np.float16
+    np.testing.assert_allclose(
+        np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64), atol=2e-3
+    )

@@ -489,6 +489,8 @@ def _dtype_code(xp: Namespace, dtype: Any) -> int:
     for code, name in enumerate(_DTYPE_NAMES):
         if getattr(xp, name, None) == dtype:
             return code
+        if isinstance(dtype, np.dtype) and dtype.name == name:  # (dask's namespace has no float16)
+            return code
     raise TypeError(f"input must have a floating dtype (float16/32/64, or bfloat16), got {dtype}")
 
 
