@@ -1237,6 +1237,17 @@ def test_an_infinite_gradient_gives_batch_norms_infinities(family, dtype):
     np.testing.assert_array_equal(ours, bn)
 
 
+def test_infinities_of_both_signs_on_two_ranks_add_to_nan_quietly():
+    # the thread ranks' all-reduce warned "invalid value encountered in add" (an error
+    # under pytest), where MPI's sum gives NaN without a word; BatchNorm's dx then too
+    x = np.array([[0.0], [1.0], [2.0], [3.0]])
+    dy = np.array([[np.inf], [0.0], [-np.inf], [0.0]])
+    with np.errstate(all="ignore"):
+        bn = _dx_by_module(npnorm.BatchNorm1d(1, affine=False, dtype="float64"), x, dy)
+    assert np.isnan(bn).all()
+    assert np.isnan(_sync_dx("reference", x, dy, (2, 2))).all()
+
+
 @pytest.mark.parametrize("family", npnorm.kernels_available())
 def test_a_constant_gradient_gives_zero_dx_at_a_large_offset(family):
     # dy = 1 everywhere: the exact dx is 0 (the loss does not change when every value of a
