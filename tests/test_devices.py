@@ -45,6 +45,40 @@ def test_row_layers_keep_the_inputs_device():
     assert _on_device1(y, rstd, *F.rms_norm_backward(x, x, 5, rstd, w))
 
 
+@pytest.mark.parametrize("device, dtype", [("device1", "float64"), ("no_float64", "float32")])
+def test_sync_batch_norm_over_ranks_keeps_the_inputs_device(device, dtype):
+    """The statistics and means that the ranks computed on the host were made on the
+    default device: over two ranks, SyncBatchNorm failed to combine them with input on
+    any other ("Arrays from two different devices"), a GPU's in use."""
+    from npnorm._threadcomm import run_ranks
+
+    dev, cpu = xs.Device(device), xs.Device("CPU_DEVICE")
+    xn = np.random.default_rng(0).normal(size=(6, 3, 4)).astype(dtype)
+    x, w = xs.asarray(xn, device=dev), xs.ones(3, dtype=getattr(xs, dtype), device=dev)
+    rm, rv = (
+        xs.zeros(3, dtype=getattr(xs, dtype), device=dev),
+        xs.ones(3, dtype=getattr(xs, dtype), device=dev),
+    )
+    y0, m0, r0, rm0, rv0 = F.batch_norm_forward(x, rm, rv, w, w, True)
+    want = (y0, *F.batch_norm_backward(x, x, m0, r0, w, w, True), rm0, rv0)
+
+    def rank_fn(comm):
+        part = x[:2, ...] if comm.Get_rank() == 0 else x[2:, ...]
+        y, m, r, new_rm, new_rv = F.sync_batch_norm_forward(part, rm, rv, w, w, training=True, comm=comm)
+        dx, dw, db = F.sync_batch_norm_backward(part, part, m, r, w, w, training=True, comm=comm)
+        return y, dx, dw, db, new_rm, new_rv
+
+    ranks = run_ranks(2, rank_fn)
+    assert all(a.device == dev for rank in ranks for a in rank)
+    y, dx = (xs.concat([rank[k] for rank in ranks]) for k in (0, 1))
+    dw, db = (ranks[0][k] + ranks[1][k] for k in (2, 3))
+    tol = {"float64": 1e-12, "float32": 1e-5}[dtype]
+    for got, ref in zip((y, dx, dw, db, ranks[0][4], ranks[0][5]), want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got.to_device(cpu)), np.asarray(ref.to_device(cpu)), atol=tol * 10
+        )
+
+
 # --- modules built on, or moved to, the second device ------------------------------
 MODULES = {
     "BatchNorm1d": (lambda **kw: npnorm.BatchNorm1d(3, **kw), (4, 3, 5)),

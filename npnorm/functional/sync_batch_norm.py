@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, to_host, to_namespace
+from .._backend import FLOAT_NAMES, Array, Namespace, no_fp_warnings, on_device_of, to_host, to_namespace
 from .._checks import (
     cast,
     check_backward_training,
@@ -38,7 +38,7 @@ from .._checks import (
     work_dtype,
 )
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, check_comm, resolve_comm
-from .._stats import RECENTRE_ABOVE, moments, wide_sum, xhat_from
+from .._stats import RECENTRE_ABOVE, moments, square_dtype, wide_sum, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -283,21 +283,22 @@ def synced_forward(
         return y, mean, rstd, running_mean, running_var
 
     var64 = m2 / n  # C, biased: what normalizes
-    mean = to_namespace(mean64, xp, ct)  # C
+    mean = _on_device(input, mean64, xp, ct)  # C
     # The global statistics as constants: BatchNorm's inference path on the local slice.
     # Where some channel's mean is many standard deviations from 0, its rounding to a
     # float32 computation would cost the output accuracy (3e-3 at offset 1e4, spread 0.1)
     # that BatchNorm's float64 batch mean keeps, and a variance beyond float32's range
     # would overflow: the whole slice is then normalized with the float64 statistics.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        var = to_namespace(var64, xp, ct)  # C (inf beyond the dtype's range)
+        var = _on_device(input, var64, xp, ct)  # C (inf beyond the dtype's range)
         offset = bool(np.any(mean64 * mean64 > RECENTRE_ABOVE**2 * var64))
         overflow = bool(np.any(np.isinf(to_host(var)) & np.isfinite(var64)))
         # rstd as saved for backward: from the float64 variance, as BatchNorm's, the same
         # on every rank (the kernel that normalized may differ between ranks)
-        rstd = to_namespace(1.0 / np.sqrt(var64 + eps), xp, ct)  # C
-    if offset or overflow:  # C, C
-        mean_n, var_n = to_namespace(mean64, xp, xp.float64), to_namespace(var64, xp, xp.float64)
+        rstd = _on_device(input, 1.0 / np.sqrt(var64 + eps), xp, ct)  # C
+    if offset or overflow:  # C, C (float64 where the device has it)
+        wide = square_dtype(xp, mean)
+        mean_n, var_n = _on_device(input, mean64, xp, wide), _on_device(input, var64, xp, wide)
     else:
         mean_n, var_n = mean, var
     y, _, _, _, _ = batch_norm_forward(input, mean_n, var_n, weight, bias, False, momentum, eps)
@@ -306,7 +307,7 @@ def synced_forward(
         # inf beyond the dtype's range, without a warning, as BatchNorm's: the unbiased
         # variance in ct, and the buffers' updates cast to their dtype (a float16 buffer)
         with np.errstate(over="ignore"):
-            unbiased = to_namespace(m2 / (n - 1), xp, ct)  # C: global count n
+            unbiased = _on_device(input, m2 / (n - 1), xp, ct)  # C: global count n
             new_mean = running_update(xp, running_mean, mean, momentum)  # C
             new_var = running_update(xp, running_var, unbiased, momentum)  # C
     return y, mean, rstd, new_mean, new_var
@@ -368,9 +369,11 @@ def synced_backward(
     if n == 0:  # an empty batch on every rank: BatchNorm's gradients on it (empty, zeros)
         return batch_norm_backward(grad_output, input, mean, rstd, weight, bias, True)
     wide = sum_dy.dtype  # float64 where the device has it: the means before they cancel
-    mean_dy = to_namespace(total[2 : 2 + c] / n, xp, wide)  # C: global mean of dy
-    mean_dyxc = to_namespace(total[2 + c : 2 + 2 * c] / n, xp, wide)  # C: global mean of dy*(x - mean)
-    mean_xc = to_namespace(total[2 + 2 * c :] / n, xp, wide)  # C: global mean of x - mean (the rounding's)
+    mean_dy = _on_device(input, total[2 : 2 + c] / n, xp, wide)  # C: global mean of dy
+    mean_dyxc = _on_device(input, total[2 + c : 2 + 2 * c] / n, xp, wide)  # C: global mean of dy*(x - mean)
+    mean_xc = _on_device(
+        input, total[2 + 2 * c :] / n, xp, wide
+    )  # C: global mean of x - mean (the rounding's)
     dx_kernel = kernel("sync_batch_norm_dx", xp)
     dx = dx_kernel(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc)
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
@@ -378,6 +381,13 @@ def synced_backward(
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
     dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C
     return dx, dweight, dbias
+
+
+def _on_device(input: Array, value: np.ndarray, xp: Namespace, dtype: Any) -> Array:
+    """``value``, computed on the host from what the ranks exchanged, as an array of
+    ``xp`` and ``dtype`` on ``input``'s device (a GPU's, say: made on the default device,
+    it failed to combine with the input there)."""
+    return on_device_of(input, to_namespace(value, xp, dtype))
 
 
 def _channel_count(input: Any, mean: Any) -> int:
