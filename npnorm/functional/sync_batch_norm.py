@@ -371,9 +371,7 @@ def synced_backward(
     wide = sum_dy.dtype  # float64 where the device has it: the means before they cancel
     mean_dy = _on_device(input, total[2 : 2 + c] / n, xp, wide)  # C: global mean of dy
     mean_dyxc = _on_device(input, total[2 + c : 2 + 2 * c] / n, xp, wide)  # C: global mean of dy*(x - mean)
-    mean_xc = _on_device(
-        input, total[2 + 2 * c :] / n, xp, wide
-    )  # C: global mean of x - mean (the rounding's)
+    mean_xc = _on_device(input, total[2 + 2 * c :] / n, xp, wide)  # C: mean of x - mean (the rounding's)
     dx_kernel = kernel("sync_batch_norm_dx", xp)
     dx = dx_kernel(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc)
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
@@ -497,9 +495,10 @@ def _dtype_code(xp: Namespace, dtype: Any) -> int:
     if isinstance(dtype, np.dtype):  # NumPy's ">f4" is float32 in the other byte order
         dtype = dtype.newbyteorder("=")
     for code, name in enumerate(_DTYPE_NAMES):
-        if getattr(xp, name, None) == dtype:
-            return code
-        if isinstance(dtype, np.dtype) and dtype.name == name:  # (dask's namespace has no float16)
+        if isinstance(dtype, np.dtype):  # by name: dask's namespace has no float16 (and NumPy
+            if dtype.name == name:  # takes None == np.dtype("float64") as true)
+                return code
+        elif (found := getattr(xp, name, None)) is not None and found == dtype:
             return code
     raise TypeError(f"input must have a floating dtype (float16/32/64, or bfloat16), got {dtype}")
 
