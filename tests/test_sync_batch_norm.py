@@ -1144,8 +1144,11 @@ def test_without_per_channel_arrays_every_rank_takes_another_channel_count():
     def with_weight(comm):
         with pytest.raises(ValueError, match="expected 3 channels"):
             npnorm.SyncBatchNorm(3, comm=comm)(x)
+        return "refused"
 
-    run_ranks(2, with_weight)
+    assert (
+        run_ranks(2, with_weight) == ["refused"] * 2
+    )  # (a rank's exception is its result: unchecked before)
 
 
 @pytest.mark.parametrize("offset,spread", [(1e3, 1.0), (1e4, 0.1), (1e3, 1e-3)])
@@ -1511,3 +1514,49 @@ def test_zero_channels_are_a_value_error_in_every_mode_as_in_torch(torch, mode):
         return True
 
     assert run_ranks(2, rank_fn) == [True] * 2
+
+
+def test_a_subclass_listing_its_own_forward_context_keeps_the_synced_channels():
+    """Only Module's forward context was merged into a subclass's own list: a subclass of
+    SyncBatchNorm that listed one name of its own lost ``_synced_channels``, so that a copy
+    kept it and the copy's backward on one rank entered the ranks' exchange alone (a hang
+    under MPI)."""
+    import copy
+
+    class Cached(npnorm.SyncBatchNorm):
+        _forward_context = ("_my_cache",)
+
+    assert {"_saved", "_synced_channels", "_synced_pending", "_my_cache"} <= set(Cached._forward_context)
+
+    def rank_fn(comm):
+        m = Cached(3, comm=comm)
+        m(np.random.default_rng(comm.Get_rank()).normal(size=(2, 3)))
+        twin = copy.deepcopy(m)
+        if comm.Get_rank() == 0:  # the copy has no forward: a local error, no exchange
+            with pytest.raises(RuntimeError, match="forward"):
+                twin.backward(np.ones((2, 3)))
+        return m.backward(np.ones((2, 3))).shape
+
+    assert run_ranks(2, rank_fn) == [(2, 3)] * 2
+
+
+def test_dask_ranks_of_float16_and_float64_are_refused_on_every_rank():
+    """dask's namespace has no float16: NumPy takes ``None == np.dtype("float64")`` as true,
+    so float64 input took float16's code, and ranks of the two dtypes were not refused
+    (float32 against float64 was named "float32, float16")."""
+    da = pytest.importorskip("dask.array")
+    x = np.random.default_rng(0).normal(size=(4, 3, 4))
+
+    def rank_fn(dtypes):
+        def run(comm):
+            part = da.from_array(x.astype(dtypes[comm.Get_rank()]))
+            with pytest.raises(
+                ValueError, match=rf"different dtypes \(rank 0: {dtypes[0]}, rank 1: {dtypes[1]}"
+            ):
+                F.sync_batch_norm_forward(part, None, None, training=True, comm=comm)
+            return "refused"
+
+        return run
+
+    for dtypes in (("float16", "float64"), ("float32", "float64")):
+        assert run_ranks(2, rank_fn(dtypes)) == ["refused"] * 2  # (a rank's exception is its result)

@@ -205,9 +205,12 @@ class Module:
                     f"{cls.__name__}.{attr} must be a tuple of names, got {names!r} (a tuple of "
                     "one name needs its comma: ('weight',))"
                 )
-        # every layer's forward context holds the base's (a layer that lists its own, written
-        # before the base's grew, kept the saved forward's namespace module in its pickles)
-        cls._forward_context = tuple(dict.fromkeys((*Module._forward_context, *cls._forward_context)))
+        # every layer's forward context holds its bases' (a layer that lists its own, written
+        # before the base's grew, kept the saved forward's namespace module in its pickles; a
+        # subclass of SyncBatchNorm listing its own lost the synced channels, and a copy's
+        # backward entered the ranks' exchange alone)
+        inherited = (n for base in reversed(cls.__mro__[1:]) for n in getattr(base, "_forward_context", ()))
+        cls._forward_context = tuple(dict.fromkeys((*inherited, *cls._forward_context)))
         # a name twice (a parameter that is also a buffer) became one key of state_dict
         names = [*cls._parameter_names, *cls._buffer_names]
         twice = sorted({n for n in names if names.count(n) > 1})

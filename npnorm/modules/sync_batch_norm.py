@@ -114,7 +114,7 @@ class SyncBatchNorm(_BatchNorm):
     __doc__ = _SYNC_BATCH_NORM_DOC.format(device_dtype_xp=DEVICE_DTYPE_XP_DOC)
 
     # what copies and pickles leave out, besides the saved forward (Module.__init_subclass__
-    # adds the base's names)
+    # adds the bases' names)
     _forward_context = ("_synced_channels", "_synced_pending")
 
     def __init__(
