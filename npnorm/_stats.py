@@ -182,6 +182,7 @@ def standardize_backward(
     axes: Axes,
     *,
     center: bool = True,
+    centred: bool = False,
     weight: Array | None = None,
 ) -> Array:
     """Gradient ``dx`` through ``xhat = (x - mean) * rstd`` with batch statistics.
@@ -204,7 +205,10 @@ def standardize_backward(
     to the input's dtype, so it is first centred again. On a nearly constant row (rstd
     ~300 at eps = 1e-5) that rounding made ``mean(xhat)`` 1e-4, which term 3 multiplied
     by ``mean(dxhat)``: a constant ``dy``, whose exact ``dx`` is 0, gave float32 ``dx`` of
-    1e-2 (3x PyTorch's error there; now 1e-7).
+    1e-2 (3x PyTorch's error there; now 1e-7). The layers centre it themselves before
+    they call this (``centred=True``), so that ``dweight = sum(dy * xhat)`` is taken from
+    the centred xhat too: the rounding added ``rstd * mean(x - mean) * sum(dy)`` to it
+    (float32 at offset 1e3 and spread 1e-3: 3e-2 of dweight, as PyTorch's).
 
     Where the affine weight is one number per statistic (BatchNorm's and InstanceNorm's
     channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:
@@ -214,7 +218,7 @@ def standardize_backward(
     (:func:`scaled`).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
-    if center:
+    if center and not centred:
         xhat = xhat - wide_mean(xp, xhat, axes)  # same shape as x: centred again (see above)
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
     inner = dxhat  # term 1 / rstd

@@ -110,6 +110,43 @@ def test_float32_dx_with_offset_1e3_rounds_like_float32_only(name, channels_last
     assert _error(dx, dx64) <= 3e-7, "dx: xhat centred again gives float32 rounding only"
 
 
+WEIGHTED = {  # every layer whose weight multiplies a centred xhat
+    "LayerNorm": ((64, 48), lambda c, d, dt: npnorm.LayerNorm(d, dtype=dt)),
+    "BatchNorm1d": ((96, 16), lambda c, d, dt: npnorm.BatchNorm1d(c, dtype=dt)),
+    "BatchNorm2d": ((8, 16, 6, 6), lambda c, d, dt: npnorm.BatchNorm2d(c, dtype=dt)),
+    "GroupNorm": ((8, 16, 6, 6), lambda c, d, dt: npnorm.GroupNorm(4, c, dtype=dt)),
+    "InstanceNorm2d": ((8, 16, 6, 6), lambda c, d, dt: npnorm.InstanceNorm2d(c, affine=True, dtype=dt)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("name", list(WEIGHTED))
+def test_float32_dweight_with_an_offset_rounds_like_float32_only(name, channels_last, seed, family):
+    """dweight = sum(dy * xhat) took xhat as recomputed from the saved float32 mean, off
+    centre by that mean's rounding, which added rstd * mean(x - mean) * sum(dy) to it:
+    at offset 1e3 and spread 1e-3, 8e-3 (LayerNorm) to 5e-2 (InstanceNorm) of dweight,
+    as PyTorch's, where the "numpy" family's GroupNorm and InstanceNorm were 5e-7. xhat is
+    centred again for dweight as it is for dx."""
+    shape, make = WEIGHTED[name]
+    c, d = shape[1], shape[-1]
+    rng = np.random.default_rng(seed)
+    x = (1e-3 * rng.normal(size=shape) + 1e3).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    if channels_last and x.ndim == 4:
+        x, dy = _channels_last(x), _channels_last(dy)
+    with npnorm.use_kernels("reference"):
+        m64 = make(c, d, "float64")
+        m64(x.astype(np.float64))
+        m64.backward(dy.astype(np.float64))
+    with npnorm.use_kernels(family):
+        m = make(c, d, "float32")
+        m(x)
+        m.backward(dy)
+    assert _error(m.grads["weight"], m64.grads["weight"]) <= 1e-6
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", ["BatchNorm2d", "GroupNorm", "InstanceNorm2d"])
 def test_gradient_with_a_common_part_at_least_as_accurate_as_torch(torch, name, family):

@@ -1207,6 +1207,29 @@ def test_float32_backward_with_a_large_offset_is_as_accurate_as_batch_norm(famil
     assert err <= max(1.5e-7, 2 * bn_err), (err, bn_err)
 
 
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_float32_dweight_at_a_large_offset_takes_xhat_centred_again(family):
+    # each rank's dweight = rstd*sum(dy*(x - mean)) took the global mean as rounded to
+    # float32: their sum was 3e-2 of dweight off at offset 1e3 and spread 1e-3 (BatchNorm's
+    # and PyTorch's too); each rank now takes out xi*sum(dy), xi the global mean of x - mean
+    rng = np.random.default_rng(1)
+    x = (1e-3 * rng.normal(size=(12, 4, 3, 3)) + 1e3).astype(np.float32)
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    truth = npnorm.BatchNorm2d(4, dtype="float64")
+    _dx_by_module(truth, x.astype(np.float64), dy.astype(np.float64))
+    split = (5, 0, 7)
+
+    def rank_fn(comm):
+        part = slice(sum(split[: comm.Get_rank()]), sum(split[: comm.Get_rank() + 1]))
+        with npnorm.use_kernels(family):
+            m = npnorm.SyncBatchNorm(4, comm=comm)
+            _dx_by_module(m, x[part], dy[part])
+        return m.grads["weight"]
+
+    dweight, want = sum(run_ranks(3, rank_fn)), truth.grads["weight"]
+    assert np.abs(dweight - want).max() <= 1e-6 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("family", ["reference", "numpy"])
 def test_float32_sums_cross_the_ranks_unrounded(family):
     # each rank's sums were rounded to float32 before the all-reduce, and the global means

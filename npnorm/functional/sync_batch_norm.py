@@ -375,7 +375,11 @@ def synced_backward(
     dx_kernel = kernel("sync_batch_norm_dx", xp)
     dx = dx_kernel(xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc)
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
-    # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean)), db = sum(dy)
+    # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean - xi)), xhat centred again
+    # on the global xi as dx takes it, db = sum(dy)
+    with np.errstate(all="ignore"):  # (0*inf where dy is infinite: no shift there)
+        shift = mean_xc * sum_dy  # C (wide): what sum(dy*(x - mean)) gained from xi on this rank
+        sum_dyxc = sum_dyxc - xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))  # C
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
     dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C
     return dx, dweight, dbias

@@ -229,13 +229,14 @@ def _norm_dx_span(dy, x, dx, w, lo, hi, a, c1, m, c0):  # type: ignore[no-untype
 
 
 @_loop
-def _norm_dx_sums_span(dy, x, dx, w, pw, pb, lo, hi, a, c1, m, c0):  # type: ignore[no-untyped-def]
-    """``_norm_dx_span``, and ``dy*xhat``, ``dy`` added into ``pw``, ``pb``."""
+def _norm_dx_sums_span(dy, x, dx, w, pw, pb, lo, hi, a, c1, m, c0, e):  # type: ignore[no-untyped-def]
+    """``_norm_dx_span``, and ``dy*(xhat - e)``, ``dy`` added into ``pw``, ``pb`` (``e``: the
+    row's xhat centred again, ``_row_centre``)."""
     for j in range(uint64(lo), uint64(hi)):
         xh = (x[j] - m) * a
         d = dy[j]
         dx[j] = a * (d * w[j]) + c1 * xh + c0
-        pw[j] += d * xh
+        pw[j] += d * (xh - e)
         pb[j] += d
 
 
@@ -319,6 +320,23 @@ def _centred_sum(sx, m, r):  # type: ignore[no-untyped-def]
 
 
 @_loop
+def _centre_row_sums(sdy, sdyx, j0, k, csx, L):  # type: ignore[no-untyped-def]
+    """A GroupNorm or InstanceNorm row's per-channel ``sum(dy*(x - mean))``, ``sdyx[j0:j0 +
+    k]``, centred again in place for dweight, as its dx coefficients take xhat: minus
+    ``xi*sum(dy)``, ``xi = csx/L`` the row's mean of ``x - mean`` (``csx`` from
+    ``_centred_sum``: 0 for rows near 0, which are left as they are), where the rounding
+    of the saved mean had added it (float32 at offset 1e3 and spread 1e-3: 4e-2 of
+    dweight, as PyTorch's). Not where a value is not finite."""
+    if csx == 0.0 or not np.isfinite(csx):
+        return
+    xi = csx / L
+    for j in range(j0, j0 + k):
+        shift = xi * sdy[j]
+        if np.isfinite(shift) and np.isfinite(sdyx[j]):
+            sdyx[j] -= shift
+
+
+@_loop
 def _batch_dx_coefs(m, rs, wc, sd, sdx, sxc, M, s):  # type: ignore[no-untyped-def]
     """BatchNorm's ``dx = a*(dy - mean(dy)) + k1*xhat`` over a channel of M values, from
     its float64 rstd ``rs``, weight ``wc``, ``sd = sum(dy)``, ``sdx = sum(dy*(x -
@@ -344,6 +362,29 @@ def _batch_dx_coefs(m, rs, wc, sd, sdx, sxc, M, s):  # type: ignore[no-untyped-d
     s[2] = d
     s[3] = d - s[2] if np.isfinite(d) else 0.0  # (an inf in dy: inf, and no NaN from inf - inf)
     return s[0], s[1], s[2], s[3]
+
+
+@_loop
+def _batch_dw(m, rs, sd, sdx, sxc, M, training):  # type: ignore[no-untyped-def]
+    """BatchNorm's ``dweight = sum(dy*xhat) = rs*sdx``, with batch statistics (``training``)
+    xhat centred again as in ``_batch_dx_coefs`` (same rule): ``rs*(sdx - sxc/M*sd)``, where
+    the rounding of the saved mean had added ``rs*mean(x - mean)*sum(dy)`` (float32 at
+    offset 1e3 and spread 1e-3: 3e-2 of dweight, as PyTorch's)."""
+    if training and _far_from_zero(m, rs) and np.isfinite(sd) and np.isfinite(sdx) and np.isfinite(sxc):
+        shift = (sxc / M) * sd
+        if np.isfinite(shift):
+            return (sdx - shift) * rs
+    return sdx * rs
+
+
+@_loop
+def _row_centre(rs, sg, sgx, sx, D):  # type: ignore[no-untyped-def]
+    """The mean of a LayerNorm row's xhat that ``_row_dx_coefs`` centres it on (0 where it
+    does not), for dweight: the rounding of the saved mean had added ``rstd*mean(x -
+    mean)*sum(dy)`` to it (float32 at offset 1e3 and spread 1e-3: 8e-3 of dweight)."""
+    if sx != 0.0 and np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
+        return rs * (sx / D)
+    return 0.0
 
 
 @_loop
@@ -564,7 +605,7 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
     (see FLUSH_ROWS; the caller flushes what is left). Pipelined (see above): writing
     row r's dx, it takes row r + 1's sums."""
     D = x.shape[1]
-    s = np.empty(3, dtype=dx.dtype)
+    s = np.empty(4, dtype=dx.dtype)
     if r1 <= r0:
         return
     sg = sgx = sx = 0.0  # row r's sum(g), sum(g*(x - mean)), sum(x - mean)
@@ -572,6 +613,8 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
         write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         m = mean[row]
+        s[3] = _row_centre(np.float64(rstd[row]), sg, sgx, sx, D)
+        e = s[3]  # (in the data's dtype)
         a, c1, c0 = _row_dx_coefs(np.float64(rstd[row]), sg, sgx, sx, D, s)
         sg = sgx = sx = 0.0
         for lo in range(0, D, CHUNK):
@@ -583,7 +626,7 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
                 sx += t
             if write:
                 if with_sums:
-                    _norm_dx_sums_span(dyr, xr, dxr, w, pw, pb, lo, hi, a, c1, m, c0)
+                    _norm_dx_sums_span(dyr, xr, dxr, w, pw, pb, lo, hi, a, c1, m, c0, e)
                 else:
                     _norm_dx_span(dyr, xr, dxr, w, lo, hi, a, c1, m, c0)
         if write and with_sums and (base + r) % FLUSH_ROWS == FLUSH_ROWS - 1:
@@ -818,7 +861,7 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         wc = np.float64(w[ch])
         if write:
             db[c] = sd
-            dw[c] = sdx * rs
+            dw[c] = _batch_dw(m, rs, sd, sdx, sxc, M, training)
         a, k1, d_hi, d_lo = _batch_dx_coefs(m, rs, wc, sd, sdx, sxc, M, s)
         rc = rstd[ch]
         sd = sdx = sxc = 0.0
@@ -1078,15 +1121,15 @@ def channel_dx(dy, x, dx, lo, S, training, av, k1v, m, r, dhv, dlv):  # type: ig
 
 
 @_loop
-def channel_grads(m, r, w, sd, sdx, sxc, M, dw, db, av, k1v, dhv, dlv):  # type: ignore[no-untyped-def]
-    """dweight, dbias (float64) and dx's coefficients (``_batch_dx_coefs``, in ``av``'s
-    dtype) of channels whose mean ``m``, rstd ``r``, weight ``w`` and sums over their M
-    values ``sd``, ``sdx``, ``sxc`` are given (all (k,))."""
+def channel_grads(m, r, w, sd, sdx, sxc, M, training, dw, db, av, k1v, dhv, dlv):  # type: ignore[no-untyped-def]
+    """dweight, dbias (float64; ``_batch_dw``) and dx's coefficients (``_batch_dx_coefs``,
+    in ``av``'s dtype) of channels whose mean ``m``, rstd ``r``, weight ``w`` and sums over
+    their M values ``sd``, ``sdx``, ``sxc`` are given (all (k,))."""
     s = np.empty(4, dtype=av.dtype)
     for j in range(av.shape[0]):
         rs = np.float64(r[j])
         db[j] = sd[j]
-        dw[j] = sdx[j] * rs
+        dw[j] = _batch_dw(m[j], rs, sd[j], sdx[j], sxc[j], M, training)
         wc = np.float64(w[j])
         av[j], k1v[j], dhv[j], dlv[j] = _batch_dx_coefs(m[j], rs, wc, sd[j], sdx[j], sxc[j], M, s)
 
@@ -1122,7 +1165,9 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
                 sdx[j] += pdx[j]
                 sxc[j] += pxc[j]
         sums = (sd[:k], sdx[:k], sxc[:k])
-        channel_grads(m, r, w[a:e], *sums, N * S, dw[a:e], db[a:e], av[:k], k1v[:k], dhv[:k], dlv[:k])
+        channel_grads(
+            m, r, w[a:e], *sums, N * S, training, dw[a:e], db[a:e], av[:k], k1v[:k], dhv[:k], dlv[:k]
+        )
         channel_dx(dy, x, dx, lo, S, training, av[:k], k1v[:k], m, r, dhv[:k], dlv[:k])
 
 
@@ -1237,7 +1282,10 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[row * k + i]
             sgx += wc * sdyx[row * k + i]
-        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, m, rs), L, s)
+        csx = _centred_sum(sx, m, rs)
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, csx, L, s)
+        if write:
+            _centre_row_sums(sdy, sdyx, row * k, k, csx, L)  # for dweight
         rc = rstd[row]
         sx = 0.0
         for i in range(k):
@@ -1295,7 +1343,9 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
             wc = np.float64(w[c0 + i])
             sg += wc * sdy[r * k + i]
             sgx += wc * sdyx[r * k + i]
-        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, m, rs), L, s)
+        csx = _centred_sum(sx, m, rs)
+        _, k1, k0 = _row_dx_coefs(rs, sg, sgx, csx, L, s)
+        _centre_row_sums(sdy, sdyx, r * k, k, csx, L)  # for dweight
         rc = rstd[r]
         for i in range(k):  # then its dx
             s[0] = rs * w[c0 + i]
@@ -1306,8 +1356,9 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
 def group_param_sums(rstd, sdy, sdyx, k, dw, db):  # type: ignore[no-untyped-def]
     """dweight and dbias (float64 (C,)) from the rows' ``rstd`` (N*G,) and the
     per-(sample, channel) sums of ``group_backward``, ``sdy``, ``sdyx`` (N*C,), channel c
-    being in group ``c // k``: ``dw[c] = sum_n rstd[n, g]*sdyx[n, c]``,
-    ``db[c] = sum_n sdy[n, c]``, the samples added in order."""
+    being in group ``c // k``: ``dw[c] = sum_n rstd[n, g]*sdyx[n, c]`` (sdyx centred again
+    by the loops where the row is far from 0: ``_centre_row_sums``), ``db[c] = sum_n
+    sdy[n, c]``, the samples added in order."""
     C = dw.shape[0]
     G = C // k
     for c in range(C):
@@ -1447,7 +1498,9 @@ def _group_dx_coefficients(sd, sdx, sxc, i, mean, rstd, w, k, L, sdy, sdyx, av, 
             sg += wc * sd[c]
             sgx += wc * sdx[c]
             sx += sxc[c]
-        _row_dx_coefs(rs, sg, sgx, _centred_sum(sx, mean[i * G + g], rs), L, s)
+        csx = _centred_sum(sx, mean[i * G + g], rs)
+        _row_dx_coefs(rs, sg, sgx, csx, L, s)
+        _centre_row_sums(sdy, sdyx, i * C + g * k, k, csx, L)  # for dweight
         for c in range(g * k, (g + 1) * k):
             s[0] = rs * w[c]
             av[c] = s[0]

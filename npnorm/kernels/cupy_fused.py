@@ -163,7 +163,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_forward(
 // LayerNorm / RMSNorm backward. Each block strides over the rows r = blockIdx.x,
 // blockIdx.x + gridDim.x, ..., and loads the next row's x and dy before it reduces this
 // row's sums, so that memory is read while the block waits at its barriers. Per block and
-// column it keeps the partial sums of dweight (pw) and dbias (pb), written at the end.
+// column it keeps the partial sums of dweight (pw) and dbias (pb), written at the end; dweight
+// takes xhat centred again, as dx does (its mean mx: 0 but for the saved mean's rounding).
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_backward(
     const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
     const T* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
@@ -211,7 +212,6 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_backward(
                 s0 += (S)xh;
                 s1 += (S)gh;
                 s2 += (S)gh * (S)xh;
-                aw[k] += (S)gc[k] * (S)xh;
                 ab[k] += (S)gc[k];
             }
         }
@@ -230,6 +230,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_backward(
                 const T xh = (xc[k] - m) * rs;
                 const T gh = has_w ? gc[k] * w[j] : gc[k];
                 dr[j] = (T)((S)rs * ((S)gh - t1 - ((S)xh - mx) * t2));
+                aw[k] += (S)gc[k] * ((S)xh - mx);
             }
             xc[k] = xn[k];
             gc[k] = gn[k];
@@ -381,6 +382,8 @@ extern "C" __global__ void channel_sums(
 //           the buffers are of another dtype (run_wide: rounded once, by the caller)
 //   mode 2: dweight = sum(dy * xhat), dbias = sum(dy);  for dx: coef[c] = (rstd * w,
 //           t1 = mean(dy), mx = mean(xhat), t2 = mean(dy * xhat) - mx * t1)
+//   mode 3: mode 2 with batch statistics: dweight = sum(dy * (xhat - mx)), xhat centred
+//           again on what the saved mean's rounding left, as dx takes it (where finite)
 extern "C" __global__ void channel_finish(
     const S* __restrict__ p1, const S* __restrict__ p2, const S* __restrict__ p3,
     const S* __restrict__ p4, const int K, const double count, const int mode,
@@ -433,11 +436,12 @@ extern "C" __global__ void channel_finish(
             }
         }
     } else {
-        dw[c] = (T)a2;
+        const S t1 = a1 / count, mx = a3 / count;
+        const S shift = mx * a1;  // what sum(dy * xhat) took from the mean's rounding
+        dw[c] = (T)((mode == 3 && isfinite(shift)) ? a2 - shift : a2);
         db[c] = (T)a1;
         S scale = (S)rstd_in[c];
         if (has_w) scale = scale * (S)w[c %% Cw];
-        const S t1 = a1 / count, mx = a3 / count;
         coef[4 * c] = scale;
         coef[4 * c + 1] = t1;
         coef[4 * c + 2] = mx;
@@ -815,7 +819,8 @@ def _backward(
     dw, db = cupy.empty((2, Cs), dtype=ct)
     coef = cupy.empty((Cs, 4), dtype=cupy.float64)  # rstd * w (in float64), mean(dy), mean(xhat), t2
     parts = _channel_partials(x, 2, dy=dy, mean=m, rstd=r)
-    _finish(ct, parts, 2, n * S, rstd_in=r, w=w, has_w=int(weight is not None), cw=C, dw=dw, db=db,
+    mode = 3 if training else 2  # (3: dweight of xhat centred again, as dx)
+    _finish(ct, parts, mode, n * S, rstd_in=r, w=w, has_w=int(weight is not None), cw=C, dw=dw, db=db,
             coef=coef)  # fmt: skip
     dx = cupy.empty(x.shape, dtype=ct)
     _kernel("channel_dx", ct)(
@@ -986,8 +991,14 @@ def instance_norm_backward(
     m = _c_ordered(mean, ct).reshape(N * C)
     r = _c_ordered(rstd, ct).reshape(N * C)
     parts, _, _, dx = _backward(ct, dy, x, m, r, weight, C, True)  # dw, db per instance: unused
-    # each channel's sums over its N instances, from the float64 partials (a fixed order)
-    dweight = None if weight is None else parts[1].reshape(N, C, -1).sum(axis=(0, 2)).astype(weight.dtype)
+    # each channel's sums over its N instances, from the float64 partials (a fixed order);
+    # dweight's of xhat centred again per instance, as dx takes it (where finite)
+    dweight = None
+    if weight is not None:
+        sdy, sdyx, sxh = (p.sum(axis=1) for p in parts[:3])  # N*C each, per instance
+        shift = (sxh / S) * sdy  # N*C: what sum(dy * xhat) took from the mean's rounding
+        sdyx = cupy.where(cupy.isfinite(shift), sdyx - shift, sdyx)  # N*C
+        dweight = sdyx.reshape(N, C).sum(axis=0).astype(weight.dtype)
     dbias = None if bias is None else parts[0].reshape(N, C, -1).sum(axis=(0, 2)).astype(bias.dtype)
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
     return write_out(xp, out, dx), dweight, dbias

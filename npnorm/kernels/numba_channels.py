@@ -217,6 +217,7 @@ def _span_grads(
     r: np.ndarray,
     w: np.ndarray,
     M: int,
+    training: bool,
     dw: np.ndarray,
     db: np.ndarray,
     ct: np.dtype[Any],
@@ -230,7 +231,7 @@ def _span_grads(
     for part, total in zip(sums, totals, strict=True):
         loops.add_spans(part, total)
     av, k1v, dhv, dlv = (np.empty(C, dtype=ct) for _ in range(4))  # C each
-    loops.channel_grads(m, r, w, *totals, M, dw, db, av, k1v, dhv, dlv)
+    loops.channel_grads(m, r, w, *totals, M, training, dw, db, av, k1v, dhv, dlv)
     return av, k1v, dhv, dlv
 
 
@@ -252,7 +253,7 @@ def _span_backward(
     N, C = x.shape[0], m.shape[0]
     sums = _span_sum_arrays(parts[-1][1], C, dx.dtype)
     run(partial(loops.channel_span_dy_sums, dy, x, S, m, r, *sums), parts)
-    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, N * S, dw, db, dx.dtype)
+    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, N * S, training, dw, db, dx.dtype)
 
     def samples(r0: int, r1: int) -> None:
         loops.channel_dx(dy[r0:r1], x[r0:r1], dx[r0:r1], 0, S, training, av, k1v, m, r, dhv, dlv)
@@ -449,7 +450,7 @@ def _staged_row_backward(
         loops.channel_span_dy_sums(blocks[0], blocks[1], 1, m, r, *(t[k : k + n] for t in sums), 0, n)
 
     _staged_spans([dy, x], ct, span_sums)
-    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, M, dw, db, ct)
+    av, k1v, dhv, dlv = _span_grads(sums, m, r, w, M, training, dw, db, ct)
 
     def rows_dx(a: int, e: int, blocks: list[np.ndarray]) -> None:
         dyb, xb, dxb = blocks if training else (blocks[0], blocks[0], blocks[1])  # (eval: dx = a*dy)

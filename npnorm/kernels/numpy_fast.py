@@ -153,38 +153,25 @@ def layer_norm_forward(
 
 
 def _centre_again(
-    xc: np.ndarray,
-    ones: np.ndarray,
-    mean: np.ndarray,
-    rstd: np.ndarray,
-    k: np.ndarray,
-    mg: np.ndarray,
-    sx: np.ndarray,
+    xc: np.ndarray, ones: np.ndarray, mean: np.ndarray, rstd: np.ndarray, sx: np.ndarray
 ) -> None:
-    """Centre xhat again before the backward's term 3, as the reference's
-    ``standardize_backward`` does: ``xc = x - mean`` is taken with the saved mean, rounded
-    to the data's dtype, so it has a mean ``d = mean(xc)`` that is not 0 (on a nearly
-    constant row with rstd ~300, 1e-4 of xhat in float32). Term 3 takes ``xc - d``:
-    ``k = rstd^2 * mean(g * (xc - d)) = k - rstd^2 * d * mean(g)``, and the mean term moves
-    by ``k * d``: ``dx = rstd * (g - (mg - k*d) - k*xc)``. ``k`` and ``mg`` (n,) are updated
-    in place (``sx``, (n,), is scratch).
+    """Centre ``xc = x - mean`` again, in place, as the reference centres xhat: taken with
+    the saved mean, rounded to the data's dtype, it has a mean ``d = mean(xc)`` that is not
+    0 (on a nearly constant row with rstd ~300, 1e-4 of xhat in float32), which term 3 of
+    dx would multiply by ``mean(g)`` and dweight would take times ``sum(dy)`` (float32 at
+    offset 1e3 and spread 1e-3: 8e-3 of dweight). ``sx`` (n,) is scratch.
 
     As the forward's ``recentre``, only rows whose mean is more than ``RECENTRE_ABOVE``
     standard deviations from 0 (``|mean| * rstd``) are taken: elsewhere the rounding moves
     xhat by under 2 roundings of the dtype, and the extra pass would cost the backward
     ~10%. The rule is per row, so that a row's dx does not depend on its block. Rows whose
-    sums are not finite (an inf or NaN in dy or x) keep xhat as it is, so that NaN comes
-    only where the values make it (0*inf of a correction would put it on the whole row)."""
-    r64 = rstd.astype(np.float64)  # n
-    rows = np.abs(mean.astype(np.float64)) * r64 > RECENTRE_ABOVE  # n
+    ``d`` is not finite (an inf or NaN in x) are left as they are."""
+    rows = np.abs(mean.astype(np.float64)) * rstd.astype(np.float64) > RECENTRE_ABOVE  # n
     if not rows.any():
         return
     d = rowsum(xc, ones, out=sx).astype(np.float64) / xc.shape[1]  # n  mean(xc)
-    k64, mg64 = k.astype(np.float64), mg.astype(np.float64)  # n  n
-    rows &= np.isfinite(d) & np.isfinite(k64) & np.isfinite(mg64)
-    k64[rows] -= r64[rows] ** 2 * d[rows] * mg64[rows]  # rstd * mean(g * xhat), centred
-    mg64[rows] -= k64[rows] * d[rows]  # mean(g) - k*d
-    k[rows], mg[rows] = k64[rows], mg64[rows]
+    rows &= np.isfinite(d)
+    xc[rows] -= d[rows, None].astype(xc.dtype)  # n,D (the rows far from 0)
 
 
 @specialized("layer_norm_backward", NS, kernels="numpy")
@@ -208,8 +195,8 @@ def layer_norm_backward(
     * ``dbias += colsum(dy)`` and ``dweight += rstd @ (dy * xc)`` (= colsum(dy * xhat)),
       into this thread's partial sums;
     * ``dx = rstd * (g - mg - k * xc)``, built in place in the output block (or a
-      scratch block when dx's dtype is not the computation dtype), with ``k`` and ``mg``
-      centred again first on rows far from 0 (``_centre_again``).
+      scratch block when dx's dtype is not the computation dtype), ``xc`` centred again
+      first on rows far from 0 (``_centre_again``), for dweight too.
 
     ``k``'s and ``mg``'s row sums are taken again in float64 for rows where they overflow
     the computation dtype (``scaled_rowdot``, ``rowmean``: float32 gradients near 1e37).
@@ -263,6 +250,7 @@ def layer_norm_backward(
             xc = xcbuf[:n]  # n,D
             out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
             np.subtract(xb, mean_c[a:e, None], out=xc)  # n,D  x - mean
+            _centre_again(xc, ones, mean_c[a:e], rstd_c[a:e], sxbuf[:n])  # xhat centred again
             if db_part is not None:
                 colsum(dyb, ones_b, out=col)  # D  colsum(dy)
                 np.add(db_part, col, out=db_part)
@@ -278,7 +266,6 @@ def layer_norm_backward(
                 scaled_rowdot(dyb, xc, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 rowmean(dyb, ones, out=mg)  # n  mean(g)
                 g = dyb  # n,D
-            _centre_again(xc, ones, mean_c[a:e], rstd_c[a:e], k, mg, sxbuf[:n])  # xhat centred again
             np.multiply(xc, k[:, None], out=xc)  # n,D
             np.subtract(g, xc, out=out)  # n,D
             np.subtract(out, mg[:, None], out=out)  # n,D

@@ -432,6 +432,19 @@ def _batch_dx_sweep(
     _dx_sweep(rows_dy, rows_x, dx, ct, _ring(center, B), *(_Ring(c, B) for c in abd))
 
 
+def _centred_dot(
+    sum_dy: np.ndarray, sum_dyxc: np.ndarray, sum_xc: np.ndarray | None, count: float
+) -> np.ndarray:
+    """``sum(dy*(x - mean - xi))`` (C,) float64, ``xi = sum_xc/count`` the mean of ``x - mean``
+    that the saved mean's rounding left: the sums of xhat centred again (``sum_dyxc`` itself
+    where ``sum_xc`` is None, or where the shift is not finite: an inf in dy)."""
+    if sum_xc is None:
+        return sum_dyxc
+    with np.errstate(all="ignore"):
+        shift = (sum_xc / count) * sum_dy  # C
+    return np.where(np.isfinite(shift), sum_dyxc - shift, sum_dyxc)
+
+
 def _batch_dx_coefficients(
     ct: np.dtype[Any],
     m: np.ndarray,
@@ -465,7 +478,7 @@ def _batch_dx_coefficients(
     d64 = sum_dy / count  # C: mean(dy)
     if sum_xc is not None:
         xi = sum_xc / count  # C: mean(x - mean), what the mean's rounding left
-        sum_dyxc = sum_dyxc - xi * sum_dy  # C: sum(dy*(x - mean - xi))
+        sum_dyxc = _centred_dot(sum_dy, sum_dyxc, sum_xc, count)  # C: sum(dy*(x - mean - xi))
         d64 = d64 - (r64 * sum_dyxc / count) * (r64 * xi)  # C: mean(dy*xhat) times xhat's mean
     b64 = -r64 * (r64 * (wv * sum_dyxc) / count) * r64  # C  (r*sum is O(1): no r^3 underflow)
     if fold:
@@ -519,6 +532,7 @@ def _channel_backward(
             assert sum_dyxc is not None
             coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, sum_xc=sum_xc)
             columns.batch_dx(dy2, x2, dx2, ct, *coefs)
+            sum_dyxc = _centred_dot(sum_dy, sum_dyxc, sum_xc, N * S)  # C: dweight's, xhat centred again
         else:  # dx = rstd*w*dy, written by the sums sweep
             sum_dy, sum_dyxc = columns.grad_sums(dy2, x2, ct, m, need_dot, dx2, r if w is None else r * w)
         return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
@@ -546,6 +560,7 @@ def _channel_backward(
         # with fold, dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
         coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, sum_xc=sum_xc)
         _batch_dx_sweep(rows_dy, rows_x, dx, ct, coefs, B)
+        sum_dyxc = _centred_dot(sum_dy, sum_dyxc, sum_xc, N * S)  # C: dweight's, xhat centred again
     return _channel_grads(dx, out, sum_dy, sum_dyxc, r, weight, bias)
 
 

@@ -55,6 +55,8 @@ asarray = _np.asarray
 concatenate = _np.concatenate
 arange = _np.arange
 zeros_like = _np.zeros_like
+where = _np.where
+isfinite = _np.isfinite
 ones_like = _np.ones_like
 
 

@@ -120,7 +120,8 @@ def rows_backward(L: Launch) -> None:
         # block b takes the rows b, b + G, ... in order; each thread keeps its columns' sums
         aw, ab = np.zeros((G, cols)), np.zeros((G, cols))
         gs = g.astype(F64)
-        cw = gs * xhs
+        with np.errstate(invalid="ignore"):  # (inf - inf where the source gives NaN too)
+            cw = gs * (xhs - mx[:, None])  # dweight's: xhat centred again, as dx takes it
         for i in range(math.ceil(Rp / G)):
             lo, hi = i * G, min((i + 1) * G, Rp)
             aw[: hi - lo] += cw[lo:hi]
@@ -305,7 +306,10 @@ def channel_finish(L: Launch) -> None:
             a2 = np.where(w, a2 + v2[..., q], a2)
             a3 = np.where(w, a3 + v3[..., q], a3)
         a1, a2, a3 = block_sum(a1), block_sum(a2), block_sum(a3)
-        L.ptr("dw", need=Cg)[:Cg] = a2.astype(T)
+        with np.errstate(all="ignore"):
+            shift = (a3 / count) * a1  # mode 3: dweight of xhat centred again (where finite)
+            dw = np.where((mode == 3) & np.isfinite(shift), a2 - shift, a2)
+        L.ptr("dw", need=Cg)[:Cg] = dw.astype(T)
         L.ptr("db", need=Cg)[:Cg] = a1.astype(T)
         scale = L.ptr("rstd_in", need=Cg)[:Cg].astype(F64)
         if L.val("has_w"):
@@ -406,10 +410,10 @@ for _w in (0, 1):
 FINGERPRINTS.update(
     {
         "rows_forward": "58356f3fa62d",
-        "rows_backward": "9e461c7cf792",
+        "rows_backward": "3378a065d3e5",
         "column_sums": "8ef2bd6eecba",
         "channel_sums": "a2849d80256f",
-        "channel_finish": "a1d7fd826ffd",
+        "channel_finish": "76a111d5355c",
         "channel_apply": "def6dd7c8296",
         "channel_dx": "18773145f30c",
     }
