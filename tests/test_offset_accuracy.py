@@ -148,6 +148,28 @@ def test_float32_dweight_with_an_offset_rounds_like_float32_only(name, channels_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_layer_norm_dweight_is_centred_on_a_row_whose_gradient_holds_an_inf(family):
+    """numba's LayerNorm decided whether to centre a row's xhat for dweight from dy's sums
+    too: a row holding an inf in dy kept the uncentred xhat, and every finite column of
+    dweight took its error (3e-2 off at offset 1e3 and spread 1e-3)."""
+    rng = np.random.default_rng(0)
+    x = (1e3 + 1e-3 * rng.normal(size=(4, 8))).astype(np.float32)
+    dy = (10 + rng.normal(size=(4, 8))).astype(np.float32)
+    dy[1, 0] = np.inf
+    with npnorm.use_kernels("reference"), np.errstate(all="ignore"):
+        m64 = npnorm.LayerNorm(8, dtype="float64")
+        m64(x.astype(np.float64))
+        m64.backward(dy.astype(np.float64))
+    with npnorm.use_kernels(family), np.errstate(all="ignore"):
+        m = npnorm.LayerNorm(8)
+        m(x)
+        m.backward(dy)
+    got, want = m.grads["weight"].astype(np.float64)[1:], m64.grads["weight"][1:]  # column 0: inf
+    assert np.isinf(m.grads["weight"][0])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", ["BatchNorm2d", "GroupNorm", "InstanceNorm2d"])
 def test_gradient_with_a_common_part_at_least_as_accurate_as_torch(torch, name, family):
     """dy = 1 + small (loss = y.sum() + a small term) on data 3 standard deviations from 0:

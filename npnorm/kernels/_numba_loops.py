@@ -378,11 +378,13 @@ def _batch_dw(m, rs, sd, sdx, sxc, M, training):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _row_centre(rs, sg, sgx, sx, D):  # type: ignore[no-untyped-def]
-    """The mean of a LayerNorm row's xhat that ``_row_dx_coefs`` centres it on (0 where it
-    does not), for dweight: the rounding of the saved mean had added ``rstd*mean(x -
-    mean)*sum(dy)`` to it (float32 at offset 1e3 and spread 1e-3: 8e-3 of dweight)."""
-    if sx != 0.0 and np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
+def _row_centre(rs, sx, D):  # type: ignore[no-untyped-def]
+    """The mean of a LayerNorm row's xhat, ``rs*sx/D`` from its float64 rstd and ``sx =
+    sum(x - mean)``, for dweight (0 where ``sx`` is not finite; from x alone, so that a row
+    whose dy holds an inf is centred too, as by the reference): the rounding of the saved
+    mean had added ``rstd*mean(x - mean)*sum(dy)`` to dweight (float32 at offset 1e3 and
+    spread 1e-3: 8e-3 of it)."""
+    if sx != 0.0 and np.isfinite(sx):
         return rs * (sx / D)
     return 0.0
 
@@ -613,7 +615,7 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
         write, add, row, n = _one_ahead(r, r0, r1)
         xr, dyr, dxr, x1, dy1 = x[row], dy[row], dx[row], x[n], dy[n]
         m = mean[row]
-        s[3] = _row_centre(np.float64(rstd[row]), sg, sgx, sx, D)
+        s[3] = _row_centre(np.float64(rstd[row]), sx, D)
         e = s[3]  # (in the data's dtype)
         a, c1, c0 = _row_dx_coefs(np.float64(rstd[row]), sg, sgx, sx, D, s)
         sg = sgx = sx = 0.0

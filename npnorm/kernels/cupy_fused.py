@@ -172,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) rows_backward(
     const int center, const int has_w, const int need_pw, const int need_pb)
 {
     __shared__ S sh[96];
-    S aw[KMAX], ab[KMAX];  // this thread's columns' sums of dy * xhat and dy
+    S aw[KMAX], ab[KMAX];  // this thread's columns' sums of dy * (xhat - mx) and dy
     T xc[KMAX], gc[KMAX];  // this row's x and dy
     T xn[KMAX], gn[KMAX];  // the next row's
     {
