@@ -174,6 +174,21 @@ def xhat_from(x: Array, mean: Array | None, rstd: Array) -> Array:
     return (x - mean if mean is not None else x) * rstd
 
 
+def centred_again(xp: Namespace, xhat: Array, axes: Axes) -> Array:
+    """``xhat`` as the backward recomputes it, centred again on its mean over ``axes`` (one
+    statistic's values), as the layers take it before ``dweight`` and
+    :func:`standardize_backward`.
+
+    ``xhat`` has mean 0, but the backward recomputes it from the mean as saved, rounded to
+    the input's dtype. On a nearly constant row (rstd ~300 at eps = 1e-5) that rounding
+    made ``mean(xhat)`` 1e-4, which term 3 of dx multiplied by ``mean(dxhat)``: a constant
+    ``dy``, whose exact ``dx`` is 0, gave float32 ``dx`` of 1e-2 (3x PyTorch's error there;
+    now 1e-7). And ``dweight = sum(dy * xhat)`` took ``rstd * mean(x - mean) * sum(dy)``
+    with it (float32 at offset 1e3 and spread 1e-3: 3e-2 of dweight, as PyTorch's).
+    """
+    return xhat - wide_mean(xp, xhat, axes)  # same shape as xhat: centred again
+
+
 def standardize_backward(
     xp: Namespace,
     dxhat: Array,
@@ -182,7 +197,6 @@ def standardize_backward(
     axes: Axes,
     *,
     center: bool = True,
-    centred: bool = False,
     weight: Array | None = None,
 ) -> Array:
     """Gradient ``dx`` through ``xhat = (x - mean) * rstd`` with batch statistics.
@@ -201,14 +215,9 @@ def standardize_backward(
     of ``dxhat`` (``dy = 1e3 + noise``) cancels there exactly, before anything rounds at
     its scale.
 
-    ``xhat`` has mean 0, but the backward recomputes it from the mean as saved, rounded
-    to the input's dtype, so it is first centred again. On a nearly constant row (rstd
-    ~300 at eps = 1e-5) that rounding made ``mean(xhat)`` 1e-4, which term 3 multiplied
-    by ``mean(dxhat)``: a constant ``dy``, whose exact ``dx`` is 0, gave float32 ``dx`` of
-    1e-2 (3x PyTorch's error there; now 1e-7). The layers centre it themselves before
-    they call this (``centred=True``), so that ``dweight = sum(dy * xhat)`` is taken from
-    the centred xhat too: the rounding added ``rstd * mean(x - mean) * sum(dy)`` to it
-    (float32 at offset 1e3 and spread 1e-3: 3e-2 of dweight, as PyTorch's).
+    With ``center``, ``xhat`` has mean 0 over ``axes``: the layers recompute it from the
+    saved mean, rounded to the input's dtype, and pass it through :func:`centred_again`
+    first (before they take dweight from it too).
 
     Where the affine weight is one number per statistic (BatchNorm's and InstanceNorm's
     channels), pass ``dy`` as ``dxhat`` and the weight, shaped as ``rstd``, as ``weight``:
@@ -218,8 +227,6 @@ def standardize_backward(
     (:func:`scaled`).
     (docs/derivations/batch_norm_training.md collapses the staged backward into these.)
     """
-    if center and not centred:
-        xhat = xhat - wide_mean(xp, xhat, axes)  # same shape as x: centred again (see above)
     proj = wide_mean(xp, dxhat * xhat, axes)  # reduced axes -> 1: mean(dxhat * xhat)
     inner = dxhat  # term 1 / rstd
     if center:

@@ -101,7 +101,7 @@ def test_float32_with_offset_1e3_at_least_as_accurate_as_torch(torch, name, seed
 def test_float32_dx_with_offset_1e3_rounds_like_float32_only(name, channels_last, seed, family):
     """The backward recomputes xhat from the saved mean, rounded to float32 (up to 3e-5 of
     the spread off at offset 1e3), so xhat is off centre by as much; centred again, as the
-    reference's ``standardize_backward`` does, dx is off the float64 one by float32
+    reference's ``centred_again`` does, dx is off the float64 one by float32
     rounding only: 1e-7 here, channels-last input too, which the fast kernels take in
     loops of their own. (LayerNorm's "numpy" and "numba" kernels were 2e-6 off before
     theirs did too, torch's is 2e-5; "numba"'s GroupNorm and InstanceNorm 2e-6 to 4e-6;

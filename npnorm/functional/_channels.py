@@ -18,7 +18,16 @@ from .._backend import (
     write_uncounted,
 )
 from .._checks import cast, check_real, prod, work_dtype, write_out
-from .._stats import centred, moments, rstd_of, scaled, standardize_backward, wide_mean, wide_sum, xhat_from
+from .._stats import (
+    centred,
+    centred_again,
+    moments,
+    rstd_of,
+    scaled,
+    standardize_backward,
+    wide_sum,
+    xhat_from,
+)
 from ._dispatch import as_plain
 
 
@@ -300,15 +309,15 @@ def channel_norm_backward(
     mean = xp.reshape(cast(xp, mean, ct), stats)  # 1,C,1 or N,C,1
     rstd = xp.reshape(cast(xp, rstd, ct), stats)  # 1,C,1 or N,C,1
     xhat = xhat_from(x, mean, rstd)  # N,C,S
-    if use_input_stats:  # centred again on what the mean's rounding left (standardize_backward)
-        xhat = xhat - wide_mean(xp, xhat, axes)  # N,C,S: before dweight takes it
+    if use_input_stats:  # on what the saved mean's rounding left
+        xhat = centred_again(xp, xhat, axes)  # N,C,S: before dweight takes it
     dweight, dbias = channel_affine_grads(xp, dy, xhat, weight, bias)  # C  C
     # w is one number per statistic here, so it factors out of dxhat = dy*w: dx is taken
     # from dy and scaled by rstd * w once, which centres dy before scaling it, as
     # PyTorch's kernel does (dxhat = dy*w first rounds a common part of dy at w's scale)
     w = None if weight is None else xp.reshape(weight, (1, -1, 1))  # 1,C,1
     if use_input_stats:
-        dx = standardize_backward(xp, dy, xhat, rstd, axes, centred=True, weight=w)  # N,C,S
+        dx = standardize_backward(xp, dy, xhat, rstd, axes, weight=w)  # N,C,S
     elif w is not None:  # the statistics are constants: dx = dy * (rstd * w)
         dx = scaled(xp, dy, rstd, w)  # N,C,S
     else:

@@ -17,7 +17,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import standardize, standardize_backward, wide_mean, xhat_from
+from .._stats import centred_again, standardize, standardize_backward, xhat_from
 from ._channels import (
     as_ncs,
     channel_affine,
@@ -282,9 +282,9 @@ def group_norm_backward_generic(
     mean = xp.reshape(cast(xp, mean, ct), (n, num_groups, 1, 1))  # N,G,1,1
     rstd = xp.reshape(cast(xp, rstd, ct), (n, num_groups, 1, 1))  # N,G,1,1
     xhat = xhat_from(xp.reshape(x, group), mean, rstd)  # N,G,C/G,S
-    xhat = xhat - wide_mean(xp, xhat, (2, 3))  # N,G,C/G,S: centred again (standardize_backward)
+    xhat = centred_again(xp, xhat, (2, 3))  # N,G,C/G,S: before dweight takes it
     dxhat, dweight, dbias = channel_affine_backward(
         xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
     )  # N,C,S  C  C
-    dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2, 3), centred=True)  # N,G,C/G,S
+    dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2, 3))  # N,G,C/G,S
     return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias

@@ -23,7 +23,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import as_rows, standardize, standardize_backward, wide_mean, wide_sum, xhat_from
+from .._stats import as_rows, centred_again, standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -270,7 +270,7 @@ def layer_norm_backward_generic(
     mean = xp.reshape(cast(xp, mean, ct), (-1, 1))  # R,1
     rstd = xp.reshape(cast(xp, rstd, ct), (-1, 1))  # R,1
     xhat = xhat_from(x, mean, rstd)  # R,D, recomputed rather than saved
-    xhat = xhat - wide_mean(xp, xhat, (1,))  # R,D: centred again (standardize_backward), for dweight too
+    xhat = centred_again(xp, xhat, (1,))  # R,D: before dweight takes it
     dweight = dbias = None
     if bias is not None:
         dbias = cast(xp, xp.reshape(wide_sum(xp, dy, (0,)), shape), bias.dtype)  # *shape
@@ -279,6 +279,6 @@ def layer_norm_backward_generic(
         dxhat = dy * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     else:
         dxhat = dy  # R,D
-    dx = standardize_backward(xp, dxhat, xhat, rstd, (1,), centred=True)  # R,D
+    dx = standardize_backward(xp, dxhat, xhat, rstd, (1,))  # R,D
     dx = cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)  # *,*shape
     return write_out(xp, out, dx), dweight, dbias

@@ -557,7 +557,7 @@ def sync_batch_norm_dx_generic(
     means of ``dy``, ``dy*(x - mean)`` and ``x - mean`` (``mean_G``: over every rank's
     values; float64 where the device has it). xhat is first centred again on
     ``xi = mean_G(x - mean)``, what the rounding of the saved ``mean`` to the computation
-    dtype left, as ``standardize_backward`` centres it: ``mean_G(dy*(x - mean - xi)) =
+    dtype left, as ``centred_again`` centres it: ``mean_G(dy*(x - mean - xi)) =
     mean_G(dy*(x - mean)) - xi*mean_G(dy)``, taken before the means are rounded to the
     computation dtype (an infinite ``mean_G(dy)``, from an infinite dy, is left as it was)."""
     ct = work_dtype(xp, input, weight, mean)

@@ -394,7 +394,7 @@ def _row_dx_coefs(rs, sg, sgx, sx, D, s):  # type: ignore[no-untyped-def]
     """LayerNorm's ``dx = a*g + c1*xhat + c0``, ``xhat = (x - mean)*rstd`` with the mean
     as saved, from a row's float64 rstd ``rs`` and sums ``sg = sum(g)``, ``sgx = sum(g*(x
     - mean))``, ``sx = sum(x - mean)``: ``(a, c1, c0)`` in the data's dtype (through
-    ``s[0:3]``). As the reference's ``standardize_backward`` does, xhat is centred again
+    ``s[0:3]``). As the reference's ``centred_again`` does, xhat is centred again
     first: the saved mean is rounded to the data's dtype, so xhat's mean is ``d =
     rs*sx/D``, not 0 (on a nearly constant row, rstd ~300, 1e-4 in float32), and term 3
     takes ``xhat - d``: ``c1 = -rs*mean(g*(xhat - d))``, and ``c0 = -rs*mean(g) - c1*d``

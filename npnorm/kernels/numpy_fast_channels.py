@@ -466,7 +466,7 @@ def _batch_dx_coefficients(
     ``a*dy``'s rounding in dx: 3-6 times PyTorch's error). With ``fold`` the mean moves
     into ``d`` and the sweep reads ``x`` itself (``center`` None): ``b*(x - mean) = b*x -
     a*(b*mean/a)``. With ``sum_xc`` (C,), the sum of ``x - mean``, xhat is centred again
-    first, as the reference's ``standardize_backward`` does: the saved mean is rounded to
+    first, as the reference's ``centred_again`` does: the saved mean is rounded to
     ``ct``, so ``x - mean`` has a mean ``xi``, which comes out of the sum of ``dy*(x -
     mean)`` (``- xi*sum(dy)``), and ``b*xi`` moves into ``d``. Raises
     ``CoefficientOverflow`` (before any write) where ``b`` is beyond ``ct``'s range, or
