@@ -40,7 +40,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._backend import Array, Namespace
+from ._backend import Array, Namespace, no_fp_warnings
 from ._checks import cast, prod
 
 Axes = tuple[int, ...]
@@ -187,6 +187,16 @@ def centred_again(xp: Namespace, xhat: Array, axes: Axes) -> Array:
     with it (float32 at offset 1e3 and spread 1e-3: 3e-2 of dweight, as PyTorch's).
     """
     return xhat - wide_mean(xp, xhat, axes)  # same shape as xhat: centred again
+
+
+@no_fp_warnings  # (0 * inf where dy is infinite)
+def less_centre(xp: Namespace, dot: Array, xi: Array, total: Array) -> Array:
+    """``sum(dy * (x - mean - xi))`` from ``dot = sum(dy * (x - mean))`` and ``total =
+    sum(dy)`` (or the same as means): the sums of xhat centred again on ``xi``, the mean of
+    ``x - mean`` that the saved mean's rounding left (:func:`centred_again`). Left as it was
+    where ``xi * total`` is not finite (an infinite dy), so that no NaN comes of inf - inf."""
+    shift = xi * total
+    return dot - xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))
 
 
 def standardize_backward(

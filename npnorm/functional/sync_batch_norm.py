@@ -38,7 +38,7 @@ from .._checks import (
     work_dtype,
 )
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, check_comm, resolve_comm
-from .._stats import RECENTRE_ABOVE, moments, square_dtype, wide_sum, xhat_from
+from .._stats import RECENTRE_ABOVE, less_centre, moments, square_dtype, wide_sum, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -377,9 +377,7 @@ def synced_backward(
     dx = as_plain(dx)  # (NumPy: native byte order, as every kernel's result through ``run``)
     # the rank's own sums: dw = sum(dy*xhat) = rstd*sum(dy*(x - mean - xi)), xhat centred again
     # on the global xi as dx takes it, db = sum(dy)
-    with np.errstate(all="ignore"):  # (0*inf where dy is infinite: no shift there)
-        shift = mean_xc * sum_dy  # C (wide): what sum(dy*(x - mean)) gained from xi on this rank
-        sum_dyxc = sum_dyxc - xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))  # C
+    sum_dyxc = less_centre(xp, sum_dyxc, mean_xc, sum_dy)  # C (wide): this rank's, less xi*sum(dy)
     dweight = None if weight is None else cast(xp, cast(xp, rstd, ct) * sum_dyxc, weight.dtype)  # C
     dbias = None if bias is None else cast(xp, sum_dy, bias.dtype)  # C
     return dx, dweight, dbias
@@ -566,10 +564,9 @@ def sync_batch_norm_dx_generic(
     m = xp.reshape(cast(xp, mean, ct), (1, -1, 1))  # 1,C,1
     r = xp.reshape(cast(xp, rstd, ct), (1, -1, 1))  # 1,C,1
     w = 1.0 if weight is None else xp.reshape(cast(xp, weight, ct), (1, -1, 1))  # 1,C,1
-    shift = mean_xc * mean_dy  # C (wide): xi*mean_G(dy), what mean_G(dy*(x - mean)) gained from xi
-    shift = xp.where(xp.isfinite(shift), shift, xp.zeros_like(shift))  # (an infinite dy: no shift)
+    centred = less_centre(xp, mean_dyxc, mean_xc, mean_dy)  # C (wide): mean_G(dy*(x - mean - xi))
     g = xp.reshape(cast(xp, mean_dy, ct), (1, -1, 1))  # 1,C,1: mean_G(dy)
-    p = xp.reshape(cast(xp, mean_dyxc - shift, ct), (1, -1, 1))  # 1,C,1: mean_G(dy*(x - mean - xi))
+    p = xp.reshape(cast(xp, centred, ct), (1, -1, 1))  # 1,C,1: mean_G(dy*(x - mean - xi))
     xi = xp.reshape(cast(xp, mean_xc, ct), (1, -1, 1))  # 1,C,1: mean_G(x - mean), the mean's rounding
     xhat = xhat_from(x, m, r) - xi * r  # N,C,S: centred again
     dxhat = dy * w  # N,C,S

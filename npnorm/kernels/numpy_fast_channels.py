@@ -81,6 +81,7 @@ import numpy as np
 
 from .._backend import Namespace, no_fp_warnings
 from .._checks import cast, prod, work_dtype
+from .._stats import less_centre
 from ..functional._channels import running_update
 from ..functional._dispatch import generic_kernel, specialized
 from . import numpy_fast_columns as columns
@@ -438,11 +439,7 @@ def _centred_dot(
     """``sum(dy*(x - mean - xi))`` (C,) float64, ``xi = sum_xc/count`` the mean of ``x - mean``
     that the saved mean's rounding left: the sums of xhat centred again (``sum_dyxc`` itself
     where ``sum_xc`` is None, or where the shift is not finite: an inf in dy)."""
-    if sum_xc is None:
-        return sum_dyxc
-    with np.errstate(all="ignore"):
-        shift = (sum_xc / count) * sum_dy  # C
-    return np.where(np.isfinite(shift), sum_dyxc - shift, sum_dyxc)
+    return sum_dyxc if sum_xc is None else less_centre(np, sum_dyxc, sum_xc / count, sum_dy)
 
 
 def _batch_dx_coefficients(

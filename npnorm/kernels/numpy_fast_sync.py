@@ -85,9 +85,8 @@ def sync_batch_norm_grad_sums(
     sxc = np.empty(rows_x.R, dtype=ct)  # R: sum(x - mean)
     sdy, sdx = _grad_sums_sweep(_rows(grad_output, C, ct), rows_x, ct, center, True, xc_sums=sxc)  # R, R
     assert sdx is not None
-    sum_dy = np.add.reduce(
-        np.reshape(sdy, (N, C)), axis=0, dtype=np.float64
-    )  # C, the samples added in float64
+    # the samples added in float64
+    sum_dy = np.add.reduce(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C
     sum_dyxc = np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)  # C
     sum_xc = np.add.reduce(np.reshape(sxc, (N, C)), axis=0, dtype=np.float64)  # C
     return sum_dy, sum_dyxc, sum_xc
