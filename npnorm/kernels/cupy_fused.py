@@ -54,7 +54,7 @@ import numpy as np
 
 from .._backend import Array, Namespace
 from .._checks import default_eps, fast_float_type, prod, work_dtype, write_out
-from .._stats import rstd_of
+from .._stats import less_centre, rstd_of
 from ..functional import _dispatch
 from ..functional._channels import running_update
 
@@ -996,8 +996,7 @@ def instance_norm_backward(
     dweight = None
     if weight is not None:
         sdy, sdyx, sxh = (p.sum(axis=1) for p in parts[:3])  # N*C each, per instance
-        shift = (sxh / S) * sdy  # N*C: what sum(dy * xhat) took from the mean's rounding
-        sdyx = cupy.where(cupy.isfinite(shift), sdyx - shift, sdyx)  # N*C
+        sdyx = less_centre(xp, sdyx, sxh / S, sdy)  # N*C: less what the mean's rounding added
         dweight = sdyx.reshape(N, C).sum(axis=0).astype(weight.dtype)
     dbias = None if bias is None else parts[0].reshape(N, C, -1).sum(axis=(0, 2)).astype(bias.dtype)
     dx = dx.astype(input.dtype, copy=False).reshape(input.shape)
