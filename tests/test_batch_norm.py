@@ -327,6 +327,22 @@ def test_an_empty_batch_trains_as_in_torch(torch, family, shape):
     assert half.grads["weight"].dtype == half.grads["bias"].dtype == np.float16
 
 
+@pytest.mark.parametrize("name", ["BatchNorm1d", "BatchNorm2d", "SyncBatchNorm"])
+@pytest.mark.parametrize("training", [True, False])
+def test_an_empty_batch_of_the_wrong_channel_count_is_refused_unlike_torch(torch, name, training):
+    """PyTorch's BatchNorm returns an empty input before it checks the channel count (and
+    counts the batch); npnorm refuses it as it refuses a full batch of that shape, and
+    changes nothing. The README lists this among the differences."""
+    shape = (0, 4) if name == "BatchNorm1d" else (2, 4, 0, 2)
+    ref = getattr(torch.nn, name)(3).train(training)
+    assert tuple(ref(torch.zeros(shape)).shape) == shape  # torch takes it
+    ours = getattr(npnorm, name)(3).train(training)
+    state, grads = snapshot(ours)
+    with pytest.raises(ValueError, match=r"expected 3 channels at dim 1, got input of shape"):
+        ours(np.zeros(shape, np.float32))
+    assert_state_equal(ours, state, grads)
+
+
 @pytest.mark.parametrize(
     "kind, error, match",
     [
