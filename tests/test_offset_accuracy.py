@@ -274,6 +274,25 @@ def test_float32_sums_beyond_its_range(family):
             np.testing.assert_allclose(y.reshape(-1), [2.5, 2.5, -1.5, -1.5], rtol=1e-6, err_msg=op)
 
 
+def test_the_reference_centres_and_scales_float32_beyond_its_range_in_float64():
+    """Where ``x - mean`` passes float32's range, or (eps=0) rstd does, the reference
+    computes both in float64 and gives the finite result; the fast kernels give inf or
+    NaN there, as PyTorch's float32 kernels (the README's two limits)."""
+    x = np.array([3e38, 3e38, 3e38, -3e38], dtype=np.float32).reshape(1, 1, 4)
+    with npnorm.use_kernels("reference"):
+        for op, y in _each_functional(x, 1e-5).items():
+            np.testing.assert_allclose(
+                y.reshape(-1), [1.65470, 1.65470, 1.65470, -2.96410], rtol=1e-5, err_msg=op
+            )
+        tiny = np.array([[1e-39, -1e-39, 2e-39, 0.0]], dtype=np.float32)
+        np.testing.assert_allclose(
+            F.layer_norm(tiny, 4, eps=0.0), [[0.4472136, -1.3416408, 1.3416408, -0.4472136]], rtol=1e-6
+        )
+        np.testing.assert_allclose(
+            F.rms_norm(tiny, 4, eps=0.0), [[0.8164966, -0.8164966, 1.6329932, 0.0]], rtol=1e-6
+        )
+
+
 def _each_backward(x, dy):
     """Every layer's forward then backward on x (N, C, L), as the tests above; dx and the
     parameter gradients of each."""
