@@ -1388,6 +1388,29 @@ def test_a_float16_running_variance_beyond_its_range_is_inf_without_a_warning():
         np.testing.assert_allclose(mean, bn.running_mean, rtol=1e-3)
 
 
+@pytest.mark.parametrize(
+    "momentum, running_mean", [(0.0, 0.0), (1.0, np.inf), (None, np.inf)]
+)  # 0*inf: in the batch's statistics, or in the running ones (a factor of 1)
+def test_a_running_update_of_zero_times_inf_is_nan_without_a_warning(momentum, running_mean):
+    """BatchNorm's running update gives NaN quietly where a momentum of 0 meets an inf
+    batch mean, or a factor of 1 an inf running mean; SyncBatchNorm's let NumPy's invalid
+    warning out (an error under warnings as errors: the training step failed on every
+    rank)."""
+    x = np.array([[1.0], [2.0], [np.inf], [3.0]])
+
+    def step(m):
+        m.load_state_dict({**m.state_dict(), "running_mean": np.array([running_mean])})
+        m(x if m.__class__ is npnorm.BatchNorm1d else x[2 * m.comm.Get_rank() :][:2])
+        return to_host(m.running_mean), to_host(m.running_var)
+
+    want = step(npnorm.BatchNorm1d(1, momentum=momentum, dtype="float64"))
+    for got in run_ranks(
+        2, lambda comm: step(npnorm.SyncBatchNorm(1, momentum=momentum, comm=comm, dtype="float64"))
+    ):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("family", ["reference", "numpy"])
 def test_the_per_rank_kernels_emit_no_floating_point_warning(family):
     """A float16 dx beyond float16's range is inf, as every other kernel gives it: the

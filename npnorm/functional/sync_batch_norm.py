@@ -304,9 +304,10 @@ def synced_forward(
     y, _, _, _, _ = batch_norm_forward(input, mean_n, var_n, weight, bias, False, momentum, eps)
     new_mean, new_var = running_mean, running_var
     if running_mean is not None and running_var is not None:
-        # inf beyond the dtype's range, without a warning, as BatchNorm's: the unbiased
-        # variance in ct, and the buffers' updates cast to their dtype (a float16 buffer)
-        with np.errstate(over="ignore"):
+        # inf beyond the dtype's range, and NaN for 0*inf (a momentum of 0 and an inf
+        # batch mean), without a warning, as BatchNorm's: the unbiased variance in ct, and
+        # the buffers' updates cast to their dtype (a float16 buffer)
+        with np.errstate(over="ignore", invalid="ignore"):
             unbiased = _on_device(input, m2 / (n - 1), xp, ct)  # C: global count n
             new_mean = running_update(xp, running_mean, mean, momentum)  # C
             new_var = running_update(xp, running_var, unbiased, momentum)  # C
