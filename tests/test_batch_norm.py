@@ -609,21 +609,22 @@ def test_a_missing_running_buffer_without_batch_statistics_is_torchs_runtime_err
             m(x)
 
 
-@pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (2, 3, 0)])
+@pytest.mark.parametrize("shape", [(0, 3), (0, 3, 4), (2, 3, 0), (2, 0, 4)])
 def test_an_empty_batch_in_inference_needs_no_running_buffers(torch, shape):
     """torch's batch_norm returns an empty batch's empty output in eval without running
     buffers (it returns before asking for them); npnorm raised "running_mean must be
-    defined in evaluation mode". InstanceNorm with use_input_stats=False still raises, as
-    torch's does."""
+    defined in evaluation mode" (for no channels, (2, 0, 4), until later). InstanceNorm
+    with use_input_stats=False still raises, as torch's does."""
     x = np.zeros(shape, np.float32)
-    w, b = np.ones(3, np.float32), np.zeros(3, np.float32)
+    c = shape[1]
+    w, b = np.ones(c, np.float32), np.zeros(c, np.float32)
     theirs = torch.nn.functional.batch_norm(torch.from_numpy(x), None, None, training=False)
     for family in npnorm.kernels_available():
         with npnorm.use_kernels(family):
             y = F.batch_norm(x, None, None, w, b, training=False)
             assert y.shape == tuple(theirs.shape) == shape and y.dtype == np.float32
             _, mean, rstd, rm, rv = F.batch_norm_forward(x, None, None, w, b, training=False)
-            assert mean.shape == rstd.shape == (3,) and rm is None and rv is None
+            assert mean.shape == rstd.shape == (c,) and rm is None and rv is None
             dx, dw, db = F.batch_norm_backward(x, x, mean, rstd, w, b, training=False)
             assert dx.shape == shape
             np.testing.assert_array_equal(dw, 0)

@@ -98,7 +98,7 @@ def batch_norm_forward(
         PyTorch: its output is empty, ``mean`` and ``rstd`` are NaN (statistics of
         nothing), and the buffers come back as they were.
     RuntimeError
-        In inference without a running buffer (PyTorch's error), but for an empty batch.
+        In inference without a running buffer (PyTorch's error), but for an empty input.
     TypeError
         On non-floating input, arrays of different backends, an ``eps`` that is
         not a real number, or a ``training`` that is not a bool (as PyTorch's).
@@ -125,15 +125,16 @@ def batch_norm_forward(
     c = check_channels(input, None, "batch_norm")
     check_per_channel(c, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     values = int(input.shape[0]) * prod(input.shape[2:])  # per channel
-    # (an empty batch in inference needs no buffers: PyTorch returns its empty output)
-    check_running_given(running_mean, running_var, training or values == 0, "batch_norm")
+    empty = values == 0 or c == 0  # no values at all
+    # (an empty input in inference needs no buffers: PyTorch returns its empty output)
+    check_running_given(running_mean, running_var, training or empty, "batch_norm")
     check_buffers_paired(running_mean, running_var)
     if training and values == 1:
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size {tuple(input.shape)}"
         )
     check_out(xp, out, input)
-    if values == 0 and (training or running_mean is None):  # an empty batch: the buffers stay (PyTorch)
+    if empty and (training or running_mean is None):  # the buffers stay (PyTorch)
         return (
             *empty_forward(xp, input, (c,), weight, bias, out),
             as_native(running_mean),
