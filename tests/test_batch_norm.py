@@ -633,3 +633,11 @@ def test_an_empty_batch_in_inference_needs_no_running_buffers(torch, shape):
         torch.nn.functional.instance_norm(torch.from_numpy(x), None, None, use_input_stats=False)
     with pytest.raises(RuntimeError, match="use_input_stats is false"):
         F.instance_norm(x, None, None, use_input_stats=False)
+    if c == 0:  # with a weight and bias of 0 values torch raises IndexError (the README's exception)
+        for call in (
+            lambda f, *a: f.batch_norm(a[0], None, None, *a[1:], training=True),
+            lambda f, *a: f.instance_norm(a[0], None, None, *a[1:]),
+        ):
+            with pytest.raises(IndexError):
+                call(torch.nn.functional, *(torch.from_numpy(a) for a in (x, w, b)))
+            assert call(F, x, w, b).shape == shape
