@@ -351,6 +351,8 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
             beyond = " (an integer beyond int64's range?)" if held and _has_big_int(value) else ""
             raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}{held}{beyond}")
         _check_integers_fit(xp, host, dtype)  # (before xp.asarray: JAX without x64 wraps there)
+        if _is_float16(host) and not hasattr(xp, "float16"):  # (a big-endian one too)
+            host = host.astype(np.float32)  # exact: array_api_strict has no float16
         if isinstance(host, np.ndarray) and (
             not host.dtype.isnative or any(s < 0 for s in host.strides) or not host.flags.writeable
         ):
@@ -364,6 +366,11 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)
     return out
+
+
+def _is_float16(host: Any) -> bool:
+    dtype = getattr(host, "dtype", None)
+    return isinstance(dtype, np.dtype) and dtype.kind == "f" and dtype.itemsize == 2
 
 
 def _integral(xp: Namespace, dtype: Any) -> bool:

@@ -85,6 +85,19 @@ def test_ml_dtypes_arrays_load(backend, name, values):
     np.testing.assert_array_equal(backend.numpy(m.weight), low.astype(np.float64))
 
 
+@given(values=hnp.arrays(np.float16, st.integers(1, 6), elements=st.floats(-6e4, 6e4, width=16)))
+def test_a_float16_checkpoint_loads_where_the_backend_has_no_float16(torch, backend, values):
+    """A ``.half()`` checkpoint (NumPy's float16, torch's) loads into a module of any
+    backend, widened exactly: array_api_strict, which has no float16, refused it ("does not
+    support the dtype 'float16'") where it took bfloat16."""
+    for source in (values, torch.from_numpy(values), values.astype(">f2")):
+        m = npnorm.LayerNorm(values.shape[0], xp=backend.xp)
+        m.load_state_dict({"weight": source, "bias": -source})
+        assert m.weight.dtype == backend.xp.float32
+        np.testing.assert_array_equal(backend.numpy(m.weight), values.astype(np.float32))
+        np.testing.assert_array_equal(backend.numpy(m.bias), -values.astype(np.float32))
+
+
 # --- num_batches_tracked -------------------------------------------------------
 
 
