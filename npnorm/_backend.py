@@ -183,8 +183,9 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
         raise ValueError(f"xp={module.__name__!r} is not an array backend ({err}){hint}") from err
 
 
-def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
-    """The floating dtype object of ``xp`` named by ``dtype`` (``None`` means float32).
+def resolve_dtype(xp: Namespace, dtype: Any, device: Any = None) -> Any:
+    """The floating dtype object of ``xp`` named by ``dtype`` (``None`` means float32),
+    which ``device`` (one of ``xp``'s, or None) must have too.
 
     ``dtype`` may be a name (``"float64"``), a NumPy dtype or scalar type, a dtype of
     ``xp`` itself, or another backend's float dtype (``torch.float64`` on NumPy: the
@@ -216,22 +217,26 @@ def resolve_dtype(xp: Namespace, dtype: Any) -> Any:
                 else ""
             )
         )
+    if device is not None and name not in _standard_floats(xp, device):  # (torch's "mps")
+        raise TypeError(f"backend {backend_name(xp)} has no {name} arrays on device {device!r}")
     return resolved
 
 
-def _standard_floats(xp: Namespace) -> tuple[str, ...]:
-    """The float dtypes ``xp`` can make now, as its Array API inspection lists them (JAX
-    leaves float64 out until x64 is enabled: its float64 arrays would be float32);
-    float16, outside the standard, as any backend that names it."""
-    listed = _inspected(xp, lambda info: tuple(info.dtypes(kind="real floating")), None)
+def _standard_floats(xp: Namespace, device: Any = None) -> tuple[str, ...]:
+    """The float dtypes ``xp`` can make now (on ``device``), as its Array API inspection
+    lists them (JAX leaves float64 out until x64 is enabled: its float64 arrays would be
+    float32; torch's "mps" device has no float64); float16, outside the standard, as any
+    backend that names it."""
+    listed = _inspected(xp, lambda info: tuple(info.dtypes(kind="real floating", device=device)), None)
     return FLOAT_NAMES if listed is None else ("float16", *listed)
 
 
-def counter_dtype(xp: Namespace) -> Any:
+def counter_dtype(xp: Namespace, device: Any = None) -> Any:
     """The dtype of ``num_batches_tracked``: int64, as in PyTorch, where ``xp`` makes
-    int64 arrays (its inspection lists them), else its widest signed integer (JAX without
-    x64: int32, where an int64 request warns and gives int32 anyway)."""
-    listed = _inspected(xp, lambda info: info.dtypes(kind="signed integer"), ("int64",))
+    int64 arrays (on ``device``: its inspection lists them), else its widest signed
+    integer (JAX without x64: int32, where an int64 request warns and gives int32
+    anyway)."""
+    listed = _inspected(xp, lambda info: info.dtypes(kind="signed integer", device=device), ("int64",))
     return getattr(xp, next((n for n in ("int64", "int32") if n in listed), "int64"))
 
 

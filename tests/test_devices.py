@@ -175,22 +175,49 @@ def test_a_pickled_module_comes_back_on_its_device():
 
 
 NO_F64 = xs.Device("no_float64")  # array_api_strict's device without float64 (as torch's "mps")
+NO_X64 = xs.Device("no_x64")  # nor int64 (as JAX without x64)
+
+
+@pytest.mark.parametrize("how", ["constructor", "to", "to the device"])
+def test_a_dtype_the_device_lacks_is_our_type_error_and_changes_nothing(how):
+    """float64 on a device without it raised array_api_strict's own ValueError ("does not
+    support dtype=float64"); it is npnorm's TypeError, as a dtype the backend lacks, and a
+    refused to() changes nothing."""
+    m = npnorm.LayerNorm(3, xp="array_api_strict", device=NO_F64)
+    on_cpu = npnorm.LayerNorm(3, xp="array_api_strict", dtype="float64")
+    match = r"backend array_api_strict has no float64 arrays on device .*no_float64"
+    with pytest.raises(TypeError, match=match):
+        if how == "constructor":
+            npnorm.LayerNorm(3, xp="array_api_strict", dtype="float64", device=NO_F64)
+        elif how == "to":
+            m.to(dtype="float64")
+        else:
+            on_cpu.to(device=NO_F64)
+    assert m.weight.dtype == xs.float32 and m.weight.device == NO_F64
+    assert on_cpu.weight.dtype == xs.float64 and on_cpu.weight.device == xs.Device("CPU_DEVICE")
 
 
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("name", [n for n in MODULES if not n.startswith("SyncBatchNorm")])
-def test_a_device_without_float64_sums_in_float32(name, training):
+@pytest.mark.parametrize("device", [NO_F64, NO_X64])
+def test_a_device_without_float64_sums_in_float32(name, training, device):
     """The statistics were summed in float64 wherever the namespace has float64, not its
     device: on one without (torch's "mps"), every layer raised. They are summed in the
-    input's dtype there, as for JAX without x64, close to the float64 sums."""
+    input's dtype there, as for JAX without x64, close to the float64 sums. On a device
+    without int64 too, the counter is int32 (a BatchNorm could not be built there:
+    "does not support dtype=int64")."""
     make, shape = MODULES[name]
-    m = make(device=NO_F64, xp="array_api_strict").train(training)
+    m = make(device=device, xp="array_api_strict").train(training)
     ref = make().train(training)
     x = (np.random.default_rng(0).normal(size=shape) * 3 + 1).astype(np.float32)
-    y = m(xs.asarray(x, device=NO_F64))
+    y = m(xs.asarray(x, device=device))
     dx = m.backward(xs.ones_like(y) * 0.5)
     y_ref, dx_ref = ref(x), ref.backward(np.full(shape, 0.5, np.float32))
-    assert y.device == NO_F64 and y.dtype == dx.dtype == xs.float32
+    assert y.device == device and y.dtype == dx.dtype == xs.float32
+    counter = m.buffers().get("num_batches_tracked")
+    assert counter is None or counter.dtype == (xs.int32 if device == NO_X64 else xs.int64)
+    for moved in (m.to(dtype="float32"), m.to(device=device)):  # the counter stays int32 there
+        assert moved.buffers().get("num_batches_tracked") is counter
     for got, want in ((y, y_ref), (dx, dx_ref), *((m.buffers()[k], v) for k, v in ref.buffers().items())):
         np.testing.assert_allclose(
             np.asarray(got.to_device(xs.Device("CPU_DEVICE"))), want, rtol=1e-5, atol=1e-5

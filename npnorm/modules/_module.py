@@ -223,8 +223,8 @@ class Module:
 
     def __init__(self, *, device: Any = None, dtype: Any = None, xp: str | ModuleType | None = None) -> None:
         self.xp: Namespace = resolve_namespace(xp)
-        self.dtype: Any = resolve_dtype(self.xp, dtype)
-        self._where(device)  # checked here: the layer creates its arrays there
+        # (the device checked here: the layer creates its arrays there, in a dtype it has)
+        self.dtype: Any = resolve_dtype(self.xp, dtype, check_device(self.xp, device))
         self.training: bool = True
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
@@ -924,6 +924,14 @@ class Module:
         setattr(self, name, value)
         return False
 
+    def _device(self) -> Any:
+        """The device of the module's arrays (the first one's), None where it has none."""
+        for name in (*self._parameter_names, *self._buffer_names):
+            value = self._declared(name)
+            if value is not None:
+                return array_api_compat.device(value)
+        return None
+
     def _where(self, device: Any) -> dict[str, Any]:
         """The ``dtype`` and ``device`` keywords of the layer's new arrays: the module's
         dtype, and the backend's device that ``device`` names (``ValueError`` for one it
@@ -985,8 +993,13 @@ class Module:
         dtype('float64')
         """
         new_xp = self.xp if xp is None else resolve_namespace(xp)
-        new_dtype = resolve_dtype(new_xp, dtype_name(self.xp, self.dtype) if dtype is None else dtype)
         device = check_device(new_xp, device)  # (torch.device("cpu") names NumPy's "cpu")
+        staying = None if new_xp is not self.xp else self._device()  # where the arrays stay
+        new_dtype = resolve_dtype(
+            new_xp,
+            dtype_name(self.xp, self.dtype) if dtype is None else dtype,
+            staying if device is None else device,
+        )
         moved: dict[str, Array] = {}
         for name in (*self._parameter_names, *self._buffer_names):
             value = self._declared(name)
@@ -1021,11 +1034,13 @@ class Module:
         follows the module), else a new one."""
         xp = namespace_of(value)
         name = dtype_name(xp, value.dtype)
+        here = array_api_compat.device(value)
         if name in FLOAT_NAMES:
             target = new_dtype
-        elif counter or name == "int64" or (name == "int32" and counter_dtype(xp) == xp.int32):
-            # the widest int: int64, or int32 where the backend has no int64 (JAX without x64)
-            target = counter_dtype(new_xp)
+        elif counter or name == "int64" or (name == "int32" and counter_dtype(xp, here) == xp.int32):
+            # the widest int: int64, or int32 where the backend (or device) has no int64 (JAX
+            # without x64)
+            target = counter_dtype(new_xp, device if device is not None or xp is not new_xp else here)
         else:
             target = getattr(new_xp, name)
         if xp is not new_xp or value.dtype != target:

@@ -60,7 +60,9 @@ class _NormBase(Module):
         if self.track_running_stats:
             self.running_mean = xp_.zeros((c,), **on)
             self.running_var = xp_.ones((c,), **on)
-            self.num_batches_tracked = xp_.asarray(0, dtype=counter_dtype(xp_), device=on["device"])
+            self.num_batches_tracked = xp_.asarray(
+                0, dtype=counter_dtype(xp_, on["device"]), device=on["device"]
+            )
 
     def _updates_buffers(self) -> bool:
         return bool(self.training) and bool(self.track_running_stats) and bool(self.buffers())
@@ -90,9 +92,9 @@ class _NormBase(Module):
         # counter was set to None, which is then an unexpected key, as in PyTorch.
         if not self.track_running_stats or (version is not None and version >= 2):
             return {}
-        counter = self.num_batches_tracked
+        counter, on = self.num_batches_tracked, self._device()  # (the module's device)
         return {
-            "num_batches_tracked": self.xp.asarray(0, dtype=counter_dtype(self.xp))
+            "num_batches_tracked": self.xp.asarray(0, dtype=counter_dtype(self.xp, on), device=on)
             if counter is None
             else counter
         }
