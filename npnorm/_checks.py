@@ -304,5 +304,6 @@ def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:
     """``result`` itself, or copied into ``out`` (which is returned) when given."""
     if out is None:
         return result
-    out[...] = result
+    if prod(out.shape) > 0:  # (nothing to write: dask refuses an empty assignment)
+        out[...] = result
     return out

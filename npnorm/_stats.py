@@ -141,9 +141,15 @@ def as_rows(xp: Namespace, a: Array, D: int) -> Array:
     """``a``, whose trailing axes hold D values (D > 0), as rows: shape (R, D). An empty
     ``a`` becomes a new (0, D) array: dask cannot reshape a zero-length axis merged with a
     chunked one."""
+    return reshaped(xp, a, (prod(a.shape) // D, D))
+
+
+def reshaped(xp: Namespace, a: Array, shape: tuple[int, ...]) -> Array:
+    """``a`` reshaped to ``shape``; an empty ``a`` as a new empty array of that shape (dask
+    cannot reshape a zero-length axis merged with, or split from, a chunked one)."""
     if prod(a.shape) == 0:
-        return xp.zeros((0, D), dtype=a.dtype, device=array_api_compat.device(a))
-    return xp.reshape(a, (-1, D))
+        return xp.zeros(shape, dtype=a.dtype, device=array_api_compat.device(a))
+    return xp.reshape(a, shape)
 
 
 def standardize(

@@ -81,6 +81,57 @@ def test_an_empty_batch_chunked_along_every_axis_gives_numpys_results(name):
         np.testing.assert_array_equal(_state(ours)[k], v, err_msg=k)
 
 
+SPATIAL = {
+    **LAYERS,
+    "InstanceNorm3d, tracked": (
+        lambda **kw: npnorm.InstanceNorm3d(1, track_running_stats=True, **kw),
+        (1, 1, 4, 0, 1),  # (a chunked spatial axis merged with the empty one)
+    ),
+}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("name", SPATIAL)
+def test_an_empty_spatial_axis_in_chunks_gives_numpys_results(name, training):
+    """Instances with no spatial values (or rows of a batch axis of 0 between chunked
+    ones): BatchNorm and InstanceNorm in eval reshaped them inside dask ("Dask's reshape
+    only supports ...", "reduce() of empty iterable"), forward and backward."""
+    make, shape = SPATIAL[name]
+    ours, ref = make(xp=da, dtype="float64").train(training), make(dtype="float64").train(training)
+    if name in ("LayerNorm", "RMSNorm"):
+        x = np.zeros((2, 0, *shape[1:]))
+    else:
+        x = np.zeros(shape if 0 in shape else (2, shape[1], 0, *shape[3:]))
+    y = ours(da.from_array(x, chunks=1))
+    dx = ours.backward(da.from_array(x, chunks=1))
+    np.testing.assert_array_equal(y.compute(), ref(x))
+    np.testing.assert_array_equal(dx.compute(), ref.backward(x))
+    for k, v in _state(ref).items():
+        np.testing.assert_array_equal(_state(ours)[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_empty_rows_with_a_chunked_wider_weight_compute(op):
+    """An empty batch of rows under a chunked float64 weight built a task graph that failed
+    when computed ("Missing dependency ('reshape-...')"): the empty result was reshaped
+    back by dask."""
+    x = da.zeros((3, 0, 3), dtype="float32", chunks=(1, 1, 3))
+    w = da.ones(3, dtype="float64", chunks=1)
+    extra = (w,) if op == "layer_norm" else ()
+    y, *stats = getattr(F, f"{op}_forward")(x, 3, w, *extra)
+    dx = getattr(F, f"{op}_backward")(x, x, 3, *stats, w, *extra)[0]
+    assert y.compute().shape == dx.compute().shape == (3, 0, 3)
+
+
+def test_out_of_no_values_takes_an_empty_result():
+    """``out=`` of an empty array: dask refused the assignment of nothing ("shape mismatch:
+    value array of shape (0, 3) could not be broadcast to indexing result of shape (0, 3)")."""
+    x, out = da.zeros((0, 3), dtype="float32"), da.zeros((0, 3), dtype="float32")
+    y, _, _ = F.layer_norm_forward(x, 3, out=out)
+    dx, _, _ = F.layer_norm_backward(x, x, 3, *F.layer_norm_forward(x, 3)[1:], out=out)
+    assert y is out and dx is out
+
+
 def test_sync_batch_norm_takes_float16_dask_input_as_batch_norm_does():
     """dask's namespace has no float16 attribute: the ranks' dtype exchange refused the
     input with "must have a floating dtype (float16/32/64, or bfloat16), got float16",

@@ -22,6 +22,7 @@ from .._stats import (
     centred,
     centred_again,
     moments,
+    reshaped,
     rstd_of,
     scaled,
     standardize_backward,
@@ -34,7 +35,7 @@ from ._dispatch import as_plain
 def as_ncs(xp: Namespace, x: Array, dtype: Any) -> Array:
     """``x`` of shape (N, C, *spatial) viewed as (N, C, S), S = prod(spatial), in ``dtype``."""
     n, c = int(x.shape[0]), int(x.shape[1])
-    return xp.reshape(cast(xp, x, dtype), (n, c, prod(x.shape[2:])))  # N,C,S
+    return reshaped(xp, cast(xp, x, dtype), (n, c, prod(x.shape[2:])))  # N,C,S
 
 
 def channel_affine(xp: Namespace, xhat: Array, weight: Array | None, bias: Array | None, dtype: Any) -> Array:
@@ -282,7 +283,7 @@ def channel_norm_forward(
         rstd = rstd_of(xp, var, eps, ct)  # 1,C,1
         xhat = xhat_from(x, mean, rstd)  # N,C,S
     y = channel_affine(xp, xhat, weight, bias, ct)  # N,C,S
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    y = cast(xp, reshaped(xp, y, tuple(input.shape)), input.dtype)
     return write_out(xp, out, y), mean, rstd, new_mean, new_var
 
 
@@ -322,4 +323,4 @@ def channel_norm_backward(
         dx = scaled(xp, dy, rstd, w)  # N,C,S
     else:
         dx = dy * rstd  # N,C,S: the statistics are constants
-    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias
+    return write_out(xp, out, cast(xp, reshaped(xp, dx, tuple(input.shape)), input.dtype)), dweight, dbias

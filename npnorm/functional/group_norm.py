@@ -17,7 +17,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import centred_again, standardize, standardize_backward, xhat_from
+from .._stats import centred_again, reshaped, standardize, standardize_backward, xhat_from
 from ._channels import (
     as_ncs,
     channel_affine,
@@ -257,7 +257,7 @@ def group_norm_forward_generic(
     xhat, mean, rstd = standardize(xp, xg, (2, 3), eps)  # N,G,C/G,S  N,G,1,1  N,G,1,1
     assert mean is not None
     y = channel_affine(xp, xp.reshape(xhat, (n, c, s)), weight, bias, ct)  # N,C,S
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)
+    y = cast(xp, reshaped(xp, y, tuple(input.shape)), input.dtype)
     return write_out(xp, out, y), xp.reshape(mean, (n, num_groups)), xp.reshape(rstd, (n, num_groups))
 
 
@@ -287,4 +287,4 @@ def group_norm_backward_generic(
         xp, dy, xp.reshape(xhat, (n, c, s)), weight, bias, ct
     )  # N,C,S  C  C
     dx = standardize_backward(xp, xp.reshape(dxhat, group), xhat, rstd, (2, 3))  # N,G,C/G,S
-    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight, dbias
+    return write_out(xp, out, cast(xp, reshaped(xp, dx, tuple(input.shape)), input.dtype)), dweight, dbias

@@ -23,7 +23,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import as_rows, centred_again, standardize, standardize_backward, wide_sum, xhat_from
+from .._stats import as_rows, centred_again, reshaped, standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -245,7 +245,7 @@ def layer_norm_forward_generic(
         y = y * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     if bias is not None:
         y = y + xp.reshape(cast(xp, bias, ct), (D,))  # R,D
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
+    y = cast(xp, reshaped(xp, y, tuple(input.shape)), input.dtype)  # *,*shape
     assert mean is not None
     return write_out(xp, out, y), xp.reshape(mean, batch), xp.reshape(rstd, batch)  # out, (*), (*)
 
@@ -280,5 +280,5 @@ def layer_norm_backward_generic(
     else:
         dxhat = dy  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,))  # R,D
-    dx = cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)  # *,*shape
+    dx = cast(xp, reshaped(xp, dx, tuple(input.shape)), input.dtype)  # *,*shape
     return write_out(xp, out, dx), dweight, dbias

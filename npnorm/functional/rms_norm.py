@@ -25,7 +25,7 @@ from .._checks import (
     work_dtype,
     write_out,
 )
-from .._stats import as_rows, standardize, standardize_backward, wide_sum, xhat_from
+from .._stats import as_rows, reshaped, standardize, standardize_backward, wide_sum, xhat_from
 from ._dispatch import generic, run
 
 
@@ -218,7 +218,7 @@ def rms_norm_forward_generic(
     x = as_rows(xp, cast(xp, input, ct), D)  # R,D
     xhat, _, rstd = standardize(xp, x, (1,), eps, center=False)  # R,D  R,1
     y = xhat if weight is None else xhat * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
-    y = cast(xp, xp.reshape(y, tuple(input.shape)), input.dtype)  # *,*shape
+    y = cast(xp, reshaped(xp, y, tuple(input.shape)), input.dtype)  # *,*shape
     return write_out(xp, out, y), xp.reshape(rstd, batch)  # out, (*)
 
 
@@ -245,4 +245,4 @@ def rms_norm_backward_generic(
         dweight = cast(xp, xp.reshape(wide_sum(xp, dy * xhat, (0,)), shape), weight.dtype)  # *shape
         dxhat = dy * xp.reshape(cast(xp, weight, ct), (D,))  # R,D
     dx = standardize_backward(xp, dxhat, xhat, rstd, (1,), center=False)  # R,D
-    return write_out(xp, out, cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)), dweight
+    return write_out(xp, out, cast(xp, reshaped(xp, dx, tuple(input.shape)), input.dtype)), dweight

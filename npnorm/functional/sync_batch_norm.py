@@ -38,7 +38,7 @@ from .._checks import (
     work_dtype,
 )
 from .._mpi import Comm, allgather, allgather_object, allreduce_sum, check_comm, resolve_comm
-from .._stats import RECENTRE_ABOVE, less_centre, moments, square_dtype, wide_sum, xhat_from
+from .._stats import RECENTRE_ABOVE, less_centre, moments, reshaped, square_dtype, wide_sum, xhat_from
 from ._channels import (
     as_ncs,
     check_buffers_paired,
@@ -574,4 +574,4 @@ def sync_batch_norm_dx_generic(
     mean_dxhat = w * g  # 1,C,1: term 2's mean
     mean_dxhat_xhat = w * r * p  # 1,C,1: term 3's
     dx = (dxhat - mean_dxhat - xhat * mean_dxhat_xhat) * r  # N,C,S: term 1 + term 2 + term 3, signed
-    return cast(xp, xp.reshape(dx, tuple(input.shape)), input.dtype)
+    return cast(xp, reshaped(xp, dx, tuple(input.shape)), input.dtype)
