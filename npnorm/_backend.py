@@ -222,6 +222,13 @@ def resolve_dtype(xp: Namespace, dtype: Any, device: Any = None) -> Any:
     return resolved
 
 
+def device_has(xp: Namespace, name: str, device: Any) -> bool:
+    """Whether ``device`` of ``xp`` makes arrays of the dtype ``name`` (True where its
+    inspection does not say: a namespace without it, or float16, outside the standard)."""
+    listed = _inspected(xp, lambda info: tuple(info.dtypes(device=device)), None)
+    return listed is None or name == "float16" or name in listed
+
+
 def _standard_floats(xp: Namespace, device: Any = None) -> tuple[str, ...]:
     """The float dtypes ``xp`` can make now (on ``device``), as its Array API inspection
     lists them (JAX leaves float64 out until x64 is enabled: its float64 arrays would be
@@ -356,17 +363,20 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
             beyond = " (an integer beyond int64's range?)" if held and _has_big_int(value) else ""
             raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}{held}{beyond}")
         _check_integers_fit(xp, host, dtype)  # (before xp.asarray: JAX without x64 wraps there)
-        if _is_float16(host) and not hasattr(xp, "float16"):  # (a big-endian one too)
-            host = host.astype(np.float32)  # exact: array_api_strict has no float16
+        copy: bool | None = True
         if isinstance(host, np.ndarray) and (
             not host.dtype.isnative or any(s < 0 for s in host.strides) or not host.flags.writeable
         ):
             # a reversed view, a big-endian .npz: torch (and DLPack) take neither; a read-only
             # array (JAX's, through DLPack; a memmap): torch warns that it cannot be written
             host = host.astype(host.dtype.newbyteorder("="), order="C")  # (0-d stays 0-d)
-            out = xp.asarray(host, copy=None)  # the copy is made: not a second one
-        else:
-            out = xp.asarray(host, copy=True)
+            copy = None  # the copy is made: not a second one
+        try:
+            out = xp.asarray(host, copy=copy)
+        except TypeError:
+            if not _is_float16(host):
+                raise
+            out = xp.asarray(host.astype(np.float32), copy=None)  # exact: array_api_strict has no float16
     if dtype is not None and out.dtype != dtype:
         with np.errstate(all="ignore"):  # as torch's casts: beyond float16's range is inf, no warning
             out = xp.astype(out, dtype)

@@ -178,6 +178,27 @@ NO_F64 = xs.Device("no_float64")  # array_api_strict's device without float64 (a
 NO_X64 = xs.Device("no_x64")  # nor int64 (as JAX without x64)
 
 
+@pytest.mark.parametrize("start", [NO_F64, NO_X64])
+@pytest.mark.parametrize("name", ["BatchNorm1d", "InstanceNorm1d, tracked"])
+def test_a_module_moves_off_a_device_without_a_dtype_it_takes_there(name, start):
+    """to() cast an array before moving it: an int32 counter leaving a device without
+    int64 (and float32 arrays given float64 leaving one without float64) was cast where
+    that dtype is missing, array_api_strict's ValueError. They move first, then cast."""
+    make, shape = MODULES[name]
+    m = make(xp="array_api_strict", device=start)
+    m(xs.asarray(np.random.default_rng(0).normal(size=shape).astype(np.float32), device=start))
+    state = {k: np.asarray(v.to_device(xs.Device("CPU_DEVICE"))) for k, v in m.state_dict().items()}
+    cpu = xs.Device("CPU_DEVICE")
+    m.to(device=cpu, dtype="float64")
+    assert m.num_batches_tracked.dtype == xs.int64 and m.weight.dtype == xs.float64
+    for k, v in m.state_dict().items():
+        assert v.device == cpu
+        np.testing.assert_array_equal(np.asarray(v), state[k], err_msg=k)
+    m.to(device=start, dtype="float32")  # and back
+    assert m.num_batches_tracked.dtype == (xs.int32 if start == NO_X64 else xs.int64)
+    assert all(v.device == start for v in m.state_dict().values())
+
+
 @pytest.mark.parametrize("how", ["constructor", "to", "to the device"])
 def test_a_dtype_the_device_lacks_is_our_type_error_and_changes_nothing(how):
     """float64 on a device without it raised array_api_strict's own ValueError ("does not

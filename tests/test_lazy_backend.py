@@ -132,6 +132,16 @@ def test_out_of_no_values_takes_an_empty_result():
     assert y is out and dx is out
 
 
+def test_a_float16_array_comes_to_dask_as_float16():
+    """The widening of float16 for a backend without it (array_api_strict) keyed on the
+    namespace's lacking a ``float16`` name, which dask's lacks too though its arrays hold
+    float16: a float16 buffer came back float32 from a pickle."""
+    from npnorm._backend import resolve_namespace, to_namespace
+
+    got = to_namespace(np.arange(3, dtype=np.float16), resolve_namespace(da))
+    assert isinstance(got, da.Array) and got.dtype == np.float16
+
+
 def test_sync_batch_norm_takes_float16_dask_input_as_batch_norm_does():
     """dask's namespace has no float16 attribute: the ranks' dtype exchange refused the
     input with "must have a floating dtype (float16/32/64, or bfloat16), got float16",

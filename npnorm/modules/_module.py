@@ -27,6 +27,7 @@ from .._backend import (
     check_device,
     copy_array,
     counter_dtype,
+    device_has,
     namespace_of,
     on_device_of,
     requires_grad,
@@ -928,9 +929,9 @@ class Module:
         """The device of the module's arrays (the first one's), None where it has none."""
         for name in (*self._parameter_names, *self._buffer_names):
             value = self._declared(name)
-            if value is not None:
+            if value is not None and array_api_compat.is_array_api_obj(value):
                 return array_api_compat.device(value)
-        return None
+        return None  # (a value that is no array: to() says so)
 
     def _where(self, device: Any) -> dict[str, Any]:
         """The ``dtype`` and ``device`` keywords of the layer's new arrays: the module's
@@ -983,7 +984,7 @@ class Module:
             another backend puts them on its default device).
         dtype : float dtype or its name, keyword-only, optional
             ``None`` keeps the current dtype. ``num_batches_tracked`` stays int64 (int32
-            on JAX without x64, which has no int64).
+            on JAX without x64, or on a device without int64).
 
         Examples
         --------
@@ -1043,6 +1044,10 @@ class Module:
             target = counter_dtype(new_xp, device if device is not None or xp is not new_xp else here)
         else:
             target = getattr(new_xp, name)
+        if device is not None and xp is new_xp and not device_has(xp, dtype_name(xp, target), here):
+            # a dtype the array's device lacks (the int64 counter of a move off a device
+            # without int64): moved first, then cast where the dtype is
+            value = array_api_compat.to_device(value, device)
         if xp is not new_xp or value.dtype != target:
             value = to_namespace(value, new_xp, target)
         if device is not None:  # the backend's to_device keeps an array already there

@@ -243,7 +243,8 @@ _BATCH_NORM_DOC = """Batch normalization over {input} input
     ----------
     weight, bias : array of shape (C,), or None without ``affine``
     running_mean, running_var : array of shape (C,), or None without ``track_running_stats``
-    num_batches_tracked : 0-d int64 array, or None without ``track_running_stats``
+    num_batches_tracked : 0-d int64 array (int32 where the backend or device has no int64), or None
+        without ``track_running_stats``
     grads : dict of str to array
         Gradients of ``weight`` and ``bias`` accumulated by ``backward``.
 
