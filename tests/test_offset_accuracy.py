@@ -276,8 +276,9 @@ def test_float32_sums_beyond_its_range(family):
 
 def test_the_reference_centres_and_scales_float32_beyond_its_range_in_float64():
     """Where ``x - mean`` passes float32's range, or (eps=0) rstd does, the reference
-    computes both in float64 and gives the finite result; the fast kernels give inf or
-    NaN there, as PyTorch's float32 kernels (the README's two limits)."""
+    computes both in float64 and gives the finite result (the README's two limits, where
+    the fast kernels, as PyTorch's, may give inf or NaN: not held here); InstanceNorm at
+    eps=0 takes the instance as constant, zeros, in every family."""
     x = np.array([3e38, 3e38, 3e38, -3e38], dtype=np.float32).reshape(1, 1, 4)
     with npnorm.use_kernels("reference"):
         for op, y in _each_functional(x, 1e-5).items():
@@ -291,6 +292,14 @@ def test_the_reference_centres_and_scales_float32_beyond_its_range_in_float64():
         np.testing.assert_allclose(
             F.rms_norm(tiny, 4, eps=0.0), [[0.8164966, -0.8164966, 1.6329932, 0.0]], rtol=1e-6
         )
+        np.testing.assert_allclose(
+            F.group_norm(tiny.reshape(1, 1, 4), 1, eps=0.0).reshape(-1),
+            [0.4472136, -1.3416408, 1.3416408, -0.4472136],
+            rtol=1e-6,
+        )
+    for family in FAMILIES:
+        with npnorm.use_kernels(family):
+            np.testing.assert_array_equal(F.instance_norm(tiny.reshape(1, 1, 4), eps=0.0), 0)
 
 
 def _each_backward(x, dy):
