@@ -44,12 +44,24 @@ class Pair:
     arguments: Callable[[Any], dict[str, Any]]  # constructor arguments of a module of either library
 
 
+def _affine(m: Any, flag: str) -> bool:
+    """The affine flag a layer is built with: as ``m`` has it, or true where ``m`` holds a
+    weight or bias though its flag was set false after construction (both libraries then
+    still apply them; the flag is set after the load, ``_set_flags_after_load``)."""
+    return (
+        bool(getattr(m, flag))
+        or getattr(m, "weight", None) is not None
+        or getattr(m, "bias", None) is not None
+    )
+
+
 def _layer_norm_args(m: Any) -> dict[str, Any]:
+    affine = _affine(m, "elementwise_affine")
     return {
         "normalized_shape": tuple(m.normalized_shape),
         "eps": m.eps,
-        "elementwise_affine": m.elementwise_affine,
-        "bias": m.bias is not None if m.elementwise_affine else True,
+        "elementwise_affine": affine,
+        "bias": m.bias is not None if affine else True,
     }
 
 
@@ -57,17 +69,18 @@ def _rms_norm_args(m: Any) -> dict[str, Any]:
     return {
         "normalized_shape": tuple(m.normalized_shape),
         "eps": m.eps,
-        "elementwise_affine": m.elementwise_affine,
+        "elementwise_affine": _affine(m, "elementwise_affine"),
     }
 
 
 def _group_norm_args(m: Any) -> dict[str, Any]:
+    affine = _affine(m, "affine")
     return {
         "num_groups": m.num_groups,
         "num_channels": m.num_channels,
         "eps": m.eps,
-        "affine": m.affine,
-        "bias": m.bias is not None if m.affine else True,
+        "affine": affine,
+        "bias": m.bias is not None if affine else True,
     }
 
 
@@ -75,14 +88,15 @@ def _norm_base_args(m: Any) -> dict[str, Any]:
     """BatchNorm*d, InstanceNorm*d (and SyncBatchNorm): PyTorch's ``_NormBase`` arguments.
     A layer whose ``track_running_stats`` was set false after construction keeps its
     buffers (in both libraries): built with them, and the flag set after the load
-    (``_set_flags_after_load``)."""
+    (``_set_flags_after_load``); so does one whose ``affine`` was (``_affine``)."""
+    affine = _affine(m, "affine")
     return {
         "num_features": m.num_features,
         "eps": m.eps,
         "momentum": m.momentum,
-        "affine": m.affine,
+        "affine": affine,
         "track_running_stats": m.track_running_stats or _holds_running_buffers(m),
-        "bias": m.bias is not None if m.affine else True,
+        "bias": m.bias is not None if affine else True,
     }
 
 
@@ -121,10 +135,11 @@ def _holds_running_buffers(m: Any) -> bool:
 
 
 def _set_flags_after_load(source: Any, target: Any) -> None:
-    """``track_running_stats`` as ``source`` has it now (see ``_norm_base_args``), and the
-    train/eval flag."""
-    if hasattr(source, "track_running_stats"):
-        target.track_running_stats = source.track_running_stats
+    """``track_running_stats`` and the affine flag as ``source`` has them now (see
+    ``_norm_base_args``, ``_affine``), and the train/eval flag."""
+    for flag in ("track_running_stats", "affine", "elementwise_affine"):
+        if hasattr(source, flag):
+            setattr(target, flag, getattr(source, flag))
     target.train(source.training)
 
 
@@ -144,6 +159,8 @@ _HOOKS = {
     "_forward_hooks": "forward hooks",
     "_backward_pre_hooks": "backward pre-hooks",
     "_backward_hooks": "backward hooks",
+    "_state_dict_pre_hooks": "state_dict pre-hooks",
+    "_state_dict_hooks": "state_dict hooks",
 }
 
 
@@ -160,8 +177,9 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     Converted layers: torch.nn.LayerNorm, RMSNorm, BatchNorm1d/2d/3d, GroupNorm,
     InstanceNorm1d/2d/3d and SyncBatchNorm (``npnorm.convert.PAIRS``). The class must be one of
     these exactly: a subclass may compute something else and is refused. Hooks on the
-    layer's calls (``register_forward_hook`` and the like) are not carried over: a
-    ``UserWarning`` names them.
+    layer's calls (``register_forward_hook`` and the like) or on its ``state_dict`` are
+    not carried over (the layer's own tensors are copied), nor is a SyncBatchNorm's
+    ``process_group``: a ``UserWarning`` names them.
 
     Parameters
     ----------
@@ -186,6 +204,9 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
         When torch is not installed.
     TypeError
         When ``module`` is not one of the converted torch.nn classes.
+    ValueError
+        When its tensors have different float dtypes (an npnorm layer holds one), or are
+        on torch's meta device (no values) while the new module is not.
 
     Examples
     --------
@@ -218,15 +239,40 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
             UserWarning,
             stacklevel=2,
         )
-    tensors = [*module.parameters(), *module.buffers()]
-    floating = [t.dtype for t in tensors if t.is_floating_point()]
-    tdtype = floating[0] if floating else torch.get_default_dtype()
-    name = str(tdtype).removeprefix("torch.")
+    if getattr(module, "process_group", None) is not None:
+        warnings.warn(
+            "npnorm.from_torch: the SyncBatchNorm's process_group is not carried over: the npnorm "
+            "layer syncs over its comm (None: MPI's COMM_WORLD); set comm= to the ranks' communicator",
+            UserWarning,
+            stacklevel=2,
+        )
+    # the layer's own tensors, not its state_dict(): a state_dict hook may change what that gives
+    own = OrderedDict(
+        (k, v)
+        for k, v in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        if k not in getattr(module, "_non_persistent_buffers_set", ())
+    )
+    floating = sorted({str(t.dtype).removeprefix("torch.") for t in own.values() if t.is_floating_point()})
+    if len(floating) > 1:  # (an npnorm layer holds one dtype: the others would be rounded)
+        raise ValueError(
+            f"npnorm.from_torch: the {type(module).__name__}'s tensors have different dtypes "
+            f"({', '.join(floating)}); an npnorm layer holds one: cast the layer first "
+            f"(module.to(torch.float32), say)"
+        )
+    name = floating[0] if floating else str(torch.get_default_dtype()).removeprefix("torch.")
     ours = pair.npnorm_class(
         **pair.arguments(module), device=device, dtype=name if name in FLOAT_NAMES else "float32", xp=xp
     )
+    meta = [k for k, v in own.items() if v.is_meta]
+    if meta and getattr(ours._device(), "type", None) != "meta":  # (else nothing to copy: meta to meta)
+        raise ValueError(
+            f"npnorm.from_torch: {', '.join(meta)} are on torch's meta device, which holds no values to "
+            f"convert: move the layer off it first, or build on it (xp='torch', device='meta')"
+        )
     _drop_unset(module, ours)
-    ours.load_state_dict(module.state_dict())
+    if not meta:
+        own._metadata = OrderedDict({"": {"version": getattr(module, "_version", 1)}})  # type: ignore[attr-defined]
+        ours.load_state_dict(own)
     _set_flags_after_load(module, ours)
     return ours
 

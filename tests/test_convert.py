@@ -274,6 +274,88 @@ def test_hooks_that_are_not_carried_over_are_warned_of(torch, rng):
         npnorm.from_torch(ref)
 
 
+def test_a_state_dict_hook_is_warned_of_and_the_layers_own_tensors_are_copied(torch, rng):
+    """from_torch copied what ``state_dict()`` returned: a state_dict hook that changes a
+    value (weight times 7) made the npnorm layer compute something else, silently."""
+    ref = torch.nn.LayerNorm(3)
+    ref.register_state_dict_post_hook(
+        lambda mod, sd, p, meta: sd.update({p + "weight": sd[p + "weight"] * 7})
+    )
+    with pytest.warns(UserWarning, match="has state_dict hooks, which the npnorm layer"):
+        ours = npnorm.from_torch(ref)
+    np.testing.assert_array_equal(ours.weight, ref.weight.detach().numpy())
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_on_the_meta_device_converts_only_to_the_meta_device(torch):
+    """from_torch raised "cannot convert to an array (NotImplementedError: Cannot copy out
+    of meta tensor; no data!)"; to the meta device it warned once per key that copying
+    into meta is a no-op."""
+    ref = torch.nn.BatchNorm1d(4, device="meta")
+    with pytest.raises(
+        ValueError, match=r"weight, bias, running_mean.* are on torch's meta device.*device='meta'"
+    ):
+        npnorm.from_torch(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = npnorm.from_torch(ref, xp="torch", device="meta")
+    assert ours.weight.is_meta and ours.running_mean.is_meta and repr(ours) == repr(ref)
+
+
+def test_a_layer_of_mixed_dtypes_is_refused_not_rounded(torch):
+    """The dtype was the first tensor's: float64 running statistics in a float32 layer were
+    rounded to float32 (a round trip not exact), float32 ones of 1e5 in a float16 layer
+    became inf."""
+    ref = torch.nn.BatchNorm1d(3)
+    ref.running_mean = torch.full((3,), 1 + 2**-40, dtype=torch.float64)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    with pytest.raises(
+        ValueError, match=r"tensors have different dtypes \(float32, float64\).*cast the layer"
+    ):
+        npnorm.from_torch(ref)
+    assert all(torch.equal(v, before[k]) for k, v in ref.state_dict().items())
+    ours = npnorm.from_torch(ref.double())
+    assert ours.running_mean[0] == 1 + 2**-40
+
+
+@pytest.mark.parametrize(
+    "name, args, flag",
+    [
+        ("BatchNorm1d", (3,), "affine"),
+        ("InstanceNorm1d", (3,), "affine"),
+        ("GroupNorm", (1, 3), "affine"),
+        ("LayerNorm", (4,), "elementwise_affine"),
+        ("RMSNorm", (4,), "elementwise_affine"),
+    ],
+)
+def test_an_affine_flag_set_false_after_construction_converts_both_ways(torch, rng, name, args, flag):
+    """torch (and npnorm) still apply a weight and bias whose layer's affine flag was set
+    false after construction; from_torch and to_torch built the layer without them and
+    raised "unexpected key(s): 'weight', 'bias'"."""
+    kw = {"affine": True} if name == "InstanceNorm1d" else {}
+    ref = getattr(torch.nn, name)(*args, **kw, dtype=torch.float64)
+    _randomize_torch(torch, ref, 5)
+    setattr(ref, flag, False)
+    ours = npnorm.from_torch(ref)
+    assert getattr(ours, flag) is False and repr(ours) == repr(ref)
+    back = npnorm.to_torch(ours)
+    assert getattr(back, flag) is False and back.state_dict().keys() == ref.state_dict().keys()
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
+    x = rng.normal(size=(2, 3, 4))
+    np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_process_group_that_is_not_carried_over_is_warned_of(torch, monkeypatch):
+    """A SyncBatchNorm's process_group was dropped without a word: the npnorm layer would
+    sync over every rank (COMM_WORLD)."""
+    ref = torch.nn.SyncBatchNorm(3)
+    monkeypatch.setattr(ref, "process_group", object())  # (a group needs torch.distributed set up)
+    with pytest.warns(UserWarning, match="process_group is not carried over.*set comm="):
+        ours = npnorm.from_torch(ref)
+    assert ours.comm is None
+
+
 def test_torch_is_imported_lazily_and_its_absence_is_a_clear_error():
     code = (
         "import sys\n"
