@@ -249,7 +249,10 @@ def from_torch(module: Any, *, xp: str | ModuleType | None = None, device: Any =
     # the layer's own tensors, not its state_dict(): a state_dict hook may change what that gives
     own = OrderedDict(
         (k, v)
-        for k, v in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))
+        for k, v in (
+            *module.named_parameters(recurse=False, remove_duplicate=False),  # (tied: each name)
+            *module.named_buffers(recurse=False, remove_duplicate=False),
+        )
         if k not in getattr(module, "_non_persistent_buffers_set", ())
     )
     floating = sorted({str(t.dtype).removeprefix("torch.") for t in own.values() if t.is_floating_point()})

@@ -288,6 +288,19 @@ def test_a_state_dict_hook_is_warned_of_and_the_layers_own_tensors_are_copied(to
     np.testing.assert_allclose(ours(x), ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "name, tie", [("LayerNorm", ("bias", "weight")), ("BatchNorm1d", ("running_var", "running_mean"))]
+)
+def test_tied_tensors_convert_under_each_name(torch, name, tie):
+    """A layer whose two names hold one tensor converts, as through its state_dict (the
+    layer's own tensors, read once per tensor, missed the second name: "missing key(s)")."""
+    ref = getattr(torch.nn, name)(4)
+    setattr(ref, tie[0], getattr(ref, tie[1]))
+    ours = npnorm.from_torch(ref)
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[k], v.detach().numpy(), err_msg=k)
+
+
 def test_a_layer_on_the_meta_device_converts_only_to_the_meta_device(torch):
     """from_torch raised "cannot convert to an array (NotImplementedError: Cannot copy out
     of meta tensor; no data!)"; to the meta device it warned once per key that copying
