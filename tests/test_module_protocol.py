@@ -333,6 +333,35 @@ def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, ma
         ours.backward(np.ones(shape, np.float32))
 
 
+@pytest.mark.parametrize("make,reset", RESETS)
+def test_a_reset_of_arrays_assigned_after_the_forward_is_as_torchs(torch, make, reset, rng):
+    """Every parameter and buffer reassigned after the forward, then reset in place: the
+    arrays the forward used were never touched, and torch's backward (which keeps the old
+    ones) runs; npnorm raised "overwritten in place", by name alone. The gradient is the
+    forward's, as torch's."""
+    ours, ref = make(npnorm), make(torch.nn)
+    name = type(ref).__name__
+    if name in ("LayerNorm", "RMSNorm"):
+        shape = (3, *ref.normalized_shape)
+    else:
+        shape = {"2d": (3, 4, 3, 3), "3d": (3, 4, 2, 2, 2)}.get(name[-2:], (3, 4, 5))
+    x = rng.normal(size=shape).astype(np.float32)
+    xt = torch.tensor(x, requires_grad=True)
+    y = ref(xt)
+    for k, v in [*ref.named_parameters(), *ref.named_buffers()]:
+        if v.is_floating_point():
+            setattr(ref, k, torch.nn.Parameter(v.detach() + 1) if k in ("weight", "bias") else v + 1)
+    getattr(ref, reset)()
+    y.backward(torch.ones_like(y))  # (torch raises nothing)
+    ours(x)
+    for k, v in {**ours.parameters(), **ours.buffers()}.items():
+        if v.dtype.kind == "f":
+            setattr(ours, k, v + 1)
+    getattr(ours, reset)()
+    dx = ours.backward(np.ones(shape, np.float32))
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
 def test_a_torch_device_naming_the_cpu_is_numpys_cpu(torch):
     """``torch.device("cpu")`` (a ported ``factory_kwargs``, or ``from_torch(m,
     device=m.weight.device)``) names NumPy's one device."""

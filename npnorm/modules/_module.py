@@ -193,7 +193,7 @@ class Module:
     # records in its ``_metadata`` and load_state_dict reads back (BatchNorm/InstanceNorm: 2)
     _version: int = 1
     # What the last forward left for backward, which copies and pickles leave out
-    _forward_context: tuple[str, ...] = ("_saved", "_saved_versions", "_saved_io")
+    _forward_context: tuple[str, ...] = ("_saved", "_saved_versions", "_saved_io", "_saved_kept")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A layer's ``_parameter_names`` and ``_buffer_names`` must be tuples of names: a
@@ -230,6 +230,7 @@ class Module:
         self.grads: dict[str, Array] = {}
         self._saved: Saved | None = None
         self._saved_versions: _Versions | None = None
+        self._saved_kept: dict[str, Any] | None = None
         self._saved_io: _InOut | None = None
 
     # --- forward / backward -------------------------------------------------
@@ -281,6 +282,9 @@ class Module:
         self._saved = saved if is_grad_enabled() else None
         self._saved_versions = None if self._saved is None else self._versions(input, saved)
         self._saved_io = None if self._saved is None else _InOut.of(input, output)
+        kept = None if self._saved is None else self._kept()
+        # the arrays PyTorch's backward would keep, as this forward used them
+        self._saved_kept = None if kept is None else {k: getattr(self, k, None) for k in kept}
         return output
 
     def _updates_buffers(self) -> bool:
@@ -892,15 +896,24 @@ class Module:
         used one (one that PyTorch's backward of the layer keeps), ``backward`` raises, as
         PyTorch's version check does (an earlier overwrite's names are kept, with theirs)."""
         saved = self._saved
+        own = {k: getattr(self, k) for k in names}
+        used = getattr(self, "_saved_kept", None)  # None: a subclass without our __init__
+
+        def kept_and_used(k: str, kept: tuple[str, ...]) -> bool:
+            # (an array assigned since the forward is not the one it used: PyTorch's
+            # backward keeps the old one, whose version did not move)
+            return k in kept and (used is None or k not in used or _uses(used[k], own[k]))
+
         if isinstance(saved, _Overwritten):
             kept = saved.kept
-            more = [k for k in names if kept is not None and k in kept and k not in saved.names]
+            more = [k for k in names if kept is not None and kept_and_used(k, kept) and k not in saved.names]
             self._saved = _Overwritten(saved.names + more, saved.by, kept)
         elif saved is not None:
             kept = self._kept()
-            own = {k: getattr(self, k) for k in names}
             hit = [
-                k for k in names if (k in kept if kept is not None else any(_uses(v, own[k]) for v in saved))
+                k
+                for k in names
+                if (kept_and_used(k, kept) if kept is not None else any(_uses(v, own[k]) for v in saved))
             ]
             if hit:
                 self._saved = _Overwritten(hit, by, kept)
