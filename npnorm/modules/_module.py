@@ -901,8 +901,14 @@ class Module:
 
         def kept_and_used(k: str, kept: tuple[str, ...]) -> bool:
             # (an array assigned since the forward is not the one it used: PyTorch's
-            # backward keeps the old one, whose version did not move)
-            return k in kept and (used is None or k not in used or _uses(used[k], own[k]))
+            # backward keeps the old one, whose version did not move. Told apart where a
+            # view of it would be seen: NumPy's shared memory, torch's shared change
+            # counter; on other backends a view looks like another array: by name)
+            if k not in kept or used is None or k not in used:
+                return k in kept
+            before, now = used[k], own[k]
+            comparable = isinstance(now, np.ndarray) or _version_of(now) is not None
+            return before is not None and (_uses(before, now) or not comparable)
 
         if isinstance(saved, _Overwritten):
             kept = saved.kept
