@@ -303,17 +303,22 @@ RESETS = [
 ]
 
 
-@pytest.mark.parametrize("make,reset", RESETS)
-def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, make, reset, rng):
-    """A reset writes in place: where torch's backward keeps the array it overwrote, torch
-    raises, and so does npnorm (on NumPy the backward used the reset weight: a wrong dx)."""
+def _twins_and_input(torch, make, rng):
+    """The npnorm and torch layers of ``make``, and a float32 input of a shape they take."""
     ours, ref = make(npnorm), make(torch.nn)
     name = type(ref).__name__
     if name in ("LayerNorm", "RMSNorm"):
         shape = (3, *ref.normalized_shape)
     else:
         shape = {"2d": (3, 4, 3, 3), "3d": (3, 4, 2, 2, 2)}.get(name[-2:], (3, 4, 5))
-    x = rng.normal(size=shape).astype(np.float32)
+    return ours, ref, shape, rng.normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("make,reset", RESETS)
+def test_a_reset_between_forward_and_backward_raises_where_torchs_does(torch, make, reset, rng):
+    """A reset writes in place: where torch's backward keeps the array it overwrote, torch
+    raises, and so does npnorm (on NumPy the backward used the reset weight: a wrong dx)."""
+    ours, ref, shape, x = _twins_and_input(torch, make, rng)
     y = ref(torch.tensor(x, requires_grad=True))
     getattr(ref, reset)()
     try:
@@ -339,13 +344,7 @@ def test_a_reset_of_arrays_assigned_after_the_forward_is_as_torchs(torch, make, 
     arrays the forward used were never touched, and torch's backward (which keeps the old
     ones) runs; npnorm raised "overwritten in place", by name alone. The gradient is the
     forward's, as torch's."""
-    ours, ref = make(npnorm), make(torch.nn)
-    name = type(ref).__name__
-    if name in ("LayerNorm", "RMSNorm"):
-        shape = (3, *ref.normalized_shape)
-    else:
-        shape = {"2d": (3, 4, 3, 3), "3d": (3, 4, 2, 2, 2)}.get(name[-2:], (3, 4, 5))
-    x = rng.normal(size=shape).astype(np.float32)
+    ours, ref, shape, x = _twins_and_input(torch, make, rng)
     xt = torch.tensor(x, requires_grad=True)
     y = ref(xt)
     for k, v in [*ref.named_parameters(), *ref.named_buffers()]:
