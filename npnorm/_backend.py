@@ -217,7 +217,7 @@ def resolve_dtype(xp: Namespace, dtype: Any, device: Any = None) -> Any:
                 else ""
             )
         )
-    if device is not None and name not in _standard_floats(xp, device):  # (torch's "mps")
+    if device is not None and not device_has(xp, name, device):  # (torch's "mps")
         raise TypeError(f"backend {backend_name(xp)} has no {name} arrays on device {device!r}")
     return resolved
 
@@ -229,12 +229,11 @@ def device_has(xp: Namespace, name: str, device: Any) -> bool:
     return listed is None or name == "float16" or name in listed
 
 
-def _standard_floats(xp: Namespace, device: Any = None) -> tuple[str, ...]:
-    """The float dtypes ``xp`` can make now (on ``device``), as its Array API inspection
-    lists them (JAX leaves float64 out until x64 is enabled: its float64 arrays would be
-    float32; torch's "mps" device has no float64); float16, outside the standard, as any
-    backend that names it."""
-    listed = _inspected(xp, lambda info: tuple(info.dtypes(kind="real floating", device=device)), None)
+def _standard_floats(xp: Namespace) -> tuple[str, ...]:
+    """The float dtypes ``xp`` can make now, as its Array API inspection lists them (JAX
+    leaves float64 out until x64 is enabled: its float64 arrays would be float32);
+    float16, outside the standard, as any backend that names it."""
+    listed = _inspected(xp, lambda info: tuple(info.dtypes(kind="real floating")), None)
     return FLOAT_NAMES if listed is None else ("float16", *listed)
 
 
