@@ -2,7 +2,8 @@
 
 Read docs/derivations/batch_norm_eval.md. In eval mode mean and var are the running
 buffers, not computed from x: the graph has the same nodes in a different order, and
-fewer edges. Find which local derivatives disappear. Grade it:
+fewer edges. Find which local derivatives disappear. The grader runs it on x of shape
+(4, 3, 2, 2), then (3, 2, 2, 3). Grade it:
 
     python -m npnorm learn check batch_norm_eval
 

@@ -9,8 +9,10 @@ it (the chain rule, one node at a time; ``d["y"]`` is given). Then grade it:
     python -m npnorm learn check batch_norm_staged
 
 The grader checks every gradient against finite differences and names the first wrong
-one going back from y. A gradient has the shape of its step, exactly: (1, C, 1, 1) for
-the statistics, (C,) for weight and bias.
+one going back from y, on two examples: x of shape (4, 3, 2, 2), then (3, 2, 2, 3) (so
+take every count from the shapes). A gradient has the shape of its step, exactly:
+(1, C, 1, 1) for the statistics, (C,) for weight and bias. Leave ``t`` and ``dy`` as they
+are: the grader fails a backward that writes into them.
 
 The graph, for x of shape (N, C, H, W) and one statistic per channel over n = N·H·W values:
 

@@ -11,7 +11,8 @@ xhat and rstd. It comes out as three terms, one per way x reaches xhat:
 Each term has x's shape (N, C, H, W), even where it is the same for every value of a
 channel. The grader checks each term against finite differences of the loss along its
 own paths (the graph's other edges held at their recorded values), then their sum
-against dx:
+against dx, on two examples: x of shape (4, 3, 2, 2) with ``axes`` (0, 2, 3), then a
+BatchNorm1d batch (5, 2, 3) with ``axes`` (0, 2):
 
     python -m npnorm learn check closed_form
 """
@@ -20,9 +21,9 @@ from npnorm.learn import TODO
 
 
 def closed_form(dxhat, xhat, rstd, axes):
-    """The three terms of dx; ``axes`` = (0, 2, 3), the axes a channel's statistics are over.
+    """The three terms of dx; ``axes``: the axes a channel's statistics are over, (0, 2, 3).
 
-    dxhat, xhat: (N, C, H, W); rstd: (1, C, 1, 1).
+    dxhat, xhat: (N, C, H, W); rstd: (1, C, 1, 1). (The second example: (N, C, L), axes (0, 2).)
     """
     return {
         "direct": TODO,  # term 1

@@ -1,7 +1,8 @@
 """Exercise 4: RMSNorm, node by node.
 
 Read docs/derivations/rms_norm.md. No mean, no bias: x has shape (2, 3, 8), each row
-of 8 values is scaled by the reciprocal of its root mean square. Grade it:
+of 8 values is scaled by the reciprocal of its root mean square. The grader also runs it
+on a second example, x of shape (2, 4, 5) with eps = 0.5. Grade it:
 
     python -m npnorm learn check rms_norm
 

@@ -3,7 +3,8 @@
 Read docs/derivations/batch_norm_eval.md, section 3. Some write-ups normalize with
 var = Σ xc² / (n - 1) (what torch.var computes by default); PyTorch's BatchNorm does
 not. Redo exercise 2 for that graph: x has shape (6, 3), one statistic per channel over
-the n = 6 values of axis 0. Which terms change? Grade it:
+the n = 6 values of axis 0 (and a second example, x of shape (5, 4)). Which terms
+change? Grade it:
 
     python -m npnorm learn check unbiased_variance
 

@@ -715,7 +715,100 @@ def test_an_exercise_that_writes_into_the_tape_cannot_fool_the_grader():
         return d
 
     result = grade(exercise, vandal)
-    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "weight"
+    assert not result.ok and "your backward changed its argument t['input'] in place" in result.message()
+
+
+@pytest.mark.parametrize(
+    "name, write",
+    [
+        ("batch_norm_staged", lambda args: args[1].__setitem__(..., 0.0)),  # dy
+        ("batch_norm_staged", lambda args: args[0]["rstd"].__imul__(2.0)),  # a step of the tape
+        ("closed_form", lambda args: args[0].__isub__(1.0)),  # dxhat
+        ("unbiased_variance", lambda args: args[2].__imul__(1.5)),  # rstd
+        ("cache_vs_recompute", lambda args: args[1].__isub__(args[2][:, :, None, None])),  # x -= mean
+    ],
+)
+def test_an_exercise_that_writes_into_an_argument_fails(name, write):
+    """The grader hands the function copies, so a write could not change the check; but a
+    backward that overwrites what it reads breaks the code that reads it after (x -= mean
+    in a backward from the saved statistics left the caller's x equal to xhat)."""
+    exercise = EXERCISES[name]
+    solution = load(ROOT / "exercises" / "solutions" / f"{name}.py", exercise.function)
+
+    def writes(*args):
+        result = solution(*args)
+        write(args)
+        return result
+
+    result = grade(exercise, writes)
+    assert not result.ok and not result.rows and "in place" in result.message(), result.message()
+    assert grade(exercise, solution).ok
+
+
+@pytest.mark.parametrize(
+    "name, old, new",
+    [
+        ("batch_norm_staged", "n = x.shape[0] * x.shape[2] * x.shape[3]", "n = 16"),
+        ("batch_norm_staged", "n = x.shape[0] * x.shape[2] * x.shape[3]", "n = x.shape[0] ** 2"),
+        ("group_norm", 'n = t["xg"].shape[2]', "n = x.shape[0] * x.shape[2] * x.shape[3]"),
+        ("layer_norm", 'n = t["input"].shape[2] * t["input"].shape[3]', "n = 4 * 5"),
+        ("closed_form", "axis=axes", "axis=(0, 2, 3)"),
+        # eps left out, (ms)^(-3/2): the first example's eps is float64's epsilon
+        ("rms_norm", 't["rstd"] ** 3', 't["ms"] ** -1.5'),
+    ],
+)
+def test_a_solution_right_only_for_the_first_example_fails_on_the_second(tmp_path, name, old, new):
+    """Counts written for the first example's sizes (n = N**2 where N·H·W = 16 = N**2), axes
+    hard-coded, eps left out where the first example's is negligible: the second example,
+    of other sizes (and eps), fails them."""
+    text = (ROOT / "exercises" / "solutions" / f"{name}.py").read_text()
+    if old not in text:  # (the solution spells it otherwise: find the line to change)
+        pytest.fail(f"{old!r} is not in solutions/{name}.py")
+    path = tmp_path / f"{name}.py"
+    path.write_text(text.replace(old, new))
+    exercise = EXERCISES[name]
+    result = grade(exercise, load(path, exercise.function))
+    assert not result.ok and len(result.passed_before) == 1, result.message()
+    assert result.message().startswith("FAIL") and "on the second example (" in result.message()
+    assert "written for the first example's sizes" in result.message()
+
+
+def test_every_exercise_has_a_second_example_of_other_sizes():
+    for name, exercise in EXERCISES.items():
+        first, second = (make() for make in exercise.examples)
+        assert first["input"].shape != second["input"].shape, name
+        result = grade(exercise, load(ROOT / "exercises" / "solutions" / f"{name}.py", exercise.function))
+        assert result.ok and "on both examples" in result.message(), (name, result.message())
+
+
+def test_a_step_that_reads_a_todo_says_to_fill_them_in_order():
+    exercise = EXERCISES["rms_norm"]
+
+    def partial(t, dy):
+        from npnorm.learn import TODO
+
+        d = {"y": dy, "weight": TODO}
+        d["xhat"] = dy * d["weight"]  # reads the TODO
+        return d
+
+    result = grade(exercise, partial)
+    assert not result.ok and "reads the gradient of a step still TODO" in result.message()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check", "--solution", "rms_norm"],
+        ["--solution", "check", "rms_norm"],
+        ["check", "rms_norm", "--solution"],
+    ],
+)
+def test_options_may_come_between_check_and_its_exercise(argv, monkeypatch, capsys):
+    """check --solution NAME was 'unrecognized arguments: NAME' (argparse's two optional
+    positionals): options go anywhere among them."""
+    monkeypatch.chdir(ROOT)
+    assert _cli.main(argv) == 0
+    assert "PASS" in capsys.readouterr().out
 
 
 def test_the_overview_says_where_the_pages_and_exercises_are(capsys):

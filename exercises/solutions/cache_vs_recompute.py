@@ -2,7 +2,7 @@
 
 
 def backward_from_saved(dy, x, mean, rstd, weight):
-    """dxhat, dweight, dbias and dx from x and the per-row mean and rstd (shape (2, 3))."""
+    """dxhat, dweight, dbias and dx from x and the per-row mean and rstd (shape (2, 3) in the example)."""
     axes, rows = (2, 3), (0, 1)
     mean = mean[:, :, None, None]  # (2, 3) -> (2, 3, 1, 1), to broadcast over each row
     rstd = rstd[:, :, None, None]

@@ -5,7 +5,7 @@ def backward(t, dy):
     """The gradient of L = sum(y · dy) with respect to every step, as a dict."""
     axes = (2, 3)  # the normalized axes: one mean and rstd per row (sample, position)
     rows = (0, 1)  # the axes the rows lie along: one weight serves every row
-    n = 4 * 5  # values per row
+    n = t["input"].shape[2] * t["input"].shape[3]  # values per row: 4 · 5 in the example
     d = {"y": dy}
     # node 6, y = xhat · w + b
     d["bias"] = dy.sum(axis=rows)  # ∂y/∂b = 1; summed over the rows          (4, 5)

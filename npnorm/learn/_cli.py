@@ -279,11 +279,12 @@ def check_exercise(exercise: Exercise, path: Path) -> bool:
         print(f"FAIL: could not load {exercise.function} from {path}: {type(err).__name__}: {err}")
         return False
     result = grade(exercise, fn)
-    print(f"graded on: {result.tape.description}\n")
-    for r in result.rows:
-        print(f"  {r}")
-    if result.rows:
-        print()
+    for i, each in enumerate(result.graded):
+        print(f"graded on{' a second example' if i else ''}: {each.tape.description}\n")
+        for r in each.rows:
+            print(f"  {r}")
+        if each.rows:
+            print()
     print(result.message())
     return result.ok
 
@@ -362,7 +363,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--quiet", action="store_true", help="print nothing on standard output; the exit status tells"
     )
-    args = parser.parse_args(_split_joined(argv))
+    args = parser.parse_intermixed_args(_split_joined(argv))  # (check --solution NAME as well)
     with contextlib.redirect_stdout(io.StringIO()) if args.quiet else contextlib.nullcontext():
         return _run(parser, args)
 

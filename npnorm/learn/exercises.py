@@ -1,11 +1,14 @@
 """The exercises in ``exercises/`` and their grader (``python -m npnorm learn check NAME``).
 
 Each exercise is a Python file with one function to fill in (its lines say ``TODO``).
-The grader builds a small example, calls the function, and checks what it returns
-with the step checker: every gradient against finite differences of the loss, every
-term of a closed form against finite differences along its own paths. It names the
-first wrong step going back from the output, which is the one to fix first (the
-steps after it are computed from it).
+The grader builds two small examples (the one the exercise describes, then one of
+other sizes, seed and, where the exercise allows it, eps or axes: a function right only
+for the first example's sizes fails the second), calls the function on each, and checks
+what it returns with the step checker: every gradient against finite differences of the
+loss, every term of a closed form against finite differences along its own paths. It
+names the first wrong step going back from the output, which is the one to fix first
+(the steps after it are computed from it). A function that writes into its arguments
+fails too: a backward reads the forward's values, and other code reads them after it.
 """
 
 from __future__ import annotations
@@ -38,25 +41,60 @@ class Exercise:
     make: Callable[[], Tape]
     call: Callable[[Callable[..., Any], Tape, np.ndarray], Result]
     names: tuple[str, ...] | None = None  # the steps checked; None: every step
+    second: Callable[[], Tape] | None = None  # the second example: other sizes and seed
+
+    @property
+    def examples(self) -> tuple[Callable[[], Tape], ...]:
+        """The examples graded, in order: the one the exercise describes, then the second."""
+        return (self.make,) if self.second is None else (self.make, self.second)
+
+
+class _ChangedInPlace(Exception):
+    """What a call raises where the learner's function wrote into one of its arguments."""
+
+
+def _same(given: Any, kept: Any) -> bool:
+    return bool(np.array_equal(np.asarray(given), np.asarray(kept), equal_nan=True))
+
+
+def _check_unchanged(function: str, args: Mapping[str, tuple[Any, Any]]) -> None:
+    """Raise ``_ChangedInPlace`` naming the first argument whose value (given, kept) differs."""
+    for name, (given, kept) in args.items():
+        if not _same(given, kept):
+            raise _ChangedInPlace(
+                f"your {function} changed its argument {name} in place: a backward reads the "
+                f"forward's values and must leave them as they were (other code reads them after it); "
+                f"work on a copy (a = a.copy(), or a - b instead of a -= b)"
+            )
 
 
 def _staged(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
-    return fn(t, dy), {}
+    kept = {name: np.copy(t[name]) for name in t}
+    given_dy = dy.copy()
+    grads = fn(t, given_dy)
+    _check_unchanged("backward", {"dy": (given_dy, dy), **{f"t[{k!r}]": (t[k], v) for k, v in kept.items()}})
+    return grads, {}
 
 
 def _terms(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
     st = t.standardized
     assert st is not None
     dxhat = staged_backward(t, dy)[st.out]
-    terms = fn(dxhat.copy(), t[st.out].copy(), t["rstd"].copy(), st.axes)
+    args = {"dxhat": dxhat, "xhat": t[st.out], "rstd": t["rstd"]}
+    given = {k: v.copy() for k, v in args.items()}
+    terms = fn(*given.values(), st.axes)
+    _check_unchanged("closed_form", {k: (given[k], args[k]) for k in args})
     return {}, terms
 
 
 def _from_saved(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
-    x, w = t["input"].copy(), t["weight"].copy()
+    x, w = t["input"], t["weight"]
     rows = x.shape[: x.ndim - w.ndim]
-    mean, rstd = t["mean"].reshape(rows).copy(), t["rstd"].reshape(rows).copy()  # as the library saves them
-    return fn(dy.copy(), x, mean, rstd, w), {}
+    args = {"dy": dy, "x": x, "mean": t["mean"].reshape(rows), "rstd": t["rstd"].reshape(rows), "weight": w}
+    given = {k: v.copy() for k, v in args.items()}  # the mean and rstd as the library saves them
+    grads = fn(*given.values())
+    _check_unchanged("backward_from_saved", {k: (given[k], args[k]) for k in args})
+    return grads, {}
 
 
 def _tape(name: str, **kw: Any) -> Callable[[], Tape]:
@@ -67,9 +105,42 @@ def _tape(name: str, **kw: Any) -> Callable[[], Tape]:
     return make
 
 
-def _unbiased() -> Tape:
-    rng = np.random.default_rng(3)
-    return staged_normalize(rng.normal(0.5, 2.0, (6, 3)), 0, eps=1e-5, correction=1)  # BatchNorm1d, n-1
+def _other(
+    name: str, shape: tuple[int, ...], *, groups: int = 0, eval: bool = False, eps: float | None = None
+) -> Callable[[], Tape]:
+    """The second example of layer ``name``: an input of ``shape``, other values (seed 7)
+    than the first example's, and ``eps`` where given. LayerNorm normalizes the two
+    trailing axes, RMSNorm the last, as in the first examples."""
+
+    def make() -> Tape:
+        rng = np.random.default_rng(7)
+        x = rng.normal(-1.5, 3.0, shape)
+
+        def param(*s: int) -> np.ndarray:
+            return rng.normal(1.0, 0.5, s)
+
+        C = shape[1]
+        kw: dict[str, Any] = {} if eps is None else {"eps": eps}
+        if name == "layer_norm":
+            args: tuple[Any, ...] = (x, shape[2:], param(*shape[2:]), param(*shape[2:]))
+        elif name == "rms_norm":
+            args = (x, shape[-1], param(shape[-1]))
+        elif name == "group_norm":
+            args = (x, groups, param(C), param(C))
+        else:  # batch_norm: running mean and var, then weight and bias
+            args = (x, rng.normal(0.5, 0.2, C), rng.uniform(3.0, 5.0, C), param(C), param(C))
+            kw["training"] = not eval
+        return staged_forward(name, *args, **kw)
+
+    return make
+
+
+def _unbiased(shape: tuple[int, ...] = (6, 3), seed: int = 3) -> Callable[[], Tape]:
+    def make() -> Tape:
+        rng = np.random.default_rng(seed)
+        return staged_normalize(rng.normal(0.5, 2.0, shape), 0, eps=1e-5, correction=1)  # BatchNorm1d, n-1
+
+    return make
 
 
 BN, EVAL, LN = "batch_norm_training.md", "batch_norm_eval.md", "layer_norm.md"
@@ -79,20 +150,23 @@ EXERCISES = {
     e.name: e
     for e in [
         Exercise("batch_norm_staged", "BatchNorm in training, node by node", BN, "backward",
-                 _tape("batch_norm"), _staged),
+                 _tape("batch_norm"), _staged, second=_other("batch_norm", (3, 2, 2, 3))),
         Exercise("closed_form", "Collapse the staged BatchNorm backward into three terms", BN, "closed_form",
-                 _tape("batch_norm"), _terms),
+                 _tape("batch_norm"), _terms, second=_other("batch_norm", (5, 2, 3))),  # axes (0, 2)
         Exercise("layer_norm", "LayerNorm over two trailing axes, node by node", LN, "backward",
-                 _tape("layer_norm"), _staged),
-        Exercise("rms_norm", "RMSNorm, node by node", "rms_norm.md", "backward", _tape("rms_norm"), _staged),
+                 _tape("layer_norm"), _staged, second=_other("layer_norm", (3, 2, 3, 6))),
+        Exercise("rms_norm", "RMSNorm, node by node", "rms_norm.md", "backward", _tape("rms_norm"), _staged,
+                 second=_other("rms_norm", (2, 4, 5), eps=0.5)),
         Exercise("group_norm", "GroupNorm by reshape, node by node", GN, "backward",
-                 _tape("group_norm"), _staged),
+                 _tape("group_norm"), _staged, second=_other("group_norm", (3, 8, 1, 3), groups=4)),
         Exercise("batch_norm_eval", "BatchNorm in eval mode, node by node", EVAL, "backward",
-                 _tape("batch_norm", eval=True), _staged),
+                 _tape("batch_norm", eval=True), _staged,
+                 second=_other("batch_norm", (3, 2, 2, 3), eval=True)),
         Exercise("unbiased_variance", "The closed form when the n-1 variance normalizes", EVAL,
-                 "closed_form", _unbiased, _terms),
+                 "closed_form", _unbiased(), _terms, second=_unbiased((5, 4), seed=8)),
         Exercise("cache_vs_recompute", "LayerNorm's backward from the saved statistics only", LN,
-                 "backward_from_saved", _tape("layer_norm"), _from_saved, SAVED),
+                 "backward_from_saved", _tape("layer_norm"), _from_saved, SAVED,
+                 second=_other("layer_norm", (3, 2, 3, 6))),
     ]
 }  # fmt: skip
 
@@ -140,10 +214,25 @@ class Grade:
     error: str = ""
     raised: bool = True  # the error is the traceback of what the function raised
     unknown: tuple[str, ...] = ()  # keys of the returned dict that name no step (or term): typos?
+    passed_before: tuple[Grade, ...] = ()  # the examples graded before this one (they passed)
 
     @property
     def ok(self) -> bool:
         return not self.error and all(r.ok for r in self.rows)
+
+    @property
+    def graded(self) -> tuple[Grade, ...]:
+        """Every example's grade, in the order graded: those that passed, then this one."""
+        return (*self.passed_before, self)
+
+    def _where(self) -> str:
+        """Which example failed, where it is not the first: its sizes are what differ."""
+        if not self.passed_before:
+            return ""
+        return (
+            f" on the second example ({self.tape.description}), where the first passed: is a count, "
+            f"a shape or an axis written for the first example's sizes?"
+        )
 
     @property
     def first_wrong(self) -> CheckRow | None:
@@ -151,7 +240,7 @@ class Grade:
 
     def message(self) -> str:
         if self.error and self.raised:
-            return f"FAIL: your {self.exercise.function} raised an error:\n{self.error}"
+            return f"FAIL: your {self.exercise.function} raised an error{self._where()}\n{self.error}"
         if self.error:
             return f"FAIL: {self.error}"
         wrong = [r for r in self.rows if not r.ok]
@@ -161,12 +250,13 @@ class Grade:
             kind = "term" if terms else "step"
             unknown = f" Not checked: {', '.join(self.unknown)}, no {kind} of this exercise (a typo?)."
         if not wrong:
+            both = " on both examples" if self.passed_before else ""
             if terms:
                 return (
-                    "PASS: each term matches finite differences along its paths, and their sum matches dx."
-                    + unknown
+                    f"PASS{both}: each term matches finite differences along its paths, and their sum "
+                    "matches dx." + unknown
                 )
-            return f"PASS: all {len(self.rows)} gradients match finite differences." + unknown
+            return f"PASS{both}: all {len(self.rows)} gradients match finite differences." + unknown
         first = wrong[0]
         if terms and first.name in TERM_NAMES:
             where = f"Wrong term: `{first.name}` ({TERM_NAMES[first.name]})"
@@ -175,7 +265,8 @@ class Grade:
         detail = first.note or _diff(first)
         if unknown and not detail.endswith((".", "?")):
             detail += "."
-        return f"FAIL: {len(wrong)} of {len(self.rows)} wrong. {where}: {detail}" + unknown
+        where_example = f"{self._where()}\n" if self.passed_before else ": "
+        return f"FAIL{where_example}{len(wrong)} of {len(self.rows)} wrong. {where}: {detail}" + unknown
 
 
 def _diff(row: CheckRow) -> str:
@@ -183,18 +274,34 @@ def _diff(row: CheckRow) -> str:
     if row.max_rel < 1e-3:  # (it failed: above RTOL, 1e-6, where rounding stays near 1e-10)
         text += (
             "; small, but far above rounding in float64, so a real difference: a term slightly off, "
-            "such as eps left out, or a value rounded to float32?"
+            "such as eps left out?"
         )
     return text
 
 
 def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
-    """Run ``fn`` (the learner's function) on the exercise's example and check what it returns."""
-    tape = exercise.make()
+    """Run ``fn`` (the learner's function) on each of the exercise's examples in turn and
+    check what it returns: the first example's grade where it fails, else the second's
+    (with the first in ``passed_before``)."""
+    passed: tuple[Grade, ...] = ()
+    for make in exercise.examples:
+        result = _grade_on(exercise, fn, make)
+        result.passed_before = passed
+        if not result.ok:
+            break
+        passed = (*passed, result)
+    return result
+
+
+def _grade_on(exercise: Exercise, fn: Callable[..., Any], make: Callable[[], Tape]) -> Grade:
+    """The grade of ``fn`` on the example ``make`` builds."""
+    tape = make()
     dy = upstream(tape.output.shape)
     reference = staged_backward(tape, dy)  # only its order is used: the order the steps are computed in
     try:  # on a tape of its own: whatever the function changes in place, the check's tape stays as built
-        grads, terms = exercise.call(fn, exercise.make(), dy.copy())
+        grads, terms = exercise.call(fn, make(), dy)
+    except _ChangedInPlace as err:
+        return Grade(exercise, tape, [], str(err), raised=False)
     except (Exception, SystemExit) as err:  # sys.exit() in the learner's code is a failure too
         text = traceback.format_exc(limit=-2)
         if isinstance(err, ValueError) and "broadcast" in str(err):  # (the line shown is the victim)
@@ -202,6 +309,11 @@ def grade(exercise: Exercise, fn: Callable[..., Any]) -> Grade:
                 "A broadcast error usually means that a gradient computed earlier has the wrong shape: "
                 "a statistic's gradient keeps its reduced axes (keepdims=True): the statistic's own shape, "
                 "as (1, C, 1, 1) for BatchNorm's or (N, 1, 1, 1) for a LayerNorm row's.\n"
+            )
+        if isinstance(err, TypeError) and "_Todo" in str(err):  # a step filled in reads one still TODO
+            text += (
+                "A step you filled in reads the gradient of a step still TODO: fill them in in order, "
+                "going back from y (each step's gradient is computed from the ones after it).\n"
             )
         return Grade(exercise, tape, [], text)
     rows: list[CheckRow] = []
