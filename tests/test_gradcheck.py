@@ -280,6 +280,7 @@ PAIR = (lambda x: x * 2, lambda dy, x: dy * 2)
         ({"rtol": None}, TypeError, "rtol must be a number"),
         ({"atol": -1.0}, ValueError, "atol must be a non-negative number"),
         ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"seed": -1}, ValueError, "seed must be a non-negative int"),  # was NumPy's bare message
     ],
 )
 def test_bad_options_name_the_argument(kwargs, error, match):
@@ -599,11 +600,156 @@ def test_a_module_holding_another_is_refused_and_the_inner_one_left_alone(rng):
 
     m = BatchNormThenScale()
     state, grads = snapshot(m.bn)
-    with pytest.raises(
-        TypeError, match=r"BatchNormThenScale\.bn holds an npnorm Module\. Modules do not nest"
-    ):
+    with pytest.raises(TypeError, match=r"BatchNormThenScale\.bn is an npnorm Module\. Modules do not nest"):
         npnorm.gradcheck(m, rng.normal(size=(4, 3)))
     assert_state_equal(m.bn, state, grads)
+
+
+class WrongWeightGrad(npnorm.BatchNorm1d):
+    def _backward(self, grad_output, saved):
+        dx, grads = super()._backward(grad_output, saved)
+        return dx, {**grads, "weight": 2 * grads["weight"]}  # wrong
+
+
+@pytest.mark.parametrize("hold", ["list of lists", "dict of lists", "namespace", "set in a tuple"])
+def test_a_module_held_deeper_in_containers_is_refused_too(rng, hold):
+    """The refusal looked one container deep: a BatchNorm (with a wrong weight gradient) held
+    in a list of lists passed the check, its counter and running statistics changed."""
+    import types
+
+    inner = WrongWeightGrad(3, dtype="float64")
+    held = {
+        "list of lists": ([[inner]], r"Outer\.inner\[0\]\[0\]"),
+        "dict of lists": ({"stage": [inner]}, r"Outer\.inner\['stage'\]\[0\]"),
+        "namespace": (types.SimpleNamespace(bn=inner), r"Outer\.inner\.bn"),
+        "set in a tuple": ((1, {inner}), r"an item of Outer\.inner\[1\]"),
+    }
+    value, where = held[hold]
+
+    class Outer(npnorm.Module):
+        _parameter_names = ("s",)
+
+        def __init__(self):
+            super().__init__(dtype="float64")
+            self.s = np.asarray(1.5)
+            self.inner = value
+
+        def _forward(self, x):
+            y = inner(x)
+            return self.s * y, (y,), {}
+
+        def _backward(self, dy, saved):
+            return inner.backward(dy * self.s), {"s": np.sum(dy * saved[0])}
+
+    m = Outer()
+    m.inner_cycle = [m.inner]  # a cycle through containers ends
+    m.inner_cycle.append(m.inner_cycle)
+    state, grads = snapshot(inner)
+    with pytest.raises(TypeError, match=where + r" is an npnorm Module\. Modules do not nest"):
+        npnorm.gradcheck(m, rng.normal(size=(4, 3)))
+    assert_state_equal(inner, state, grads)
+
+
+class ScratchInSaved(npnorm.Module):
+    """y = s * x / |x|, whose backward uses the saved x / |x| as scratch (``u *= ...``):
+    right on the first backward of a forward, wrong on the second."""
+
+    _parameter_names = ("s",)
+
+    def __init__(self):
+        super().__init__(dtype="float64")
+        self.s = np.asarray(1.5)
+
+    def _forward(self, x):
+        n = np.sqrt(np.sum(x * x))
+        u = x / n
+        return self.s * u, (u, n), {}
+
+    def _backward(self, dy, saved):
+        u, n = saved
+        ds = np.sum(dy * u)
+        g = self.s * dy
+        proj = np.sum(g * u)
+        dx = (g - proj * u) / n
+        u *= proj  # scratch: the saved u is gone
+        return dx, {"s": ds}
+
+
+def test_a_backward_that_is_right_only_once_fails_as_not_reentrant(rng):
+    """A backward that overwrote what its forward saved passed the check (one backward),
+    where torch's gradcheck says "Backward is not reentrant"; a second backward of the same
+    forward gave a dx off by 1. The check runs the backward twice now."""
+    x = rng.normal(size=(2, 3))
+    with pytest.raises(npnorm.GradcheckError, match=r"ScratchInSaved's backward is not reentrant.*grad s"):
+        npnorm.gradcheck(ScratchInSaved(), x)
+
+    def forward(x):
+        n = np.sqrt(np.sum(x * x))
+        return x / n, x / n, n
+
+    def backward(dy, x, u, n):
+        dx = (dy - np.sum(dy * u) * u) / n
+        u *= 2.0  # scratch
+        return dx
+
+    with pytest.raises(npnorm.GradcheckError, match=r"gradcheck: backward is not reentrant.*input"):
+        npnorm.gradcheck((forward, backward), x)
+    calls = []
+
+    def first_call_only(dy, x):  # right once, then zero
+        calls.append(1)
+        return dy * 2 if len(calls) == 1 else dy * 0
+
+    with pytest.raises(npnorm.GradcheckError, match="not reentrant"):
+        npnorm.gradcheck((lambda x: x * 2, first_call_only), x)
+    assert npnorm.gradcheck(npnorm.LayerNorm(3), x)  # npnorm's own: a second backward is the first's
+
+
+def test_a_module_backward_without_an_input_gradient_says_so(rng):
+    """A module's _backward returning None for dx was 'the analytic gradient has shape ()'."""
+
+    class NoInputGrad(npnorm.LayerNorm):
+        def _backward(self, grad_output, saved):
+            return None, super()._backward(grad_output, saved)[1]
+
+    with pytest.raises(npnorm.GradcheckError, match="backward produced no gradient for: input"):
+        npnorm.gradcheck(NoInputGrad(4), rng.normal(size=(3, 4)))
+
+
+def test_a_pair_on_a_backend_without_float64_is_a_clear_type_error():
+    """JAX without x64 made the check's float64 copies float32, silently, and a correct pair
+    failed with a note blaming its forward; a device without float64 gave the backend's
+    ValueError. (The module path said so already.)"""
+    xs = pytest.importorskip("array_api_strict")
+    pair = (lambda x: x * 2, lambda dy, x: dy * 2)
+    x = xs.asarray([1.0, 2.0, 3.0], dtype=xs.float32, device=xs.Device("no_float64"))
+    with pytest.raises(TypeError, match=r"gradcheck runs in float64: .*no float64 arrays on device"):
+        npnorm.gradcheck(pair, x)
+    jax = pytest.importorskip("jax")
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        import jax.numpy as jnp
+
+        with pytest.raises(TypeError, match=r"gradcheck runs in float64: .*jax_enable_x64"):
+            npnorm.gradcheck((jnp.sin, lambda dy, x: dy * jnp.cos(x)), jnp.ones(3, dtype=jnp.float32))
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+
+
+def test_a_pair_parameter_gradient_that_is_not_an_array_is_a_clear_type_error(rng):
+    """A str or dict gradient failed in float(); a list was taken."""
+    forward = lambda x, w: x * w  # noqa: E731
+    x, w = np.arange(3.0), np.full(3, 2.0)
+    for bad in ("oops", {"w": 1}, [1.0, 2.0, 3.0]):
+        with pytest.raises(
+            TypeError, match=r"gradient for params\[0\] must be an array.*got " + type(bad).__name__
+        ):
+            npnorm.gradcheck((forward, lambda dy, x, w, bad=bad: (dy * w, bad)), x, w)
+    with pytest.raises(TypeError, match=r"backward must return dx, or a tuple.*got an empty tuple"):
+        npnorm.gradcheck((forward, lambda dy, x, w: ()), x, w)
+    with pytest.raises(TypeError, match=r"forward must return the output array.*got an empty tuple"):
+        npnorm.gradcheck((lambda x: (), lambda dy, x: dy), x)
 
 
 def test_a_module_that_skipped_super_init_is_told_so(rng):

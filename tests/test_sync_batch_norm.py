@@ -1609,3 +1609,31 @@ def test_dask_ranks_of_float16_and_float64_are_refused_on_every_rank():
 
     for dtypes in (("float16", "float64"), ("float32", "float64")):
         assert run_ranks(2, rank_fn(dtypes)) == ["refused"] * 2  # (a rank's exception is its result)
+
+
+@pytest.mark.parametrize("rows", [(2, 2), (3, 1)], ids=["equal", "uneven"])
+def test_gradcheck_of_a_synced_training_layer_says_it_cannot_check_it_on_every_rank(rows):
+    """Over several ranks the backward's gradients are those of the loss summed over all
+    ranks, which a finite difference on one rank does not see: a correct layer failed on
+    every rank (equal batches), and ranks of unequal batches ran unequal numbers of
+    collective forwards (a hang under MPI). Every rank refuses now, before any collective;
+    in eval, and on one rank, the check runs."""
+    x = np.random.default_rng(0).normal(size=(4, 3))
+
+    def rank_fn(comm):
+        lo = sum(rows[: comm.Get_rank()])
+        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+        try:
+            npnorm.gradcheck(m, x[lo : lo + rows[comm.Get_rank()]])
+        except ValueError as err:
+            refused = str(err)
+        else:
+            refused = ""
+        return refused, npnorm.gradcheck(m.eval(), x[lo : lo + rows[comm.Get_rank()]])
+
+    for result in run_ranks(2, rank_fn):
+        assert not isinstance(result, BaseException), result
+        refused, eval_ok = result
+        assert "SyncBatchNorm in training over 2 ranks cannot be checked on one rank" in refused
+        assert eval_ok is True
+    assert npnorm.gradcheck(npnorm.SyncBatchNorm(3, comm=run_ranks(1, lambda c: c)[0], dtype="float64"), x)

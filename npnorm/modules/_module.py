@@ -648,6 +648,11 @@ class Module:
         the check differentiates the function the module computes (RMSNorm's
         ``eps=None``). Nothing by default; ``gradcheck`` restores the module after."""
 
+    def _gradcheck_refusal(self) -> str | None:
+        """Why ``gradcheck`` cannot check this module as it is set (a sentence), or None.
+        None by default; asked before anything runs."""
+        return None
+
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
         raise NotImplementedError(
             f"{type(self).__name__} does not implement _backward(grad_output, saved) -> (grad_input, "

@@ -167,6 +167,24 @@ class SyncBatchNorm(_BatchNorm):
         # must take part, if only to raise with them (an eval forward on one rank between)
         return y, (*saved, False), updates
 
+    def _gradcheck_refusal(self) -> str | None:
+        """In training over several ranks the forward and backward are collective: the
+        backward's gradients are those of the loss summed over every rank, and a finite
+        difference on one rank sees its own loss only (and ranks of unequal batches would
+        run unequal numbers of collective forwards, and wait for ever)."""
+        if not self.training:
+            return None
+        size = int(resolve_comm(check_comm(self.comm)).Get_size())
+        if size == 1:
+            return None
+        return (
+            f"SyncBatchNorm in training over {size} ranks cannot be checked on one rank: its "
+            "gradients are those of the loss summed over all ranks (and every forward is "
+            "collective). Check it in eval mode, or on a communicator of one rank (its training "
+            "forward is BatchNorm's then), and compare the synced layer with BatchNorm on the "
+            "whole batch"
+        )
+
     def _synced_forward(self, comm: Comm, input: Array) -> tuple[Array, Saved, Updates]:
         what = type(self).__name__
         error = None
