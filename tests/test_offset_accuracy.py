@@ -590,3 +590,57 @@ def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
     dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)
     _assert_dx_finite_and_accurate(op, family, x, dy, np.full(3, weight), None, groups=3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "name, training", [("batch_norm", True), ("batch_norm", False), ("instance_norm", False)]
+)
+def test_an_offset_hidden_by_a_large_eps_is_still_centred(name, training, family):
+    """With eps = 1 over a variance of 1e-6, rstd = 1/sqrt(var + eps) ~ 1 made a mean 1e3
+    standard deviations from 0 look like one of 1, and the "numpy" kernels folded it into
+    the shift: y lost 10-50 ulps of its size (PyTorch's 2-20). Whether to fold is judged by
+    the variance now."""
+    rng = np.random.default_rng(4)
+    x = (1.0 + 1e-3 * rng.standard_normal((4, 3, 64))).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(3)).astype(np.float32)
+    b = np.zeros(3, np.float32)  # (a bias of 1 would hide the loss: it is measured against |y|)
+    x64 = x.astype(np.float64)
+    rm = x64.mean((0, 2)).astype(np.float32)
+    rv = x64.var((0, 2)).astype(np.float32)
+    stats = (
+        (x64.mean((0, 2)), x64.var((0, 2))) if training else (rm.astype(np.float64), rv.astype(np.float64))
+    )
+    xhat = (x64 - stats[0][:, None]) / np.sqrt(stats[1][:, None] + 1.0)
+    exact = xhat * w[:, None] + b[:, None]  # N, C, L
+    size = np.max(np.abs(xhat * w[:, None]) + np.abs(b[:, None]), axis=(0, 2))  # C
+    forward = getattr(F, f"{name}_forward")
+    with npnorm.use_kernels(family):
+        y = forward(x, rm.copy(), rv.copy(), w, b, training, 0.1, 1.0)[0]
+    ulps = np.max(np.abs(y - exact), axis=(0, 2)) / size / np.finfo(np.float32).eps
+    assert np.max(ulps) <= 2.0, ulps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
+def test_float32_dweight_over_many_short_rows_is_summed_without_drift(name, family):
+    """dweight sums dy*xhat over every row: one float32 product over a block of 16384 rows of
+    4 values lost 13 ulps in the "numpy" kernels (PyTorch's: 0.6). Terms of one sign here
+    (dy has x's sign), so nothing cancels: the error is the summation's."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((16384, 4)).astype(np.float32)
+    dy = (x * (1 + rng.random((16384, 4)))).astype(np.float32)
+    w = (1 + 0.5 * rng.random(4)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    with npnorm.use_kernels(family):
+        if name == "rms_norm":
+            _, rstd = F.rms_norm_forward(x, 4, w)
+            dw = F.rms_norm_backward(dy, x, 4, rstd, w)[1]
+            xhat = x64 * rstd.astype(np.float64).reshape(-1, 1)
+        else:
+            _, mean, rstd = F.layer_norm_forward(x, 4, w, np.zeros(4, np.float32))
+            dw = F.layer_norm_backward(dy, x, 4, mean, rstd, w, np.zeros(4, np.float32))[1]
+            xhat = (x64 - mean.astype(np.float64).reshape(-1, 1)) * rstd.astype(np.float64).reshape(-1, 1)
+    exact = np.sum(dy * xhat, axis=0)  # (from the saved statistics: the sum is what is measured)
+    scale = np.sum(np.abs(dy * xhat), axis=0)
+    assert np.max(np.abs(dw - exact) / scale) / np.finfo(np.float32).eps <= 2.0

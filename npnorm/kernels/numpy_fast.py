@@ -14,8 +14,8 @@ How they are fast (see ``_blocks`` for the blocking):
 * weight and bias are tiled to block shape once per thread, so multiplying by them
   is one contiguous loop rather than one loop call per row;
 * row statistics are BLAS dot products per row (``vecdot``); column sums (dweight,
-  dbias) are ``vecmat`` products into per-thread partial sums, added in thread order
-  at the end;
+  dbias) are ``matmul`` products over 128 rows at a time (``add_vecmat``), added into
+  per-thread float64 partial sums, those added in thread order at the end;
 * per-row broadcasts (``block * rstd[:, None]``) run unbuffered (``loop_mode``);
 * the rows are split over threads (``npnorm._threads``): NumPy releases the GIL
   inside ufuncs and these reductions.
@@ -43,9 +43,9 @@ from ..functional._dispatch import generic_kernel, specialized
 from . import _memory_order as memory
 from ._blocks import (
     Rows,
+    add_vecmat,
     block_rows,
     blocks,
-    colsum,
     extreme_spread,
     finish,
     grad_as,
@@ -62,7 +62,6 @@ from ._blocks import (
     scratch,
     sum_in_order,
     tiled,
-    vecmat,
     view,
 )
 
@@ -193,7 +192,7 @@ def layer_norm_backward(
     ``mg = mean(g)`` and ``k = rstd * mean(g * xhat) = rstd^2 * rowsum(dy * xc * w) / D``:
 
     * ``dbias += colsum(dy)`` and ``dweight += rstd @ (dy * xc)`` (= colsum(dy * xhat)),
-      into this thread's partial sums;
+      into this thread's float64 partial sums;
     * ``dx = rstd * (g - mg - k * xc)``, built in place in the output block (or a
       scratch block when dx's dtype is not the computation dtype), ``xc`` centred again
       first on rows far from 0 (``_centre_again``), for dweight too.
@@ -234,9 +233,8 @@ def layer_norm_backward(
         ubuf = scratch(w is not None, B, D, ct)  # B,D
         dbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
-        col = np.empty(D, dtype=ct)  # D, one block's column sums
-        dw_part = None if w is None else np.zeros(D, dtype=ct)  # D
-        db_part = None if bias is None else np.zeros(D, dtype=ct)  # D
+        dw_part = None if w is None else np.zeros(D)  # D float64: many blocks' column sums
+        db_part = None if bias is None else np.zeros(D)  # D float64
         kbuf = np.empty(B, dtype=ct)  # B
         mgbuf = np.empty(B, dtype=ct)  # B
         sxbuf = np.empty(B, dtype=ct)  # B
@@ -252,13 +250,11 @@ def layer_norm_backward(
             np.subtract(xb, mean_c[a:e, None], out=xc)  # n,D  x - mean
             _centre_again(xc, ones, mean_c[a:e], rstd_c[a:e], sxbuf[:n])  # xhat centred again
             if db_part is not None:
-                colsum(dyb, ones_b, out=col)  # D  colsum(dy)
-                np.add(db_part, col, out=db_part)
+                add_vecmat(ones_b[:n], dyb, db_part)  # D  += colsum(dy)
             if w is not None and wt is not None and ubuf is not None and dw_part is not None:
                 u = ubuf[:n]  # n,D
                 np.multiply(dyb, xc, out=u)  # n,D  dy * xc
-                vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
-                np.add(dw_part, col, out=dw_part)
+                add_vecmat(rstd_c[a:e], u, dw_part)  # D  += colsum(dy * xhat)
                 scaled_rowdot(u, w, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 rowmean(dyb, w, out=mg)  # n  mean(g)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
@@ -347,8 +343,8 @@ def rms_norm_backward(
 
     With ``xhat = x * rstd``, ``g = dy * w`` and, per row,
     ``k = rstd * mean(g * xhat) = rstd^2 * rowsum(dy * x * w) / D``:
-    ``dweight += rstd @ (dy * x)`` (= colsum(dy * xhat)) into this thread's partial
-    sum, and ``dx = rstd * (g - k * x)``, built in place in the output block. No mean
+    ``dweight += rstd @ (dy * x)`` (= colsum(dy * xhat)) into this thread's float64
+    partial sum, and ``dx = rstd * (g - k * x)``, built in place in the output block. No mean
     is subtracted, so working with ``x`` rather than ``xhat`` loses nothing; ``k``'s row
     sums are taken again in float64 where they overflow (``scaled_rowdot``).
     """
@@ -380,8 +376,7 @@ def rms_norm_backward(
         ubuf = np.empty((B, D), dtype=ct)  # B,D
         dbuf = scratch(not direct, B, D, ct)  # B,D
         wt = tiled(w, B)  # B,D
-        col = np.empty(D, dtype=ct)  # D
-        dw_part = None if w is None else np.zeros(D, dtype=ct)  # D
+        dw_part = None if w is None else np.zeros(D)  # D float64: many blocks' column sums
         kbuf = np.empty(B, dtype=ct)  # B
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -392,8 +387,7 @@ def rms_norm_backward(
             out = dx2[a:e] if dbuf is None else dbuf[:n]  # n,D
             if w is not None and wt is not None and dw_part is not None:
                 np.multiply(dyb, xb, out=u)  # n,D  dy * x
-                vecmat(rstd_c[a:e], u, out=col)  # D  colsum(dy * xhat)
-                np.add(dw_part, col, out=dw_part)
+                add_vecmat(rstd_c[a:e], u, dw_part)  # D  += colsum(dy * xhat)
                 scaled_rowdot(u, w, rr[a:e], out=k)  # n  rstd * mean(g * xhat)
                 g = np.multiply(dyb, wt[:n], out=out)  # n,D
             else:
