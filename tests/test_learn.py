@@ -1021,3 +1021,33 @@ def test_a_term_key_the_grader_does_not_check_is_named_and_shown_as_given():
     assert extra.ok and extra.message().endswith(
         "Not checked: 'input', 3, no term of this exercise (a typo?)."
     )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["mean 1000 over a spread of 0.01", "a variance of 1e-6 under eps 0.1, bias 1", "bias 100 over 1e-3"],
+)
+@pytest.mark.parametrize("layer", ["layer_norm", "batch_norm"])
+def test_the_step_checker_passes_right_gradients_where_one_step_does_not_suit(case, layer):
+    """One finite-difference step per element called the library's own (right) gradients
+    WRONG: a tenth of the spread for a mean of 1000 (truncation, 1e-4), far too small for
+    a variance under a large eps, or for outputs under a large bias (rounding, 5e-5)."""
+    rng = np.random.default_rng(0)
+    loc, spread, eps, bias = {
+        "mean 1000 over a spread of 0.01": (1000.0, 0.01, 1e-5, 0.0),
+        "a variance of 1e-6 under eps 0.1, bias 1": (0.0, 1e-3, 0.1, 1.0),
+        "bias 100 over 1e-3": (0.0, 1e-3, 0.1, 100.0),
+    }[case]
+    x = rng.normal(loc, spread, (4, 5))
+    if layer == "layer_norm":
+        tape = staged_forward("layer_norm", x, 5, rng.normal(1.0, 0.5, 5), np.full(5, bias), eps)
+    else:
+        tape = staged_forward(
+            "batch_norm", x, None, None, rng.normal(1.0, 0.5, 5), np.full(5, bias), training=True, eps=eps
+        )
+    dy = rng.standard_normal(x.shape)
+    grads = staged_backward(tape, dy)
+    rows = check_steps(tape, grads)
+    assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]
+    grads["mean"] = grads["mean"] * (1 + 1e-4)  # and a gradient 1e-4 off still fails
+    assert not check_steps(tape, grads, names=["mean"])[0].ok

@@ -13,6 +13,10 @@ at ``h`` and ``h/2``, and combines them so that the ``h²`` error cancels
 
     dL/ds[i] ~ (4·D(h/2) - D(h)) / 3
 
+It does so at five steps 100 times apart and keeps the estimate that agrees best with
+the next one (no single step suits a mean of 1000 over values 0.01 apart, which needs a
+small one, and a variance of 1e-6 under an eps of 0.1, which needs a large one).
+
 A gradient passes when ``max |given - numeric| <= atol + rtol · max |numeric|`` and
 its shape is the step's shape exactly: a gradient of shape (C,) for a step of shape
 (1, C, 1, 1) is wrong even though it would broadcast to the right values.
@@ -20,6 +24,7 @@ its shape is the step's shape exactly: a gradient of shape (C,) for a step of sh
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,17 +124,25 @@ def numeric_gradient(
     For each element ``i`` of the step's value ``s``, with a step scaled to the element,
     ``h_i = h · max(|s[i]|, mean |s|, std(input))`` (``h`` where all are 0; the input's
     spread keeps a step of values near 0, such as the mean of centred rows or a small
-    bias, from drowning in rounding), and ``D(t) = (L(s + t e_i) - L(s - t e_i)) / (2 t)``::
+    bias, from drowning in rounding), and ``D(t) = (L(s + t e_i) - L(s - t e_i)) / (2 t)``
+    (``2 t`` as the perturbed values are stored, so that a step lost to their rounding
+    does not count)::
 
-        dL/ds[i] ~ (4 D(h_i / 2) - D(h_i)) / 3
+        R(t) = (4 D(t / 2) - D(t)) / 3
 
     ``D``'s error is ``c·t² + O(t⁴)``, so this combination (Richardson extrapolation)
-    leaves ``O(h_i⁴)``: a variance of 1e-4, or inputs of 1000 ± 0.1, are checked as
-    well as unit-scale data (one ``D(h_i)`` with ``h_i = h · max(1, |s[i]|)`` called
-    right gradients wrong there). Only the graph after ``name`` is re-run
-    (``Tape.rerun``); four re-runs per element, so keep the arrays small. Edges in
-    ``frozen`` keep their recorded values, so the result is the gradient along the
-    other paths only.
+    leaves ``O(t⁴)``, plus the loss's rounding over ``t``. ``R`` is taken at the five
+    steps ``t = h_i · (1e4, 1e2, 1, 1e-2, 1e-4)``; the result is the one whose error
+    looks least: the larger of its difference from the next step's and the loss's
+    rounding at its step. A step too large for the curvature (a mean of 1000 over values
+    0.01 apart: ``h_i`` is a tenth of the spread) or too small for the rounding (a
+    variance of 1e-6 under an eps of 0.1, a bias of 100 over outputs of 1e-3) is passed
+    over: one step for all called right gradients wrong there. Inputs of 1000 ± 0.1 are
+    checked as well as unit-scale data; at 1000 ± 0.01 the input's gradient can still
+    be off by 2e-6 of its size (the rounding of the mean). Only the graph after ``name``
+    is re-run (``Tape.rerun``); twenty re-runs per element, so keep the arrays small.
+    Edges in ``frozen`` keep their recorded values, so the result is the gradient along
+    the other paths only.
 
     Parameters
     ----------
@@ -141,7 +154,8 @@ def numeric_gradient(
         The upstream gradient ``dy``, of the output's shape: ``L = sum(y · dy)``.
     h : float, default 1e-6
         The finite-difference step, relative to each element's magnitude (or to the
-        step's mean magnitude, or the input's standard deviation, where larger).
+        step's mean magnitude, or the input's standard deviation, where larger): the
+        middle one of the five steps tried.
     frozen : collection of (str, str), default ()
         Edges ``(input name, node name)`` held at their recorded values; see
         :func:`term_paths`.
@@ -178,20 +192,46 @@ def numeric_gradient(
         typical = max(typical, float(np.std(tape["input"])))
 
     def central(i: tuple[int, ...], t: float) -> float:  # D(t) for element i
-        losses = []
+        losses, at = [], []
         for sign in (1.0, -1.0):
             v = v0.copy()
             v[i] += sign * t
+            at.append(float(v[i]))
             y = tape.rerun({name: v}, frozen).get(out, tape.output)
             losses.append(float(np.sum(y * grad_output)))
-        return (losses[0] - losses[1]) / (2.0 * t)
+        return (losses[0] - losses[1]) / (at[0] - at[1])  # over the step as stored: exact
+
+    def richardson(i: tuple[int, ...], t: float) -> float:
+        return (4.0 * central(i, t / 2.0) - central(i, t)) / 3.0  # the t² errors cancel
 
     num = np.empty(v0.shape)
+    noise = ROUNDING * float(np.sum(np.abs(tape.output * grad_output)))  # L's rounding, about
     with np.errstate(all="ignore"):  # a step out of the domain gives nan, which the verdict names
         for i in np.ndindex(v0.shape):
             step = h * (max(abs(float(v0[i])), typical) or 1.0)  # h_i
-            num[i] = (4.0 * central(i, step / 2.0) - central(i, step)) / 3.0  # the h_i² errors cancel
+            steps = [step * m for m in STEP_FACTORS]
+            num[i] = _steadiest([richardson(i, t) for t in steps], [3.0 * noise / t for t in steps])
     return num
+
+
+STEP_FACTORS = (1e4, 1e2, 1.0, 1e-2, 1e-4)  # the steps tried, times h_i (see _steadiest)
+ROUNDING = 4.0 * float(np.finfo(np.float64).eps)  # L's rounding error, relative to sum |y · dy|
+
+
+def _steadiest(estimates: list[float], noise: list[float]) -> float:
+    """Of the estimates at steps falling by 100 each, the one whose error looks least: at
+    a step too large the curvature moves it (it differs from the next one's), at a step
+    too small the loss's rounding does (``noise``, its size at that step: two estimates
+    at tiny steps can agree by both being rounding). Error of each: the larger of its
+    difference from the next estimate and its noise. NaN where no two are finite."""
+    errors = [
+        (max(abs(a - b), noise[k]), k)
+        for k, (a, b) in enumerate(itertools.pairwise(estimates))
+        if np.isfinite(a) and np.isfinite(b)
+    ]
+    if not errors:
+        return float("nan")
+    return estimates[min(errors)[1]]
 
 
 def compare(
