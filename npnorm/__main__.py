@@ -58,12 +58,16 @@ def _output_file(path: str) -> str:
     """argparse type: a file that can be written, checked before the command's work (a
     bad ``--json`` path failed with a traceback after it, 36 s into a cold warmup)."""
     folder = os.path.dirname(path) or "."
+    if not path:  # (nothing was written, and nothing said)
+        raise argparse.ArgumentTypeError("an empty file name")
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path}: no folder {folder}")
     if not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {path}: the folder {folder} is not writable")
+    if os.path.exists(path) and not os.access(path, os.W_OK):  # (found after the work, before)
+        raise argparse.ArgumentTypeError(f"cannot write {path}: the file is not writable")
     return path
 
 
@@ -248,9 +252,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     """The command ``args`` names (the main job without one)."""
     if args.command == "warmup":
+        from ._files import CannotWrite
+        from ._warmup import NumbaBroken
         from ._warmup import run as run_warmup
 
-        result = run_warmup(verbose=not args.quiet, json_path=args.json)
+        try:
+            result = run_warmup(verbose=not args.quiet, json_path=args.json)
+        except (CannotWrite, NumbaBroken) as err:
+            print(f"python -m npnorm warmup: {err}", file=sys.stderr)
+            return 1
         return 1 if result.get("cached") is False else 0  # compiled, but nothing kept
     if args.command == "gpu-check":
         from ._gpu_check import STAGES
@@ -279,6 +289,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from ._bench import NoMallopt
         from ._bench import run as run_bench
+        from ._files import CannotWrite
 
         try:
             run_bench(
@@ -291,6 +302,9 @@ def _run(args: argparse.Namespace) -> int:
         except NoMallopt as err:  # --reuse-memory where the C library is not glibc
             print(f"python -m npnorm bench: {err}", file=sys.stderr)
             return 2
+        except CannotWrite as err:  # (the figures are printed above it)
+            print(f"python -m npnorm bench: {err}", file=sys.stderr)
+            return 1
         return 0
     from ._selfcheck import run
 

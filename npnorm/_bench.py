@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from . import functional as F
+from ._files import write_json
 from ._threads import get_num_threads
 from .functional._dispatch import get_kernels, kernels_available, use_kernels
 from .learn import _baseline as textbook
@@ -750,6 +751,9 @@ def compile_times() -> dict[str, Any]:
             wall = time.perf_counter() - t0
             with open(report, encoding="utf-8") as f:
                 data = json.load(f)
+            if "total_s" not in data:  # NUMBA_DISABLE_JIT: nothing compiles (a KeyError before)
+                print("\ncompile: NUMBA_DISABLE_JIT is set, so numba compiles nothing: no compile times")
+                return {"jit": False}
             out[label] = {"process_s": wall, "compile_s": data["total_s"], "per_layer_s": data["seconds"]}
     print(
         f"\ncompile (python -m npnorm warmup, every numba kernel for float32 and float64, fresh process): "
@@ -806,22 +810,20 @@ def run(
     compiled = compile_times()
     _print_targets(rows, inference, tiny, judge=not quick)
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(
-                {
-                    "machine": info,
-                    "quick": quick,
-                    "cold": cold,
-                    "reuse_memory": reuse_memory,
-                    "reps": reps,
-                    "rows": rows,
-                    "inference": inference,
-                    "tiny": tiny,
-                    "compile": compiled,
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            json_path,
+            {
+                "machine": info,
+                "quick": quick,
+                "cold": cold,
+                "reuse_memory": reuse_memory,
+                "reps": reps,
+                "rows": rows,
+                "inference": inference,
+                "tiny": tiny,
+                "compile": compiled,
+            },
+        )
         print(f"figures saved to {json_path}")
     return rows
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import platform
@@ -424,6 +425,7 @@ def run(
         "environment": versions(),
         "stages": {},
     }
+    say = _Progress()  # the report is the output: a reader that stops reading stops no stage
     if stand_in:
         result["device"] = Device.cpu_stand_in().info
     else:
@@ -436,9 +438,9 @@ def run(
             md, _ = write_report(out, result)
             print(f"gpu-check: {err}\nreport: {md}", file=sys.stderr)
             return 2
-    print(f"gpu-check: {result['device'].get('device')}; writing into {out}", flush=True)
+    say(f"gpu-check: {result['device'].get('device')}; writing into {out}")
     for name in stages:
-        print(f"gpu-check: {name} (limit {limits[name]:.0f} s) ...", flush=True)
+        say(f"gpu-check: {name} (limit {limits[name]:.0f} s) ...")
         if name == "tests":
             st = stage_tests(out, limits[name], default_workers() if workers is None else workers)
         elif name == "main":
@@ -448,12 +450,34 @@ def run(
         result["stages"][name] = st
         write_report(out, result)
         note = f" ({st['note']})" if st.get("note") else ""
-        print(f"gpu-check: {name}: {st['status']}{note}", flush=True)
+        say(f"gpu-check: {name}: {st['status']}{note}")
         if name == "bench" and st["rows"]:
             for layer_shape in dict.fromkeys((r["layer"], tuple(r["shape"])) for r in st["rows"]):
-                print(format_rows([r for r in st["rows"] if (r["layer"], tuple(r["shape"])) == layer_shape]))
+                say(format_rows([r for r in st["rows"] if (r["layer"], tuple(r["shape"])) == layer_shape]))
     ran = [result["stages"][n]["status"] for n in stages]
     result["exit_status"] = 0 if all(s in (PASSED, SKIPPED) for s in ran) and PASSED in ran else 1
     md, _ = write_report(out, result)
-    print("\n" + summary(result) + f"\nreport: {md}")
+    say("\n" + summary(result) + f"\nreport: {md}")
     return int(result["exit_status"])
+
+
+class _Progress:
+    """gpu-check's progress lines on standard output, which it goes on without once the
+    reader stops reading (``gpu-check OUT | head -1`` ended the command by BrokenPipeError
+    before any stage ran, or between two, leaving the report "running"): standard output
+    then writes nowhere, and the stages and the report go on."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def __call__(self, text: str) -> None:
+        if self.closed:
+            return
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:
+            self.closed = True
+            try:  # the interpreter's last flush writes nowhere too
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, io.UnsupportedOperation):
+                pass

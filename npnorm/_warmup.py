@@ -14,7 +14,6 @@ has nowhere to write the cache (a read-only install without a writable
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .functional._dispatch import kernels_available, use_kernels
+from ._files import write_json
+from .functional._dispatch import kernels_available, numba_import_error, use_kernels
 
 DTYPES = ("float32", "float64")
 
@@ -142,10 +142,17 @@ def _compiled_loops() -> int:
     return sum(len(f.signatures) for n, f in vars(loops).items() if hasattr(f, "signatures") and n[0] != "_")
 
 
+class NumbaBroken(RuntimeError):
+    """numba is installed, but importing it raised: nothing can be compiled."""
+
+
 def run(verbose: bool = True, json_path: str | None = None) -> dict[str, Any]:
     """Compile (or load from the cache) every numba kernel for float32 and float64."""
     t0 = time.perf_counter()
     if "numba" not in kernels_available():  # imports numba where it is installed
+        broken = numba_import_error()
+        if broken:  # (it said "not installed", and the command passed)
+            raise NumbaBroken(f"numba is installed but importing it raised {broken}: nothing compiled")
         if verbose:
             print("numba is not installed: nothing to compile (pip install 'npnorm[fast]')")
         return _written({"numba": False}, json_path)
@@ -201,6 +208,5 @@ def _written(result: dict[str, Any], json_path: str | None) -> dict[str, Any]:
     """``result``, written to ``json_path`` too where one is given (also without numba:
     a script reading the file learns that nothing was compiled)."""
     if json_path:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+        write_json(json_path, result)
     return result

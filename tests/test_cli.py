@@ -184,6 +184,8 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         # gpu-check's own usage (the top-level one was printed), and no negative limit
         (["gpu-check", str(tmp_path / "g"), "--stages", "bogus"], "gpu-check: error: argument --stages"),
         (["gpu-check", str(tmp_path / "g"), "--main-timeout", "-5"], "a positive number of seconds"),
+        (["warmup", "--json", ""], "an empty file name"),  # (nothing written, nothing said)
+        (["bench", "--quick", "--json", ""], "an empty file name"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_:
@@ -195,6 +197,73 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["demo", "--quick", "--out", str(tmp_path / "new" / "deeper"), "--seed", "x"])
     assert not (tmp_path / "new").exists()  # a trial folder is removed again
+
+
+def test_an_existing_file_that_cannot_be_written_is_a_usage_error_before_the_work(
+    tmp_path, monkeypatch, capsys
+):
+    """A read-only --json file passed the check (its folder is writable) and failed after a
+    whole warmup. (os.access is asked: a root user may write any file.)"""
+    target = tmp_path / "w.json"
+    target.write_text("{}")
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(target) else real(p, mode))
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(["warmup", "--json", str(target)])
+    assert exit_.value.code == 2
+    assert "the file is not writable" in capsys.readouterr().err
+
+
+def test_a_json_write_that_fails_leaves_the_previous_file_and_says_why(tmp_path, monkeypatch, capsys):
+    """A full disk at the end of a benchmark left a truncated file in place of the previous
+    one, and a traceback: the file is written beside and renamed, and the command says why."""
+    import json
+
+    from npnorm import _files, _warmup
+
+    target = tmp_path / "w.json"
+    target.write_text('{"previous": 1}')
+
+    def full_disk(data, f, **kw):
+        f.write('{"trunc')
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", full_disk)
+    with pytest.raises(_files.CannotWrite, match=r"cannot write .*w\.json: No space left on device"):
+        _warmup._written({"numba": False}, str(target))
+    assert target.read_text() == '{"previous": 1}'
+    assert [p.name for p in tmp_path.iterdir()] == ["w.json"]  # no part left
+    monkeypatch.setattr(_warmup, "kernels_available", lambda: ["reference", "numpy"])
+    monkeypatch.setattr(_warmup, "numba_import_error", lambda: "")
+    assert cli_main(["warmup", "--json", str(target)]) == 1
+    assert "python -m npnorm warmup: cannot write" in capsys.readouterr().err
+
+
+def test_warmup_with_a_broken_numba_says_so_and_fails(tmp_path):
+    """A numba that raises on import was reported as "not installed" and warmup passed (a CI
+    warmup step passed having compiled nothing)."""
+    (tmp_path / "numba.py").write_text("raise ImportError('simulated broken numba')\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "npnorm", "warmup"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "numba is installed but importing it raised ImportError: simulated broken numba" in out.stderr
+
+
+def test_bench_compile_times_with_the_jit_disabled_say_so(monkeypatch, capsys):
+    """Under NUMBA_DISABLE_JIT=1 the benchmark failed at its end with KeyError 'total_s'
+    (warmup writes no times there), after every figure was printed."""
+    pytest.importorskip("numba")
+    from npnorm import _bench
+
+    monkeypatch.setenv("NUMBA_DISABLE_JIT", "1")
+    assert _bench.compile_times() == {"jit": False}
+    assert "NUMBA_DISABLE_JIT is set, so numba compiles nothing" in capsys.readouterr().out
 
 
 def test_warmup_with_the_jit_disabled_says_nothing_was_compiled(tmp_path):

@@ -386,6 +386,35 @@ def test_gpu_check_passes_workers_to_the_tests_stage(monkeypatch, tmp_path):
     assert seen == [5, 7]
 
 
+def test_a_reader_that_stops_reading_stops_no_stage(monkeypatch, tmp_path):
+    """``gpu-check OUT | head -1``: the first progress line's BrokenPipeError ended the
+    command before any stage ran (or between two, the report left "running"): the stages
+    and the report go on, standard output writing nowhere."""
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise OSError("no file descriptor")
+
+    ran = []
+    for name in ("tests", "main"):
+        monkeypatch.setattr(
+            _gpu_check,
+            f"stage_{name}",
+            lambda *a, name=name, **k: ran.append(name) or {"status": _gpu_check.PASSED},
+        )
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    status = _gpu_check.run(tmp_path, stages=("tests", "main"), stand_in=True)
+    assert ran == ["tests", "main"] and status == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["exit_status"] == 0 and set(report["stages"]) == {"tests", "main"}
+
+
 def test_the_gpu_profile_reports_a_failure_without_shrinking_it():
     # the tests stage passes --hypothesis-profile=gpu: a CUDA compile error recompiles on
     # every call, and shrinking it ran the stage into its limit with no report

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .._files import write_whole
 from . import experiments as ex
 from .train_digits import DEMO_EXTRA_HINT, NORMS, load_data
 
@@ -106,10 +107,10 @@ def run(*, quick: bool, out: str | None, norms: Sequence[str] | None, seed: int,
         written.append(figures.lr_sweep(results["lr_sweep"], out_dir / "lr_sweep.png", seed=seed))
         stats = results["layer_statistics"]
         written.append(figures.layer_statistics(stats, out_dir / "layer_statistics.png", seed=seed))
-        figures.write_whole(out_dir / "table.txt", lambda p: p.write_text(table + "\n", encoding="utf-8"))
+        write_whole(out_dir / "table.txt", lambda p: p.write_text(table + "\n", encoding="utf-8"))
         # strict JSON: a diverged run's NaN or inf loss as null
         text = json.dumps(_finite_or_none(results), indent=1, allow_nan=False)
-        figures.write_whole(out_dir / "results.json", lambda p: p.write_text(text + "\n", encoding="utf-8"))
+        write_whole(out_dir / "results.json", lambda p: p.write_text(text + "\n", encoding="utf-8"))
     except OSError as err:
         print(f"python -m npnorm demo: cannot write in {out_dir}: {err}", file=sys.stderr)
         return 1

@@ -7,9 +7,7 @@ Each norm keeps its colour across figures.
 
 from __future__ import annotations
 
-import os
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +21,7 @@ from matplotlib.ticker import (
     NullLocator,
 )
 
+from .._files import write_whole
 from .experiments import ARCH_NAMES, LAYER_NAMES
 
 COLORS = {
@@ -43,17 +42,6 @@ def _save(fig: Figure, path: pathlib.Path) -> pathlib.Path:
     Ctrl-C during the write left a truncated PNG in place of the figure)."""
     write_whole(path, lambda part: fig.savefig(part, dpi=DPI, format="png"))
     return path
-
-
-def write_whole(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> None:
-    """``write(part)`` into ``path``'s folder, then ``part`` renamed to ``path`` (an atomic
-    replace): an interrupted or failed write leaves ``path`` as it was, and no part."""
-    part = path.with_name(path.name + ".part")
-    try:
-        write(part)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def _label(arch: str, norm: str) -> str:

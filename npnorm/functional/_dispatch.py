@@ -152,6 +152,13 @@ def kernels_available() -> list[str]:
     return [REFERENCE, *(f for f in _FAMILIES if _available(f))]
 
 
+def numba_import_error() -> str:
+    """What importing numba raised where it is installed but broken ("" where it imported,
+    or is not installed); asks ``kernels_available`` first."""
+    kernels_available()
+    return _IMPORT_ERRORS.get("numba", "")
+
+
 def _checked(name: object) -> str:
     if isinstance(name, str) and (name == REFERENCE or (name in _FAMILIES and _available(name))):
         return name
