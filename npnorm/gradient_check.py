@@ -81,6 +81,7 @@ def gradcheck(
     atol: float = 1e-5,
     rtol: float = 1e-3,
     seed: int = 0,
+    nondet_tol: float = 0.0,
 ) -> bool:
     """Check an analytical backward against central finite differences of its forward.
 
@@ -131,6 +132,10 @@ def gradcheck(
         The defaults fail a 1% error in any gradient of ordinary magnitude.
     seed : int, default 0
         Seed of the random projection ``u`` (non-negative).
+    nondet_tol : float, default 0.0
+        How far two backwards of the same forward may differ (as torch's): 0 asks for
+        the same gradients bit for bit; a backward whose sums change order from call to
+        call (threads finishing in another order) needs a little more.
 
     Returns
     -------
@@ -160,10 +165,10 @@ def gradcheck(
         neither an array nor a tuple starting with one (a module's forward: not an
         array), or a parameter's gradient is neither an array nor None.
     ValueError
-        When ``eps`` is not a positive finite number, ``atol``/``rtol`` is negative
-        or NaN, ``seed`` is negative, or the module cannot be checked as it is set
-        (a SyncBatchNorm in training over several ranks: check it in eval, or on
-        one rank).
+        When ``eps`` is not a positive finite number, ``atol``, ``rtol`` or
+        ``nondet_tol`` is negative or NaN, ``seed`` is negative, or the module cannot
+        be checked as it is set (a SyncBatchNorm in training over several ranks:
+        check it in eval, or on one rank).
 
     Notes
     -----
@@ -198,7 +203,7 @@ def gradcheck(
     >>> npnorm.gradcheck((forward, backward), x, np.full(4, 2.0), np.zeros(4))
     True
     """
-    eps, atol, rtol, seed = _options(eps, atol, rtol, seed)
+    eps, atol, rtol, seed, nondet_tol = _options(eps, atol, rtol, seed, nondet_tol)
     _check_float(x, "x")  # an array of floats, before anything runs
     if isinstance(target, Module):
         if params:
@@ -212,24 +217,26 @@ def gradcheck(
         if refusal:
             raise ValueError(f"gradcheck: {refusal}")
         with enable_grad():
-            return _check_module(target, x, eps, atol, rtol, seed)
+            return _check_module(target, x, eps, atol, rtol, seed, nondet_tol)
     if isinstance(target, tuple) and len(target) == 2 and all(callable(f) for f in target):
-        return _check_pair(target[0], target[1], x, params, eps, atol, rtol, seed)
+        return _check_pair(target[0], target[1], x, params, eps, atol, rtol, seed, nondet_tol)
     what = type(target).__name__
     if callable(target):
         what += " (a single function has no backward to check against: pass (forward, backward))"
     raise TypeError(f"{_ACCEPTS}; got {what}")
 
 
-def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, float, int]:
-    """gradcheck's options, checked: ``(eps, atol, rtol, seed)``."""
-    given = {"eps": eps, "atol": atol, "rtol": rtol}
+def _options(
+    eps: Any, atol: Any, rtol: Any, seed: Any, nondet_tol: Any = 0.0
+) -> tuple[float, float, float, int, float]:
+    """gradcheck's options, checked: ``(eps, atol, rtol, seed, nondet_tol)``."""
+    given = {"eps": eps, "atol": atol, "rtol": rtol, "nondet_tol": nondet_tol}
     values = {name: check_real(v, f"gradcheck: {name}") for name, v in given.items()}
     if not (0 < values["eps"] < float("inf")):
         raise ValueError(
             f"gradcheck: eps (the finite-difference step) must be positive and finite, got {eps!r}"
         )
-    for name in ("atol", "rtol"):
+    for name in ("atol", "rtol", "nondet_tol"):
         if not values[name] >= 0:
             raise ValueError(f"gradcheck: {name} must be a non-negative number, got {given[name]!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
@@ -238,7 +245,7 @@ def _options(eps: Any, atol: Any, rtol: Any, seed: Any) -> tuple[float, float, f
         raise ValueError(
             f"gradcheck: seed must be a non-negative int (it seeds NumPy's generator), got {seed}"
         )
-    return values["eps"], values["atol"], values["rtol"], int(seed)
+    return values["eps"], values["atol"], values["rtol"], int(seed), values["nondet_tol"]
 
 
 def _check_float(a: Any, what: str) -> None:
@@ -255,39 +262,48 @@ def _check_no_inner_modules(module: Module) -> None:
     modules do not nest (a module's parameters, buffers, mode and dtype are its own), so
     the check would neither check the inner one's gradients nor restore its buffers and
     grads after."""
-    for name, value in vars(module).items():
-        where = _inner_module(value, f"{type(module).__name__}.{name}", {id(module)})
-        if where is not None:
-            raise TypeError(
-                f"gradcheck: {where} is an npnorm Module. Modules do not nest: "
-                "the check would miss the inner module's parameter gradients and leave its buffers, "
-                "counters and grads changed. Check each module on its own (or, for a layer of your "
-                "own, hold the inner layer's arrays as this module's parameters and buffers)"
-            )
+    where = _inner_module(
+        [(f"{type(module).__name__}.{name}", value) for name, value in reversed(vars(module).items())],
+        {id(module)},
+    )
+    if where is not None:
+        raise TypeError(
+            f"gradcheck: {where} is an npnorm Module. Modules do not nest: "
+            "the check would miss the inner module's parameter gradients and leave its buffers, "
+            "counters and grads changed. Check each module on its own (or, for a layer of your "
+            "own, hold the inner layer's arrays as this module's parameters and buffers)"
+        )
 
 
-def _inner_module(value: Any, path: str, seen: set[int]) -> str | None:
-    """The path of the first npnorm Module in ``value`` (itself, or held at any depth of its
-    containers), or None; ``seen``: the ids of the containers on the way (a cycle ends)."""
-    if isinstance(value, Module):
-        return path
-    if id(value) in seen:
-        return None
-    if isinstance(value, dict):
-        items: Any = ((f"{path}[{k!r}]", v) for k, v in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
-    elif isinstance(value, (set, frozenset)):
-        items = ((f"an item of {path}", v) for v in value)
-    elif isinstance(value, types.SimpleNamespace):
-        items = ((f"{path}.{k}", v) for k, v in vars(value).items())
-    else:
-        return None
-    seen = seen | {id(value)}
-    return next((found for p, v in items if (found := _inner_module(v, p, seen)) is not None), None)
+def _inner_module(stack: list[tuple[str, Any]], seen: set[int]) -> str | None:
+    """The path of the first npnorm Module among the ``(path, value)`` pairs of ``stack``
+    (the last first) and the containers they hold, at any depth, or None. Each container
+    is looked into once (``seen``: their ids), and without recursion: a list that holds
+    itself, one held many times over, or one nested a thousand deep ends in linear time."""
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, Module):
+            return path
+        if id(value) in seen:
+            continue
+        if isinstance(value, dict):
+            items: list[tuple[str, Any]] = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, (set, frozenset)):
+            items = [(f"an item of {path}", v) for v in value]
+        elif isinstance(value, types.SimpleNamespace):
+            items = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+        else:
+            continue
+        seen.add(id(value))
+        stack.extend(reversed(items))  # (the first item is looked at first)
+    return None
 
 
-def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int) -> bool:
+def _check_module(
+    module: Module, x: Array, eps: float, atol: float, rtol: float, seed: int, nondet_tol: float
+) -> bool:
     xp = namespace_of(x, what="x")
     _check_parameters(module)
     snapshot = _snapshot(module)
@@ -349,7 +365,7 @@ def _check_module(module: Module, x: Array, eps: float, atol: float, rtol: float
             f"input shape {tuple(x.shape)}, in float64)"
         ) + _precision_note(xp, y)
         _compare(where, analytic, numeric, atol, rtol)
-        _check_reentrant(f"{type(module).__name__}'s backward", analytic, again)
+        _check_reentrant(f"{type(module).__name__}'s backward", analytic, again, nondet_tol)
         return True
     finally:
         _restore(module, snapshot)
@@ -364,7 +380,7 @@ def _module_gradients(module: Module, u: Array) -> dict[str, Array]:
     return grads
 
 
-def _check_reentrant(what: str, first: dict[str, Array], again: dict[str, Array]) -> None:
+def _check_reentrant(what: str, first: dict[str, Array], again: dict[str, Array], tol: float) -> None:
     """A GradcheckError where a second backward of the same forward, with the same
     grad_output, gave other gradients than the first (which matched the finite
     differences), as ``torch.autograd.gradcheck`` checks: a backward that changes in place
@@ -376,15 +392,22 @@ def _check_reentrant(what: str, first: dict[str, Array], again: dict[str, Array]
             differ.append(f"{name} (given once only)")
             continue
         ha, hb = to_host(a), to_host(b)
-        if ha.shape != hb.shape or not np.array_equal(ha, hb, equal_nan=True):
-            diff = float(np.max(np.abs(ha - hb), initial=0.0)) if ha.shape == hb.shape else float("nan")
+        if ha.shape != hb.shape:
+            differ.append(f"{name} (shapes {ha.shape} and {hb.shape})")
+            continue
+        if np.array_equal(ha, hb, equal_nan=True):
+            continue
+        with np.errstate(invalid="ignore"):
+            diff = float(np.max(np.abs(ha.astype(np.float64) - hb), initial=0.0))
+        if not diff <= tol:  # (NaN in one of them: differs)
             differ.append(f"{name} (largest difference {diff:.3e})")
     if differ:
         raise GradcheckError(
             f"gradcheck: {what} is not reentrant: a second backward of the same forward, with the same "
             f"grad_output, gave other gradients for {', '.join(sorted(differ))}, where the first matched "
             "the finite differences. Does it change in place an array its forward saved (or keep "
-            "state from one call to the next)? A backward must leave what it reads as it was"
+            "state from one call to the next)? A backward must leave what it reads as it was. "
+            f"(Where it sums in another order from call to call, pass nondet_tol=, now {tol:g}.)"
         )
 
 
@@ -419,6 +442,7 @@ def _check_pair(
     atol: float,
     rtol: float,
     seed: int,
+    nondet_tol: float,
 ) -> bool:
     xp = namespace_of(x, *params, what="x and params")
     for i, p in enumerate(params):
@@ -459,7 +483,7 @@ def _check_pair(
     names = [getattr(f, "__name__", type(f).__name__) for f in (forward, backward)]
     where = f"({names[0]}, {names[1]}) at input shape {tuple(x.shape)}, in float64" + _precision_note(xp, y)
     _compare(where, analytic, numeric, atol, rtol)
-    _check_reentrant("backward", analytic, again)
+    _check_reentrant("backward", analytic, again, nondet_tol)
     return True
 
 

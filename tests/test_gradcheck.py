@@ -650,6 +650,46 @@ def test_a_module_held_deeper_in_containers_is_refused_too(rng, hold):
     assert_state_equal(inner, state, grads)
 
 
+def test_the_search_for_held_modules_ends_fast_on_shared_and_deep_containers():
+    """The search remembered only the containers on its path: a list holding another twice,
+    40 levels down, took for ever (2**40 paths), and lists nested 500 deep hit the recursion
+    limit."""
+    m = npnorm.LayerNorm(3, dtype="float64")
+    shared: list = []
+    for _ in range(40):
+        shared = [shared, shared]
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    m.held = (shared, deep)
+    assert npnorm.gradcheck(m, np.random.default_rng(0).normal(size=(2, 3)))
+    deep_inner: list = [npnorm.LayerNorm(3)]
+    for _ in range(5000):
+        deep_inner = [deep_inner]
+    m.held = deep_inner
+    with pytest.raises(TypeError, match=r"LayerNorm\.held\[0\]\[0\].* is an npnorm Module"):
+        npnorm.gradcheck(m, np.ones((2, 3)))
+
+
+def test_a_backward_whose_sums_change_order_passes_within_nondet_tol(rng):
+    """Two backwards of one forward must agree bit for bit by default (as torch's); one that
+    sums in another order from call to call (threads) needs nondet_tol, as in torch."""
+    calls = []
+
+    def backward(dy, x, w):
+        calls.append(1)
+        rows = dy * x if len(calls) % 2 else (dy * x)[::-1]
+        return dy * w, np.add.reduce(rows, axis=0)
+
+    forward = lambda x, w: x * w  # noqa: E731
+    x, w = rng.normal(size=(50, 3)), rng.normal(size=3)
+    with pytest.raises(npnorm.GradcheckError, match=r"not reentrant.*pass nondet_tol="):
+        npnorm.gradcheck((forward, backward), x, w)
+    assert npnorm.gradcheck((forward, backward), x, w, nondet_tol=1e-12)
+    with pytest.raises(ValueError, match="nondet_tol must be a non-negative number"):
+        npnorm.gradcheck((forward, backward), x, w, nondet_tol=-1.0)
+
+
 class ScratchInSaved(npnorm.Module):
     """y = s * x / |x|, whose backward uses the saved x / |x| as scratch (``u *= ...``):
     right on the first backward of a forward, wrong on the second."""

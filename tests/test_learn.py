@@ -781,18 +781,20 @@ def test_every_exercise_has_a_second_example_of_other_sizes():
         assert result.ok and "on both examples" in result.message(), (name, result.message())
 
 
-def test_a_step_that_reads_a_todo_says_to_fill_them_in_order():
+@pytest.mark.parametrize("use", ["multiply", "method"])
+def test_a_step_that_reads_a_todo_says_to_fill_them_in_order(use):
     exercise = EXERCISES["rms_norm"]
 
     def partial(t, dy):
         from npnorm.learn import TODO
 
         d = {"y": dy, "weight": TODO}
-        d["xhat"] = dy * d["weight"]  # reads the TODO
+        d["xhat"] = dy * d["weight"] if use == "multiply" else d["weight"].sum(axis=0)  # reads the TODO
         return d
 
     result = grade(exercise, partial)
     assert not result.ok and "reads the gradient of a step still TODO" in result.message()
+    assert "raised an error:\n" in result.message()  # (the first example: no example named)
 
 
 @pytest.mark.parametrize(

@@ -240,7 +240,7 @@ class Grade:
 
     def message(self) -> str:
         if self.error and self.raised:
-            return f"FAIL: your {self.exercise.function} raised an error{self._where()}\n{self.error}"
+            return f"FAIL: your {self.exercise.function} raised an error{self._where() or ':'}\n{self.error}"
         if self.error:
             return f"FAIL: {self.error}"
         wrong = [r for r in self.rows if not r.ok]
@@ -310,7 +310,7 @@ def _grade_on(exercise: Exercise, fn: Callable[..., Any], make: Callable[[], Tap
                 "a statistic's gradient keeps its reduced axes (keepdims=True): the statistic's own shape, "
                 "as (1, C, 1, 1) for BatchNorm's or (N, 1, 1, 1) for a LayerNorm row's.\n"
             )
-        if isinstance(err, TypeError) and "_Todo" in str(err):  # a step filled in reads one still TODO
+        if "_Todo" in str(err):  # a step filled in reads one still TODO (TODO * a, TODO.sum())
             text += (
                 "A step you filled in reads the gradient of a step still TODO: fill them in in order, "
                 "going back from y (each step's gradient is computed from the ones after it).\n"
