@@ -100,8 +100,8 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    if not 0 < value < float("inf"):  # (inf was taken: "limit inf s")
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text}")
     return value
 
 
@@ -113,7 +113,7 @@ def _stages(text: str) -> list[str]:
     stages = [s.strip() for s in text.split(",") if s.strip()]
     if not stages or any(s not in STAGES for s in stages):
         raise argparse.ArgumentTypeError(f"expected a subset of {','.join(STAGES)}, got {text!r}")
-    return stages
+    return list(dict.fromkeys(stages))  # each once, in the order given (tests,main,tests ran tests twice)
 
 
 def _profiled(name: str) -> str:

@@ -183,7 +183,11 @@ def test_output_paths_are_checked_before_the_work(tmp_path, capsys):
         (["gpu-check", str(a_file)], "is a file, not a folder"),
         # gpu-check's own usage (the top-level one was printed), and no negative limit
         (["gpu-check", str(tmp_path / "g"), "--stages", "bogus"], "gpu-check: error: argument --stages"),
-        (["gpu-check", str(tmp_path / "g"), "--main-timeout", "-5"], "a positive number of seconds"),
+        (["gpu-check", str(tmp_path / "g"), "--main-timeout", "-5"], "a positive, finite number of seconds"),
+        (
+            ["gpu-check", str(tmp_path / "g"), "--tests-timeout", "inf"],
+            "a positive, finite number of seconds",
+        ),
         (["warmup", "--json", ""], "an empty file name"),  # (nothing written, nothing said)
         (["bench", "--quick", "--json", ""], "an empty file name"),
     ]
@@ -363,3 +367,18 @@ def test_the_main_help_keeps_its_paragraphs_without_markup(capsys):
         "\npython -m npnorm bench [--quick] [--cold] [--reuse-memory] [--json FILE] [--reps N]: time\n"
         in text
     )
+
+
+def test_gpu_check_runs_each_stage_once(monkeypatch, tmp_path):
+    """--stages tests,main,tests ran the tests twice."""
+    from npnorm import _gpu_check
+
+    ran = []
+    for name in ("tests", "main"):
+        monkeypatch.setattr(
+            _gpu_check, f"stage_{name}", lambda *a, name=name, **k: ran.append(name) or {"status": "passed"}
+        )
+    assert (
+        cli_main(["--quiet", "gpu-check", str(tmp_path), "--stand-in", "--stages", "tests,main,tests"]) == 0
+    )
+    assert ran == ["tests", "main"]
