@@ -156,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as err:
                 print(f"python -m npnorm: {err}", file=sys.stderr)
                 return 2
-    skip = 1 if argv[:1] == ["--quiet"] else 0
+    skip = 0  # leading --quiet, as argparse takes it (--qui, and more than once)
+    while skip < len(argv) and len(argv[skip]) >= 3 and "--quiet".startswith(argv[skip]):
+        skip += 1
     if argv[skip : skip + 1] == ["learn"]:  # its own options (python -m npnorm learn --help)
         from .learn._cli import main as run_learn
 
-        with _silenced(skip == 1):
+        with _silenced(skip > 0 and not asks_help):  # (help is printed, as other commands' is)
             return run_learn(argv[skip + 1 :])
     parser = argparse.ArgumentParser(
         prog="python -m npnorm",

@@ -382,3 +382,14 @@ def test_gpu_check_runs_each_stage_once(monkeypatch, tmp_path):
         cli_main(["--quiet", "gpu-check", str(tmp_path), "--stand-in", "--stages", "tests,main,tests"]) == 0
     )
     assert ran == ["tests", "main"]
+
+
+@pytest.mark.parametrize("lead", [["--quiet"], ["--qui"], ["--quiet", "--quiet"]])
+def test_quiet_before_learn_is_taken_as_before_any_command(lead, capsys):
+    """--qui learn and --quiet --quiet learn were 'unrecognized arguments' (the other
+    commands take them, as argparse does); --quiet learn --help printed nothing."""
+    assert cli_main([*lead, "learn", "bessel"]) == 0
+    assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main([*lead, "learn", "--help"])
+    assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
