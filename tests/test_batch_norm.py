@@ -98,6 +98,32 @@ def test_num_batches_tracked_only_counts_training_with_running_stats(rng):
     assert m.num_batches_tracked.dtype == np.int64 and m.num_batches_tracked.shape == ()
 
 
+def test_track_running_stats_turned_off_after_construction_as_in_torch(torch, rng):
+    """The flag as set, not as constructed, as torch's _BatchNorm reads it: training neither
+    counts nor updates the buffers it keeps; eval still normalizes with them (they exist).
+    (A mutation that counted, or one that used batch statistics in eval, passed the suite.)"""
+    x = rng.normal(size=(6, 3)) * 2 + 1
+    ours = npnorm.BatchNorm1d(3, dtype="float64")
+    theirs = torch.nn.BatchNorm1d(3, dtype=torch.float64)
+    ours.running_mean[...] = [0.5, -1.0, 2.0]
+    ours.running_var[...] = [2.0, 0.5, 3.0]
+    with torch.no_grad():
+        theirs.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        theirs.running_var.copy_(torch.tensor([2.0, 0.5, 3.0]))
+    ours.track_running_stats = theirs.track_running_stats = False
+    y = ours(x)
+    np.testing.assert_allclose(y, theirs(torch.tensor(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 0
+    np.testing.assert_array_equal(ours.running_mean, [0.5, -1.0, 2.0])  # not updated
+    ours.eval()
+    theirs.eval()
+    y = ours(x)
+    np.testing.assert_allclose(y, theirs(torch.tensor(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        y, (x - [0.5, -1.0, 2.0]) / np.sqrt(np.array([2.0, 0.5, 3.0]) + 1e-5), rtol=1e-12
+    )
+
+
 def test_without_running_stats_batch_statistics_in_eval_too(rng):
     m = npnorm.BatchNorm1d(2, track_running_stats=False, dtype="float64").eval()
     assert m.running_mean is None and m.running_var is None and m.num_batches_tracked is None

@@ -173,6 +173,27 @@ def test_a_versioned_torch_state_dict_without_its_counter_is_missing_a_key(torch
     assert ours.load_state_dict(dict(state)).missing_keys == []  # no _metadata: torch < 0.4.1
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_version_1_checkpoint_without_its_counter_loads_as_in_torch(torch, version):
+    """Module version 1 (torch 0.4.0) had no num_batches_tracked: PyTorch fills the counter
+    in, strictly, as for a checkpoint without a version; version 2 lacks a key. (A mutation
+    that took version 1 for a current one passed the suite.)"""
+    ref = torch.nn.BatchNorm1d(3)
+    state = ref.state_dict()
+    del state["num_batches_tracked"]
+    state._metadata[""]["version"] = version
+    ours = npnorm.BatchNorm1d(3)
+    if version == 2:
+        with pytest.raises(RuntimeError, match="num_batches_tracked"):
+            ref.load_state_dict(state)
+        with pytest.raises(RuntimeError, match=r"missing key.*'num_batches_tracked'"):
+            ours.load_state_dict(state)
+        return
+    ref.load_state_dict(state)
+    assert ours.load_state_dict(state).missing_keys == []
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 0
+
+
 def test_a_counter_of_shape_1_loads_as_in_torch(torch):
     """torch 0.3 saved 0-d values as shape (1,): PyTorch unpacks them, and so does npnorm."""
     state = {k: v.numpy() for k, v in torch.nn.BatchNorm1d(3).state_dict().items()}
