@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import npnorm
+import npnorm.functional as F
 
 FAMILIES = npnorm.kernels_available()
 
@@ -212,3 +213,28 @@ def test_gradients_whose_row_sums_overflow_float32_give_finite_dx(family, layer)
         _, dx1, _ = _step(make(), x, (dy * scale).astype(np.float32))
     assert np.isfinite(dx1).all(), layer
     np.testing.assert_allclose(dx1 / scale, dx0, rtol=2e-3, atol=2e-3 * float(np.abs(dx0).max()))
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_dx_where_rstd_times_weight_passes_float32_but_dx_fits(family, training):
+    """rstd 1e14 (a spread of 1e-14) and a weight of 1e25: their product, 1e39, is beyond
+    float32, dx (1e9) is not. It is taken in float64 and applied once (as PyTorch scales by
+    invstd * w); a product in float32 gave inf in every family (a mutation that made it so
+    passed the suite)."""
+    rng = np.random.default_rng(0)
+    x = (1e-14 * rng.standard_normal((6, 3))).astype(np.float32)
+    w = np.full(3, 1e25, np.float32)
+    dy = (1e-30 * rng.standard_normal((6, 3))).astype(np.float32)
+    rm, rv = np.zeros(3, np.float32), np.full(3, 1e-28, np.float32)
+    with npnorm.use_kernels(family):
+        _, mean, rstd, _, _ = F.batch_norm_forward(x, rm.copy(), rv.copy(), w, None, training, 0.1, 1e-35)
+        dx = F.batch_norm_backward(dy, x, mean, rstd, w, None, training=training)[0]
+    x64, dy64, r64 = x.astype(np.float64), dy.astype(np.float64), rstd.astype(np.float64)
+    if training:
+        xhat = (x64 - mean.astype(np.float64)) * r64
+        want = r64 * 1e25 * (dy64 - dy64.mean(0) - xhat * (dy64 * xhat).mean(0))
+    else:
+        want = dy64 * r64 * 1e25
+    assert np.all(np.isfinite(dx)) and np.abs(want).max() > 1e8
+    np.testing.assert_allclose(dx, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())

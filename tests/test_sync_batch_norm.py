@@ -958,6 +958,16 @@ def test_comm_must_be_an_intracommunicator():
     with pytest.raises(TypeError, match="intercommunicator"):
         npnorm.SyncBatchNorm(3, comm=Inter(2))
 
+    class SizeAndRankOnly:  # what a hand-rolled stand-in may offer: no collectives
+        def Get_size(self) -> int:
+            return 2
+
+        def Get_rank(self) -> int:
+            return 0
+
+    with pytest.raises(TypeError, match="got SizeAndRankOnly without Allgather, Allreduce, allgather"):
+        npnorm.SyncBatchNorm(3, comm=SizeAndRankOnly())
+
 
 def test_the_functional_pair_and_a_reassigned_comm_are_checked_as_the_constructor_checks():
     """Only the constructor checked ``comm``: the functional pair took an intercommunicator
