@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import secrets
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -14,14 +16,42 @@ class CannotWrite(OSError):
 
 
 def write_whole(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> None:
-    """``write(part)`` into ``path``'s folder, then ``part`` renamed to ``path`` (an atomic
-    replace): an interrupted or failed write leaves ``path`` as it was, and no part."""
-    part = path.with_name(path.name + ".part")
+    """``write(part)`` into a new file beside ``path``, then ``part`` renamed to ``path`` (an
+    atomic replace): an interrupted or failed write leaves ``path`` as it was, and no part.
+
+    The part has a short name of its own (a name near the length limit, or a user's
+    ``NAME.part``, is not in its way) and the mode a new file gets, or the mode of the
+    file it replaces. A symbolic link is followed (the file it names is replaced, the link
+    kept); what is not a regular file (``/dev/stdout``, a FIFO) is written into directly,
+    as ``open(path, "w")`` does."""
+    target = pathlib.Path(os.path.realpath(path))  # (a link: the file it names)
     try:
+        mode: int | None = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):  # a device, a FIFO: no replacing it
+        write(target)
+        return
+    part = _new_part(target.parent)
+    try:
+        if mode is not None:
+            os.chmod(part, stat.S_IMODE(mode))
         write(part)
-        os.replace(part, path)
+        os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)
+
+
+def _new_part(folder: pathlib.Path) -> pathlib.Path:
+    """A new empty file in ``folder`` with a name no other has, created with the mode a new
+    file gets (0666 less the umask; ``tempfile`` gives 0600)."""
+    while True:
+        part = folder / f".npnorm-{secrets.token_hex(6)}.part"
+        try:
+            os.close(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return part
 
 
 def write_json(path: str, data: Any) -> None:

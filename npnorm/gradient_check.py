@@ -399,7 +399,7 @@ def _check_reentrant(what: str, first: dict[str, Array], again: dict[str, Array]
             continue
         with np.errstate(invalid="ignore"):
             diff = float(np.max(np.abs(ha.astype(np.float64) - hb), initial=0.0))
-        if not diff <= tol:  # (NaN in one of them: differs)
+        if not (diff <= tol and np.isfinite(diff)):  # (NaN or inf in one of them: differs, as torch's)
             differ.append(f"{name} (largest difference {diff:.3e})")
     if differ:
         raise GradcheckError(

@@ -393,3 +393,47 @@ def test_quiet_before_learn_is_taken_as_before_any_command(lead, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_main([*lead, "learn", "--help"])
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_a_json_file_is_replaced_as_open_would_write_it(tmp_path):
+    """The whole-file write (beside, then renamed) replaced a symbolic link by a file, and
+    would have replaced a FIFO or /dev/stdout; it made a 0600 file 0644, failed on a name
+    within 5 characters of the length limit (its NAME.part was too long), and took a
+    user's NAME.part."""
+    import json
+    import stat
+    import threading
+
+    from npnorm._files import write_json
+
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_json(str(link), {"a": 1})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"a": 1}
+
+    private = tmp_path / "private.json"
+    private.write_text("{}")
+    private.chmod(0o600)
+    write_json(str(private), {"b": 2})
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600 and json.loads(private.read_text()) == {"b": 2}
+
+    long_name = tmp_path / ("x" * 250 + ".json")  # 255 characters: NAME.part would be 260
+    write_json(str(long_name), {"c": 3})
+    assert json.loads(long_name.read_text()) == {"c": 3}
+
+    mine = tmp_path / "y.json.part"
+    mine.write_text("user data")
+    write_json(str(tmp_path / "y.json"), {})
+    assert mine.read_text() == "user data"
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_json(str(fifo), {"d": 4})
+    reader.join(10)
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got[0]) == {"d": 4}
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part") and p != mine]

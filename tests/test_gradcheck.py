@@ -686,6 +686,14 @@ def test_a_backward_whose_sums_change_order_passes_within_nondet_tol(rng):
     with pytest.raises(npnorm.GradcheckError, match=r"not reentrant.*pass nondet_tol="):
         npnorm.gradcheck((forward, backward), x, w)
     assert npnorm.gradcheck((forward, backward), x, w, nondet_tol=1e-12)
+
+    def inf_the_second_time(dy, x, w):
+        calls.append(1)
+        dw = np.sum(dy * x, axis=0)
+        return dy * w, dw if len(calls) % 2 else np.where(np.arange(3) == 0, np.inf, dw)
+
+    with pytest.raises(npnorm.GradcheckError, match="not reentrant"):  # not close at any tol, as torch's
+        npnorm.gradcheck((forward, inf_the_second_time), x, w, nondet_tol=float("inf"))
     with pytest.raises(ValueError, match="nondet_tol must be a non-negative number"):
         npnorm.gradcheck((forward, backward), x, w, nondet_tol=-1.0)
 
