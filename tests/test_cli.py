@@ -137,18 +137,23 @@ def test_a_wrong_kernels_variable_is_a_one_line_usage_error(argv):
     assert out.stderr.startswith("python -m npnorm: NPNORM_KERNELS: unknown or unavailable kernels 'nope'")
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5"])
-def test_a_wrong_threads_variable_is_a_one_line_usage_error(value):
-    """``NPNORM_NUM_THREADS=abc python -m npnorm`` ended in a traceback (exit 1), where a
-    wrong NPNORM_KERNELS is one line (exit 2)."""
-    out = subprocess.run(
+def _warmup_in_a_process(**variables: str) -> subprocess.CompletedProcess[str]:
+    """``python -m npnorm warmup`` in a new process, with these environment variables set."""
+    return subprocess.run(
         [sys.executable, "-m", "npnorm", "warmup"],
         capture_output=True,
         text=True,
         check=False,
         timeout=300,
-        env={**os.environ, "NPNORM_NUM_THREADS": value},
+        env={**os.environ, **variables},
     )
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "2.5"])
+def test_a_wrong_threads_variable_is_a_one_line_usage_error(value):
+    """``NPNORM_NUM_THREADS=abc python -m npnorm`` ended in a traceback (exit 1), where a
+    wrong NPNORM_KERNELS is one line (exit 2)."""
+    out = _warmup_in_a_process(NPNORM_NUM_THREADS=value)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("python -m npnorm: NPNORM_NUM_THREADS must be ")
     assert out.stderr.count("\n") == 1
@@ -247,14 +252,7 @@ def test_warmup_with_a_broken_numba_says_so_and_fails(tmp_path):
     """A numba that raises on import was reported as "not installed" and warmup passed (a CI
     warmup step passed having compiled nothing)."""
     (tmp_path / "numba.py").write_text("raise ImportError('simulated broken numba')\n")
-    out = subprocess.run(
-        [sys.executable, "-m", "npnorm", "warmup"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])},
-    )
+    out = _warmup_in_a_process(PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "numba is installed but importing it raised ImportError: simulated broken numba" in out.stderr
 
