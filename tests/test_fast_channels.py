@@ -91,14 +91,16 @@ def ulp(dtype) -> float:
 
 def assert_close(ours, ref, ct, scale, what):
     """``ours`` equals ``ref`` to the rounding of the computation dtype ``ct`` (relative
-    to ``scale``) plus two roundings to the result's dtype."""
+    to ``scale``) plus two roundings to the result's dtype (subnormals included: their
+    spacing is absolute, 2**-24 in float16)."""
     if ref is None:
         assert ours is None, what
         return
     assert isinstance(ours, np.ndarray), what
     assert (ours.dtype, ours.shape) == (ref.dtype, ref.shape), (what, ours.dtype, ref.dtype, ours.shape)
     a, b = ours.astype(np.float64), ref.astype(np.float64)
-    tol = REL[np.dtype(ct).name] * scale + 2 * ulp(ref.dtype) * np.abs(b) + 1e-30
+    tiny = float(np.finfo(ref.dtype).smallest_subnormal)
+    tol = REL[np.dtype(ct).name] * scale + 2 * ulp(ref.dtype) * np.abs(b) + 2 * tiny
     with np.errstate(invalid="ignore"):  # inf - inf
         # NaN fails unless the reference has it there too (|a - b| > tol let NaN through);
         # an infinite reference needs the same value (its tolerance is infinite)
