@@ -290,6 +290,40 @@ def test_eval_statistics_do_not_alias_the_buffers(backend, rng):
     np.testing.assert_array_equal(backend.numpy(mean), 0.0)
 
 
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_eval_statistics_do_not_alias_the_buffers_in_any_family(family, rng):
+    """As above in every kernel family (the "numpy" family returning a view of
+    running_mean passed the suite, which ran the default family only)."""
+    rm, rv = np.zeros(2), np.ones(2)
+    with npnorm.use_kernels(family):
+        _, mean, rstd, _, _ = F.batch_norm_forward(rng.normal(size=(3, 2, 4)), rm, rv)
+    rm[...], rv[...] = 5.0, 7.0
+    np.testing.assert_array_equal(mean, 0.0)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(1 + 1e-5), rtol=1e-15)
+
+
+def test_momentum_none_without_a_counter_leaves_the_running_stats_as_in_torch(torch, rng):
+    """momentum=None with num_batches_tracked set to None: torch's factor stays 0, so
+    training normalizes with the batch and leaves the running statistics where they are
+    (and the counter None). (A mutation that took a factor of 1 passed the suite.)"""
+    ours = npnorm.BatchNorm1d(3, momentum=None, dtype="float64")
+    ref = torch.nn.BatchNorm1d(3, momentum=None, dtype=torch.float64)
+    for m in (ours, ref):
+        m.num_batches_tracked = None
+    ours.running_mean[...] = [0.5, -1.0, 2.0]
+    with torch.no_grad():
+        ref.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+    for _ in range(2):
+        x = rng.normal(size=(6, 3)) * 2 + 1
+        y = ours(x)
+        np.testing.assert_allclose(y, ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(ref.running_mean.numpy(), [0.5, -1.0, 2.0])
+    np.testing.assert_array_equal(ours.running_mean, [0.5, -1.0, 2.0])
+    np.testing.assert_array_equal(ours.running_var, ref.running_var.numpy())
+    np.testing.assert_array_equal(ours.running_var, 1.0)
+    assert ours.num_batches_tracked is None and ref.num_batches_tracked is None
+
+
 def test_float64_running_var_widens_the_computation(rng):
     x = rng.normal(size=(4, 2)).astype(np.float32)
     rm, rv = np.zeros(2, np.float32), np.ones(2, np.float64)

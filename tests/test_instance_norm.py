@@ -81,6 +81,44 @@ def test_torch_quirks_pinned(torch, rng):
     np.testing.assert_array_equal(ref.running_var.numpy(), 1)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_running_stats_cleared_after_construction_still_move_as_in_torch(torch, rng, training):
+    """InstanceNorm built with running statistics whose flag was then cleared normalizes
+    with each instance's statistics and still moves the buffers it holds, in training and
+    in eval alike (torch's F.instance_norm updates whatever buffers it is given). (A
+    mutation that left the buffers alone passed the suite: the conversion tests compare
+    outputs only.)"""
+    ours = npnorm.InstanceNorm1d(3, momentum=0.3, track_running_stats=True, dtype="float64")
+    ref = torch.nn.InstanceNorm1d(3, momentum=0.3, track_running_stats=True, dtype=torch.float64)
+    for m in (ours, ref):
+        m.track_running_stats = False
+        m.train(training)
+    for _ in range(2):
+        x = rng.normal(size=(4, 3, 5)) * 2 + 1
+        y = ours(x)
+        np.testing.assert_allclose(y, ref(torch.from_numpy(x)).numpy(), rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var"):
+        want = getattr(ref, name).numpy()
+        assert not np.array_equal(want, np.zeros(3) if name == "running_mean" else np.ones(3))
+        np.testing.assert_allclose(getattr(ours, name), want, rtol=1e-12, err_msg=name)
+    assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("family", npnorm.kernels_available())
+def test_eval_statistics_do_not_alias_the_buffers_in_any_family(family, rng):
+    """The mean returned in eval (the running mean, saved for the backward) is a copy in
+    every kernel family: a later write to the buffer must not change it. (The "numpy"
+    family returning a view passed the suite.)"""
+    rm, rv = np.zeros(2), np.ones(2)
+    with npnorm.use_kernels(family):
+        _, mean, rstd, _, _ = F.instance_norm_forward(
+            rng.normal(size=(3, 2, 4)), rm, rv, use_input_stats=False
+        )
+    rm[...], rv[...] = 5.0, 7.0
+    np.testing.assert_array_equal(mean, 0.0)
+    np.testing.assert_allclose(rstd, 1 / np.sqrt(1 + 1e-5), rtol=1e-15)
+
+
 def test_channel_mismatch_raises_where_torch_only_warns(torch):
     ours = npnorm.InstanceNorm1d(3)
     with pytest.warns(UserWarning):

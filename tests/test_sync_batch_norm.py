@@ -365,6 +365,25 @@ def test_the_merge_weights_ranks_by_their_counts():
         assert var == np.var([10.0, 0, 0, 0], ddof=1)  # the global count in Bessel's correction
 
 
+def test_momentum_none_without_a_counter_leaves_the_running_stats_on_every_rank():
+    """momentum=None with num_batches_tracked set to None: a factor of 0, as BatchNorm's
+    (and torch's); the running statistics stay where they are on every rank. (A mutation
+    that took a factor of 1 passed the suite.)"""
+    x = [np.array([[1.0, 4.0], [3.0, -2.0]]), np.array([[7.0, 0.5]])]
+
+    def rank_fn(comm):
+        m = npnorm.SyncBatchNorm(2, momentum=None, comm=comm, dtype="float64")
+        m.num_batches_tracked = None
+        m.running_mean[...] = [0.25, -3.0]
+        m(x[comm.Get_rank()])
+        return to_host(m.running_mean), to_host(m.running_var), m.num_batches_tracked
+
+    for mean, var, counter in run_ranks(2, rank_fn):
+        np.testing.assert_array_equal(mean, [0.25, -3.0])
+        np.testing.assert_array_equal(var, [1.0, 1.0])
+        assert counter is None
+
+
 def test_an_offset_of_1e8_keeps_the_variance():
     # a one-pass sum of squares loses everything here; two-pass and Chan's merge do not
     rng = np.random.default_rng(0)
