@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import array_api_compat
@@ -23,6 +23,7 @@ from ._backend import (
     grad_tracked,
     namespace_of,
     repeats_elements,
+    to_host,
     writable,
 )
 
@@ -307,3 +308,14 @@ def write_out(xp: Namespace, out: Array | None, result: Array) -> Array:
     if prod(out.shape) > 0:  # (nothing to write: dask refuses an empty assignment)
         out[...] = result
     return out
+
+
+def changed_in_place(arrays: Mapping[str, tuple[Any, Any]]) -> list[str]:
+    """The names, in order, of ``arrays`` (name: (a copy taken before a call, the array
+    passed to it)) whose values the call changed; NaN equals NaN. gradcheck and the
+    exercise grader refuse a function that wrote into what it was given."""
+    return [
+        name
+        for name, (before, after) in arrays.items()
+        if not np.array_equal(to_host(before), to_host(after), equal_nan=True)
+    ]

@@ -38,7 +38,7 @@ from ._backend import (
     to_namespace,
     writable,
 )
-from ._checks import check_real
+from ._checks import changed_in_place, check_real
 from ._grad_mode import enable_grad
 from .modules._module import Module
 
@@ -529,11 +529,7 @@ def _check_unchanged(what: str, arrays: dict[str, tuple[Array, Array]]) -> None:
     each perturbed evaluation would start from another point, and the numeric gradients
     mean nothing; after the backward, the check compared them with gradients of another
     point (a backward that scaled its grad_output in place failed as a wrong gradient)."""
-    changed = [
-        name
-        for name, (before, after) in arrays.items()
-        if not np.array_equal(to_host(before), to_host(after), equal_nan=True)
-    ]
+    changed = changed_in_place(arrays)
     if changed:
         need = (
             "finite differences need a forward that leaves its input and parameters as they were"

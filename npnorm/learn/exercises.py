@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import changed_in_place
 from . import staged_backward, staged_forward
 from ._tape import Tape
 from .check import TERM_NAMES, CheckRow, check_steps, check_terms, compare, numeric_gradient, term_paths
@@ -53,19 +54,16 @@ class _ChangedInPlace(Exception):
     """What a call raises where the learner's function wrote into one of its arguments."""
 
 
-def _same(given: Any, kept: Any) -> bool:
-    return bool(np.array_equal(np.asarray(given), np.asarray(kept), equal_nan=True))
-
-
 def _check_unchanged(function: str, args: Mapping[str, tuple[Any, Any]]) -> None:
-    """Raise ``_ChangedInPlace`` naming the first argument whose value (given, kept) differs."""
-    for name, (given, kept) in args.items():
-        if not _same(given, kept):
-            raise _ChangedInPlace(
-                f"your {function} changed its argument {name} in place: a backward reads the "
-                f"forward's values and must leave them as they were (other code reads them after it); "
-                f"work on a copy (a = a.copy(), or a - b instead of a -= b)"
-            )
+    """Raise ``_ChangedInPlace`` naming the first argument (name: (given, kept)) whose value
+    the learner's function changed."""
+    changed = changed_in_place({name: (kept, given) for name, (given, kept) in args.items()})
+    if changed:
+        raise _ChangedInPlace(
+            f"your {function} changed its argument {changed[0]} in place: a backward reads the "
+            f"forward's values and must leave them as they were (other code reads them after it); "
+            f"work on a copy (a = a.copy(), or a - b instead of a -= b)"
+        )
 
 
 def _staged(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
@@ -106,33 +104,11 @@ def _tape(name: str, **kw: Any) -> Callable[[], Tape]:
 
 
 def _other(
-    name: str, shape: tuple[int, ...], *, groups: int = 0, eval: bool = False, eps: float | None = None
+    name: str, shape: tuple[int, ...], *, groups: int = 3, eval: bool = False, eps: float | None = None
 ) -> Callable[[], Tape]:
-    """The second example of layer ``name``: an input of ``shape``, other values (seed 7)
-    than the first example's, and ``eps`` where given. LayerNorm normalizes the two
-    trailing axes, RMSNorm the last, as in the first examples."""
-
-    def make() -> Tape:
-        rng = np.random.default_rng(7)
-        x = rng.normal(-1.5, 3.0, shape)
-
-        def param(*s: int) -> np.ndarray:
-            return rng.normal(1.0, 0.5, s)
-
-        C = shape[1]
-        kw: dict[str, Any] = {} if eps is None else {"eps": eps}
-        if name == "layer_norm":
-            args: tuple[Any, ...] = (x, shape[2:], param(*shape[2:]), param(*shape[2:]))
-        elif name == "rms_norm":
-            args = (x, shape[-1], param(shape[-1]))
-        elif name == "group_norm":
-            args = (x, groups, param(C), param(C))
-        else:  # batch_norm: running mean and var, then weight and bias
-            args = (x, rng.normal(0.5, 0.2, C), rng.uniform(3.0, 5.0, C), param(C), param(C))
-            kw["training"] = not eval
-        return staged_forward(name, *args, **kw)
-
-    return make
+    """The second example of layer ``name``: the first example's (``example``) with an
+    input of ``shape``, other values (seed 7) and ``eps`` where given."""
+    return _tape(name, shape=shape, groups=groups, eval=eval, eps=eps, seed=7)
 
 
 def _unbiased(shape: tuple[int, ...] = (6, 3), seed: int = 3) -> Callable[[], Tape]:
