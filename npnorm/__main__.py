@@ -29,7 +29,7 @@ import contextlib
 import io
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 PROFILED = ("LayerNorm", "RMSNorm", "BatchNorm2d", "GroupNorm", "InstanceNorm2d")  # _bench.FULL's layers
@@ -138,6 +138,16 @@ class _Command(argparse.ArgumentParser):
         self.add_argument(
             "--quiet", action="store_true", default=argparse.SUPPRESS, help="as --quiet before the command"
         )
+
+    def parse_known_args(  # type: ignore[override]  # (typeshed overloads it on namespace)
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """An argument the command does not take is refused with the command's usage (the
+        main parser's, which argparse printed, does not show the command's options)."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,11 +48,14 @@ def default_num_threads() -> int:
     """``NPNORM_NUM_THREADS`` if set, else the CPUs available to this process."""
     env = os.environ.get(ENV_VAR, "").strip()
     if env:
+        # one wording for every wrong value, the variable's text quoted ("0" and "abc" alike)
         try:
             value = int(env)
         except ValueError:
-            raise ValueError(f"{ENV_VAR} must be a positive integer, got {env!r}") from None
-        return check_count(value, ENV_VAR, _EXPECTED)
+            value = 0
+        if value < 1:
+            raise ValueError(f"{ENV_VAR} must be {_EXPECTED}, got {env!r}")
+        return value
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux

@@ -65,6 +65,25 @@ def test_bad_counts_and_layer_names_are_usage_errors(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--foo"],
+        ["warmup", "extra"],
+        ["profile", "LayerNorm", "--zap"],
+        ["demo", "--quick", "--nope"],
+    ],
+)
+def test_an_argument_a_command_does_not_take_is_refused_with_its_usage(argv, capsys):
+    """The main parser's usage was printed, which does not show the command's options."""
+    with pytest.raises(SystemExit) as exit_:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"usage: python -m npnorm {argv[0]} ")
+    assert f"python -m npnorm {argv[0]}: error: unrecognized arguments: {argv[-1]}" in err
+
+
 def test_profiled_layers_are_the_benchmark_layers():
     from npnorm._bench import FULL
 

@@ -147,9 +147,12 @@ def test_bad_environment_value_is_an_error_at_first_use():
 def test_a_bad_thread_count_variable_is_an_error_at_the_first_call_of_any_size():
     """NPNORM_NUM_THREADS was read at the first call large enough to split over threads: a
     small call (a test) ran, a large one (the workload) raised."""
-    out = _run(SMALL_CALL, NPNORM_NUM_THREADS="abc")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "NPNORM_NUM_THREADS must be a positive integer, got 'abc'"
+    for value in ("abc", "0", "1.5", "-2"):
+        out = _run(SMALL_CALL, NPNORM_NUM_THREADS=value)
+        assert out.returncode == 0, out.stderr
+        # one wording for every wrong value (a count below 1 had another)
+        want = f"NPNORM_NUM_THREADS must be an integer of at least 1 (1 = no worker threads), got {value!r}"
+        assert out.stdout.strip() == want
 
 
 # A subprocess in which numba cannot be imported (as without the 'fast' extra).
