@@ -20,26 +20,43 @@ def write_whole(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> 
     atomic replace): an interrupted or failed write leaves ``path`` as it was, and no part.
 
     The part has a short name of its own (a name near the length limit, or a user's
-    ``NAME.part``, is not in its way) and the mode a new file gets, or the mode of the
-    file it replaces. A symbolic link is followed (the file it names is replaced, the link
-    kept); what is not a regular file (``/dev/stdout``, a FIFO) is written into directly,
-    as ``open(path, "w")`` does."""
+    ``NAME.part``, is not in its way) and the mode a new file gets, or the mode and, where
+    this process may give them (root's), the owner and group of the file it replaces. A
+    symbolic link is followed (the file it names is replaced, the link kept); what is not a
+    regular file (``/dev/stdout``, a FIFO) is written into directly, as ``open(path, "w")``
+    does."""
     target = pathlib.Path(os.path.realpath(path))  # (a link: the file it names)
     try:
-        mode: int | None = os.stat(target).st_mode
+        old: os.stat_result | None = os.stat(target)
     except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):  # a device, a FIFO: no replacing it
+        old = None
+    if old is not None and not stat.S_ISREG(old.st_mode):  # a device, a FIFO: no replacing it
         write(target)
         return
     part = _new_part(target.parent)
     try:
-        if mode is not None:
-            os.chmod(part, stat.S_IMODE(mode))
+        if old is not None:
+            _keep_owner(part, old)
+            os.chmod(part, stat.S_IMODE(old.st_mode))  # (after chown, which clears setuid bits)
         write(part)
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)
+
+
+def _keep_owner(part: pathlib.Path, old: os.stat_result) -> None:
+    """``part`` given ``old``'s owner and group where they differ and this process may give
+    them (root may; a user may pick one of their own groups); else left as created, as an
+    editor's save leaves it."""
+    now = os.stat(part)
+    if (now.st_uid, now.st_gid) == (old.st_uid, old.st_gid):
+        return
+    for uid, gid in ((old.st_uid, old.st_gid), (-1, old.st_gid)):  # both, else the group alone
+        try:
+            os.chown(part, uid, gid)
+            return
+        except (PermissionError, AttributeError):  # (no os.chown on Windows)
+            continue
 
 
 def _new_part(folder: pathlib.Path) -> pathlib.Path:

@@ -436,6 +436,14 @@ def test_a_json_file_is_replaced_as_open_would_write_it(tmp_path):
     write_json(str(private), {"b": 2})
     assert stat.S_IMODE(private.stat().st_mode) == 0o600 and json.loads(private.read_text()) == {"b": 2}
 
+    if os.geteuid() == 0:  # root replaces another user's file: its owner and group are kept
+        theirs = tmp_path / "theirs.json"
+        theirs.write_text("{}")
+        os.chown(theirs, 4321, 4322)
+        write_json(str(theirs), {"e": 5})
+        assert (theirs.stat().st_uid, theirs.stat().st_gid) == (4321, 4322)
+        assert json.loads(theirs.read_text()) == {"e": 5}
+
     long_name = tmp_path / ("x" * 250 + ".json")  # 255 characters: NAME.part would be 260
     write_json(str(long_name), {"c": 3})
     assert json.loads(long_name.read_text()) == {"c": 3}
