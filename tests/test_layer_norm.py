@@ -123,10 +123,20 @@ def test_wrong_trailing_shape_says_what_was_expected(backend):
         m(backend.asarray(np.zeros((4,))))
 
 
-@pytest.mark.parametrize("dtype", ["int64", "bool"])
-def test_non_float_input_is_a_type_error(dtype):
-    with pytest.raises(TypeError, match="floating"):
-        npnorm.LayerNorm(3)(np.ones((2, 3), dtype=dtype))
+@pytest.mark.parametrize("dtype", ["int64", "bool", "complex64"])
+@pytest.mark.parametrize("layer", [lambda: npnorm.LayerNorm(3), lambda: npnorm.RMSNorm(3)])
+def test_non_float_input_is_a_type_error(dtype, layer):
+    """As the README says: complex input too (torch's RMSNorm takes it)."""
+    with pytest.raises(TypeError, match=f"floating dtype.*got {dtype}"):
+        layer()(np.ones((2, 3), dtype=dtype))
+
+
+def test_an_integer_grad_output_is_a_type_error():
+    """As the README says (torch's autograd casts it)."""
+    m = npnorm.LayerNorm(3)
+    m(np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="grad_output must have a floating dtype.*got int64"):
+        m.backward(np.ones((2, 3), np.int64))
 
 
 def test_numpy_bfloat16_input_gets_our_message():
