@@ -24,9 +24,9 @@ def example(
     """Arguments of ``npnorm.functional.<name>_forward`` for a small example, float64.
 
     ``eval``: BatchNorm with ``training=False``, InstanceNorm with ``use_input_stats=False``.
-    ``groups``: GroupNorm's number of groups (of 6 channels). ``split``: SyncBatchNorm's
-    samples per rank; the batch has ``sum(split)`` samples (with the default, BatchNorm's
-    example batch, split over 4 ranks). ``shape``: the input's shape instead of the small
+    ``groups``: GroupNorm's number of groups (of the small example's 6 channels).
+    ``split``: SyncBatchNorm's samples per rank; the batch has ``sum(split)`` samples (with
+    the default, BatchNorm's example batch, split over 4 ranks). ``shape``: the input's shape instead of the small
     example's (channels on axis 1; LayerNorm normalizes the two trailing axes, RMSNorm the
     last); ``eps``: passed on where given. The exercises' second examples are these, with
     other sizes and seed.
