@@ -412,6 +412,28 @@ def test_quiet_before_learn_is_taken_as_before_any_command(lead, capsys):
     assert exit_.value.code == 0 and "usage:" in capsys.readouterr().out
 
 
+def test_a_new_json_file_gets_a_new_files_mode_and_its_part_is_made_beside_it(tmp_path, monkeypatch):
+    """A new file has the mode open() gives (0666 less the umask: 0644 under 022), not a
+    private 0600; the part is made in the target's folder, so that the rename replaces
+    the file atomically (across file systems it is a copy, or EXDEV)."""
+    import json
+    import stat
+
+    from npnorm import _files
+
+    made = []
+    new_part = _files._new_part
+    monkeypatch.setattr(_files, "_new_part", lambda folder: made.append(folder) or new_part(folder))
+    old_umask = os.umask(0o022)
+    try:
+        _files.write_json(str(tmp_path / "new.json"), {"a": [1]})
+    finally:
+        os.umask(old_umask)
+    assert made == [tmp_path]
+    assert stat.S_IMODE((tmp_path / "new.json").stat().st_mode) == 0o644
+    assert (tmp_path / "new.json").read_text() == json.dumps({"a": [1]}, indent=1)
+
+
 def test_a_json_file_is_replaced_as_open_would_write_it(tmp_path):
     """The whole-file write (beside, then renamed) replaced a symbolic link by a file, and
     would have replaced a FIFO or /dev/stdout; it made a 0600 file 0644, failed on a name
@@ -456,9 +478,12 @@ def test_a_json_file_is_replaced_as_open_would_write_it(tmp_path):
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
     got = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
     reader.start()
-    write_json(str(fifo), {"d": 4})
+    writer = threading.Thread(target=write_json, args=(str(fifo), {"d": 4}), daemon=True)
+    writer.start()  # (a write that replaced the FIFO left the reader, and the test, waiting)
+    writer.join(10)
     reader.join(10)
+    assert not writer.is_alive() and not reader.is_alive(), "the write into the FIFO hung"
     assert stat.S_ISFIFO(fifo.stat().st_mode) and json.loads(got[0]) == {"d": 4}
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part") and p != mine]

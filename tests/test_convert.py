@@ -437,3 +437,39 @@ def test_a_parameter_set_to_none_converts_both_ways(torch, rng, name, args, shap
     assert back.state_dict().keys() == ref.state_dict().keys()
     for k, v in ref.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_from_torch_leaves_a_non_persistent_buffer_out(torch):
+    """A buffer registered with persistent=False is not part of torch's state: from_torch
+    leaves it out, as torch's own state_dict does (loading it raised "Error(s) in
+    loading state_dict")."""
+    ref = torch.nn.LayerNorm(4)
+    ref.register_buffer("extra", torch.zeros(2), persistent=False)
+    ours = npnorm.from_torch(ref)
+    assert type(ours) is npnorm.LayerNorm and set(ours.state_dict()) == {"weight", "bias"}
+
+
+def test_from_torch_of_a_layer_without_tensors_takes_torchs_default_dtype(torch):
+    """A layer without parameters has no tensor to tell its dtype: it takes torch's default
+    dtype, as the torch layer would make its tensors (float32 was hard-coded)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ours = npnorm.from_torch(torch.nn.LayerNorm(4, elementwise_affine=False))
+    finally:
+        torch.set_default_dtype(before)
+    assert ours.dtype == np.float64
+
+
+def test_to_torch_refuses_a_subclass_as_from_torch_does(torch):
+    """to_torch takes npnorm's own classes exactly: a user's subclass may change the math,
+    which torch's class would not run."""
+
+    class Mine(npnorm.LayerNorm):
+        pass
+
+    with pytest.raises(TypeError, match="Mine"):
+        npnorm.to_torch(Mine(4))

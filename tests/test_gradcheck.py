@@ -807,3 +807,40 @@ def test_a_module_that_skipped_super_init_is_told_so(rng):
 
     with pytest.raises(TypeError, match=r"NoInit.__init__ did not call super\(\).__init__"):
         npnorm.gradcheck(NoInit(), rng.normal(size=3))
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_gradcheck_gives_back_the_grads_dict_a_caller_holds(rng):
+    """After the check, ``m.grads`` is the same dict as before, with the same gradients (an
+    optimizer holding it kept a dict the module no longer used)."""
+    m = npnorm.LayerNorm(4, dtype="float64")
+    x = rng.normal(size=(3, 4))
+    m(x)
+    m.backward(np.ones_like(x))
+    held = m.grads
+    before = {k: v.copy() for k, v in held.items()}
+    assert npnorm.gradcheck(m, x)
+    assert held is m.grads and held.keys() == before.keys()
+    for k in before:
+        np.testing.assert_array_equal(held[k], before[k])
+
+
+def test_an_input_whose_elements_share_memory_is_checked_on_a_copy():
+    """A strided view whose rows overlap (as_strided): perturbing one element moves others,
+    so the check works on a copy; laid out as the input, it failed a right backward."""
+    x = np.lib.stride_tricks.as_strided(np.arange(12.0), (3, 4), (16, 8))  # rows share 2 values
+    assert npnorm.gradcheck(npnorm.LayerNorm(4, dtype="float64"), x)
+
+
+def test_a_module_held_in_a_frozenset_is_refused(rng):
+    """A frozenset is looked into as a set is."""
+
+    class Holder(npnorm.LayerNorm):
+        pass
+
+    m = Holder(3, dtype="float64")
+    m.extra = frozenset({npnorm.LayerNorm(3, dtype="float64")})
+    with pytest.raises(TypeError, match=r"an item of Holder\.extra is an npnorm Module"):
+        npnorm.gradcheck(m, rng.normal(size=(2, 3)))

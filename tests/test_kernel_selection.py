@@ -403,3 +403,20 @@ def test_a_kernel_is_taken_only_once_its_family_is_loaded(monkeypatch):
     with npnorm.use_kernels("numpy"):
         assert kernel("layer_norm_forward", xp) is fast
     assert loaded == ["numpy"]
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_the_environment_variables_value_is_taken_without_surrounding_space():
+    out = _run("import npnorm; print(npnorm.get_kernels())", NPNORM_KERNELS=" numpy\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "numpy"
+
+
+@pytest.mark.skipif("numba" not in npnorm.kernels_available(), reason="needs numba (the 'fast' extra)")
+def test_an_op_the_numba_family_lacks_falls_back_to_the_numpy_family():
+    """As documented: numba's family falls back to the "numpy" family's kernel, not the
+    generic one, where it has none of its own (SyncBatchNorm's per-rank dx)."""
+    assert family_kernel("sync_batch_norm_dx", "numba") is family_kernel("sync_batch_norm_dx", "numpy")
+    assert family_kernel("sync_batch_norm_dx", "numpy") is not generic_kernel("sync_batch_norm_dx")

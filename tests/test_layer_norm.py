@@ -135,7 +135,7 @@ def test_an_integer_grad_output_is_a_type_error():
     """As the README says (torch's autograd casts it)."""
     m = npnorm.LayerNorm(3)
     m(np.ones((2, 3), np.float32))
-    with pytest.raises(TypeError, match="grad_output must have a floating dtype.*got int64"):
+    with pytest.raises(TypeError, match=r"grad_output must have a floating dtype.*got int64"):
         m.backward(np.ones((2, 3), np.int64))
 
 

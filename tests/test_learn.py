@@ -41,6 +41,7 @@ from npnorm.learn import (
     staged_normalize,
 )
 from npnorm.learn._library import closed
+from npnorm.learn.check import compare
 from npnorm.learn.examples import example, upstream
 from npnorm.learn.exercises import EXERCISES, grade, load
 
@@ -1053,3 +1054,26 @@ def test_the_step_checker_passes_right_gradients_where_one_step_does_not_suit(ca
     assert all(r.ok for r in rows), [str(r) for r in rows if not r.ok]
     grads["mean"] = grads["mean"] * (1 + 1e-4)  # and a gradient 1e-4 off still fails
     assert not check_steps(tape, grads, names=["mean"])[0].ok
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_compare_refuses_an_integer_gradient_and_says_so():
+    row = compare("x", np.array([1, 2]), np.array([1.0, 2.0]))
+    assert not row.ok and "not floating point" in str(row)
+
+
+def test_compare_calls_a_gradient_off_from_a_zero_one_relatively_infinite():
+    """Where the numeric gradient is 0 and the given one is not, the relative error is inf
+    (0 read as "relative 0.00e+00" beside a wrong gradient)."""
+    row = compare("b", np.array([1e-3, 0.0]), np.zeros(2))
+    assert not row.ok and row.max_rel == float("inf") and "relative inf" in str(row)
+
+
+def test_check_steps_refuses_a_grad_output_that_would_broadcast():
+    args, kwargs = example("layer_norm")
+    t = staged_forward("layer_norm", *args, **kwargs)
+    dy = np.ones((1, *t.output.shape[1:]))
+    with pytest.raises(ValueError, match="grad_output must have the output's shape"):
+        check_steps(t, staged_backward(t, np.ones(t.output.shape)), grad_output=dy)

@@ -1152,3 +1152,49 @@ def test_a_read_only_buffer_keeps_its_device_when_its_update_comes_from_another(
     m(xs.ones(3, dtype=xs.float32))
     assert m.b.device == device
     np.testing.assert_array_equal(np.asarray(m.b), 1.0)
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_zero_grad_and_to_keep_the_grads_dict_a_caller_holds():
+    """An optimizer that holds ``m.grads`` sees zero_grad's clearing and to()'s casting:
+    the same dict, changed in place (a new dict left it the stale gradients)."""
+    m = npnorm.LayerNorm(3)
+    x = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    m(x)
+    m.backward(np.ones_like(x))
+    held = m.grads
+    m.to(dtype="float64")
+    assert held is m.grads and held["weight"].dtype == np.float64
+    m.zero_grad()
+    assert held is m.grads and held == {}
+
+
+class _Shift(npnorm.Module):
+    """y = x + b, whose backward hands grad_output itself back as b's gradient."""
+
+    _parameter_names = ("b",)
+
+    def __init__(self):
+        super().__init__(dtype="float64")
+        self.b = np.zeros(3)
+
+    def _forward(self, x):
+        return x + self.b, (), {}
+
+    def _backward(self, dy, saved):
+        return dy, {"b": dy}
+
+
+def test_a_first_gradient_is_stored_as_a_copy():
+    """The first backward's gradient is kept as a copy: a layer that returns grad_output
+    itself as a gradient did not see the caller's array summed into on the next backward."""
+    m = _Shift()
+    first = np.ones(3)
+    m(np.zeros(3))
+    m.backward(first)
+    m(np.zeros(3))
+    m.backward(np.ones(3))
+    np.testing.assert_array_equal(first, 1.0)
+    np.testing.assert_array_equal(m.grads["b"], 2.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import array_api_compat
 import numpy as np
 import pytest
+from conftest import assert_state_equal, snapshot
 
 import npnorm
 from npnorm._backend import to_host
@@ -365,3 +366,27 @@ def test_a_change_after_an_empty_batch_fails_the_backward_where_torch_does(torch
         assert affine  # (torch raises only where the weight was overwritten)
         return
     assert ours.backward(np.ones_like(y)).shape == x.shape
+
+
+# --- pinned by mutation testing (each mutation passed the suite) -------------------------
+
+
+def test_load_state_dict_of_a_list_is_a_type_error_as_in_torch(torch):
+    """torch: "TypeError: Expected state_dict to be dict-like"; the docstring says TypeError."""
+    pairs = [("weight", np.ones(3))]
+    with pytest.raises(TypeError, match="dict-like"):
+        torch.nn.LayerNorm(3).load_state_dict(pairs)
+    m = npnorm.LayerNorm(3)
+    state, grads = snapshot(m)
+    with pytest.raises(TypeError):
+        m.load_state_dict(pairs)
+    assert_state_equal(m, state, grads)
+
+
+def test_the_prefix_hint_names_three_prefixes():
+    """Keys of a whole model's checkpoint: the error suggests the prefixes found, up to
+    three."""
+    keys = {f"{i}.{k}": np.ones(4) for i in range(4) for k in ("weight", "bias")}
+    with pytest.raises(RuntimeError) as err:
+        npnorm.LayerNorm(4).load_state_dict(keys)
+    assert "prefix='0.', prefix='1.', prefix='2.'" in str(err.value)
