@@ -46,8 +46,8 @@ def write_whole(path: pathlib.Path, write: Callable[[pathlib.Path], object]) -> 
 
 def _keep_owner(part: pathlib.Path, old: os.stat_result) -> None:
     """``part`` given ``old``'s owner and group where they differ and this process may give
-    them (root may; a user may pick one of their own groups); else left as created, as an
-    editor's save leaves it."""
+    them (root may; a user may pick one of their own groups); else, best effort, left as
+    created, as an editor's save leaves it: a refused chown never fails the write."""
     now = os.stat(part)
     if (now.st_uid, now.st_gid) == (old.st_uid, old.st_gid):
         return
@@ -55,8 +55,8 @@ def _keep_owner(part: pathlib.Path, old: os.stat_result) -> None:
         try:
             os.chown(part, uid, gid)
             return
-        except (PermissionError, AttributeError):  # (no os.chown on Windows)
-            continue
+        except (OSError, AttributeError):  # not allowed, not supported (EINVAL: an id not
+            continue  # mapped in a user namespace; ENOTSUP); no os.chown on Windows
 
 
 def _new_part(folder: pathlib.Path) -> pathlib.Path:

@@ -434,6 +434,36 @@ def test_a_new_json_file_gets_a_new_files_mode_and_its_part_is_made_beside_it(tm
     assert (tmp_path / "new.json").read_text() == json.dumps({"a": [1]}, indent=1)
 
 
+@pytest.mark.parametrize("code", ["EPERM", "EINVAL", "ENOTSUP"])
+def test_a_refused_chown_never_fails_the_write(tmp_path, monkeypatch, code):
+    """Keeping the replaced file's owner is best effort: a chown refused in any way (EINVAL:
+    an owner not mapped in a user namespace; ENOTSUP: some network file systems) leaves
+    the part as created, and the file is written (only PermissionError was caught)."""
+    import errno
+    import json
+
+    from npnorm import _files
+
+    target = tmp_path / "theirs.json"
+    target.write_text("{}")
+
+    def refuse(*args):
+        raise OSError(getattr(errno, code), code)
+
+    monkeypatch.setattr(os, "chown", refuse)
+    real_stat = os.stat
+
+    def other_owner(path, *a, **k):  # the target looks another user's
+        st = real_stat(path, *a, **k)
+        if str(path) == str(target):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, 4321, 4322, *st[6:]))
+        return st
+
+    monkeypatch.setattr(os, "stat", other_owner)
+    _files.write_json(str(target), {"a": 1})
+    assert json.loads(target.read_text()) == {"a": 1}
+
+
 def test_a_json_file_is_replaced_as_open_would_write_it(tmp_path):
     """The whole-file write (beside, then renamed) replaced a symbolic link by a file, and
     would have replaced a FIFO or /dev/stdout; it made a 0600 file 0644, failed on a name

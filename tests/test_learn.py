@@ -1077,3 +1077,14 @@ def test_check_steps_refuses_a_grad_output_that_would_broadcast():
     dy = np.ones((1, *t.output.shape[1:]))
     with pytest.raises(ValueError, match="grad_output must have the output's shape"):
         check_steps(t, staged_backward(t, np.ones(t.output.shape)), grad_output=dy)
+
+
+def test_an_example_of_another_shape_takes_sizes_from_it():
+    """example(name, shape=...): the parameters and running statistics follow the shape's
+    channels (and LayerNorm's normalized axes); SyncBatchNorm's batch must be the split's."""
+    (x, normalized, w, b), _ = example("layer_norm", shape=(3, 2, 3, 6), eps=0.5)
+    assert x.shape == (3, 2, 3, 6) and normalized == (3, 6) and w.shape == b.shape == (3, 6)
+    (x, rm, rv, w, b), kw = example("batch_norm", shape=(5, 2, 3), eps=0.5)
+    assert rm.shape == rv.shape == w.shape == b.shape == (2,) and kw == {"training": True, "eps": 0.5}
+    with pytest.raises(ValueError, match=r"shape\[0\] \(5\) must be sum\(split\) \(4\)"):
+        example("sync_batch_norm", shape=(5, 3, 2))

@@ -26,10 +26,11 @@ def example(
     ``eval``: BatchNorm with ``training=False``, InstanceNorm with ``use_input_stats=False``.
     ``groups``: GroupNorm's number of groups (of the small example's 6 channels).
     ``split``: SyncBatchNorm's samples per rank; the batch has ``sum(split)`` samples (with
-    the default, BatchNorm's example batch, split over 4 ranks). ``shape``: the input's shape instead of the small
-    example's (channels on axis 1; LayerNorm normalizes the two trailing axes, RMSNorm the
-    last); ``eps``: passed on where given. The exercises' second examples are these, with
-    other sizes and seed.
+    the default, BatchNorm's example batch, split over 4 ranks). ``shape``: the input's
+    shape instead of the small example's (channels on axis 1; LayerNorm normalizes the two
+    trailing axes, RMSNorm the last; SyncBatchNorm's ``shape[0]`` must be ``sum(split)``);
+    ``eps``: passed on where given. The exercises' second examples are these, with other
+    sizes and seed.
     """
     rng = np.random.default_rng(seed)
     kw: dict[str, Any] = {} if eps is None else {"eps": eps}
@@ -54,6 +55,10 @@ def example(
     if name == "batch_norm":
         return (data((4, 3, 2, 2)), *running, param(C), param(C)), {"training": not eval, **kw}
     if name == "sync_batch_norm":
+        if shape is not None and int(shape[0]) != sum(split):
+            raise ValueError(
+                f"shape[0] ({shape[0]}) must be sum(split) ({sum(split)}): the samples split over ranks"
+            )
         return (data((sum(split), 3, 2, 2)), *running, param(C), param(C)), {"training": True, **kw}
     if name == "instance_norm":
         return (data((2, 3, 2, 3)), *running, param(C), param(C)), {"use_input_stats": not eval, **kw}
