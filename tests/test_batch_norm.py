@@ -719,3 +719,10 @@ def test_an_empty_batch_in_inference_needs_no_running_buffers(torch, shape):
             with pytest.raises(IndexError):
                 call(torch.nn.functional, *(torch.from_numpy(a) for a in (x, w, b)))
             assert call(F, x, w, b).shape == shape
+
+
+def test_a_bool_momentum_is_refused():
+    """momentum=True is not a number (it read as 1.0: every step replaced the running
+    statistics)."""
+    with pytest.raises(TypeError, match=r"momentum \(or None\) must be a number, got True"):
+        npnorm.BatchNorm1d(4, momentum=True)

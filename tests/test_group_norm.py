@@ -169,3 +169,20 @@ def test_the_input_is_checked_against_weight_and_bias_not_num_channels(torch, rn
     m.weight = None  # bias alone sets the count
     with pytest.raises(ValueError, match="expected 4 channels"):
         m(x)
+
+
+def test_a_non_contiguous_torch_input_changed_after_the_forward_is_kept_as_torch_keeps_it(torch):
+    """torch's group_norm keeps a contiguous copy of a non-contiguous input: a change to the
+    input after the forward does not reach the backward (npnorm raised where it kept the
+    input itself)."""
+    x0 = torch.randn(3, 4, 10, dtype=torch.float64)
+    x = x0[:, :, ::2]
+    ours = npnorm.GroupNorm(2, 4, xp="torch", dtype="float64")
+    ref = torch.nn.GroupNorm(2, 4, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    y = ours(x)
+    x.add_(1)
+    g = torch.randn(y.shape, dtype=torch.float64)
+    dx = ours.backward(g)
+    ref(xr).backward(g)
+    torch.testing.assert_close(dx, xr.grad)

@@ -216,3 +216,11 @@ def test_backward_checks_the_saved_statistics(backend, rng):
         F.layer_norm_backward(dy, x, 5, mean[:1, :1], rstd)
     with pytest.raises(ValueError, match="rstd must hold one value per row"):
         F.rms_norm_backward(dy, x, 5, rstd[:2, ...])
+
+
+@pytest.mark.parametrize("eps", [float("nan"), np.float32("nan"), -1e-5])
+def test_a_nan_or_negative_eps_is_refused(eps):
+    """The README: npnorm refuses a negative or NaN eps, which torch lets through (a NaN
+    eps gave NaN outputs)."""
+    with pytest.raises(ValueError, match="eps must be a non-negative number"):
+        npnorm.LayerNorm(4, eps=eps)

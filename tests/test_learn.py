@@ -1088,3 +1088,59 @@ def test_an_example_of_another_shape_takes_sizes_from_it():
     assert rm.shape == rv.shape == w.shape == b.shape == (2,) and kw == {"training": True, "eps": 0.5}
     with pytest.raises(ValueError, match=r"shape\[0\] \(5\) must be sum\(split\) \(4\)"):
         example("sync_batch_norm", shape=(5, 3, 2))
+
+
+# --- pinned by mutation testing, fourth round: the staged normalization and its tape ---
+
+
+def test_staged_normalize_computes_in_float64_on_a_copy():
+    x32 = np.random.default_rng(0).random((3, 4)).astype(np.float32)
+    t = staged_normalize(x32, 0)
+    assert t["y"].dtype == np.float64 and t["input"] is not x32
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        ({"eps": -1.0}, ValueError, "eps must be a non-negative number"),
+        ({"correction": 2}, ValueError, "correction must be 0"),
+        ({"weight": np.ones((3, 4))}, ValueError, "weight of shape"),
+    ],
+)
+def test_staged_normalize_refuses_what_the_layers_refuse(kw, error, match):
+    x = np.random.default_rng(1).random((1, 4) if "weight" in kw else (3, 4))
+    with pytest.raises(error, match=match):
+        staged_normalize(x, 0, **kw)
+
+
+def test_the_n_minus_1_variance_of_one_value_is_refused():
+    with pytest.raises(ValueError, match=r"over 1 value\(s\) needs more than 1"):
+        staged_normalize(np.random.default_rng(2).random((1, 4)), 0, correction=1)
+
+
+def test_staged_normalize_sorts_its_axes_and_differentiates_its_bias():
+    x = np.random.default_rng(3).random((3, 4))
+    t = staged_normalize(x, (1, 0))
+    assert t.standardized is not None and tuple(t.standardized.axes) == (0, 1)
+    assert "(0, 1)" in t.description
+    assert staged_normalize(x, 0, bias=np.zeros(4)).differentiable == ["input", "bias"]
+
+
+def test_the_formulas_name_the_n_minus_1_variance_and_the_shift():
+    x = np.random.default_rng(4).random((3, 4))
+    assert staged_normalize(x, 0, correction=1).nodes["var"].formula.endswith("/ (n - 1)")
+    assert "+ b" in staged_normalize(x, 0, bias=np.zeros((1, 4))).nodes["y"].formula
+
+
+def test_a_tape_refuses_a_step_named_as_a_leaf():
+    t = Tape("x", input=np.ones(3))
+    with pytest.raises(ValueError, match="already on the tape"):
+        t.node("input", "f", lambda a: a + 1, "input")
+
+
+def test_rerun_keeps_the_values_set_and_leaves_the_callers_mapping_alone():
+    t = staged_normalize(np.arange(6.0).reshape(2, 3), 1)
+    changed = {"xc": np.full((2, 3), 5.0), "input": np.ones((2, 3))}
+    got = t.rerun(changed)
+    np.testing.assert_array_equal(got["xc"], 5.0)  # set by the caller, not recomputed from input
+    assert list(changed) == ["xc", "input"]
