@@ -55,9 +55,9 @@ class _ChangedInPlace(Exception):
 
 
 def _check_unchanged(function: str, args: Mapping[str, tuple[Any, Any]]) -> None:
-    """Raise ``_ChangedInPlace`` naming the first argument (name: (given, kept)) whose value
-    the learner's function changed."""
-    changed = changed_in_place({name: (kept, given) for name, (given, kept) in args.items()})
+    """Raise ``_ChangedInPlace`` naming the first argument (name: (a copy kept, the array
+    given to the learner's function)) whose value the function changed."""
+    changed = changed_in_place(args)
     if changed:
         raise _ChangedInPlace(
             f"your {function} changed its argument {changed[0]} in place: a backward reads the "
@@ -70,7 +70,7 @@ def _staged(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
     kept = {name: np.copy(t[name]) for name in t}
     given_dy = dy.copy()
     grads = fn(t, given_dy)
-    _check_unchanged("backward", {"dy": (given_dy, dy), **{f"t[{k!r}]": (t[k], v) for k, v in kept.items()}})
+    _check_unchanged("backward", {"dy": (dy, given_dy), **{f"t[{k!r}]": (v, t[k]) for k, v in kept.items()}})
     return grads, {}
 
 
@@ -81,7 +81,7 @@ def _terms(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
     args = {"dxhat": dxhat, "xhat": t[st.out], "rstd": t["rstd"]}
     given = {k: v.copy() for k, v in args.items()}
     terms = fn(*given.values(), st.axes)
-    _check_unchanged("closed_form", {k: (given[k], args[k]) for k in args})
+    _check_unchanged("closed_form", {k: (args[k], given[k]) for k in args})
     return {}, terms
 
 
@@ -91,7 +91,7 @@ def _from_saved(fn: Callable[..., Any], t: Tape, dy: np.ndarray) -> Result:
     args = {"dy": dy, "x": x, "mean": t["mean"].reshape(rows), "rstd": t["rstd"].reshape(rows), "weight": w}
     given = {k: v.copy() for k, v in args.items()}  # the mean and rstd as the library saves them
     grads = fn(*given.values())
-    _check_unchanged("backward_from_saved", {k: (given[k], args[k]) for k in args})
+    _check_unchanged("backward_from_saved", {k: (args[k], given[k]) for k in args})
     return grads, {}
 
 
