@@ -297,6 +297,28 @@ def _default_device(xp: Namespace) -> Any:
     return _inspected(xp, lambda info: info.default_device(), None)
 
 
+def check_dense(x: Any, what: str = "input") -> None:
+    """Raise ``TypeError`` (its message led by ``what``) for a torch tensor that is not a
+    plain strided one: sparse (COO, CSR, ...), mkldnn or nested. The math reshapes, reduces
+    and writes every element: such a tensor failed deep inside, with torch's own error or
+    an AttributeError (a checkpoint's sparse tensor after others were loaded), where this
+    one says what to pass instead."""
+    if type(x) is np.ndarray or _library(x) != "torch":
+        return
+    said = f"{what}: " if what else ""
+    if getattr(x, "is_nested", False):  # layout torch.jagged, or torch.strided for the older kind
+        raise TypeError(
+            f"{said}nested torch tensors are not supported: normalize each component "
+            "(x.unbind()), or, over a jagged tensor's regular last dimension, its x.values()"
+        )
+    layout = getattr(x, "layout", None)
+    if layout is not None and str(layout) != "torch.strided":
+        raise TypeError(
+            f"{said}a torch tensor of layout {layout} is not supported: npnorm takes dense "
+            "(strided) tensors (x.to_dense() makes one)"
+        )
+
+
 def check_floating(xp: Namespace, x: Array, what: str = "input") -> None:
     """Raise ``TypeError`` unless ``x`` has a real floating dtype."""
     if type(x) is np.ndarray and x.dtype.char in _FLOAT_CHARS:
@@ -347,6 +369,7 @@ def to_namespace(value: Any, xp: Namespace, dtype: Any = None) -> Array:
     """
     if _not_numbers(value):
         raise TypeError(f"expected an array, a tensor or numbers, got {_kind(value)}")
+    check_dense(value, "")  # (a sparse tensor was staged, then failed its copy in place)
     if isinstance(value, np.ma.MaskedArray):  # its masked values would load as numbers
         raise TypeError(
             "masked arrays are not supported (a norm layer's state has no mask): pass a.filled(value)"

@@ -18,6 +18,7 @@ import numpy as np
 from ._backend import (
     Array,
     Namespace,
+    check_dense,
     check_floating,
     compute_dtype,
     grad_tracked,
@@ -82,6 +83,7 @@ def float_inputs(*arrays: Array | None, names: Sequence[str], required: int = 1)
     xp = namespace_of(*arrays, what="the arrays", names=names)
     for name, a in zip(names, arrays, strict=True):
         if a is not None:
+            check_dense(a, name)
             check_floating(xp, a, name)
             check_known_shape(a, name)
     return xp
@@ -276,6 +278,7 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
     """``check_out``'s checks, each with its error."""
     if isinstance(out, np.ma.MaskedArray):  # the families would disagree on its mask
         raise TypeError(f"{what}: masked arrays are not supported: pass a plain array (out.data)")
+    check_dense(out, what)
     if namespace_of(out, what=what) is not xp:
         raise TypeError(f"{what} must be an array of the input's backend ({xp.__name__}), got {type(out)}")
     if tuple(out.shape) != tuple(like.shape):

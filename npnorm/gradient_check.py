@@ -30,6 +30,7 @@ import numpy as np
 from ._backend import (
     Array,
     Namespace,
+    check_dense,
     check_floating,
     copy_array,
     namespace_of,
@@ -253,6 +254,7 @@ def _check_float(a: Any, what: str) -> None:
     check's float64 copy of an integer, bool or complex array checked another function
     than the one called on it (a layer refuses integer input; a complex one lost its
     imaginary part)."""
+    check_dense(a, f"gradcheck: {what}")
     check_floating(namespace_of(a, what=what), a, f"gradcheck: {what}")
 
 

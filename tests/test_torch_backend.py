@@ -425,3 +425,79 @@ def test_a_backward_whose_odd_array_is_not_grad_output_does_not_blame_it(torch):
             x, x, np.zeros(3, np.float32), np.ones(3, np.float32), torch.ones(3), training=True
         )
     assert "pass grad_output" not in str(info.value)
+
+
+def _not_strided(torch, kind, dense):
+    """``dense`` as a tensor of another layout (CSR: as a matrix), or a nested tensor of its
+    first sample and the rest."""
+    with warnings.catch_warnings():  # (CSR and strided nested tensors warn that they are beta)
+        warnings.simplefilter("ignore", UserWarning)
+        if kind == "coo":
+            return dense.to_sparse()
+        if kind == "csr":
+            return dense.reshape(dense.shape[0], -1).to_sparse_csr()
+        if kind == "mkldnn":
+            return dense.float().to_mkldnn()
+        halves = list(dense.split([1, dense.shape[0] - 1]))
+        return torch.nested.nested_tensor(halves, layout=torch.jagged if kind == "jagged" else torch.strided)
+
+
+SAID = {
+    "coo": r"a torch tensor of layout torch\.sparse_coo is not supported: npnorm takes dense \(strided\)",
+    "csr": r"a torch tensor of layout torch\.sparse_csr is not supported",
+    "mkldnn": r"a torch tensor of layout torch\._mkldnn is not supported",
+    "jagged": r"nested torch tensors are not supported: .*x\.values\(\)",
+    "nested": r"nested torch tensors are not supported",
+}
+# (a CSR tensor is a matrix: RMSNorm's (4, 3) input alone)
+ODD_INPUTS = [
+    (make, shape, kind) for make, shape in LAYERS for kind in SAID if kind != "csr" or len(shape) == 2
+]
+
+
+@pytest.mark.parametrize("make,shape,kind", ODD_INPUTS)
+def test_a_sparse_mkldnn_or_nested_input_is_refused_clearly(torch, make, shape, kind):
+    """Such tensors failed deep inside npnorm (a reshape of a sparse tensor, the sizes of
+    a nested one, or a layer's own "expected 4D input" for a jagged (2, j3, ...) shape);
+    the module's state is left as it was."""
+    m = make(xp="torch", dtype="float32")
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    odd = _not_strided(torch, kind, torch.randn(*shape))
+    with pytest.raises(TypeError, match="^input: " + SAID[kind]):
+        m(odd)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    m(torch.randn(*shape))  # a dense input runs, then the backward is given the odd one
+    with pytest.raises(TypeError, match="^grad_output: " + SAID[kind]):
+        m.backward(odd)
+    assert not m.grads
+    with pytest.raises(TypeError, match="^gradcheck: x: " + SAID[kind]):
+        npnorm.gradcheck(m, odd)
+
+
+@pytest.mark.parametrize("kind", ["coo", "mkldnn"])
+def test_a_sparse_out_or_running_buffer_is_refused_clearly(torch, kind):
+    x = torch.randn(4, 3)
+    odd = _not_strided(torch, kind, torch.zeros(4, 3))
+    with pytest.raises(TypeError, match="^out: " + SAID[kind]):  # (it said: a zero stride)
+        F.layer_norm_forward(x, 3, out=odd)
+    with pytest.raises(TypeError, match="^running_mean: " + SAID[kind]):
+        F.batch_norm(x, _not_strided(torch, kind, torch.zeros(3)), torch.ones(3), training=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numpy"])
+def test_a_checkpoints_sparse_tensor_changes_nothing(torch, backend):
+    """On a torch module, the tensors before the sparse one were written, then its copy_
+    raised: a load that raises must change nothing, as every other refusal does."""
+    m = npnorm.BatchNorm1d(3, xp=backend)
+    m(torch.randn(5, 3) if backend == "torch" else np.ones((5, 3), np.float32) * [[1], [2], [3], [4], [5]])
+    before = {k: torch.as_tensor(v).clone() for k, v in m.state_dict().items()}
+    sd = {k: torch.full_like(v, 7) for k, v in before.items()}
+    sd["running_var"] = sd["running_var"].to_sparse()
+    with pytest.raises(RuntimeError, match=r"(?s)nothing was changed.*'running_var'.*" + SAID["coo"]):
+        m.load_state_dict(sd)
+    for k, v in m.state_dict().items():
+        assert torch.equal(torch.as_tensor(v), before[k]), k
+    sd["running_var"] = sd["running_var"].to_dense()
+    m.load_state_dict(sd)  # a dense one loads
+    assert (torch.as_tensor(m.state_dict()["running_var"]) == 7).all()

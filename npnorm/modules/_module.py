@@ -24,6 +24,7 @@ from .._backend import (
     Namespace,
     _default_device,
     backend_name,
+    check_dense,
     check_device,
     copy_array,
     counter_dtype,
@@ -260,6 +261,7 @@ class Module:
             The output, of the shape and dtype of ``input``.
         """
         self._check_initialized()
+        check_dense(input)  # (before a layer's own checks: a nested tensor's sizes raised there)
         # a JAX tracer kept in the module breaks it: refused before _forward where the call
         # would keep one (a saved forward, a training forward's running statistics), so that
         # the error is this one (momentum=None's counter raised JAX's own in _forward)
