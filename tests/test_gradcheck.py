@@ -750,6 +750,29 @@ def test_a_backward_that_is_right_only_once_fails_as_not_reentrant(rng):
 
     with pytest.raises(npnorm.GradcheckError, match="not reentrant"):
         npnorm.gradcheck((lambda x: x * 2, first_call_only), x)
+    w = rng.normal(size=3)
+
+    def dw_once(dy, x, w):  # a parameter's gradient, then None
+        calls.append(1)
+        return dy * w, (np.sum(dy * x, axis=0) if len(calls) % 2 else None)
+
+    def dw_reshaped(dy, x, w):  # the same values, another shape the second time
+        calls.append(1)
+        dw = np.sum(dy * x, axis=0)
+        return dy * w, (dw if len(calls) % 2 else dw[None])
+
+    calls.clear()
+    with pytest.raises(npnorm.GradcheckError, match=r"not reentrant.*params\[0\] \(given once only\)"):
+        npnorm.gradcheck((lambda x, w: x * w, dw_once), x, w)
+    calls.clear()
+    with pytest.raises(
+        npnorm.GradcheckError, match=r"not reentrant.*params\[0\] \(shapes \(3,\) and \(1, 3\)\)"
+    ):
+        npnorm.gradcheck((lambda x, w: x * w, dw_reshaped), x, w)
+    with pytest.raises(  # and a first gradient of the wrong shape, before any second call
+        npnorm.GradcheckError, match=r"input: the analytic gradient has shape \(1, 3\), expected \(2, 3\)"
+    ):
+        npnorm.gradcheck((lambda x, w: x * w, lambda dy, x, w: ((dy * w)[:1], np.sum(dy * x, axis=0))), x, w)
     assert npnorm.gradcheck(npnorm.LayerNorm(3), x)  # npnorm's own: a second backward is the first's
 
 

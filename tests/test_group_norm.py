@@ -186,3 +186,14 @@ def test_a_non_contiguous_torch_input_changed_after_the_forward_is_kept_as_torch
     dx = ours.backward(g)
     ref(xr).backward(g)
     torch.testing.assert_close(dx, xr.grad)
+
+
+def test_backward_checks_the_saved_statistics(backend, rng):
+    """A mean or rstd not of the forward's (N, num_groups) shape is refused, saying which."""
+    x = backend.asarray(rng.normal(size=(3, 4, 5)))
+    _, mean, rstd = F.group_norm_forward(x, 2)
+    dy = backend.asarray(rng.normal(size=(3, 4, 5)))
+    with pytest.raises(ValueError, match=r"^mean must have shape \(3, 2\), got \(3, 1\)"):
+        F.group_norm_backward(dy, x, 2, mean[:, :1], rstd)
+    with pytest.raises(ValueError, match=r"^rstd must have shape \(3, 2\), got \(2, 2\)"):
+        F.group_norm_backward(dy, x, 2, mean, rstd[:2, ...])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
@@ -287,3 +289,31 @@ def test_a_constant_instance_with_eps_zero_gives_the_bias_as_in_torch(torch, rng
             np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=0, atol=2e-6, err_msg=family)
             y2 = F.instance_norm(x, None, None, None, None, eps=0.0)  # no bias: 0
             np.testing.assert_array_equal(y2[:, 0], 0.0)
+
+
+@pytest.mark.parametrize("use_input_stats", [True, False])
+def test_backward_checks_the_saved_statistics(backend, rng, use_input_stats):
+    """mean and rstd must be of the forward's shape: (N, C) from the input's statistics,
+    (C,) from the running ones."""
+    x = backend.asarray(rng.normal(size=(3, 4, 5)))
+    rm, rv = backend.asarray(np.zeros(4)), backend.asarray(np.ones(4))
+    _, mean, rstd, _, _ = F.instance_norm_forward(x, rm, rv, use_input_stats=use_input_stats)
+    want = "(3, 4)" if use_input_stats else "(4,)"
+    dy = backend.asarray(rng.normal(size=(3, 4, 5)))
+    with pytest.raises(ValueError, match=rf"^mean must have shape {re.escape(want)}, got \(2, 4\)"):
+        F.instance_norm_backward(
+            dy, x, backend.asarray(np.zeros((2, 4))), rstd, use_input_stats=use_input_stats
+        )
+    with pytest.raises(ValueError, match=rf"^rstd must have shape {re.escape(want)}, got \(4, 3\)"):
+        F.instance_norm_backward(
+            dy, x, mean, backend.asarray(np.ones((4, 3))), use_input_stats=use_input_stats
+        )
+
+
+def test_an_unbatched_backward_checks_grad_outputs_shape(rng):
+    m = npnorm.InstanceNorm1d(4, affine=True)
+    m(rng.normal(size=(4, 5)))  # unbatched (C, L)
+    with pytest.raises(ValueError, match=r"^grad_output must have the shape of the forward's input \(4, 5\)"):
+        m.backward(rng.normal(size=(1, 4, 5)))
+    assert not m.grads
+    assert m.backward(rng.normal(size=(4, 5))).shape == (4, 5)

@@ -1,7 +1,8 @@
 """Edge paths of the fast kernel families, each against the reference kernels.
 
 Every case here is a branch of the "numpy" or "numba" family that a mutation removed
-without any other test failing (mutation testing, third round): the remainder of a row
+without any other test failing (mutation testing, third round), or that no test reached
+(coverage): the remainder of a row
 longer than one block, the float64 redo of sums that overflow or underflow float32, an
 ``out=`` that overlaps the input or the gradient, an ``out=`` that is a strided view,
 inputs in unusual memory orders, channels-last GroupNorm's block remainders, infinities
@@ -233,3 +234,34 @@ def test_the_staged_constants_stay_few():
         for d in range(1, 301):
             F.layer_norm_forward(np.ones((2, d), np.float32), d)
     assert len(_staging._CONSTANTS) <= 65
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_channels_last_group_norm_whose_squares_pass_float32(family):
+    """Values of spread 1e20 in float32, channels last: the groups' sums of squares pass
+    float32's range and are redone in float64, so rstd is ~1e-20, not 0 (or NaN)."""
+    x = np.moveaxis(
+        (1e20 * np.random.default_rng(11).standard_normal((2, 1024, 64))).astype(np.float32), -1, 1
+    )
+    got, want = (
+        run(family, F.group_norm_forward, x, 8, eps=0.0),
+        reference(F.group_norm_forward, x, 8, eps=0.0),
+    )
+    assert np.all(want[2] > 0) and np.isfinite(want[0]).all()
+    assert_matches(got, want, 1e-5, "GN", atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_channels_last_group_norm_backward_whose_coefficients_pass_float32(family):
+    """A spread of 1e-15 (eps 0: rstd ~1e15) and a gradient of 1e20, channels last: the
+    sums are finite but the dx coefficients pass float32's range; the kernel gives up its
+    blocked pass and the result is the reference's, finite."""
+    rng = np.random.default_rng(12)
+    x = np.moveaxis((1e-15 * rng.standard_normal((2, 1024, 64))).astype(np.float32), -1, 1)
+    dy = np.moveaxis((1e20 * rng.standard_normal((2, 1024, 64))).astype(np.float32), -1, 1)
+    _, mean, rstd = reference(F.group_norm_forward, x, 8, eps=0.0)
+    got = run(family, F.group_norm_backward, dy, x, 8, mean, rstd)
+    want = reference(F.group_norm_backward, dy, x, 8, mean, rstd)
+    assert np.isfinite(want[0]).all()
+    scale = float(np.abs(want[0]).max())  # (~1e35; small elements cancel to ~1e-5 relative)
+    assert_matches(got, want, 1e-5, "GN backward", atol=1e-6 * scale)

@@ -882,6 +882,13 @@ def test_one_rank_is_batch_norm_bitwise_with_no_collective_call(rng, momentum):
     assert np.array_equal(
         dx[0], F.batch_norm_backward(x, x, m._saved[1], m._saved[2], m.weight, m.bias, True)[0]
     )
+    # the functional forward too: batch_norm_forward's five results, bitwise, the running
+    # statistics moved in training (as the module's are: it has its own one-rank path)
+    rm, rv = np.full(4, 0.5, np.float32), np.full(4, 2.0, np.float32)
+    got = F.sync_batch_norm_forward(x, rm, rv, m.weight, m.bias, True, 0.3, comm=NoCollectives(1))
+    want = F.batch_norm_forward(x, rm, rv, m.weight, m.bias, True, 0.3)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert not np.array_equal(got[3], rm)
 
 
 @pytest.mark.parametrize("backend", ["array_api_strict", "cupy"], indirect=True)
