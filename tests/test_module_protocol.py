@@ -68,6 +68,21 @@ def test_zero_grad_set_to_none_false_writes_zeros_in_place(backend, rng):
     assert m.grads == {}
 
 
+def test_zero_grad_set_to_none_false_replaces_a_read_only_gradient(rng):
+    """A gradient that cannot be written in place (read-only: a caller's array, a
+    broadcast view) becomes a new array of zeros, not left as it was."""
+    m = npnorm.LayerNorm(4)
+    kept = np.ones(4, np.float32)
+    kept.flags.writeable = False
+    m.grads["weight"] = kept
+    m.grads["bias"] = np.broadcast_to(np.float32(2), (4,))
+    m.zero_grad(set_to_none=False)
+    for k in ("weight", "bias"):
+        np.testing.assert_array_equal(m.grads[k], np.zeros(4, np.float32), err_msg=k)
+        assert m.grads[k].dtype == np.float32 and m.grads[k].flags.writeable, k
+    np.testing.assert_array_equal(kept, 1)  # the caller's array untouched
+
+
 def test_parameters_train_eval():
     m = npnorm.LayerNorm(3, bias=False)
     assert list(m.parameters()) == ["weight"] and m.bias is None
