@@ -1255,6 +1255,20 @@ def test_short_channels_backward_in_blocks_as_the_channel_loop(dtype, shape, mon
     for block, threads in ((1, 1), (2, 2), (C, 1), (C, 3)):
         for a, c in zip(results(block, threads), channel_loop, strict=True):
             np.testing.assert_array_equal(a, c, err_msg=f"blocks of {block}, {threads} threads")
+    # values of a real spread far from zero (30 + 3 N(0, 1)), whose sums of x - mean round
+    # in float32 (7 + rounding's are exact): sum(x - mean) is summed in the data's dtype
+    # by both (a float64 sum in the channel loop alone passed the values above)
+    # (at the default staging and thresholds: the small ones stage these inputs otherwise)
+    rng = np.random.default_rng(0)
+    x = (30 + 3 * rng.normal(size=shape)).astype(dtype)
+    dy = rng.normal(size=shape).astype(dtype)
+    _, mean, rstd, *_ = generic_kernel("batch_norm_forward")(xp, x, None, None, w, b, True, 0.1, 1e-5)
+    runs = []
+    for block in (0, 1):
+        monkeypatch.setattr(numba_channels, "_channel_block", lambda N, S, ct, block=block: block)
+        runs.append(family_kernel("batch_norm_backward", "numba")(xp, dy, x, mean, rstd, w, b, True))
+    for a, c in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a, c, err_msg="30 + 3 N(0, 1), blocks of 1")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -1312,12 +1326,18 @@ def test_long_channels_statistics_merged_row_by_row(dtype, shape):
         assert (np.abs(ours[0].astype(np.float64) - ref[0]) <= unit).all()
 
 
-@pytest.mark.parametrize("n, s", [(0, 7), (0, 4200), (1, 100), (1, 4999)])
-def test_long_channels_holding_an_inf_as_the_reference(n, s):
+@pytest.mark.parametrize("in_memory_order", [True, False])
+@pytest.mark.parametrize("n, s", [(0, 0), (0, 7), (0, 4200), (1, 100), (1, 4999)])
+def test_long_channels_holding_an_inf_as_the_reference(n, s, in_memory_order, monkeypatch):
     """An inf in a long channel (rows of two pieces): the mean and running mean inf, the
     variance and output NaN, as the reference's two passes and PyTorch give them. The
     merge gave a NaN mean (an inf first piece made the shift inf; a later one made the
-    next piece's difference of means -inf), whichever piece held it but the last."""
+    next piece's difference of means -inf), whichever piece held it but the last. Both
+    training forwards, whichever this host runs: the pipelined one's shift is the
+    channel's first value, which must not be taken where it is the inf (at (0, 0))."""
+    from npnorm.kernels import _numba_loops as loops
+
+    monkeypatch.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 2, 5000))
     x[n, 0, s] = np.inf
@@ -1327,6 +1347,27 @@ def test_long_channels_holding_an_inf_as_the_reference(n, s):
     assert ours[1][0] == np.inf and ours[3][0] == np.inf  # mean, running mean
     for a, c in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, c, rtol=1e-12, atol=1e-12)  # (NaN where NaN)
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 300), (8, 4, 6, 6), (64, 8)])
+def test_batch_norm_eval_backward_with_a_running_mean_far_from_zero(shape):
+    """With running statistics, dweight = sum(dy * (x - running_mean)) * rstd is not
+    centred again (the batch's xhat has no zero mean): 50 + N(0, 1) against a running
+    mean of 49. Centring it in eval too left dweight 44-85% off."""
+    rng = np.random.default_rng(0)
+    C = shape[1]
+    x = (50 + rng.normal(size=shape)).astype(np.float32)
+    dy = rng.normal(size=shape).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    rm, rv = np.full(C, 49.0, np.float32), np.full(C, 1.5, np.float32)
+    results = {}
+    for family in ("reference", "numba"):
+        with npnorm.use_kernels(family):
+            _, mean, rstd, _, _ = F.batch_norm_forward(x, rm, rv, w, None, training=False)
+            results[family] = F.batch_norm_backward(dy, x, mean, rstd, w, None, False)
+    for name, a, c in zip(("dx", "dweight"), results["numba"], results["reference"], strict=False):
+        scale = float(np.abs(c).max())
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5 * scale, err_msg=name)
 
 
 def test_long_channels_whose_variance_overflows_as_the_reference():

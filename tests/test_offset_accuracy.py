@@ -147,6 +147,37 @@ def test_float32_dweight_with_an_offset_rounds_like_float32_only(name, channels_
     assert _error(m.grads["weight"], m64.grads["weight"]) <= 1e-6
 
 
+@pytest.mark.parametrize("N", [300, 1000])
+def test_batch_norm1d_dweight_with_an_offset_where_the_threads_split_the_samples(N, monkeypatch):
+    """numba's BatchNorm on short channels splits the spans of samples over the threads
+    (``channel_span_dy_sums``) above SPLIT_VALUES values: there too xhat is centred again
+    on channels far from zero, or dweight is 2.5e-5 off (4e-8 centred) at offset 1e3 and
+    spread 1e-3, as at (65536, 64) on 2 threads without any patching."""
+    pytest.importorskip("numba", reason="the compiled kernels need numba (the 'fast' extra)")
+    from npnorm.kernels import numba_channels
+
+    monkeypatch.setattr(numba_channels, "SPLIT_VALUES", 1)
+    rng = np.random.default_rng(0)
+    x = (1e-3 * rng.normal(size=(N, 8)) + 1e3).astype(np.float32)
+    dy = rng.normal(size=(N, 8)).astype(np.float32)
+    with npnorm.use_kernels("reference"):
+        m64 = npnorm.BatchNorm1d(8, dtype="float64")
+        m64(x.astype(np.float64))
+        dx64 = m64.backward(dy.astype(np.float64))
+    threads = npnorm.get_num_threads()
+    npnorm.set_num_threads(2)
+    try:
+        assert len(numba_channels._span_parts(N, 8, 1, 4) or ()) == 2  # the samples are split
+        with npnorm.use_kernels("numba"):
+            m = npnorm.BatchNorm1d(8)
+            m(x)
+            dx = m.backward(dy)
+    finally:
+        npnorm.set_num_threads(threads)
+    assert _error(m.grads["weight"], m64.grads["weight"]) <= 1e-6
+    assert _error(dx, dx64) <= 3e-7
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_norm_dweight_is_centred_on_a_row_whose_gradient_holds_an_inf(family):
     """numba's LayerNorm decided whether to centre a row's xhat for dweight from dy's sums
