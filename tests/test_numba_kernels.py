@@ -1383,6 +1383,29 @@ def test_long_channels_whose_variance_overflows_as_the_reference():
         np.testing.assert_allclose(a, c, rtol=1e-12)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_group_norm_dweight_stays_finite_where_only_sum_dy_overflows(channels_last):
+    """A float64 group far from 0 (1000 + values below 1) whose dy of 6e307 overflows
+    sum(dy) but not sum(dy*(x - mean)): the shift that centres xhat again for dweight,
+    mean(x - mean)*sum(dy), is inf there and is skipped, so dweight stays finite as the
+    reference's (taken, it made dweight inf)."""
+    x = (1000.0 + np.array([0.1, 0.3, 0.45, 0.9, 0.2, 0.7, 0.35, 0.55])).reshape(1, 2, 4)
+    dy = np.full((1, 2, 4), 6e307)
+    dy[0, 1] = [1.0, -2.0, 0.5, 0.25]
+    if channels_last:  # (N, C, S) viewed from (N, S, C) memory
+        x = np.ascontiguousarray(x.transpose(0, 2, 1)).transpose(0, 2, 1)
+        dy = np.ascontiguousarray(dy.transpose(0, 2, 1)).transpose(0, 2, 1)
+    w, b = np.ones(2), np.zeros(2)
+    got = {}
+    for family in ("numba", "reference"):
+        with npnorm.use_kernels(family), np.errstate(all="ignore"):
+            _, m, rs = F.group_norm_forward(x, 1, w, b)
+            got[family] = F.group_norm_backward(dy, x, 1, m, rs, w, b)
+    assert np.isfinite(got["reference"][1]).all()
+    np.testing.assert_allclose(got["numba"][1], got["reference"][1], rtol=1e-9)  # dweight
+    np.testing.assert_array_equal(got["numba"][2], got["reference"][2])  # dbias: [inf, -0.25]
+
+
 @pytest.mark.parametrize("shape", [(3, 1, 300), (2, 2, 17), (300, 2)])
 def test_an_inf_in_dy_gives_the_references_nan_and_inf(shape):
     """One inf in dy: BatchNorm's training dx is inf or NaN where the reference's is
