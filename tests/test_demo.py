@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -504,3 +505,261 @@ def test_an_interrupted_figure_write_leaves_the_earlier_figure_whole(tmp_path, m
         figures._save(Figure(), path)
     assert path.read_bytes() == PNG_SIGNATURE + b"an earlier run's figure"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
+
+
+# --- pinned by mutation testing of npnorm/demo (each test fails on a mutant that passed) ---
+
+
+def _subset(data: td.Digits, n_train: int, n_test: int = 90) -> td.Digits:
+    return td.Digits(
+        data.x_train[:n_train], data.y_train[:n_train], data.x_test[:n_test], data.y_test[:n_test]
+    )
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
+# --- the optimizer ------------------------------------------------------------------------
+
+
+def test_sgd_matches_torch_sgd_with_momentum(torch):
+    """Three steps of td.SGD equal torch.optim.SGD (momentum 0.9, no dampening): catches a
+    dampened or dropped momentum, a wrong default momentum, a step along the raw gradient."""
+    rng = np.random.default_rng(0)
+    layer = td.Linear(3, 2, rng=rng).to(dtype="float64")
+    net = td.Network("probe", [layer])
+    opt = td.SGD(net, lr=0.1)  # the default momentum, as train() uses it
+    wt = torch.tensor(layer.weight.copy(), requires_grad=True)
+    bt = torch.tensor(layer.bias.copy(), requires_grad=True)
+    ref = torch.optim.SGD([wt, bt], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        gw, gb = rng.standard_normal((2, 3)), rng.standard_normal(2)
+        net.zero_grad()
+        layer.grads.update({"weight": gw.copy(), "bias": gb.copy()})
+        opt.step()
+        ref.zero_grad()
+        wt.grad, bt.grad = torch.tensor(gw), torch.tensor(gb)
+        ref.step()
+        np.testing.assert_allclose(layer.weight, wt.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(layer.bias, bt.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_train_passes_its_momentum_to_the_optimizer(data):
+    """``train(momentum=...)`` is used: momentum 0 and 0.9 train differently."""
+    small = _subset(data, 128)
+    runs = []
+    for momentum in (0.0, 0.9):
+        net = td.build("mlp", "none", 0)
+        with td.single_threaded():
+            runs.append(td.train(net, small, epochs=1, batch_size=32, lr=0.05, seed=0, momentum=momentum))
+    assert runs[0].train_loss != runs[1].train_loss
+
+
+# --- the training loop: batches, order, what History records ------------------------------
+
+
+def _spied_training(arch, norm, data, *, epochs, batch_size, lr=0.0):
+    """Train with column 0 of each image replaced by its index; return the indices of every
+    training batch, the step numbers after_backward saw, the History and the net."""
+    n = len(data.y_train)
+    x = data.x_train.copy()
+    x[:, 0] = np.arange(n)
+    tagged = td.Digits(x, data.y_train, data.x_test, data.y_test)
+    net = td.build(arch, norm, 0)
+    forward, batches, steps = net.forward, [], []
+
+    def spy(xb):
+        if net.layers[-1].training and xb.shape[0] == batch_size and xb is not tagged.x_test:
+            batches.append(xb[:, 0].astype(np.int64))
+        return forward(xb)
+
+    net.forward = spy
+    with td.single_threaded():
+        hist = td.train(
+            net,
+            tagged,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            seed=0,
+            after_backward=lambda step, _: steps.append(step),
+        )
+    del net.forward  # the spy off again
+    return batches, steps, hist, net, tagged
+
+
+def test_each_epoch_visits_every_image_once_in_a_new_order_the_same_for_every_norm(data):
+    """Each epoch is a new permutation cut into whole batches (none skipped, no image twice,
+    only the last partial batch dropped); the order depends on the seed, not on the norm."""
+    small = _subset(data, 320)  # 10 whole batches of 32: nothing to drop
+    batches, steps, hist, _, _ = _spied_training("mlp", "none", small, epochs=2, batch_size=32)
+    assert len(batches) == 2 * ex.steps_per_epoch(small, 32) == 20
+    epochs = [np.concatenate(batches[:10]), np.concatenate(batches[10:])]
+    for order in epochs:
+        assert sorted(order.tolist()) == list(range(320))
+    assert not np.array_equal(epochs[0], epochs[1])  # a new order each epoch
+    assert steps == list(range(20))  # after_backward's step counts on across epochs
+    assert len(hist.train_loss) == 2 and len(hist.test_accuracy) == 3  # epoch 0 = before training
+    other, _, _, _, _ = _spied_training("mlp", "batch", small, epochs=2, batch_size=32)
+    assert all(np.array_equal(a, b) for a, b in zip(batches, other, strict=True))
+    part, _, _, _, _ = _spied_training("mlp", "none", _subset(data, 330), epochs=1, batch_size=32)
+    assert (
+        len(part) == ex.steps_per_epoch(_subset(data, 330), 32) == 10
+        and len(np.unique(np.concatenate(part))) == 320
+    )  # the last 10 dropped
+
+
+def test_train_loss_is_the_mean_minibatch_loss_of_the_epoch(data):
+    """With lr 0 the net does not change: each epoch's train_loss is the mean of its batches'
+    cross-entropies, and the held-out accuracy is the eval-mode one."""
+    small = _subset(data, 320)
+    batches, _, hist, net, tagged = _spied_training("mlp", "none", small, epochs=1, batch_size=32)
+    with td.single_threaded():
+        losses = [td.cross_entropy(net.forward(tagged.x_train[i]), tagged.y_train[i])[0] for i in batches]
+    np.testing.assert_allclose(hist.train_loss[0], np.mean(losses), rtol=1e-6)
+
+
+def test_accuracy_is_scored_in_eval_mode_and_leaves_the_net_as_it_was(data):
+    """``accuracy`` uses BatchNorm's running statistics (not the held-out set's) and leaves
+    the running statistics alone and the net in training mode."""
+    net = td.build("mlp", "batch", 0)
+    with td.single_threaded():
+        td.train(net, _subset(data, 256), epochs=1, batch_size=32, lr=0.05, seed=0)
+    bn = net.layers[1]
+    before = {k: v.copy() for k, v in bn.state_dict().items()}
+    acc = td.accuracy(net, data.x_test, data.y_test)
+    for k, v in bn.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
+    assert bn.training
+    probe = net.copy()
+    probe.eval()
+    assert acc == float(np.mean(probe.forward(data.x_test).argmax(axis=1) == data.y_test))
+
+
+# --- the data ----------------------------------------------------------------------------
+
+
+def test_pixels_are_scaled_by_16_exactly(data):
+    """Pixel values 0..16 become 0..1: the brightest pixel is 1 and every value is k/16."""
+    assert data.x_train.max() == 1.0
+    np.testing.assert_array_equal(data.x_train * 16, np.round(data.x_train * 16))
+
+
+# --- the experiments ---------------------------------------------------------------------
+
+
+def test_train_eval_gap_is_the_documented_ratio(data):
+    """gap = mean |logits_train - logits_eval| / mean |logits_eval|, eval mode with the
+    running statistics, train mode in batches of batch_size."""
+    net = td.build("mlp", "batch", 0)
+    with td.single_threaded():
+        td.train(net, _subset(data, 256), epochs=1, batch_size=32, lr=0.05, seed=0)
+    x, y, b = data.x_test[:96], data.y_test[:96], 32
+    probe = net.copy()
+    probe.eval()
+    ev = probe.forward(x)
+    probe.train()
+    tr = np.concatenate([probe.forward(x[i : i + b]) for i in range(0, 96, b)])
+    acc, gap = ex.train_eval_gap(net, x, y, b)
+    assert acc == float(np.mean(tr.argmax(axis=1) == y))
+    assert gap == pytest.approx(float(np.mean(np.abs(tr - ev)) / np.mean(np.abs(ev))), rel=1e-6)
+
+
+def test_batch_size_sweep_records_the_runs_it_describes(data):
+    """At each batch size b: lr = s.lr * sqrt(b / s.batch_size); eval_accuracy is the trained
+    BatchNorm MLP's final held-out accuracy, the references' theirs (same seed)."""
+    small = _subset(data, 256)
+    s = dataclasses.replace(TINY, batch_sizes=(64,), batch_sweep_min_steps=4)
+    result = ex.batch_size_sweep(small, s, 0)
+    lr = s.lr * math.sqrt(64 / s.batch_size)
+    assert result["lrs"] == [lr] and result["epochs"] == [1]
+    with td.single_threaded():
+        for norm, got in (("batch", result["eval_accuracy"][0]), ("none", result["references"]["none"][0])):
+            net = td.build("mlp", norm, 0)
+            hist = td.train(net, small, epochs=1, batch_size=64, lr=lr, seed=0)
+            assert got == hist.test_accuracy[-1] == td.accuracy(net, small.x_test, small.y_test)
+
+
+def test_compare_norms_trains_the_conv_net_for_conv_epochs_and_counts_its_steps(data):
+    small = _subset(data, 64, 30)
+    s = dataclasses.replace(TINY, epochs=1, conv_epochs=2)
+    counter = _Counter()
+    (mlp_rec, conv_rec) = ex.compare_norms(small, ["group", "layer"], s, 0, counter)
+    assert (mlp_rec["arch"], conv_rec["arch"]) == ("mlp", "conv")
+    assert len(mlp_rec["train_loss"]) == 1 and len(conv_rec["train_loss"]) == conv_rec["epochs"] == 2
+    assert counter.n == ex.steps_compare(small, ["group", "layer"], s) == 3 * ex.steps_per_epoch(small, 32)
+
+
+def test_lr_sweep_always_has_no_norm_and_its_step_count_holds_when_a_run_diverges(data):
+    small = _subset(data, 128)
+    s = dataclasses.replace(TINY, lrs=(0.05, 1e8))  # 1e8 diverges within the epoch
+    counter = _Counter()
+    result = ex.lr_sweep(small, ["batch"], s, 0, counter)
+    assert list(result["norms"]) == ["none", "batch"]
+    assert result["norms"]["none"]["diverged"] == result["norms"]["batch"]["diverged"] == [False, True]
+    assert counter.n == ex.steps_lr_sweep(small, ["batch"], s)
+
+
+def test_layer_statistics_records_relu_inputs_and_gradient_norms_every_few_steps(data):
+    """Steps 0, every, 2*every, ...; at step 0 BatchNorm's output (gamma 1, beta 0) entering
+    each ReLU has mean 0 and std 1; grad_norm is the norm of each Linear's weight gradient."""
+    small = _subset(data, 320)
+    s = dataclasses.replace(TINY, stats_every=3, stats_lrs=(0.05,))
+    result = ex.layer_statistics(small, ["batch"], s, 0)
+    rows = result["norms"]["batch"]["0.05"]
+    assert rows["step"] == list(range(0, ex.steps_per_epoch(small, 32), 3))
+    np.testing.assert_allclose(rows["mean"][0], [0.0, 0.0], atol=1e-5)
+    np.testing.assert_allclose(rows["std"][0], [1.0, 1.0], atol=1e-2)
+    first = {}
+
+    def grab(step, net):
+        if step == 0:
+            first["g"] = [
+                float(np.linalg.norm(l.grads["weight"])) for l in net.layers if isinstance(l, td.Linear)
+            ]
+
+    with td.single_threaded():
+        td.train(
+            td.build("mlp", "batch", 0), small, epochs=1, batch_size=32, lr=0.05, seed=0, after_backward=grab
+        )
+    assert rows["grad_norm"][0] == first["g"]
+
+
+# --- the network check itself ------------------------------------------------------------
+
+
+def test_network_check_catches_a_small_error_in_one_gradient(data, monkeypatch):
+    """check_network's tolerance (1e-7 + 1e-5 |fd|) is tight: a bias gradient 0.1 % off is
+    reported (the existing test only feeds it errors of order 1)."""
+    net = td.build("mlp", "none", 0)
+    x, y = data.x_train[:16], data.y_train[:16]
+    td.check_network(net, x, y)
+    linear_backward = td.Linear._backward
+
+    def slightly_off(self, dy, saved):
+        dx, grads = linear_backward(self, dy, saved)
+        return dx, {**grads, "bias": grads["bias"] * 1.001}
+
+    monkeypatch.setattr(td.Linear, "_backward", slightly_off)
+    with pytest.raises(AssertionError, match="backprop gives"):
+        td.check_network(net, x, y)
+
+
+@pytest.mark.parametrize(
+    ("norm", "full", "lr"), [("batch", False, 1e5), ("layer", False, 1e5), ("none", True, 300.0)]
+)
+def test_a_diverging_run_is_reported_without_overflow_warnings(data, norm, full, lr):
+    """A loss that is huge but finite overflowed in the backward (Linear's matmul) or in the
+    epoch's held-out forward, with a RuntimeWarning (an error here), where the demo reports
+    divergence instead; the run now ends diverged, quietly."""
+    d = data if full else _subset(data, 128, len(data.y_test))
+    net = td.build("mlp", norm, 0)
+    with td.single_threaded():
+        history = td.train(net, d, epochs=2, batch_size=32, lr=lr, seed=0)
+    assert history.diverged
+    assert len(history.test_accuracy) == len(history.train_loss) + 1

@@ -466,25 +466,27 @@ def train(
         order = rng.permutation(n)
         losses = []
         net.train()
-        for first in range(0, n - batch_size + 1, batch_size):
-            idx = order[first : first + batch_size]
-            with np.errstate(over="ignore", invalid="ignore"):  # divergence is reported, not warned
+        # divergence is reported, not warned: a loss that is huge but finite overflows in the
+        # backward or the step, or later in the held-out forward, before one is inf
+        with np.errstate(over="ignore", invalid="ignore"):
+            for first in range(0, n - batch_size + 1, batch_size):
+                idx = order[first : first + batch_size]
                 logits = net.forward(data.x_train[idx])  # B,10
                 loss, dlogits = cross_entropy(logits, data.y_train[idx])
-            if not math.isfinite(loss):
-                history.diverged = True
+                if not math.isfinite(loss):
+                    history.diverged = True
+                    break
+                net.zero_grad()
+                net.backward(dlogits)
+                if after_backward is not None:
+                    after_backward(step, net)
+                opt.step()
+                losses.append(loss)
+                step += 1
+            if history.diverged:
                 break
-            net.zero_grad()
-            net.backward(dlogits)
-            if after_backward is not None:
-                after_backward(step, net)
-            opt.step()
-            losses.append(loss)
-            step += 1
-        if history.diverged:
-            break
+            history.test_accuracy.append(accuracy(net, data.x_test, data.y_test))
         history.train_loss.append(float(np.mean(losses)))
-        history.test_accuracy.append(accuracy(net, data.x_test, data.y_test))
         if after_epoch is not None:
             after_epoch(epoch)
     history.seconds = time.perf_counter() - start
