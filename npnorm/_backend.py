@@ -297,25 +297,30 @@ def _default_device(xp: Namespace) -> Any:
     return _inspected(xp, lambda info: info.default_device(), None)
 
 
-def check_dense(x: Any, what: str = "input") -> None:
+def check_dense(x: Any, what: str = "input", *, written: bool = False) -> None:
     """Raise ``TypeError`` (its message led by ``what``) for a torch tensor that is not a
     plain strided one: sparse (COO, CSR, ...), mkldnn or nested. The math reshapes, reduces
     and writes every element: such a tensor failed deep inside, with torch's own error or
     an AttributeError (a checkpoint's sparse tensor after others were loaded), where this
-    one says what to pass instead."""
-    if type(x) is np.ndarray or _library(x) != "torch":
+    one says what to pass instead (``written``: an array to write into, ``out=``)."""
+    if type(x) is np.ndarray or not array_api_compat.is_torch_array(x):
         return
     said = f"{what}: " if what else ""
+    instead = "pass a dense tensor to write into" if written else ""
     if getattr(x, "is_nested", False):  # layout torch.jagged, or torch.strided for the older kind
         raise TypeError(
-            f"{said}nested torch tensors are not supported: normalize each component "
-            "(x.unbind()), or, over a jagged tensor's regular last dimension, its x.values()"
+            f"{said}nested torch tensors are not supported: "
+            + (
+                instead
+                or "normalize each component (x.unbind()), or, over a jagged tensor's regular "
+                "last dimension, its x.values()"
+            )
         )
     layout = getattr(x, "layout", None)
     if layout is not None and str(layout) != "torch.strided":
         raise TypeError(
             f"{said}a torch tensor of layout {layout} is not supported: npnorm takes dense "
-            "(strided) tensors (x.to_dense() makes one)"
+            f"(strided) tensors ({instead or 'x.to_dense() makes one'})"
         )
 
 

@@ -278,7 +278,7 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
     """``check_out``'s checks, each with its error."""
     if isinstance(out, np.ma.MaskedArray):  # the families would disagree on its mask
         raise TypeError(f"{what}: masked arrays are not supported: pass a plain array (out.data)")
-    check_dense(out, what)
+    check_dense(out, what, written=True)
     if namespace_of(out, what=what) is not xp:
         raise TypeError(f"{what} must be an array of the input's backend ({xp.__name__}), got {type(out)}")
     if tuple(out.shape) != tuple(like.shape):

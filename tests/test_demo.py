@@ -763,3 +763,24 @@ def test_a_diverging_run_is_reported_without_overflow_warnings(data, norm, full,
         history = td.train(net, d, epochs=2, batch_size=32, lr=lr, seed=0)
     assert history.diverged
     assert len(history.test_accuracy) == len(history.train_loss) + 1
+
+
+def test_an_epoch_whose_held_out_logits_overflow_is_diverged_not_scored(data):
+    """A finite loss to the epoch's end, then weights so large that the held-out logits
+    are inf or nan: that epoch is diverged (it was scored: ~0.1, the argmax of NaN), and
+    a callback runs under the caller's floating-point settings, not the loop's."""
+    d = _subset(data, 128, len(data.y_test))
+    seen = []
+    net = td.build("mlp", "batch", 0)
+    with td.single_threaded(), np.errstate(over="warn"):
+        history = td.train(
+            net,
+            d,
+            epochs=1,
+            batch_size=32,
+            lr=1e5,
+            seed=0,
+            after_backward=lambda *_: seen.append(np.geterr()["over"]),
+        )
+    assert history.diverged and history.train_loss == [] and len(history.test_accuracy) == 1
+    assert seen and set(seen) == {"warn"}

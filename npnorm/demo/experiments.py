@@ -248,7 +248,8 @@ def lr_sweep(
     data: Digits, norms: Sequence[str], s: Settings, seed: int, progress: Progress | None = None
 ) -> dict[str, Any]:
     """Final held-out accuracy and training loss of the MLP per norm and learning rate (a run
-    whose loss becomes inf or nan is marked diverged and scored at its last accuracy)."""
+    whose loss or held-out logits become inf or nan is marked diverged and scored at its last
+    accuracy)."""
     result: dict[str, Any] = {
         "lrs": list(s.lrs),
         "epochs": s.lr_sweep_epochs,

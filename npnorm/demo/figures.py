@@ -174,7 +174,7 @@ def lr_sweep(result: dict[str, Any], path: pathlib.Path, *, seed: int) -> pathli
         if diverged:
             acc.plot(diverged, [0.1] * len(diverged), "x", color=color, ms=9, mew=2)
     any_diverged = any(any(rows["diverged"]) for rows in result["norms"].values())
-    chance = "chance (0.1)" + ("; x: the loss became inf/nan" if any_diverged else "")
+    chance = "chance (0.1)" + ("; x: diverged (inf/nan)" if any_diverged else "")
     acc.axhline(0.1, color="black", lw=0.8, ls=":", label=chance)
     _plain_log(acc, "x", subs=(1.0,))
     acc.set(xlabel="learning rate", ylabel="held-out accuracy", ylim=(0, 1.02))

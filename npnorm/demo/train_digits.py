@@ -426,14 +426,23 @@ class History:
     train_loss: list[float] = field(default_factory=list)  # mean minibatch loss of each epoch
     test_accuracy: list[float] = field(default_factory=list)  # held-out accuracy after each epoch
     seconds: float = 0.0  # wall time of the epochs: steps, held-out scoring and callbacks
-    diverged: bool = False  # a loss became inf or nan; training stopped there
+    diverged: bool = False  # a loss or the held-out logits became inf or nan; training stopped there
 
 
 def accuracy(net: Network, x: np.ndarray, y: np.ndarray) -> float:
     """Fraction of ``x`` classified correctly, in eval mode (BatchNorm uses its running statistics)."""
+    return _scored(eval_logits(net, x), y)
+
+
+def eval_logits(net: Network, x: np.ndarray) -> np.ndarray:
+    """The logits of ``x`` in eval mode; the net is left in training mode."""
     net.eval()
     logits = net.forward(x)
     net.train()
+    return logits
+
+
+def _scored(logits: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean(logits.argmax(axis=1) == y))
 
 
@@ -459,6 +468,7 @@ def train(
     rng = rng_for(seed, net.name.split(",")[0], "order")  # the same order whatever the norm
     opt = SGD(net, lr, momentum)
     history = History(test_accuracy=[accuracy(net, data.x_test, data.y_test)])
+    caller = np.geterr()
     n = len(data.y_train)
     step = 0
     start = time.perf_counter()
@@ -467,7 +477,8 @@ def train(
         losses = []
         net.train()
         # divergence is reported, not warned: a loss that is huge but finite overflows in the
-        # backward or the step, or later in the held-out forward, before one is inf
+        # backward or the step, or later in the held-out forward, before one is inf (the
+        # caller's callback runs under the caller's settings)
         with np.errstate(over="ignore", invalid="ignore"):
             for first in range(0, n - batch_size + 1, batch_size):
                 idx = order[first : first + batch_size]
@@ -479,13 +490,16 @@ def train(
                 net.zero_grad()
                 net.backward(dlogits)
                 if after_backward is not None:
-                    after_backward(step, net)
+                    with np.errstate(**caller):
+                        after_backward(step, net)
                 opt.step()
                 losses.append(loss)
                 step += 1
-            if history.diverged:
-                break
-            history.test_accuracy.append(accuracy(net, data.x_test, data.y_test))
+            held_out = None if history.diverged else eval_logits(net, data.x_test)  # T,10
+        if held_out is None or not np.isfinite(held_out).all():  # (weights past the logits' range)
+            history.diverged = True
+            break
+        history.test_accuracy.append(_scored(held_out, data.y_test))
         history.train_loss.append(float(np.mean(losses)))
         if after_epoch is not None:
             after_epoch(epoch)

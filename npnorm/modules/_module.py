@@ -261,7 +261,6 @@ class Module:
             The output, of the shape and dtype of ``input``.
         """
         self._check_initialized()
-        check_dense(input)  # (before a layer's own checks: a nested tensor's sizes raised there)
         # a JAX tracer kept in the module breaks it: refused before _forward where the call
         # would keep one (a saved forward, a training forward's running statistics), so that
         # the error is this one (momentum=None's counter raised JAX's own in _forward)
@@ -1084,12 +1083,15 @@ class Module:
         return value
 
     def _check_backend(self, input: Array) -> Namespace:
-        """Namespace of ``input``, which must match the module's arrays."""
+        """Namespace of ``input``, which must match the module's arrays, and be dense
+        (``check_dense``): npnorm's layers call this first, so that a nested torch tensor
+        is refused before their checks of its shape (which raised torch's errors)."""
         xp = namespace_of(input, what="input")
-        if xp is self.xp:  # the module's arrays are of self.xp (the functional checks them too)
-            return xp
-        held = [*self.parameters().values(), *self.buffers().values()]
-        return namespace_of(input, *held, what="input and the module's parameters/buffers")
+        if xp is not self.xp:  # the module's arrays are of self.xp (the functional checks them too)
+            held = [*self.parameters().values(), *self.buffers().values()]
+            xp = namespace_of(input, *held, what="input and the module's parameters/buffers")
+        check_dense(input)
+        return xp
 
     # --- copies and pickling ---------------------------------------------------
 
