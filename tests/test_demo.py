@@ -59,6 +59,16 @@ def _without_times(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
 
 
+class _Counter:
+    """A progress bar's stand-in: the steps it was told of."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+
 @pytest.fixture(scope="module")
 def data() -> td.Digits:
     return td.load_data(0)
@@ -168,14 +178,9 @@ def test_norm_selection_and_step_counts(data):
     with pytest.raises(ValueError, match="no 'group' normalization for the MLP"):
         td.build("mlp", "group", 0)
     # the progress totals are the steps the runs take
-    counted = []
-
-    class Counter:
-        def update(self, n: int = 1) -> None:
-            counted.append(n)
-
-    ex.batch_size_sweep(data, TINY, 0, Counter())
-    assert sum(counted) == ex.steps_batch_sweep(data, TINY)
+    counter = _Counter()
+    ex.batch_size_sweep(data, TINY, 0, counter)
+    assert counter.n == ex.steps_batch_sweep(data, TINY)
     assert ex.batch_sweep_epochs(data, TINY, 128) == 1 and ex.batch_sweep_epochs(data, TINY, 256) == 2
 
 
@@ -516,14 +521,6 @@ def _subset(data: td.Digits, n_train: int, n_test: int = 90) -> td.Digits:
     )
 
 
-class _Counter:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-
-
 # --- the optimizer ------------------------------------------------------------------------
 
 
@@ -624,12 +621,10 @@ def test_train_loss_is_the_mean_minibatch_loss_of_the_epoch(data):
     np.testing.assert_allclose(hist.train_loss[0], np.mean(losses), rtol=1e-6)
 
 
-def test_accuracy_is_scored_in_eval_mode_and_leaves_the_net_as_it_was(data):
+def test_accuracy_is_scored_in_eval_mode_and_leaves_the_net_as_it_was(data, trained):
     """``accuracy`` uses BatchNorm's running statistics (not the held-out set's) and leaves
     the running statistics alone and the net in training mode."""
-    net = td.build("mlp", "batch", 0)
-    with td.single_threaded():
-        td.train(net, _subset(data, 256), epochs=1, batch_size=32, lr=0.05, seed=0)
+    net = trained["mlp", "batch"]
     bn = net.layers[1]
     before = {k: v.copy() for k, v in bn.state_dict().items()}
     acc = td.accuracy(net, data.x_test, data.y_test)
@@ -653,12 +648,10 @@ def test_pixels_are_scaled_by_16_exactly(data):
 # --- the experiments ---------------------------------------------------------------------
 
 
-def test_train_eval_gap_is_the_documented_ratio(data):
+def test_train_eval_gap_is_the_documented_ratio(data, trained):
     """gap = mean |logits_train - logits_eval| / mean |logits_eval|, eval mode with the
     running statistics, train mode in batches of batch_size."""
-    net = td.build("mlp", "batch", 0)
-    with td.single_threaded():
-        td.train(net, _subset(data, 256), epochs=1, batch_size=32, lr=0.05, seed=0)
+    net = trained["mlp", "batch"]
     x, y, b = data.x_test[:96], data.y_test[:96], 32
     probe = net.copy()
     probe.eval()

@@ -36,6 +36,7 @@ from .train_digits import (
     Network,
     ReLU,
     build,
+    eval_logits,
     single_threaded,
     train,
 )
@@ -186,15 +187,13 @@ def train_eval_gap(net: Network, x: np.ndarray, y: np.ndarray, batch_size: int) 
     """
     probe = net.copy()
     n, b = len(y), min(batch_size, len(y))
-    probe.eval()
-    eval_logits = probe.forward(x)  # n,10
-    probe.train()
+    logits_eval = eval_logits(probe, x)  # n,10 (probe back in train mode)
     whole = n // b * b  # the images in whole batches
     parts = [probe.forward(x[i : i + b]) for i in range(0, whole, b)]
     if whole < n:  # the rest, in the batch of the last b images
         parts.append(probe.forward(x[n - b :])[b - (n - whole) :])
     train_logits = np.concatenate(parts)  # n,10
-    gap = float(np.mean(np.abs(train_logits - eval_logits)) / np.mean(np.abs(eval_logits)))
+    gap = float(np.mean(np.abs(train_logits - logits_eval)) / np.mean(np.abs(logits_eval)))
     return float(np.mean(train_logits.argmax(axis=1) == y)), gap
 
 
