@@ -238,3 +238,33 @@ def test_batch_norm_dx_where_rstd_times_weight_passes_float32_but_dx_fits(family
         want = dy64 * r64 * 1e25
     assert np.all(np.isfinite(dx)) and np.abs(want).max() > 1e8
     np.testing.assert_allclose(dx, want, rtol=1e-4, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "reference"])  # each against it
+@pytest.mark.parametrize("layer", ["LayerNorm", "GroupNorm", "InstanceNorm1d"])
+def test_float64_dx_where_rstd_times_sum_dy_passes_float64_but_dx_fits(family, layer):
+    """float64 rows 1000 + U(0, 1) (rstd ~3.4) of 5 values with dy of 1e307-2e307: rstd
+    times the row's sum of dy passes float64's largest value, while every term of dx,
+    ``rstd*(dy - mean(dy) - ...)``, is near 1e307. The numba family took ``-rstd*sum(dy)``
+    before dividing by the row's size and gave -inf across the row, where the reference
+    takes the mean first."""
+    rng = np.random.default_rng(3)
+    shape = {"LayerNorm": (3, 5), "GroupNorm": (2, 2, 5), "InstanceNorm1d": (2, 3, 5)}[layer]
+    x = 1000 + rng.random(shape)
+    dy = 1e307 * (1 + rng.random(shape))
+    dxs = {}
+    for kernels in ("reference", family):
+        with npnorm.use_kernels(kernels):
+            if layer == "LayerNorm":
+                _, mean, rstd = F.layer_norm_forward(x, 5)
+                dxs[kernels] = F.layer_norm_backward(dy, x, 5, mean, rstd)[0]
+            elif layer == "GroupNorm":
+                _, mean, rstd = F.group_norm_forward(x, 2)
+                dxs[kernels] = F.group_norm_backward(dy, x, 2, mean, rstd)[0]
+            else:
+                _, mean, rstd, _, _ = F.instance_norm_forward(x)
+                dxs[kernels] = F.instance_norm_backward(dy, x, mean, rstd)[0]
+    want = dxs["reference"]
+    assert np.isfinite(want).all() and np.abs(want).max() > 1e306
+    assert np.isfinite(dxs[family]).all(), layer
+    np.testing.assert_allclose(dxs[family], want, rtol=1e-9, atol=1e-12 * np.abs(want).max())

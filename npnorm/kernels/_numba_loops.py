@@ -399,20 +399,22 @@ def _row_dx_coefs(rs, sg, sgx, sx, D, s):  # type: ignore[no-untyped-def]
     rs*sx/D``, not 0 (on a nearly constant row, rstd ~300, 1e-4 in float32), and term 3
     takes ``xhat - d``: ``c1 = -rs*mean(g*(xhat - d))``, and ``c0 = -rs*mean(g) - c1*d``
     moves the centre (each representable where rstd is: no rstd^3, which underflows
-    float32 for huge rows). Where a sum is not finite (an inf or NaN in dy or x) xhat is
-    taken as it is, so that NaN comes only where the values make it (0*inf of a
-    correction would put it on the whole row); so it is where ``sx`` is 0, which
-    GroupNorm's and InstanceNorm's loops pass for rows near 0 (``_centred_sum``): bitwise
-    the uncentred coefficients, with no 0*inf where ``c1`` overflows."""
+    float32 for huge rows; and mean(g) before rstd scales it, as the reference takes it:
+    ``rs*sum(g)`` can pass float64's range where dx's terms do not). Where a sum is not
+    finite (an inf or NaN in dy or x) xhat is taken as it is, so that NaN comes only
+    where the values make it (0*inf of a correction would put it on the whole row); so
+    it is where ``sx`` is 0, which GroupNorm's and InstanceNorm's loops pass for rows
+    near 0 (``_centred_sum``): bitwise the uncentred coefficients, with no 0*inf where
+    ``c1`` overflows."""
     s[0] = rs
     if sx != 0.0 and np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
         d = rs * (sx / D)
         c1 = -rs * ((sgx * rs - d * sg) / D)
         s[1] = c1
-        s[2] = -rs * sg / D - c1 * d
+        s[2] = -rs * (sg / D) - c1 * d
     else:
         s[1] = -rs * (sgx * rs / D)
-        s[2] = -rs * sg / D
+        s[2] = -rs * (sg / D)
     return s[0], s[1], s[2]
 
 
