@@ -510,7 +510,9 @@ def torch_refuses_in_place(a: Any) -> bool:
 def repeats_elements(a: Any) -> bool:
     """Whether two of ``a``'s elements are at one memory location: a zero stride along an
     axis of length 2 or more (broadcasting: NumPy's ``broadcast_to``, torch's ``expand``).
-    An empty array has no two elements (NumPy gives ``np.empty((0, 3))`` zero strides)."""
+    An axis of length 1 may have a zero stride with no element repeated (NumPy's
+    ``x[:, None]``), and an empty array has no two elements (NumPy gives ``np.empty((0,
+    3))`` zero strides)."""
     shape = tuple(a.shape)
     strides = a.stride() if array_api_compat.is_torch_array(a) else getattr(a, "strides", None)
     if strides is None or math.prod(shape) == 0:

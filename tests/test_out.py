@@ -117,6 +117,19 @@ def test_out_takes_an_empty_batch_as_the_functions_do(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_out_with_a_new_axis_of_a_strided_array(family):
+    # x[:, None] gives the new axis of length 1 a zero stride: no element repeats, so it is
+    # taken (a rule refusing every zero stride refused it, where the array is not C-ordered)
+    x = np.random.default_rng(0).standard_normal((3, 1, 5))
+    out = np.zeros((5, 3)).T[:, None, :]
+    assert out.strides[1] == 0 and not out.flags.c_contiguous
+    with npnorm.use_kernels(family):
+        want = F.layer_norm_forward(x, 5)[0]
+        assert F.layer_norm_forward(x, 5, out=out)[0] is out
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_out_may_be_the_input_itself(family):
     """In place (``out=x``, ``out=dy``): the result is what a fresh output gets."""
     rng = _rng()
