@@ -268,3 +268,25 @@ def test_float64_dx_where_rstd_times_sum_dy_passes_float64_but_dx_fits(family, l
     assert np.isfinite(want).all() and np.abs(want).max() > 1e306
     assert np.isfinite(dxs[family]).all(), layer
     np.testing.assert_allclose(dxs[family], want, rtol=1e-9, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("layer", [name for name, _, _ in layers()])
+def test_reference_backward_where_dy_times_x_passes_float32(layer):
+    """float32 gradients near 1e37 on data spread over about +-100: ``dy * (x - mean)``
+    passes float32's range, dx (near 1e35) and the parameters' gradients do not. The
+    reference forms xhat before it meets dy and gives them finite, equal to the same
+    data's gradients at float64 (the fast families may give inf or NaN there, as
+    PyTorch's do: README)."""
+    make, shape = {n: (f, s) for n, f, s in layers()}[layer]
+    rng = np.random.default_rng(0)
+    x = (100 * rng.standard_normal(shape)).astype(np.float32)
+    dy = (1e37 * rng.standard_normal(shape)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(dy * x).all()  # (the products overflow float32)
+    with npnorm.use_kernels("reference"):
+        _, dx, grads = _step(make("float32"), x, dy)
+        _, dx64, grads64 = _step(make("float64"), x.astype(np.float64), dy.astype(np.float64))
+    assert np.isfinite(dx).all() and all(np.isfinite(g).all() for g in grads.values())
+    np.testing.assert_allclose(dx, dx64, rtol=1e-3, atol=1e-4 * np.abs(dx64).max())
+    for k, g in grads.items():
+        np.testing.assert_allclose(g, grads64[k], rtol=1e-3, atol=1e-4 * np.abs(grads64[k]).max(), err_msg=k)
