@@ -513,7 +513,7 @@ def _channel_forward(
     if views is not None:  # channels-last or Fortran order, as a C-ordered view
         (x_v,), out_v, back = views
         y, rstd = _channel_forward(x_v, weight, bias, eps, training, mean, var, ct, out_v)
-        return (back(y) if out is None else out), rstd
+        return (finish(back(y), out) if out is None or out_v is None else out), rstd
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
@@ -621,7 +621,7 @@ def _channel_backward(
     if views is not None:  # channels-last or Fortran order, as C-ordered views
         (dy_v, x_v), out_v, back = views
         dx, dw, db = _channel_backward(dy_v, x_v, mean, rstd, weight, bias, training, ct, out_v)
-        return (back(dx) if out is None else out), dw, db
+        return (finish(back(dx), out) if out is None or out_v is None else out), dw, db
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
     m, r = vector(mean, C, ct), vector(rstd, C, ct)  # C, C
@@ -713,7 +713,12 @@ def _group_forward(
             _group_rows_forward_split(xs, w, b, k, eps, rows, y, mean, rstd, var, *split)
         else:
             _by_samples(loops.group_rows_forward, [xs], (w, b, k, eps, rows), y, (mean, rstd, var), ct)
-        return (from_channel_rows(y, input.shape) if out is None else out), mean, rstd, var
+        return (
+            (finish(from_channel_rows(y, input.shape), out) if out is None or ys is None else out),
+            mean,
+            rstd,
+            var,
+        )
     if direct(ct, out, input):  # no staging: each thread's rows in one call
         y = np.empty(input.shape, dtype=ct) if out is None else out
         x2, y2 = input.reshape(R, L), y.reshape(R, L)  # R,L  R,L
@@ -768,7 +773,7 @@ def _group_backward(
             _group_rows_backward_split(dys, xs, m, r, w, k, rows, d, sdy, sdyx, *split)
         else:
             _by_samples(loops.group_rows_backward, [dys, xs], (m, r, w, k, rows), d, (sdy, sdyx), ct)
-        dx = from_channel_rows(d, input.shape) if out is None else out
+        dx = finish(from_channel_rows(d, input.shape), out) if out is None or dxs is None else out
     elif direct(ct, out, input, grad_output):  # no staging: each thread's rows in one call
         dx = np.empty(input.shape, dtype=ct) if out is None else out
         dy2, x2, dx2 = grad_output.reshape(R, L), input.reshape(R, L), dx.reshape(R, L)  # R,L each
@@ -843,15 +848,16 @@ def _samples_last(
     ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray
 ) -> tuple[list[np.ndarray], np.ndarray | None] | None:
     """Channels-last inputs as their ``(N, S, C)`` samples, views of any dtype (see
-    ``_as_channel_rows``), with ``out``'s (None where no ``out`` is given), for
+    ``_as_channel_rows``), with ``out``'s (None where no ``out`` is given, or it has
+    another layout, is read-only or shares memory with an input: the result is then
+    copied into it, so that an ``out`` of any layout gets bitwise the fresh result), for
     GroupNorm's and InstanceNorm's ``loops.group_rows_*``; None where a row of C values
-    is narrower than ``WIDE_ROW_BYTES`` in ``ct``, any of them has another layout,
-    ``out`` is read-only or shares memory with an input, or a sample to be converted to
-    or from ``ct`` (float16, another computation dtype or byte order; see ``_by_samples``)
-    is larger than ``_staging.STAGE_BYTES`` in ``ct``: those are staged in blocks of
-    (sample, group) rows, within a few blocks of memory. (Read-only samples of ``ct`` are
-    staged whole, a sample per thread, so that they give bitwise the results of writable
-    ones.)"""
+    is narrower than ``WIDE_ROW_BYTES`` in ``ct``, any of them has another layout, or a
+    sample to be converted to or from ``ct`` (float16, another computation dtype or byte
+    order; see ``_by_samples``) is larger than ``_staging.STAGE_BYTES`` in ``ct``: those
+    are staged in blocks of (sample, group) rows, within a few blocks of memory.
+    (Read-only samples of ``ct`` are staged whole, a sample per thread, so that they give
+    bitwise the results of writable ones.)"""
     N, C = int(inputs[0].shape[0]), int(inputs[0].shape[1])
     if C * ct.itemsize < WIDE_ROW_BYTES:
         return None
@@ -859,10 +865,8 @@ def _samples_last(
     if len(rows) < len(inputs):
         return None
     out_rows = None if out is None else _as_channel_rows(out)
-    if out is not None and (
-        out_rows is None or not out.flags.writeable or any(np.may_share_memory(out, a) for a in inputs)
-    ):
-        return None
+    if out is not None and (not out.flags.writeable or any(np.may_share_memory(out, a) for a in inputs)):
+        out_rows = None
     out_dtype = inputs[0].dtype if out is None else out.dtype  # (a new output: the input's dtype)
     converted = out_dtype != ct or any(a.dtype != ct for a in rows)
     if converted and (inputs[0].size // N) * ct.itemsize > _staging.STAGE_BYTES:
@@ -1061,8 +1065,9 @@ def _channel_views(
     """``arrays`` (N, C, *spatial), all channels-last or all Fortran-ordered, as the
     C-ordered views BatchNorm's channel loops take with the same channels (channels-last:
     the (N*S, C) rows of ``_as_channel_rows``; Fortran order: the (S, C, N) planes of
-    ``_as_channel_planes``), with ``out``'s view (None where no ``out`` is given: one of
-    the same layout, or None for the whole) and the map from a result's view back to the
+    ``_as_channel_planes``), with ``out``'s view (None where no ``out`` is given or it
+    has another layout: the result is then copied into it, so that an ``out`` of any
+    layout gets bitwise the fresh result) and the map from a result's view back to the
     array in that layout. None for C-ordered and other layouts."""
     shape = tuple(int(d) for d in arrays[0].shape)
     for view, back in ((_as_channel_rows, from_channel_rows), (_as_channel_planes, _from_channel_planes)):
@@ -1070,8 +1075,8 @@ def _channel_views(
         if len(views) < len(arrays):
             continue
         out_view = None if out is None else view(out)
-        if out is not None and (out_view is None or out_view.shape != views[0].shape):
-            return None
+        if out_view is not None and out_view.shape != views[0].shape:
+            out_view = None
         return views, out_view, partial(back, shape=shape)
     return None
 

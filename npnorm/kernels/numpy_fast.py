@@ -119,7 +119,9 @@ def layer_norm_forward(
     b = param(bias, D, ct)  # D
     ones = np.ones(D, dtype=ct)  # D
     B = block_rows(R, D, ct.itemsize)
-    direct = y.dtype == ct  # compute in the output block itself
+    # compute in the output block itself, where it is C-ordered: the row sums taken there
+    # over a strided out= would be summed in another order than over a fresh output's
+    direct = y.dtype == ct and y2.flags.c_contiguous
 
     def work(start: int, stop: int) -> None:
         xbuf = scratch(x.staged, B, D, ct)  # B,D
