@@ -86,6 +86,7 @@ class Spec:
     build: Callable[[dict[str, Any], np.random.Generator], tuple[Any, ...]]  # the args after xp
     fused: Callable[[dict[str, Any]], bool]  # whether the case should take the fused kernels
     outputs: tuple[str, ...]
+    edges: Callable[[], list[dict[str, Any]]] = list  # fixed cases run before the random ones
 
 
 # --- data helpers -------------------------------------------------------------------------
@@ -217,7 +218,23 @@ def build_rms_backward(p, rng):
 def rows_fused(p):
     """Every non-empty input with rows of at most ROW_LIMIT values; longer rows too where the
     source has the long-row kernels (else they run the generic kernels)."""
+    if int(np.prod(p["batch"])) == 0:
+        return False
     return p["D"] <= cupy_fused.ROW_LIMIT or "rows_forward_long" in cupy_fused._SOURCE
+
+
+def edge(**kw):
+    """A fixed case: ``common``'s parameters at their plainest, ``kw`` over them."""
+    p = {"sms": 132, "occupancy": 2, "dtype": "float32", "seed": 1, "out": False, "noncontig": False,
+         "special": None}  # fmt: skip
+    p.update(kw)
+    return p
+
+
+def edges_rows(center):
+    """An empty batch (no rows: no launch, whose grid would be 0 blocks)."""
+    return [edge(batch=(0,), D=8, nshape=(8,), pdtype="float32", affine="both" if center else "weight",
+                 offset=0.0, eps=1e-5 if center else None)]  # fmt: skip
 
 
 # --- channels: BatchNorm, InstanceNorm, GroupNorm ----------------------------------------
@@ -322,7 +339,21 @@ def build_gn_backward(p, rng):
 
 def channels_fused(p):
     rows = p["N"] * (p["C"] if "use_input_stats" in p or "G" in p else 1)
-    return p["S"] >= cupy_fused.MIN_SPATIAL and p["C"] <= 65535 and rows <= 65535
+    return p["S"] >= cupy_fused.MIN_SPATIAL and 0 < p["C"] <= 65535 and 0 < rows <= 65535
+
+
+def edges_channels(kind):
+    """An empty batch (N = 0: the generic kernels, whose partition would divide by N = 0);
+    for InstanceNorm, N * C = 65536 instances with N > 1 (more than the grid's second axis
+    holds, C alone fewer: the generic kernels)."""
+    flag = "training" if kind == "batch" else "use_input_stats"
+    base = {"pdtype": "float32", "affine": "both", "offset": 0.0, "strided": False, "running": True,
+            "rdtype": "float32", "momentum": 0.1, "eps": 1e-5, "constant": False}  # fmt: skip
+    sizes = [(0, 3, True), (0, 3, False)] + ([(2, 32768, True)] if kind == "instance" else [])
+    return [
+        edge(**base, N=N, C=C, spatial=(32,), S=32, **{flag: train}, seed=i)
+        for i, (N, C, train) in enumerate(sizes)
+    ]
 
 
 FWD_CH = ("y", "mean", "rstd", "new_mean", "new_var")
@@ -330,20 +361,52 @@ BWD = ("dx", "dweight", "dbias")
 
 OPS: dict[str, Spec] = {
     "layer_norm_forward": Spec(
-        lambda r: gen_rows(r, True), build_ln_forward, rows_fused, ("y", "mean", "rstd")
+        lambda r: gen_rows(r, True),
+        build_ln_forward,
+        rows_fused,
+        ("y", "mean", "rstd"),
+        lambda: edges_rows(True),
     ),
-    "layer_norm_backward": Spec(lambda r: gen_rows(r, True), build_ln_backward, rows_fused, BWD),
-    "rms_norm_forward": Spec(lambda r: gen_rows(r, False), build_rms_forward, rows_fused, ("y", "rstd")),
+    "layer_norm_backward": Spec(
+        lambda r: gen_rows(r, True), build_ln_backward, rows_fused, BWD, lambda: edges_rows(True)
+    ),
+    "rms_norm_forward": Spec(
+        lambda r: gen_rows(r, False), build_rms_forward, rows_fused, ("y", "rstd"), lambda: edges_rows(False)
+    ),
     "rms_norm_backward": Spec(
-        lambda r: gen_rows(r, False), build_rms_backward, rows_fused, ("dx", "dweight")
+        lambda r: gen_rows(r, False),
+        build_rms_backward,
+        rows_fused,
+        ("dx", "dweight"),
+        lambda: edges_rows(False),
     ),
-    "batch_norm_forward": Spec(lambda r: gen_channels(r, "batch"), build_bn_forward, channels_fused, FWD_CH),
-    "batch_norm_backward": Spec(lambda r: gen_channels(r, "batch"), build_bn_backward, channels_fused, BWD),
+    "batch_norm_forward": Spec(
+        lambda r: gen_channels(r, "batch"),
+        build_bn_forward,
+        channels_fused,
+        FWD_CH,
+        lambda: edges_channels("batch"),
+    ),
+    "batch_norm_backward": Spec(
+        lambda r: gen_channels(r, "batch"),
+        build_bn_backward,
+        channels_fused,
+        BWD,
+        lambda: edges_channels("batch"),
+    ),
     "instance_norm_forward": Spec(
-        lambda r: gen_channels(r, "instance"), build_in_forward, channels_fused, FWD_CH
+        lambda r: gen_channels(r, "instance"),
+        build_in_forward,
+        channels_fused,
+        FWD_CH,
+        lambda: edges_channels("instance"),
     ),
     "instance_norm_backward": Spec(
-        lambda r: gen_channels(r, "instance"), build_in_backward, channels_fused, BWD
+        lambda r: gen_channels(r, "instance"),
+        build_in_backward,
+        channels_fused,
+        BWD,
+        lambda: edges_channels("instance"),
     ),
     "group_norm_forward": Spec(
         lambda r: gen_channels(r, "group"), build_gn_forward, channels_fused, ("y", "mean", "rstd")
@@ -426,7 +489,9 @@ def run_case(op, spec, p, fn, ref_fn):
         if hasattr(getattr(cupy_fused, f, None), "cache_clear"):
             getattr(cupy_fused, f).cache_clear()
     rng = np.random.default_rng(p["seed"])
-    args = spec.build(p, rng)
+    with warnings.catch_warnings():  # (the generic forward of an empty batch: a mean of none)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        args = spec.build(p, rng)
     in_dtype = next(a for a in args if isinstance(a, np.ndarray)).dtype
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -458,6 +523,16 @@ def run_case(op, spec, p, fn, ref_fn):
         return np.inf, [*fails, f"returned {type(got).__name__} of {n_got}, reference {len(ref)}"], fused
     if out is not None and got[0] is not out:
         fails.append("out= given but not returned as the first result")
+    # no result in an argument's memory, but where the reference's is (the running buffers)
+    for j, (a, b) in enumerate(zip(got, ref, strict=True)):
+        for i, arg, _ in before:
+            if (
+                isinstance(a, np.ndarray)
+                and a.size
+                and np.shares_memory(a, arg)
+                and not (isinstance(b, np.ndarray) and np.shares_memory(b, arg))
+            ):
+                fails.append(f"result {j} shares memory with argument {i} (the reference's does not)")
     worst = 0.0
     names = spec.outputs if len(spec.outputs) == len(ref) else tuple(f"result{i}" for i in range(len(ref)))
     for name, a, b in zip(names, got, ref, strict=True):
@@ -534,8 +609,9 @@ def main(argv=None) -> int:
         t0 = time.time()
         n = nf = nbad = nnan = nknown = 0
         worst, worst_p = 0.0, None
-        while n < args.cases:
-            p = spec.gen(rng)
+        fixed = spec.edges()  # the fixed cases first (not drawn: the random ones stay as they were)
+        while n < args.cases + len(fixed):
+            p = fixed[n] if n < len(fixed) else spec.gen(rng)
             if p is None:
                 continue
             n += 1

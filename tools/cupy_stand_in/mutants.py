@@ -151,6 +151,30 @@ MUTANTS = [
         "batch_norm_backward",
     ),
     Variant(
+        "rows_fit: empty input to the kernels (a grid of 0 blocks)",
+        "return input.size > 0 and D <= ROW_LIMIT",
+        "return D <= ROW_LIMIT",
+        "layer_norm_forward",
+    ),
+    Variant(
+        "channels_fit: N = 0 to the kernels",
+        "return N > 0 and 0 < C <= 65535 and S >= MIN_SPATIAL",
+        "return 0 < C <= 65535 and S >= MIN_SPATIAL",
+        "batch_norm_forward",
+    ),
+    Variant(
+        "instances_fit: C, not N * C, bounded by the grid's second axis",
+        "return 0 < N * C <= 65535 and S >= MIN_SPATIAL",
+        "return N > 0 and 0 < C <= 65535 and S >= MIN_SPATIAL",
+        "instance_norm_forward",
+    ),
+    Variant(
+        "evaluation mean: the caller's running_mean returned",
+        "mean = running_mean.astype(ct, copy=True)",
+        "mean = running_mean.astype(ct, copy=False)",
+        "batch_norm_forward",
+    ),
+    Variant(
         "CUDA source edited (stale emulation)",
         "dr[s] = (T)((S)gr[s] * scale);",
         "dr[s] = (T)((S)gr[s] * scale * 2.0);",
