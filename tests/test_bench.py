@@ -4,6 +4,7 @@ the machines are shared and noisy, so speed is read from the printed figures).""
 import glob
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -416,3 +417,288 @@ def test_a_wrong_forward_stops_the_inference_and_tiny_rows_before_timing(monkeyp
     monkeypatch.setattr(_bench.F, "layer_norm", wrong_under_numpy)
     with pytest.raises(RuntimeError, match=r"npnorm numpy gives a wrong F.layer_norm output at \(4, 8\)"):
         _bench._forward_calls((4, 8), None, 1)
+
+
+# Mutation testing of npnorm/_bench.py: each test below pins arithmetic or plumbing that a
+# one-spot change passed (synthetic timings only: no test asserts on a real timing).
+
+
+def test_a_round_times_each_call_in_ms_under_its_own_name(monkeypatch):
+    # pins _round/_timed: which call each figure times, its label, ms, backward given forward's output
+    import types
+
+    from npnorm import _bench
+
+    clock = [0.0]
+
+    def spend(seconds, result=None):
+        clock[0] += seconds
+        return result
+
+    monkeypatch.setattr(
+        _bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], sleep=lambda s: None)
+    )
+    monkeypatch.setattr(_bench, "_cold_cache", lambda: spend(1.0))  # a flush is never timed
+    given = []
+    impl = _bench._Impl(
+        forward=lambda: spend(0.001, "saved"),
+        backward=lambda saved: given.append(saved) or spend(0.002),
+        both=lambda: spend(0.004),
+    )
+    for cold in (False, True):
+        assert _bench._round(impl, cold) == pytest.approx({"fwd": 1.0, "bwd": 2.0, "fb": 4.0})
+    assert given == ["saved", "saved"]
+
+
+def test_the_round_robin_rotates_the_order_behind_the_first():
+    # pins the rotation of _round_robin (a slow spell falls on every implementation alike)
+    from npnorm import _bench
+
+    order = []
+    rounds = {n: (lambda n=n: order.append(n) or {"ms": 0.0}) for n in ("copy", "a", "b", "c")}
+    _bench._round_robin(rounds, reps=3, seconds=0.0, first="copy")
+    assert [order[i : i + 4] for i in range(0, len(order), 4)] == [
+        ["copy", "a", "b", "c"],
+        ["copy", "b", "c", "a"],
+        ["copy", "c", "a", "b"],
+        ["copy", "a", "b", "c"],
+    ]
+
+
+def test_the_round_robin_adds_rounds_for_its_seconds_up_to_max_rounds(monkeypatch):
+    # pins the stopping rule: `seconds` of timed calls (figures in ms, summed), at most MAX_ROUNDS
+    import gc
+    import types
+
+    from npnorm import _bench
+
+    monkeypatch.setattr(
+        _bench, "gc", types.SimpleNamespace(collect=lambda: 0, disable=gc.disable, enable=gc.enable)
+    )
+
+    def rounds(ms):
+        return {"x": lambda: {"ms": ms}}
+
+    assert len(_bench._round_robin(rounds(100.0), reps=1, seconds=1.0)["x"]["ms"]) == 10
+    assert len(_bench._round_robin(rounds(0.0), reps=1, seconds=1.0)["x"]["ms"]) == _bench.MAX_ROUNDS
+
+
+def test_cold_training_rounds_flush_before_the_copy_and_every_call(monkeypatch):
+    # pins --cold reaching the copy (the roofline's measure) and each implementation in _interleaved
+    from npnorm import _bench
+
+    log = []
+    monkeypatch.setattr(_bench, "_cold_cache", lambda: log.append("flush"))
+    monkeypatch.setattr(_bench, "_settle", lambda: log.append("pause"))
+    impl = _bench._Impl(lambda: log.append("fwd"), lambda _: log.append("bwd"), lambda: log.append("both"))
+    _bench._interleaved({"a": impl}, lambda: log.append("copy"), reps=1, seconds=0.0, cold=True)
+    assert log == [x for call in ("copy", "fwd", "bwd", "both") for x in ("pause", "flush", call)] * 2
+
+
+def test_the_extra_memory_figure_leaves_out_the_returned_arrays():
+    # pins _peak_extra: (peak traced memory - every returned array) / input bytes
+    import numpy as np
+
+    from npnorm import _bench
+
+    n = 1 << 20
+
+    def returns_two_halves():
+        return np.ones(n // 2, np.uint8), None, np.ones(n // 2, np.uint8)
+
+    def uses_scratch():
+        np.ones(n, np.uint8)
+        return ()
+
+    assert _bench._peak_extra(returns_two_halves, n) == pytest.approx(0.0, abs=0.05)
+    assert _bench._peak_extra(uses_scratch, n) == pytest.approx(1.0, abs=0.05)
+
+
+def test_ratios_are_medians_of_per_round_ratios_and_the_quartiles_keep_the_scale():
+    # pins _median_ratio's median and direction, and the scale (2.5 copies) in _ratio_quartiles
+    from npnorm import _bench
+
+    assert _bench._median_ratio([1.0, 2.0, 30.0, 4.0], [1.0] * 4) == 3.0
+    assert _bench._median_ratio([1.0], [4.0], 2.5) == 0.625
+    assert _bench._ratio_quartiles([1.0, 2.0, 3.0, 4.0, 5.0], [1.0] * 5, 2.5) == [5.0, 10.0]
+    assert _bench._ratio_quartiles([1.0, 3.0], [1.0, 1.0]) == [1.5, 2.5]  # two rounds are enough
+
+
+def test_training_rows_are_the_medians_and_ratios_of_the_rounds(monkeypatch):
+    # pins _training's row arithmetic over several rounds (medians, ratio directions, 2.5 copies)
+    from npnorm import _bench
+
+    monkeypatch.setattr(_bench, "_check_results", lambda *a: None)
+    monkeypatch.setattr(_bench, "_peak_extra", lambda fb, nbytes: 0.25)
+    monkeypatch.setattr(
+        _bench, "_torch_impl", lambda *a: _bench._Impl(None, None, None, measure_memory=False)
+    )
+    default = f"npnorm {_bench.get_kernels()}"
+
+    def times(impls, copy, reps, seconds, cold):
+        fb = {default: [5.0, 5.0, 5.0], "torch": [10.0, 20.0, 40.0]}
+        t = {n: {"fwd": [1.0, 2.0, 3.0], "bwd": [3.0, 4.0, 5.0], "fb": fb.get(n, [10.0] * 3)} for n in impls}
+        return {"copy": {"copy": [1.0, 2.0, 6.0]}, **t}
+
+    monkeypatch.setattr(_bench, "_interleaved", times)
+    rows = _bench._training([_bench.Spec("LayerNorm", (2, 3, 4))], object(), 3, 0.0)
+    row = next(r for r in rows if r["default"])
+    assert row["impl"] == default and sum(r["default"] for r in rows) == 1
+    want = {"rounds": 3, "fwd_ms": 2.0, "bwd_ms": 4.0, "fb_ms": 5.0, "copy_ms": 2.0, "torch_fb_ms": 20.0}
+    assert {k: row[k] for k in want} == want
+    assert row["copy_GBps"] == pytest.approx(2 * 96 / 2.0 / 1e6)
+    assert row["roofline_fwd"] == 1.0 and row["roofline_fb"] == 1.0  # 2.5 copies
+    assert row["roofline_fb_quartiles"] == pytest.approx([0.75, 2.0])
+    assert row["fb_vs_torch"] == 0.25 and row["fb_vs_torch_quartiles"] == pytest.approx([0.1875, 0.375])
+    assert row["extra_memory_x_input"] == 0.25 and row["fb_vs_default_fresh"] == 1.0
+    assert {r["fb_vs_default_fresh"] for r in rows if r["impl"] not in (default, "torch")} == {2.0}
+
+
+def test_forward_rows_are_per_call_and_against_torch(monkeypatch):
+    # pins _forward_rows: us per call (round / repeat), ratio direction, quartiles, --cold passed on
+    from npnorm import _bench
+
+    seen = []
+
+    def rounds(calls, reps, seconds, cold=False):
+        seen.append(cold)
+        return {"npnorm x": [2.0, 4.0, 12.0], "torch": [4.0, 8.0, 8.0]}
+
+    monkeypatch.setattr(_bench, "_forward_calls", lambda shape, torch, repeat: {})
+    monkeypatch.setattr(_bench, "_rounds", rounds)
+    row = _bench._forward_rows("tiny call", (4, 8), None, 200, 1, 0.0, cold=True)[0]
+    assert seen == [True] and row["us_per_call"] == 1e3 * 4.0 / 200
+    assert row["vs_torch"] == 0.5 and row["vs_torch_quartiles"] == pytest.approx([0.5, 1.0])
+
+
+def test_run_passes_its_options_to_every_part_and_into_the_json(monkeypatch, tmp_path):
+    # pins run(): specs, default reps, seconds, --cold, the tiny call's repeat, judge, JSON fields
+    from npnorm import _bench
+
+    calls = []
+    monkeypatch.setattr(_bench, "_training", lambda *a: calls.append(("training", a[0], *a[2:])) or [])
+    monkeypatch.setattr(
+        _bench, "_forward_rows", lambda what, shape, torch, *a: calls.append((what, *a)) or []
+    )
+    monkeypatch.setattr(_bench, "compile_times", lambda: {})
+    monkeypatch.setattr(_bench, "_print_targets", lambda *a, judge: calls.append(("judge", judge)))
+    for quick, specs, reps, seconds in (
+        (True, _bench.QUICK, 3, 0.0),
+        (False, _bench.FULL, 5, _bench.SECONDS),
+    ):
+        calls.clear()
+        _bench.run(quick=quick, json_path=str(tmp_path / "b.json"), cold=True)
+        assert calls == [
+            ("training", specs, reps, seconds, True),
+            ("inference", 1, reps, seconds, True),
+            ("tiny call", _bench.TINY_CALLS, reps, seconds, True),
+            ("judge", not quick),
+        ]
+        data = json.loads((tmp_path / "b.json").read_text())
+        assert (data["quick"], data["cold"], data["reps"], data["reuse_memory"]) == (quick, True, reps, False)
+
+
+def test_the_bench_command_passes_its_options_to_run(monkeypatch):
+    # pins the CLI's --cold and --reps reaching _bench.run
+    from npnorm import __main__ as cli
+    from npnorm import _bench
+
+    got = []
+    monkeypatch.setattr(_bench, "run", lambda **kw: got.append(kw))
+    assert cli.main(["bench", "--quick", "--cold", "--reps", "2"]) == 0
+    assert got == [{"quick": True, "reps": 2, "json_path": None, "cold": True, "reuse_memory": False}]
+
+
+def test_compile_times_run_cold_then_warm_in_one_fresh_cache(monkeypatch):
+    # pins compile_times: the first run (empty cache) is 'cold', one NUMBA_CACHE_DIR, compile_s warmup's
+    import types
+
+    from npnorm import _bench
+
+    caches = []
+
+    def warmup(cmd, env, check):
+        caches.append(env["NUMBA_CACHE_DIR"])
+        assert os.path.dirname(cmd[-1]) == env["NUMBA_CACHE_DIR"]  # the temporary cache folder
+        with open(cmd[-1], "w") as f:
+            json.dump({"total_s": 30.0 if len(caches) == 1 else 0.5, "seconds": {}}, f)
+
+    monkeypatch.setattr(_bench, "kernels_available", lambda: ["reference", "numpy", "numba"])
+    monkeypatch.setattr(_bench, "subprocess", types.SimpleNamespace(run=warmup))
+    out = _bench.compile_times()
+    assert len(caches) == 2 and caches[0] == caches[1]
+    assert out["cold"]["compile_s"] == 30.0 and out["warm"]["compile_s"] == 0.5
+
+
+def test_a_figure_exactly_on_its_target_meets_it_and_only_the_default_row_is_judged(capsys):
+    # pins <= / >= in every verdict (the printed "(<= 0.6)"), and verdicts for the default kernels' rows only
+    from npnorm import _bench, get_kernels
+
+    target = _bench.TARGET_VS_TORCH[("LayerNorm", (32, 512, 768))]
+    rows = [
+        _row(
+            "LayerNorm",
+            (32, 512, 768),
+            fb_vs_torch=target,
+            roofline_fb=_bench.TARGET_ROOFLINE,
+            extra_memory_x_input=_bench.TARGET_EXTRA_MEMORY,
+        ),
+        _row(
+            "LayerNorm",
+            (32, 512, 768),
+            default=False,
+            fb_vs_torch=9.0,
+            roofline_fb=0.0,
+            extra_memory_x_input=9.0,
+        ),
+    ]
+    impl = f"npnorm {get_kernels()}"
+    inference = [
+        {"impl": impl, "shape": [64, 128, 384], "us_per_call": 1.0, "vs_torch": _bench.TARGET_INFERENCE},
+        {"impl": f"{impl} out=", "shape": [64, 128, 384], "us_per_call": 1.0, "vs_torch": 9.0},
+    ]
+    tiny = [{"impl": impl, "shape": [4, 8], "us_per_call": 1.0, "vs_torch": _bench.TARGET_TINY}]
+    _bench._print_targets(rows, inference, tiny, judge=True)
+    out = capsys.readouterr().out
+    assert [w for w in out.replace(";", " ").split() if w in ("met", "MISSED")] == ["met"] * 5, out
+
+
+def test_boundaries_of_the_spread_and_of_an_unreachable_target():
+    # pins _spread's inclusive span and _unreachable's 2.5 copies (a target equal to them is reachable)
+    from npnorm import _bench
+
+    assert "on both sides" in _bench._spread([0.5, 0.7], 0.5, 2)
+    assert "on both sides" in _bench._spread([0.3, 0.5], 0.5, 2)
+    assert _bench._unreachable({"torch_fb_ms": 10.0, "copy_ms": 2.0}, 0.5) == ""
+    assert "below the copy roofline's 5.0 ms" in _bench._unreachable(
+        {"torch_fb_ms": 10.0, "copy_ms": 2.0}, 0.45
+    )
+
+
+def test_the_result_check_fails_nan_and_scales_by_one_plus_the_largest_value():
+    # pins _check_close: NaN is wrong, and a reference of zeros is not a division by zero
+    import numpy as np
+
+    from npnorm import _bench
+
+    _bench._check_close("fine", np.full(3, 1e-6), np.zeros(3))
+    with pytest.raises(RuntimeError, match="nan"):
+        _bench._check_close("nan", np.array([np.nan, 1.0]), np.ones(2))
+
+
+def test_the_cold_flush_reads_its_buffer(monkeypatch):
+    # pins _cold_cache reading the buffer (not only allocating it)
+    import numpy as np
+
+    from npnorm import _bench
+
+    reads = []
+
+    class Recorded(np.ndarray):
+        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+            reads.append(ufunc.__name__)
+            return getattr(ufunc, method)(*(np.asarray(i) for i in inputs), **kwargs)
+
+    monkeypatch.setattr(_bench, "_flush_buffer", np.ones(8, np.int64).view(Recorded))
+    _bench._cold_cache()
+    assert reads
