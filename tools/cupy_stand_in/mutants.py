@@ -169,6 +169,12 @@ MUTANTS = [
         "instance_norm_forward",
     ),
     Variant(
+        "InstanceNorm's dweight not centred again (less_centre skipped)",
+        "sdyx = less_centre(xp, sdyx, sxh / S, sdy)",
+        "sdyx = sdyx + 0 * less_centre(xp, sdyx, sxh / S, sdy)",
+        "instance_norm_backward",
+    ),
+    Variant(
         "evaluation mean: the caller's running_mean returned",
         "mean = running_mean.astype(ct, copy=True)",
         "mean = running_mean.astype(ct, copy=False)",
