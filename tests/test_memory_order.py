@@ -212,3 +212,43 @@ def test_out_of_another_order_takes_no_temporary(family):
         tracemalloc.stop()
         _threads.set_num_threads(saved)
     assert peak < 0.4 * x.nbytes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "shape, layout",
+    [((4, 6, 8), "F"), ((4, 6, 8), "strided"), ((3, 4, 5, 8), "F"), ((3, 4, 5, 8), "C")],
+)
+def test_an_out_the_walk_cannot_write_gets_the_results_without_out(family, shape, layout):
+    """A Fortran-ordered input with an ``out`` that is not laid out as the fresh output
+    (Fortran-ordered or strided; or C-ordered, where a sample of the input is no view of
+    rows and its own order would copy it whole): every result, dweight and dbias too, is
+    bitwise the call's without ``out`` (the rows walked in memory order, the fresh output
+    copied; the input's own order summed dweight otherwise, and took more memory)."""
+    rng = np.random.default_rng(5)
+    c = rng.normal(size=shape)
+    x, dy = np.asfortranarray(c), np.asfortranarray(rng.normal(size=shape))
+    D = shape[-1]
+    w, b = rng.uniform(0.5, 1.5, D), rng.normal(size=D)
+
+    def new_out():
+        if layout == "F":
+            return np.asfortranarray(np.empty(shape))
+        if layout == "strided":
+            return np.empty((*shape[:-1], 2 * D))[..., ::2]
+        return np.empty(shape)
+
+    fwd, bwd = family_kernel("layer_norm_forward", family), family_kernel("layer_norm_backward", family)
+    rfwd, rbwd = family_kernel("rms_norm_forward", family), family_kernel("rms_norm_backward", family)
+    y, mean, rstd = fwd(xp, x, (D,), w, b, 1e-5)
+    fresh = [(y, mean, rstd), bwd(xp, dy, x, (D,), mean, rstd, w, b)]
+    out_y, out_dx = new_out(), new_out()
+    got = [fwd(xp, x, (D,), w, b, 1e-5, out_y), bwd(xp, dy, x, (D,), mean, rstd, w, b, out_dx)]
+    assert got[0][0] is out_y and got[1][0] is out_dx
+    ry, rr = rfwd(xp, x, (D,), w, 1e-5)
+    fresh += [(ry, rr), rbwd(xp, dy, x, (D,), rr, w)]
+    out_y, out_dx = new_out(), new_out()
+    got += [rfwd(xp, x, (D,), w, 1e-5, out_y), rbwd(xp, dy, x, (D,), rr, w, out_dx)]
+    for want, have in zip(fresh, got, strict=True):
+        for a, h in zip(want, have, strict=True):
+            np.testing.assert_array_equal(h, a)

@@ -15,8 +15,10 @@ transposed views (``np.transpose``, no copy) and return its results for the inpu
 
 * the output (or dx) is the kernel's output transposed back: its rows C-ordered, its
   batch axes in the input's order in memory (the kernel's own output for that order,
-  written once); an ``out`` (taken only where it is laid out so: ``memory_order``) is
-  written through its transposed view and returned as it is;
+  written once); an ``out`` laid out so is written through its transposed view and
+  returned as it is, one of another layout is given the kernel's fresh output, copied
+  (``_out``), but a C-ordered ``out`` for an input whose samples are views of rows,
+  which keeps the input's own order (``memory_order``);
 * the per-row statistics are returned C-ordered in the input's batch shape, as from every
   kernel, and taken in the rows' order by the backward;
 * the parameter gradients (sums over rows) are the same sums in another order: equal to
@@ -39,7 +41,7 @@ import numpy as np
 
 from .._backend import Namespace
 from .._checks import Shape, prod
-from ._blocks import view
+from ._blocks import row_layout, view
 
 Order = tuple[int, ...]
 
@@ -49,12 +51,16 @@ def memory_order(a: np.ndarray, k: int, out: np.ndarray | None = None) -> Order 
     stride, largest first, and the ``k`` row axes after them, where ``a`` cannot be seen
     as ``(R, L)`` rows in its own order and can in that one; None otherwise (C-ordered
     rows, fewer than two batch axes, or no order that helps: a strided slice of the
-    batch axes, rows not contiguous in any order), and None where an ``out`` is given
-    that is not C-ordered in that order: the kernel would then write it through a
-    full-size temporary array (1.07x the input's bytes at peak, where ``out=`` is meant
-    to save them), or, in the ``"numpy"`` family, work in place in its column-major
-    blocks (2-4x slower than the input's own order where their columns alias); such a
-    call keeps the input's own order, its rows copied sample by sample."""
+    batch axes, rows not contiguous in any order). Also None where an ``out`` is given
+    that is not C-ordered in that order but C-ordered itself, and ``a``'s samples are
+    views of rows (``Rows`` copies them one by one, not whole: a Fortran-ordered (B, T,
+    D)): the call keeps the input's own order and writes ``out`` directly (0.04x the
+    input's bytes at peak, against 1.04x for a temporary output in that order and its
+    copy), its parameters' gradients summed in another order (equal to rounding). Any
+    other ``out`` is filled from the kernel's fresh output (``_out``): the results are
+    then bitwise those of a call without ``out``, at about the same peak memory as the
+    input's own order would take (which copies the whole input where a sample is no
+    view of rows: 2.0-2.4x the input's bytes for a Fortran-ordered (8, 64, 32, 64))."""
     nb = a.ndim - k
     if nb < 2 or a.flags.c_contiguous:
         return None
@@ -64,8 +70,10 @@ def memory_order(a: np.ndarray, k: int, out: np.ndarray | None = None) -> Order 
     order = (*sorted(range(nb), key=lambda i: -a.strides[i]), *range(nb, a.ndim))
     if order == tuple(range(a.ndim)) or view(np.transpose(a, order), (R, L)) is None:
         return None
-    if out is not None and not np.transpose(out, order).flags.c_contiguous:
-        return None
+    if out is not None and not np.transpose(out, order).flags.c_contiguous and out.flags.c_contiguous:
+        N, P, tail = row_layout(a, k)
+        if view(a, (N, P, *tail)) is not None:
+            return None
     return order
 
 
@@ -86,7 +94,15 @@ def rows_order(k: int, input: np.ndarray, grad_output: np.ndarray, out: np.ndarr
 
 
 def _out(out: np.ndarray | None, order: Order) -> np.ndarray | None:
-    return None if out is None else np.transpose(out, order)
+    """``out``'s view in the rows' ``order``, for the kernel to write, where it is
+    C-ordered there; else None, and the kernel's fresh output is copied into ``out``
+    (``_restored``): the kernels would write a column-major view through a full-size
+    temporary array anyway (the compiled ones), or in place in column-major blocks, 2-4x
+    slower where their columns alias (the ``"numpy"`` family's)."""
+    if out is None:
+        return None
+    view = np.transpose(out, order)
+    return view if view.flags.c_contiguous else None
 
 
 def _stats(s: np.ndarray, batch: Shape, order: Order) -> np.ndarray:
@@ -97,11 +113,18 @@ def _stats(s: np.ndarray, batch: Shape, order: Order) -> np.ndarray:
     return np.transpose(np.reshape(s, batch), order[: len(batch)])
 
 
-def _restored(result: np.ndarray, out: np.ndarray | None, order: Order) -> np.ndarray:
+def _restored(
+    result: np.ndarray, out: np.ndarray | None, given: np.ndarray | None, order: Order
+) -> np.ndarray:
     """The kernel's output for the transposed input as the output for the input: ``out``
-    itself when given (the kernel wrote it through its transposed view), else the result
-    transposed back."""
-    return out if out is not None else np.transpose(result, np.argsort(order))
+    itself when given (written through its transposed view ``given``, or the result
+    copied into it), else the result transposed back."""
+    back = np.transpose(result, np.argsort(order))
+    if out is None:
+        return back
+    if given is None:
+        np.copyto(out, back)
+    return out
 
 
 def _restored_stats(s: np.ndarray, order: Order) -> np.ndarray:
@@ -121,8 +144,9 @@ def forward(
     """``kernel(xp, input, *rest, out)`` (a family's ``layer_norm_forward`` or
     ``rms_norm_forward``: the output, then per-row statistics) with the rows walked in
     ``order``."""
-    y, *stats = kernel(xp, np.transpose(input, order), *rest, _out(out, order))
-    return (_restored(y, out, order), *(_restored_stats(s, order) for s in stats))
+    given = _out(out, order)
+    y, *stats = kernel(xp, np.transpose(input, order), *rest, given)
+    return (_restored(y, out, given, order), *(_restored_stats(s, order) for s in stats))
 
 
 def backward(
@@ -142,5 +166,6 @@ def backward(
     batch = tuple(input.shape[: input.ndim - len(shape)])
     dy, x = np.transpose(grad_output, order), np.transpose(input, order)
     saved = (_stats(s, batch, order) for s in stats)
-    dx, *grads = kernel(xp, dy, x, shape, *saved, *params, _out(out, order))
-    return (_restored(dx, out, order), *grads)
+    given = _out(out, order)
+    dx, *grads = kernel(xp, dy, x, shape, *saved, *params, given)
+    return (_restored(dx, out, given, order), *grads)
