@@ -28,6 +28,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -364,8 +365,12 @@ def run(
 
 
 def _save(result: dict[str, Any], path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """Into a file beside ``path``, then renamed: a benchmark killed while it saves (at its
+    stage's limit) leaves the figures saved before, not half a JSON file."""
+    part = f"{path}.part"
+    with open(part, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
+    os.replace(part, path)
 
 
 def _fmt(v: float | None, spec: str) -> str:

@@ -231,8 +231,10 @@ def pytest_command(junit: Path, workers: int) -> list[str]:
 
 def stage_tests(out: Path, timeout: float, workers: int = 0) -> dict[str, Any]:
     """The cupy test cases, ``pytest -k "cupy and not stand_in"`` (on ``workers`` xdist
-    processes, see ``pytest_command``); passed when none fails and cases on the cupy
-    backend ran (``-k cupy`` also selects tests that merely name cupy)."""
+    processes, see ``pytest_command``); passed when none fails, cases on the cupy backend
+    ran (``-k cupy`` also selects tests that merely name cupy) and pytest exited with 0 (a
+    pytest interrupted or stopped by an internal error still writes its JUnit report, of
+    the cases run until then)."""
     if not Path("tests").is_dir():
         return {"status": SKIPPED, "note": f"no tests/ folder in {os.getcwd()}: run from the repository root"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -254,6 +256,9 @@ def stage_tests(out: Path, timeout: float, workers: int = 0) -> dict[str, Any]:
     elif res["cupy_passed"] == 0:
         res["status"] = FAILED
         res["note"] = "no case ran on the cupy backend (see the skip reasons)"
+    elif res["returncode"] != 0:  # interrupted or an internal error: the cases before it only
+        res["status"] = FAILED
+        res["note"] = f"pytest stopped with exit status {res['returncode']} and no failed case: see the log"
     else:
         res["status"] = PASSED
     return res
@@ -299,8 +304,12 @@ def stage_bench(out: Path, timeout: float, *, quick: bool, rounds: int, stand_in
     cmd += ["--stand-in"] if stand_in else []
     res = _run_logged(cmd, out / "gpu_bench.log", timeout)
     data: dict[str, Any] = {}
+    unreadable = ""
     if data_file.exists():
-        data = json.loads(data_file.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(data_file.read_text(encoding="utf-8"))
+        except ValueError as err:  # cut off mid-write: the benchmark was killed while it saved
+            unreadable = f"; {data_file.name} unreadable ({err})"
     res["rows"] = data.get("rows", [])
     res["complete"] = bool(data.get("complete"))
     res["timer"] = data.get("timer")
@@ -309,6 +318,7 @@ def stage_bench(out: Path, timeout: float, *, quick: bool, rounds: int, stand_in
     else:
         res["status"] = FAILED
         res["note"] = "timed out" if res["timed_out"] else f"exit status {res['returncode']}"
+        res["note"] += unreadable
         if res["rows"]:
             res["note"] += f"; {len({(r['layer'], tuple(r['shape'])) for r in res['rows']})} shapes measured"
     return res

@@ -422,3 +422,470 @@ def test_the_gpu_profile_reports_a_failure_without_shrinking_it():
 
     phases = settings.get_profile("gpu").phases
     assert Phase.shrink not in phases and Phase.generate in phases
+
+
+# --- the stages' verdicts, the report and the exit status on synthetic child results ---
+# (mutation testing by a subagent: each test below fails on a one-spot change of
+# _gpu_check.py or _gpu_bench.py that every test above let through)
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_a" name="test_ok[cupy-float32]" />
+<testcase classname="tests.test_a" name="test_ok[numpy-float32]" />
+<testcase classname="tests.test_cupy_only" name="test_names_cupy" />
+<testcase classname="tests.test_a" name="test_bad[cupy]"><failure message="boom" /></testcase>
+<testcase classname="tests.test_b" name="test_broken[cupy]"><error message="fixture" /></testcase>
+<testcase classname="tests.test_a" name="test_gone[cupy]"><skipped message="no GPU" /></testcase>
+<testcase classname="tests.test_a" name="test_gone[numpy]"><skipped message="no GPU" /></testcase>
+<testcase classname="tests.test_c" name="test_other[cupy]"><skipped message="other" /></testcase>
+</testsuite></testsuites>
+"""
+
+
+def test_parse_junit_counts_each_outcome_and_the_gpu_backends_passes(tmp_path):
+    path = tmp_path / "junit.xml"
+    path.write_text(JUNIT)
+    assert _gpu_check.parse_junit(path) == {
+        "passed": 3,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 3,
+        "cupy_passed": 1,  # not the numpy case, nor a test whose name alone says cupy
+        "failed_ids": ["tests.test_a::test_bad[cupy]", "tests.test_b::test_broken[cupy]"],
+        "skip_reasons": {"no GPU": 2, "other": 1},
+    }
+
+
+def _fake_run_logged(monkeypatch, returncode, *, timed_out=False, log="", write=None):
+    """_run_logged as a stage calls it, the child replaced: ``write(cmd)`` plays its output
+    files; the commands are returned in a list as they come."""
+    calls = []
+
+    def run_logged(cmd, log_path, timeout):
+        calls.append((cmd, timeout))
+        log_path.write_text(log)
+        if write is not None:
+            write(cmd)
+        return {"returncode": returncode, "timed_out": timed_out, "seconds": 1.0, "log": log_path.name}
+
+    monkeypatch.setattr(_gpu_check, "_run_logged", run_logged)
+    return calls
+
+
+def _junit_case(name, inner=""):
+    return f'<testcase classname="tests.test_x" name="{name}">{inner}</testcase>'
+
+
+@pytest.mark.parametrize(
+    ("cases", "returncode", "timed_out", "status", "note"),
+    [
+        ([_junit_case("t[cupy]")], 0, False, "passed", None),
+        (
+            [_junit_case("t[cupy]"), _junit_case("u[cupy]", "<error/>")],
+            1,
+            False,
+            "FAILED",
+            "0 failed, 1 errors",
+        ),
+        (
+            [_junit_case("t[cupy]"), _junit_case("u[cupy]", "<failure/>")],
+            1,
+            False,
+            "FAILED",
+            "1 failed, 0 errors",
+        ),
+        ([_junit_case("t[numpy]")], 0, False, "FAILED", "no case ran on the cupy backend"),
+        (None, None, True, "FAILED", "timed out"),
+        # a report written by a pytest that stopped early (KeyboardInterrupt, pytest.exit,
+        # an internal error: exit status 2 or 3) holds only the cases run before: passed
+        # cases in it are not a pass
+        ([_junit_case("t[cupy]")], 2, False, "FAILED", "exit status 2"),
+        ([_junit_case("t[cupy]")], 3, False, "FAILED", "exit status 3"),
+    ],
+    ids=["passed", "an error", "a failure", "no GPU case", "timed out", "interrupted", "internal error"],
+)
+def test_tests_stage_verdicts(monkeypatch, tmp_path, cases, returncode, timed_out, status, note):
+    def write(cmd):
+        if cases is not None:
+            junit = next(a for a in cmd if a.startswith("--junit-xml=")).partition("=")[2]
+            Path(junit).write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+
+    monkeypatch.chdir(REPO)  # tests/ is there
+    calls = _fake_run_logged(monkeypatch, returncode, timed_out=timed_out, write=write)
+    res = _gpu_check.stage_tests(tmp_path, 12.5, workers=0)
+    assert res["status"] == status
+    assert (note is None and "note" not in res) or note in res["note"]
+    assert [c[1] for c in calls] == [12.5]
+
+
+def test_tests_stage_without_a_report_quotes_the_last_line(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    _fake_run_logged(monkeypatch, 4, log="$ pytest\nfirst\nERROR: usage: bad option\n")
+    res = _gpu_check.stage_tests(tmp_path, 60, workers=0)
+    assert res["status"] == "FAILED"
+    assert res["note"] == "pytest wrote no report (exit status 4: ERROR: usage: bad option)"
+
+
+def test_tests_stage_passes_its_workers_to_pytest(monkeypatch, tmp_path):
+    _pretend_xdist(monkeypatch, True)
+    monkeypatch.chdir(REPO)
+    calls = _fake_run_logged(monkeypatch, None, timed_out=True)
+    _gpu_check.stage_tests(tmp_path, 60, workers=3)
+    cmd = calls[0][0]
+    assert cmd[cmd.index("-n") + 1] == "3"
+    assert "-rfEs" in cmd  # the failures' and skips' reasons in the log
+
+
+MAIN_LOG = """layer      backend  forward  gradcheck  train+eval  torch f64  torch f32  result
+---------  -------  -------  ---------  ----------  ---------  ---------  ------
+LayerNorm  numpy    finite   pass       pass        3.1e-16    2.1e-07    ok
+LayerNorm  cupy     finite   pass       pass        3.1e-16    2.1e-07    ok
+RMSNorm    cupy     finite   FAIL       pass        3.1e-16    2.1e-07    FAIL
+  a note on two lines that end in  a  b  c  d  e  ok
+"""
+
+
+def test_parse_main_job_reads_the_rows_and_the_verdict():
+    parsed = _gpu_check.parse_main_job(MAIN_LOG + "some checks FAILED\n")
+    assert parsed == {"backends": ["cupy", "numpy"], "cupy_rows": 2, "cupy_failed": 1, "all_passed": False}
+    assert _gpu_check.parse_main_job(MAIN_LOG + "all checks passed\n")["all_passed"]
+
+
+@pytest.mark.parametrize(
+    ("returncode", "timed_out", "last", "status", "note"),
+    [
+        (0, False, "all checks passed", "passed", None),
+        (1, False, "all checks passed", "FAILED", "exit status 1"),
+        (0, False, "2 checks failed; the others passed", "FAILED", "exit status 0"),
+        (None, True, "", "FAILED", "timed out"),
+    ],
+)
+def test_main_stage_verdicts(monkeypatch, tmp_path, returncode, timed_out, last, status, note):
+    calls = _fake_run_logged(monkeypatch, returncode, timed_out=timed_out, log=MAIN_LOG + last + "\n")
+    res = _gpu_check.stage_main(tmp_path, 33.0)
+    assert res["status"] == status
+    assert (note is None and "note" not in res) or note in res["note"]
+    assert calls == [([sys.executable, "-m", "npnorm"], 33.0)]
+
+
+def test_main_stage_without_gpu_rows_fails(monkeypatch, tmp_path):
+    log = MAIN_LOG.replace("cupy  ", "torch ") + "all checks passed\n"
+    _fake_run_logged(monkeypatch, 0, log=log)
+    res = _gpu_check.stage_main(tmp_path, 30)
+    assert res["status"] == "FAILED" and res["note"] == "the main job found no cupy backend"
+
+
+def _bench_row(layer="LayerNorm", shape=(2, 3), impl="npnorm"):
+    return {
+        "layer": layer,
+        "shape": list(shape),
+        "impl": impl,
+        "rounds": 3,
+        "fwd_ms": 1.0,
+        "bwd_ms": 2.0,
+        "fb_ms": 3.0,
+        "fb_GBps": 10.0,
+        "copy_ms": 0.5,
+        "copy_GBps": 20.0,
+        "fb_of_copy": 0.25,
+        "fb_vs_torch": None,
+        "max_error_vs": "npnorm generic",
+        "max_error_y": 0.0,
+        "max_error_dx": 0.0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("returncode", "timed_out", "complete", "status", "note"),
+    [
+        (0, False, True, "passed", None),
+        (0, False, False, "FAILED", "exit status 0; 2 shapes measured"),
+        (1, False, True, "FAILED", "exit status 1; 2 shapes measured"),
+        (None, True, False, "FAILED", "timed out; 2 shapes measured"),
+    ],
+)
+def test_bench_stage_verdicts(monkeypatch, tmp_path, returncode, timed_out, complete, status, note):
+    rows = [_bench_row(), _bench_row(impl="npnorm generic"), _bench_row("RMSNorm")]
+
+    def write(cmd):
+        path = Path(cmd[cmd.index("--json") + 1])
+        path.write_text(json.dumps({"rows": rows, "complete": complete, "timer": "CUDA events"}))
+
+    calls = _fake_run_logged(monkeypatch, returncode, timed_out=timed_out, write=write)
+    res = _gpu_check.stage_bench(tmp_path, 44.0, quick=True, rounds=7, stand_in=True)
+    assert res["status"] == status and res.get("note") == note
+    assert res["rows"] == rows and res["timer"] == "CUDA events"
+    cmd, limit = calls[0]
+    assert limit == 44.0 and cmd[:3] == [sys.executable, "-m", "npnorm._gpu_bench"]
+    assert cmd[cmd.index("--rounds") + 1] == "7" and "--quick" in cmd and "--stand-in" in cmd
+    cmd = _gpu_check.stage_bench(tmp_path, 44.0, quick=False, rounds=7, stand_in=False) and calls[1][0]
+    assert "--quick" not in cmd and "--stand-in" not in cmd
+
+
+def test_bench_stage_reads_no_figures_of_an_earlier_run(monkeypatch, tmp_path):
+    (tmp_path / "gpu_bench.json").write_text(json.dumps({"rows": [_bench_row()], "complete": True}))
+    _fake_run_logged(monkeypatch, 0)  # a benchmark that wrote nothing
+    res = _gpu_check.stage_bench(tmp_path, 60, quick=True, rounds=1, stand_in=True)
+    assert res["status"] == "FAILED" and res["rows"] == [] and res["note"] == "exit status 0"
+
+
+def _stages_playing(monkeypatch, statuses, calls=None):
+    """run()'s stages replaced by ones that return the given statuses (a stage whose status
+    is an exception raises it) and record (name, limit)."""
+    calls = [] if calls is None else calls
+
+    def stage(name):
+        def play(out, limit, *args, **kwargs):
+            calls.append((name, limit, *args, *sorted(kwargs.items())))
+            if isinstance(statuses[name], BaseException):
+                raise statuses[name]
+            return {"status": statuses[name], "log": f"{name}.log", "rows": []}
+
+        return play
+
+    for name in _gpu_check.STAGES:
+        monkeypatch.setattr(_gpu_check, f"stage_{name}", stage(name))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [
+        ({"tests": "passed", "main": "passed", "bench": "passed"}, 0),
+        ({"tests": "FAILED", "main": "passed", "bench": "passed"}, 1),
+        ({"tests": "passed", "main": "passed", "bench": "FAILED"}, 1),
+        ({"tests": "not run", "main": "not run", "bench": "not run"}, 1),  # nothing passed
+    ],
+)
+def test_gpu_check_exit_status(monkeypatch, tmp_path, statuses, expected):
+    _stages_playing(monkeypatch, statuses)
+    assert _gpu_check.run(tmp_path, stand_in=True) == expected
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["exit_status"] == expected and set(data["stages"]) == set(_gpu_check.STAGES)
+    assert f"; exit status {expected}\n" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_runs_the_chosen_stages_in_their_order_with_their_limits(monkeypatch, tmp_path):
+    calls = _stages_playing(monkeypatch, dict.fromkeys(_gpu_check.STAGES, "passed"))
+    limits = {"tests": 11.0, "main": 22.0, "bench": None}
+    stages = ("bench", "main")
+    assert _gpu_check.run(tmp_path, stages=stages, timeouts=limits, quick=True, rounds=3, stand_in=True) == 0
+    bench_options = (("quick", True), ("rounds", 3), ("stand_in", True))
+    assert calls == [("bench", _gpu_check.DEFAULT_TIMEOUTS["bench"], *bench_options), ("main", 22.0)]
+    assert _gpu_check.summary(json.loads((tmp_path / "gpu_check.json").read_text())).splitlines()[0] == (
+        "tests: not run"
+    )
+
+
+def test_the_report_keeps_each_stage_when_a_later_one_breaks(monkeypatch, tmp_path):
+    """The report is rewritten after each stage: a check that dies in a later stage (or is
+    killed there) still reports the stages before it."""
+    _stages_playing(monkeypatch, {"tests": "FAILED", "main": "passed", "bench": KeyboardInterrupt()})
+    with pytest.raises(KeyboardInterrupt):
+        _gpu_check.run(tmp_path, stand_in=True)
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {n: s["status"] for n, s in data["stages"].items()} == {"tests": "FAILED", "main": "passed"}
+    assert "exit_status" not in data and "; exit status (running)" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_without_a_gpu_exits_2_and_says_why(monkeypatch, tmp_path, capsys):
+    def no_gpu():
+        raise _gpu_bench.NoGPU("no CUDA GPU here")
+
+    monkeypatch.setattr(_gpu_check, "gpu_info", no_gpu)
+    monkeypatch.setattr(_gpu_check, "nvidia_smi", lambda: "NVIDIA-SMI has failed")
+    calls = _stages_playing(monkeypatch, dict.fromkeys(_gpu_check.STAGES, "passed"))
+    assert _gpu_check.run(tmp_path / "out") == 2
+    assert calls == [] and "no CUDA GPU here" in capsys.readouterr().err
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert data["exit_status"] == 2 and data["no_gpu"] == "no CUDA GPU here"
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "no GPU: no CUDA GPU here" in md and "NVIDIA-SMI has failed" in md
+
+
+def test_report_details_notes_and_logs(tmp_path):
+    (tmp_path / "main_job.log").write_text("".join(f"line {i}\n" for i in range(40)))
+    (tmp_path / "pytest_cupy.log").write_text("tests' log\n")
+    result = _result(stand_in=False)
+    result["stages"]["tests"] |= {"status": "passed", "failed_ids": [f"t{i}" for i in range(60)]}
+    result["stages"]["main"] |= {"status": "FAILED", "note": "exit status 1: some checks failed"}
+    del result["stages"]["bench"]
+    result["stages"]["main"].pop("backends")
+    result["device"]["memory_GiB"] = 80.0
+    md = _gpu_check.write_report(tmp_path, result)[0].read_text()
+    assert "main: FAILED: exit status 1: some checks failed" in md and "bench: not run" in md
+    assert "- memory_GiB: 80.0" in md
+    assert "- failed: `t49`" in md and "t50" not in md  # 50 at most
+    tail = md.split("### End of `main_job.log`")[1]
+    assert "line 39" in tail and "line 25" in tail and "line 24" not in tail  # the last 15 lines
+    assert "tests' log" not in md and "### End of `pytest_cupy.log`" not in md  # passed: no log
+
+
+def test_summary_of_no_gpu_says_why():
+    assert _gpu_check.summary({"no_gpu": "CuPy is not installed"}) == "no GPU: CuPy is not installed"
+
+
+# --- the benchmark's arithmetic on scripted timings ---
+
+
+class _Script:
+    """A timer whose calls take the given times in turn (and run the timed call)."""
+
+    def __init__(self, times, log, name):
+        self.times, self.log, self.name = list(times), log, name
+
+    def __call__(self, fn):
+        self.log.append(self.name)
+        return self.times.pop(0), fn()
+
+
+def test_bench_spec_medians_ratios_and_rotation(monkeypatch):
+    """Three rounds after one warm-up round: figures are medians of the timed rounds only,
+    'vs torch' the median of per-round ratios npnorm/torch, 'of copy' the median of per-round
+    2.5 x copy / f+b; each round starts at the next implementation."""
+    log = []
+    spec = Spec("LayerNorm", (2, 4))
+    # per round: fwd, bwd, f+b; the warm-up round's times are huge and must not count
+    ours = [900, 900, 900, 1, 10, 4, 2, 20, 10, 9, 30, 2]
+    torch = [900, 900, 900, 1, 1, 2, 1, 1, 2, 1, 1, 8]
+    y = np.ones(spec.shape, np.float32)
+
+    def impl(times, name, scale):
+        result = (scale * y, scale**2 * 2 * y)
+        return _gpu_bench.Impl(
+            forward=lambda: None,
+            backward=lambda _: None,
+            both=lambda: result,
+            timer=_Script(times, log, name),
+        )
+
+    impls = {"npnorm": impl(ours, "npnorm", 1.5), "torch cuda": impl(torch, "torch cuda", 1.0)}
+    monkeypatch.setattr(_gpu_bench, "impls_for", lambda *a: impls)
+    copy = _Script([900, 1.0, 2.0, 4.0], log, "copy")
+    device = _gpu_bench.Device(xp=np, timer=copy, torch=None, torch_device=None, torch_timer=None)
+    rows = {r["impl"]: r for r in _gpu_bench.bench_spec(device, spec, rounds=3, warmup=1)}
+    assert log == [
+        *["copy", *["npnorm"] * 3, *["torch cuda"] * 3],
+        *["copy", *["torch cuda"] * 3, *["npnorm"] * 3],
+        *["copy", *["npnorm"] * 3, *["torch cuda"] * 3],
+        *["copy", *["torch cuda"] * 3, *["npnorm"] * 3],
+    ]
+    ours_row, torch_row = rows["npnorm"], rows["torch cuda"]
+    assert (ours_row["fwd_ms"], ours_row["bwd_ms"], ours_row["fb_ms"]) == (2, 20, 4)
+    assert ours_row["copy_ms"] == torch_row["copy_ms"] == 2.0 and ours_row["rounds"] == 3
+    assert ours_row["fb_vs_torch"] == pytest.approx(2.0)  # per round 4/2, 10/2, 2/8: median 2
+    assert torch_row["fb_vs_torch"] == 1.0
+    assert ours_row["fb_of_copy"] == pytest.approx(0.625)  # 2.5 x (1/4, 2/10, 4/2): median 0.625
+    nbytes = 4 * 8
+    assert ours_row["fb_GBps"] == pytest.approx(5 * nbytes / 4 / 1e6)
+    assert ours_row["copy_GBps"] == pytest.approx(2 * nbytes / 2 / 1e6)
+    assert ours_row["max_error_vs"] == "torch cuda"
+    assert ours_row["max_error_y"] == pytest.approx(0.5) and ours_row["max_error_dx"] == pytest.approx(1.25)
+    assert torch_row["max_error_y"] == torch_row["max_error_dx"] == 0
+
+
+def test_max_error_is_relative_to_at_least_one():
+    assert _gpu_bench._max_error(np.array([0.5, 0.0]), np.array([0.25, 0.0])) == 0.25
+    assert _gpu_bench._max_error(np.array([3.0, 0.0]), np.array([4.0, -1.0])) == 0.25
+
+
+def test_format_rows_columns():
+    row = _bench_row() | {"fb_vs_torch": 1.234, "fb_of_copy": 0.5, "max_error_y": 1e-7}
+    text = _gpu_bench.format_rows([row, _bench_row(impl="npnorm generic")])
+    head, _columns, ours, generic = text.splitlines()
+    assert head == "LayerNorm (2, 3) float32   copy 0.500 ms (20 GB/s read+write); medians of 3 rounds"
+    assert ours.split() == ["npnorm", "1.000", "2.000", "3.000", "10", "50%", "1.23", "1.0e-07", "0.0e+00"]
+    assert generic.split()[-3] == "-"  # no torch figure
+
+
+def test_cuda_versions_and_the_devices_memory(monkeypatch):
+    assert _gpu_bench._cuda_version(12040) == "12.4" and _gpu_bench._cuda_version(13000) == "13.0"
+    props = {"name": b"Some GPU", "totalGlobalMem": 80 * 2**30, "major": 9, "minor": 0}
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        getDeviceProperties=lambda i: props,
+        runtimeGetVersion=lambda: 12080,
+        driverGetVersion=lambda: 12090,
+    )
+    cupy = _fake_cupy(count=1)
+    cupy.cuda = types.SimpleNamespace(runtime=runtime)
+    cupy.__version__ = "14.0"
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    info = _gpu_bench.gpu_info()
+    assert info["device"] == "Some GPU" and info["memory_GiB"] == 80.0 and info["compute_capability"] == "9.0"
+    assert (info["cuda_runtime"], info["cuda_driver"]) == ("12.8", "12.9")
+
+
+def test_bench_saves_after_each_spec_and_marks_the_end(monkeypatch, tmp_path):
+    """A benchmark cut short keeps the shapes it measured, and says it was cut short."""
+    path = tmp_path / "bench.json"
+    seen = []
+
+    def bench_spec(device, spec, rounds, warmup):
+        if path.exists():
+            seen.append(json.loads(path.read_text()))
+        return [_bench_row(spec.layer, spec.shape)]
+
+    monkeypatch.setattr(_gpu_bench, "bench_spec", bench_spec)
+    specs = [Spec("LayerNorm", (2, 3)), Spec("RMSNorm", (2, 3))]
+    _gpu_bench.run(_gpu_bench.Device.cpu_stand_in(), specs, json_path=str(path), log=lambda _: None)
+    assert len(seen) == 1 and not seen[0]["complete"] and len(seen[0]["rows"]) == 1
+    final = json.loads(path.read_text())
+    assert final["complete"] and [r["layer"] for r in final["rows"]] == ["LayerNorm", "RMSNorm"]
+
+
+def test_bench_main_options_and_no_gpu(monkeypatch, capsys):
+    def no_gpu():
+        raise _gpu_bench.NoGPU("none here")
+
+    monkeypatch.setattr(_gpu_bench.Device, "cuda", staticmethod(no_gpu))
+    assert _gpu_bench.main([]) == 2 and "none here" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr(_gpu_bench, "run", lambda device, specs, **kw: seen.append((specs, kw)))
+    assert _gpu_bench.main(["--stand-in", "--rounds", "4", "--warmup", "3"]) == 0
+    assert _gpu_bench.main(["--stand-in", "--quick"]) == 0
+    assert seen[0] == (_gpu_bench.FULL, {"rounds": 4, "warmup": 3, "json_path": None})
+    assert seen[1][0] == _gpu_bench.QUICK
+
+
+def test_bench_stage_with_figures_cut_off_mid_write(monkeypatch, tmp_path):
+    """A benchmark killed at its limit while it saved its figures left half a JSON file:
+    gpu-check ended in a traceback, the bench stage and the exit status missing from the report."""
+
+    def write(cmd):
+        Path(cmd[cmd.index("--json") + 1]).write_text('{"device": {}, "rows": [{"layer": "La')
+
+    _fake_run_logged(monkeypatch, None, timed_out=True, write=write)
+    res = _gpu_check.stage_bench(tmp_path, 60, quick=True, rounds=1, stand_in=True)
+    assert res["status"] == "FAILED" and res["rows"] == [] and res["note"].startswith("timed out")
+    assert "gpu_bench.json" in res["note"]
+
+
+def test_bench_figures_survive_a_kill_while_they_are_saved(monkeypatch, tmp_path):
+    """The figures are saved after each shape by replacing the file: a benchmark killed
+    while it saved left half a JSON file, and every figure of the shapes before was lost."""
+    path = tmp_path / "bench.json"
+    monkeypatch.setattr(_gpu_bench, "bench_spec", lambda d, spec, r, w: [_bench_row(spec.layer, spec.shape)])
+    real_dump, saves = json.dump, []
+
+    def dump(obj, f, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:  # the second save is killed halfway
+            f.write(json.dumps(obj)[:20])
+            raise KeyboardInterrupt
+        real_dump(obj, f, **kwargs)
+
+    monkeypatch.setattr(_gpu_bench.json, "dump", dump)
+    specs = [Spec("LayerNorm", (2, 3)), Spec("RMSNorm", (2, 3))]
+    with pytest.raises(KeyboardInterrupt):
+        _gpu_bench.run(_gpu_bench.Device.cpu_stand_in(), specs, json_path=str(path), log=lambda _: None)
+    saved = json.loads(path.read_text())
+    assert not saved["complete"] and [r["layer"] for r in saved["rows"]] == ["LayerNorm"]
+
+
+def test_a_stages_log_has_its_standard_error_too(tmp_path):
+    """Python's tracebacks and "No module named pytest" go to standard error: the log,
+    and the report's tail of it, must have them."""
+    script = "import sys; print('out', flush=True); sys.exit('Traceback: on stderr')"
+    res = _gpu_check._run_logged([sys.executable, "-c", script], tmp_path / "s.log", 60)
+    assert res["returncode"] == 1 and not res["timed_out"]
+    assert (tmp_path / "s.log").read_text().splitlines()[1:] == ["out", "Traceback: on stderr"]
