@@ -889,3 +889,13 @@ def test_a_stages_log_has_its_standard_error_too(tmp_path):
     res = _gpu_check._run_logged([sys.executable, "-c", script], tmp_path / "s.log", 60)
     assert res["returncode"] == 1 and not res["timed_out"]
     assert (tmp_path / "s.log").read_text().splitlines()[1:] == ["out", "Traceback: on stderr"]
+
+
+def test_tests_stage_run_outside_the_repository_fails(monkeypatch, tmp_path):
+    # asked for the cupy tests and finding no tests/ folder, it ran none: a failure (it was
+    # "not run", and gpu-check exited 0 when the main job and the benchmark passed)
+    monkeypatch.chdir(tmp_path)
+    calls = _fake_run_logged(monkeypatch, 0)
+    res = _gpu_check.stage_tests(tmp_path, 60, workers=0)
+    assert res["status"] == "FAILED" and "run from the repository root" in res["note"]
+    assert calls == []
