@@ -27,8 +27,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import json
-import os
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ import numpy as np
 
 from ._backend import resolve_namespace, to_host
 from ._bench import FULL, QUICK, Spec, _ours, _torch_module
+from ._files import write_json
 from .functional import _dispatch
 
 Timer = Callable[[Callable[[], Any]], tuple[float, Any]]  # fn -> (ms, fn's result)
@@ -365,12 +364,9 @@ def run(
 
 
 def _save(result: dict[str, Any], path: str) -> None:
-    """Into a file beside ``path``, then renamed: a benchmark killed while it saves (at its
+    """Whole or not at all (``write_json``): a benchmark killed while it saves (at its
     stage's limit) leaves the figures saved before, not half a JSON file."""
-    part = f"{path}.part"
-    with open(part, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    os.replace(part, path)
+    write_json(path, result)
 
 
 def _fmt(v: float | None, spec: str) -> str:

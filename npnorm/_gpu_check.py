@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._files import write_json, write_whole
 from ._gpu_bench import Device, NoGPU, format_rows, gpu_info
 
 STAGES = ("tests", "main", "bench")
@@ -367,8 +368,8 @@ def summary(result: dict[str, Any]) -> str:
 def write_report(out: Path, result: dict[str, Any]) -> tuple[Path, Path]:
     """``gpu_check.md`` and ``gpu_check.json`` in ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    json_path = out / "gpu_check.json"
-    json_path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    json_path = out / "gpu_check.json"  # (each file whole: a kill while writing leaves the last)
+    write_json(str(json_path), result)
     env = result.get("environment", {})
     title = "# npnorm gpu-check"
     if result.get("stand_in"):
@@ -410,7 +411,7 @@ def write_report(out: Path, result: dict[str, Any]) -> tuple[Path, Path]:
         if st and st["status"] == FAILED and st.get("log"):
             lines += ["", f"### End of `{st['log']}`", "", "```", _tail(out / st["log"]), "```"]
     md_path = out / "gpu_check.md"
-    md_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    write_whole(md_path, lambda part: part.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     return md_path, json_path
 
 

@@ -874,7 +874,7 @@ def test_bench_figures_survive_a_kill_while_they_are_saved(monkeypatch, tmp_path
             raise KeyboardInterrupt
         real_dump(obj, f, **kwargs)
 
-    monkeypatch.setattr(_gpu_bench.json, "dump", dump)
+    monkeypatch.setattr(json, "dump", dump)  # (write_json's)
     specs = [Spec("LayerNorm", (2, 3)), Spec("RMSNorm", (2, 3))]
     with pytest.raises(KeyboardInterrupt):
         _gpu_bench.run(_gpu_bench.Device.cpu_stand_in(), specs, json_path=str(path), log=lambda _: None)
