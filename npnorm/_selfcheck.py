@@ -8,6 +8,7 @@ running buffers) after loading npnorm's random parameters into it.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,8 @@ def torch_parity(case: Case, xp: Namespace, dtype: str, seed: int = 0) -> float:
         a_np = to_host(a).astype(np.float64)
         b_np = b.detach().cpu().double().numpy() if hasattr(b, "detach") else np.asarray(b, np.float64)
         scale = max(1.0, float(np.abs(b_np).max(initial=0.0)))
-        worst = max(worst, float(np.abs(a_np - b_np).max(initial=0.0)) / scale)
+        err = float(np.abs(a_np - b_np).max(initial=0.0)) / scale
+        worst = math.nan if math.isnan(err) else max(worst, err)  # (max(0.0, nan) is 0.0: it was dropped)
 
     for mode in ("train", "eval"):
         ours.train(mode == "train")
