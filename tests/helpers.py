@@ -37,6 +37,11 @@ def grid_arrays(shape, lo: float = -6.0, hi: float = 6.0, step: float = 0.25) ->
     return hnp.arrays(np.int32, shape, elements=ints, fill=st.nothing()).map(lambda k: k * step)
 
 
+def channels_last(a: np.ndarray) -> np.ndarray:
+    """``a`` (N, C, *spatial) with the same values, its channels last in memory."""
+    return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
+
+
 def draw_state(data, module) -> None:
     """Load drawn values (``data``: hypothesis's ``st.data()``) into every entry of
     ``module``'s state_dict: weights in [-1.5, 1.5], running variances in [0.25, 2],

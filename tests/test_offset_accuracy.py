@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import channels_last
 
 import npnorm
 import npnorm.functional as F
@@ -252,8 +253,7 @@ def test_an_upstream_gradient_with_a_large_common_part(family, name, shape, layo
     x = rng.standard_normal(shape).astype(np.float32)
     dy = (1e3 + rng.standard_normal(shape)).astype(np.float32)
     if layout == "channels_last":
-        x = np.moveaxis(np.ascontiguousarray(np.moveaxis(x, 1, -1)), -1, 1)
-        dy = np.moveaxis(np.ascontiguousarray(np.moveaxis(dy, 1, -1)), -1, 1)
+        x, dy = channels_last(x), channels_last(dy)
     c, d = shape[1], shape[-1]
     w = np.linspace(0.5, 1.5, d if name == "layer_norm" else c)
     b = np.linspace(-1, 1, w.size)

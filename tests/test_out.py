@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import channels_last
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -67,11 +68,6 @@ def same(a, b, name):
     otherwise; numba's channels-last BatchNorm, GroupNorm and InstanceNorm took another
     loop for an ``out`` of another layout)."""
     np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def channels_last(a):
-    """``a`` (N, C, *spatial) with the channels last in memory."""
-    return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
 
 
 def layouts(shape, dtype):

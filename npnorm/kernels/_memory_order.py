@@ -41,7 +41,7 @@ import numpy as np
 
 from .._backend import Namespace
 from .._checks import Shape, prod
-from ._blocks import row_layout, view
+from ._blocks import finish, row_layout, view
 
 Order = tuple[int, ...]
 
@@ -120,11 +120,7 @@ def _restored(
     itself when given (written through its transposed view ``given``, or the result
     copied into it), else the result transposed back."""
     back = np.transpose(result, np.argsort(order))
-    if out is None:
-        return back
-    if given is None:
-        np.copyto(out, back)
-    return out
+    return finish(back, out) if out is None or given is None else out
 
 
 def _restored_stats(s: np.ndarray, order: Order) -> np.ndarray:
