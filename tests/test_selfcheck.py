@@ -115,6 +115,21 @@ def test_a_forward_with_a_nan_fails_the_row(monkeypatch, capsys):
     assert rows[0][2] == "NaN"
 
 
+def test_a_nan_forward_stays_nan_in_the_table_when_gradcheck_raises(monkeypatch, capsys):
+    """The forward's column shows what the forward gave, also when the gradcheck after
+    it raised (it showed "finite" then)."""
+    case = Case("LayerNorm", lambda **kw: NaNOutput(6, **kw), lambda t: t.nn.LayerNorm(6), (2, 6))
+
+    def failing(module, x):
+        raise GradcheckError("wrong backward")
+
+    ok, lines, rows = run_with(
+        monkeypatch, capsys, cases=[case], parity=lambda *a, **k: 0.0, gradcheck=failing
+    )
+    assert_failed(ok, lines, rows)
+    assert rows[0][2:4] == ["NaN", "FAIL"]
+
+
 def test_every_case_runs_on_every_backend_found(monkeypatch, capsys):
     made, compared = [], []
 
