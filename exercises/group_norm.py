@@ -4,7 +4,7 @@ Read docs/derivations/group_norm_instance_norm.md. x has shape (N, C, H, W) = (2
 in G = 3 groups of 2 channels. The graph views x as (N, G, C/G·H·W), standardizes over
 the last axis, views the result back and applies the per-channel affine map. A view
 moves no value: what is its gradient? The grader also runs it on a second example, x of
-shape (3, 8, 1, 3) in G = 4 groups. Grade it:
+shape (4, 12, 1, 3) in G = 4 groups of 3 channels. Grade it:
 
     python -m npnorm learn check group_norm
 

@@ -140,7 +140,7 @@ def numeric_gradient(
     over: one step for all called right gradients wrong there. Inputs of 1000 ± 0.1 are
     checked as well as unit-scale data; at 1000 ± 0.01, and closer, the input's gradient
     can still be off by 1e-6 to 4e-6 of its size (the rounding of the mean), over the
-    default rtol. Only the graph after ``name`` is re-run (``Tape.rerun``); twelve re-runs
+    default rtol. Only the graph after ``name`` is re-run (``Tape.rerun``); eight re-runs
     per element mostly (twenty at most), so keep the arrays small.
     Edges in ``frozen`` keep their recorded values, so the result is the gradient along
     the other paths only.
@@ -225,7 +225,7 @@ def _steadiest(estimate: Callable[[float], float], step: float, noise: float) ->
     (``3 · noise / t``: two estimates at tiny steps can agree by both being rounding).
     Error of each: the larger of its difference from the next estimate and its rounding.
     The steps stop where the rounding alone passes the least error found (it only grows
-    as they fall): three estimates, mostly. NaN where no two are finite."""
+    as they fall): two estimates, mostly. NaN where no two are finite."""
     best, best_error = float("nan"), float("inf")
     previous = None
     for t in (step * m for m in STEP_FACTORS):

@@ -134,7 +134,7 @@ EXERCISES = {
         Exercise("rms_norm", "RMSNorm, node by node", "rms_norm.md", "backward", _tape("rms_norm"), _staged,
                  second=_other("rms_norm", (2, 4, 5), eps=0.5)),
         Exercise("group_norm", "GroupNorm by reshape, node by node", GN, "backward",
-                 _tape("group_norm"), _staged, second=_other("group_norm", (3, 8, 1, 3), groups=4)),
+                 _tape("group_norm"), _staged, second=_other("group_norm", (4, 12, 1, 3), groups=4)),
         Exercise("batch_norm_eval", "BatchNorm in eval mode, node by node", EVAL, "backward",
                  _tape("batch_norm", eval=True), _staged,
                  second=_other("batch_norm", (3, 2, 2, 3), eval=True)),
