@@ -36,6 +36,7 @@ from npnorm.learn import (
     check_terms,
     closed_form,
     jacobian,
+    numeric_gradient,
     staged_backward,
     staged_forward,
     staged_normalize,
@@ -752,6 +753,9 @@ def test_an_exercise_that_writes_into_an_argument_fails(name, write):
         ("batch_norm_staged", "n = x.shape[0] * x.shape[2] * x.shape[3]", "n = 16"),
         ("batch_norm_staged", "n = x.shape[0] * x.shape[2] * x.shape[3]", "n = x.shape[0] ** 2"),
         ("group_norm", 'n = t["xg"].shape[2]', "n = x.shape[0] * x.shape[2] * x.shape[3]"),
+        ("group_norm", 'n = t["xg"].shape[2]', "n = x.size // (x.shape[0] * 3)"),  # G = 3 hard-coded
+        ("group_norm", 'n = t["xg"].shape[2]', "n = 2 * x.shape[2] * x.shape[3]"),  # 2 channels a group
+        ("group_norm", 'n = t["xg"].shape[2]', "n = x.shape[1] // 3 * x.shape[2] * x.shape[3]"),
         ("layer_norm", 'n = t["input"].shape[2] * t["input"].shape[3]', "n = 4 * 5"),
         ("closed_form", "axis=axes", "axis=(0, 2, 3)"),
         # eps left out, (ms)^(-3/2): the first example's eps is float64's epsilon
@@ -1144,3 +1148,174 @@ def test_rerun_keeps_the_values_set_and_leaves_the_callers_mapping_alone():
     got = t.rerun(changed)
     np.testing.assert_array_equal(got["xc"], 5.0)  # set by the caller, not recomputed from input
     assert list(changed) == ["xc", "input"]
+
+
+# --- pinned by mutation testing, fifth round: the step checker and the grader ----------
+
+
+@pytest.mark.parametrize(
+    "name, line, wrong",
+    [
+        ("layer_norm", 'd["xhat"] = dy * t["weight"]', "xhat"),  # every step computed from it is off too
+        ("group_norm", 'd["xhatg"] = d["xhat"].reshape(t["xhatg"].shape)', "xhatg"),
+        ("cache_vs_recompute", "dxhat = dy * weight", "xhat"),  # (checked in the order of SAVED)
+    ],
+)
+def test_a_wrong_step_is_named_not_the_steps_computed_from_it(tmp_path, name, line, wrong):
+    """A mistake in one step (its gradient 1% off) spoils every step computed from it: the
+    grade names the first wrong one going back from y (the mistake), not the input."""
+    exercise = EXERCISES[name]
+    text = (ROOT / "exercises" / "solutions" / f"{name}.py").read_text()
+    assert text.count(line) == 1, line
+    path = tmp_path / f"{name}.py"
+    path.write_text(text.replace(line, line + " * 1.01"))
+    result = grade(exercise, load(path, exercise.function))
+    wrong_rows = [r.name for r in result.rows if not r.ok]
+    assert len(wrong_rows) >= 2 and wrong_rows[0] == wrong and "input" in wrong_rows, wrong_rows
+    assert result.first_wrong is not None and result.first_wrong.name == wrong
+    assert f"Wrong step: `{wrong}`" in result.message() and "`input`" not in result.message()
+    assert f"{len(wrong_rows)} of {len(result.rows)} wrong." in result.message()
+
+
+def test_a_function_wrong_on_the_first_example_fails_though_right_on_the_second():
+    """The second example is graded only after the first passed: a grade that went on
+    past a failure passed a function wrong on the example the exercise describes."""
+    exercise = EXERCISES["layer_norm"]
+    solution = load(ROOT / "exercises" / "solutions" / "layer_norm.py", exercise.function)
+    first = exercise.make()["input"].shape
+
+    def wrong_on_first(t, dy):
+        d = solution(t, dy)
+        if t["input"].shape == first:
+            d["mean"] = d["mean"] * 1.01
+        return d
+
+    result = grade(exercise, wrong_on_first)
+    assert (
+        not result.ok and not result.passed_before and result.tape.description == exercise.make().description
+    )
+    assert result.first_wrong is not None and result.first_wrong.name == "mean"
+    assert result.message().startswith("FAIL: ") and "second example" not in result.message()
+
+
+def test_a_backward_of_the_wrong_type_fails_with_what_it_must_return():
+    """A backward that returns a list is a FAIL that says a dict is expected (not an
+    error of the grader's own)."""
+    result = grade(EXERCISES["rms_norm"], lambda t, dy: [dy])
+    assert not result.ok and not result.rows
+    assert result.message() == "FAIL: your backward must return a dict of gradients, got <class 'list'>"
+
+
+def test_the_tolerances_and_step_given_to_the_checks_are_used():
+    """check_steps and check_terms took atol, rtol and h and passed the defaults on."""
+    tape = example_tape("layer_norm")
+    dy = upstream(tape.output.shape)
+    grads = dict(staged_backward(tape, dy))
+    grads["var"] = grads["var"] * 1.001  # 0.1% off
+    assert not check_steps(tape, grads, grad_output=dy, names=["var"])[0].ok
+    assert check_steps(tape, grads, grad_output=dy, names=["var"], rtol=1e-2)[0].ok
+    assert check_steps(tape, grads, grad_output=dy, names=["var"], atol=1.0)[0].ok
+    terms = {k: v * 1.001 for k, v in closed_form(tape, staged_backward(tape, dy)["xhat"]).items()}
+    assert not any(r.ok for r in check_terms(tape, terms, grad_output=dy))
+    assert all(r.ok for r in check_terms(tape, terms, grad_output=dy, rtol=1e-2))
+    assert all(r.ok for r in check_terms(tape, terms, grad_output=dy, atol=1.0))
+    # a step far too large for data of spread 1e-4: h reaches the finite differences
+    small = staged_forward("layer_norm", np.random.default_rng(0).standard_normal((2, 4)) * 1e-4, 4)
+    dy = upstream(small.output.shape)
+    terms = closed_form(small, staged_backward(small, dy)["xhat"])
+    assert all(r.ok for r in check_terms(small, terms, grad_output=dy))
+    assert not all(r.ok for r in check_terms(small, terms, grad_output=dy, h=1e4))
+
+
+@pytest.mark.parametrize("which", ["layer_norm", "group_norm"])
+def test_every_gradient_1e_5_off_fails_whatever_its_size(which):
+    """The tolerance is rtol of the gradient's largest value, however many elements it
+    has: a tolerance that grew with the size passed dx 1e-5 off (eps left out, roughly)."""
+    tape = example_tape(which)
+    dy = upstream(tape.output.shape)
+    grads = staged_backward(tape, dy)
+    for name in grads:
+        if name == tape.output_name:
+            continue
+        (row,) = check_steps(tape, {**grads, name: grads[name] * (1 + 1e-5)}, grad_output=dy, names=[name])
+        assert not row.ok and 5e-6 < row.max_rel < 2e-5, str(row)
+
+
+def test_a_backward_that_adds_a_step_to_its_tape_cannot_fool_the_grader():
+    """The function gets a tape of its own: a node it adds (a new output, y·0) changes
+    nothing in place, and must not become the output the check differentiates."""
+    exercise = EXERCISES["rms_norm"]
+
+    def zero_output(t, dy):
+        t.node("z", "z = 0 · y", lambda y: 0.0 * y, "y")  # the loss no longer depends on anything
+        return {k: np.zeros_like(t[k]) for k in ("weight", "xhat", "rstd", "ms", "input")}
+
+    result = grade(exercise, zero_output)
+    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "weight"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_gradient_with_nan_or_inf_fails_and_says_so(bad):
+    given = np.array([1.0, bad])
+    row = compare("xhat", given, np.array([1.0, 2.0]))
+    assert not row.ok and row.shape_ok and str(row) == "xhat: WRONG: contains nan or inf"
+    result = _grade_solution_changed("rms_norm", lambda d: {**d, "ms": d["ms"] * bad})
+    assert "Wrong step: `ms` (the first wrong one going back from y: fix it first): contains nan or inf" in (
+        result.message()
+    )
+
+
+def test_a_running_buffer_is_not_a_step_to_check():
+    """The running statistics are constants of the graph (no gradient): naming one is the
+    error naming no step is, not a row called WRONG for a gradient that cannot exist."""
+    tape = example_tape("batch_norm eval")
+    grads = staged_backward(tape, upstream(tape.output.shape))
+    assert "running_mean" in tape and "running_mean" not in grads
+    with pytest.raises(ValueError, match="'running_mean' is not a step of this tape"):
+        check_steps(tape, grads, names=["running_mean"])
+
+
+def test_a_wrong_term_of_the_right_shape_is_still_summed_into_dx():
+    """shape_ok says the shape only: a term of the right shape and wrong values keeps it,
+    so the grade still checks the terms' sum against dx (it skips it for a wrong shape)."""
+    row = compare("x", np.array([1.0, 3.0]), np.array([1.0, 2.0]))
+    assert not row.ok and row.shape_ok
+    result = _grade_solution_changed("closed_form", lambda d: {**d, "var": d["var"] * 1.01})
+    assert [(r.name, r.ok) for r in result.rows] == [
+        ("direct", True),
+        ("mean", True),
+        ("var", False),
+        ("input", False),
+    ]
+    assert "Wrong term: `var`" in result.message() and "2 of 4 wrong" in result.message()
+
+
+def test_the_finite_differences_stop_at_the_step_no_later_one_can_beat(monkeypatch):
+    """Once the rounding at the next step passes the least error found, no smaller step
+    can do better: the search stops there (eight re-runs per element here, twenty at
+    most), not after all five steps (twenty always)."""
+    tape = example_tape("layer_norm")
+    dy = upstream(tape.output.shape)
+    reruns = []
+    rerun = Tape.rerun
+    monkeypatch.setattr(Tape, "rerun", lambda self, *a, **k: reruns.append(1) or rerun(self, *a, **k))
+    for name in ("input", "rstd"):
+        reruns.clear()
+        numeric_gradient(tape, name, dy)
+        assert len(reruns) <= 12 * tape[name].size, (name, len(reruns) / tape[name].size)
+
+
+def test_a_gradient_of_a_running_buffer_is_named_as_not_checked():
+    """The running statistics are leaves of the eval tape but get no gradient: a key for
+    one is not checked, and the grade says so (as for a typo)."""
+    result = _grade_solution_changed("batch_norm_eval", lambda d: {**d, "running_var": d["var"]})
+    assert result.ok and result.message().endswith(
+        "Not checked: 'running_var', no step of this exercise (a typo?)."
+    )
+
+
+@pytest.mark.parametrize("off, small", [(1e-4, True), (1e-2, False)])
+def test_an_error_under_a_thousandth_is_called_small_but_real(off, small):
+    result = _grade_solution_changed("layer_norm", lambda d: {**d, "var": d["var"] * (1 + off)})
+    assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "var"
+    assert ("small, but far above rounding in float64" in result.message()) is small, result.message()
