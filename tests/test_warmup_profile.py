@@ -131,11 +131,14 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 @needs_numba
 def test_warmup_alone_compiles_every_loop_for_both_dtypes():
     """In a process of its own (in the test process other tests compile loops too), warmup
     compiles every public loop for float32 and float64, both host rules' loops, the
-    float16 casts for read-only input, and the four kinds of transposing copy per dtype."""
+    float16 casts for read-only input, and the four kinds of transposing copy per dtype.
+    (3 s where the loops are cached; up to a minute where they are not, as on a fresh clone
+    for the loops no test before it ran.)"""
     out = subprocess.run(
         [sys.executable, "-c", _SIGNATURES],
         capture_output=True,
@@ -171,7 +174,7 @@ def _fake_clock(monkeypatch) -> list[int]:
     return threads
 
 
-def test_profile_figures_are_per_forward_backward(monkeypatch, capsys):
+def test_profile_figures_are_per_forward_backward(monkeypatch, capsys, restore_threads):
     """Under a clock where every timed NumPy call takes one second: per site, calls and ms
     are per forward+backward (divided by reps), sites sorted by time, the top ones printed
     and the rest summed in one line, the NumPy total of all sites, one thread throughout
@@ -193,13 +196,9 @@ def test_profile_figures_are_per_forward_backward(monkeypatch, capsys):
 
     monkeypatch.setattr(_profile, "_ours", Recorded)
     spec, reps, top = Spec("LayerNorm", (2, 8, 64)), 3, 4
-    threads = get_num_threads()
     set_num_threads(2)
-    try:
-        result = _profile.profile(spec, reps=reps, top=top)
-        assert get_num_threads() == 2
-    finally:
-        set_num_threads(threads)
+    result = _profile.profile(spec, reps=reps, top=top)
+    assert get_num_threads() == 2
     assert inputs == [np.float32] * (reps + 1)
     assert set(threads_seen) == {1}
     sites = result["sites"]
@@ -229,7 +228,7 @@ def test_profile_figures_are_per_forward_backward(monkeypatch, capsys):
     assert lines[-1].split() == [f"{sum(ms[top:]):.2f}", str(len(sites) - top), "more", "sites"]
 
 
-def test_profile_puts_the_threads_and_the_kernels_numpy_back_after_an_error(monkeypatch):
+def test_profile_puts_the_threads_and_the_kernels_numpy_back_after_an_error(monkeypatch, restore_threads):
     """A layer that raises leaves neither one thread nor the timed NumPy behind."""
 
     class Broken:
@@ -237,14 +236,10 @@ def test_profile_puts_the_threads_and_the_kernels_numpy_back_after_an_error(monk
             raise ZeroDivisionError
 
     monkeypatch.setattr(_profile, "_ours", lambda spec: Broken())
-    threads = get_num_threads()
     set_num_threads(2)
-    try:
-        with pytest.raises(ZeroDivisionError):
-            _profile.profile(Spec("LayerNorm", (2, 8)), reps=1)
-        assert get_num_threads() == 2
-    finally:
-        set_num_threads(threads)
+    with pytest.raises(ZeroDivisionError):
+        _profile.profile(Spec("LayerNorm", (2, 8)), reps=1)
+    assert get_num_threads() == 2
     with pytest.raises(ZeroDivisionError), _profile.timed_kernels(_profile._Totals()):
         1 / 0  # noqa: B018
     assert all(m.np is np for m in _profile.KERNEL_MODULES)
