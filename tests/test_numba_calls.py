@@ -208,3 +208,17 @@ def test_channels_last_input_with_padded_rows_is_staged_for_the_loops(monkeypatc
                 assert ours is None, op
             else:
                 np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5, err_msg=op)
+
+
+def test_batch_norm_kernel_of_one_value_per_channel_without_buffers_is_the_reference():
+    """The kernel called directly with one value per channel and no running statistics
+    (the public functions refuse it in training, as torch does): the reference's result,
+    as the numpy family gives (it divided by n - 1 = 0 for buffers it did not have)."""
+    x = np.array([[1.0, -2.0, 3.0]], np.float32)
+    want = generic_kernel("batch_norm_forward")(xp, x, None, None, None, None, True, 0.1, 1e-5)
+    got = family_kernel("batch_norm_forward", "numba")(xp, x, None, None, None, None, True, 0.1, 1e-5)
+    for ours, ref in zip(got, want, strict=True):
+        if ref is None:
+            assert ours is None
+        else:
+            np.testing.assert_array_equal(ours, ref)

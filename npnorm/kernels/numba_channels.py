@@ -1105,8 +1105,9 @@ def batch_norm_forward(
     if training:
         mean, var = np.empty(C), np.empty(C)  # C, C float64, filled by the loop
         y, rstd = _channel_forward(input, weight, bias, eps, True, mean, var, ct, out)
-        n = input.size // C  # values per channel
-        new_mean, new_var = _running(xp, running_mean, running_var, mean, var * (n / (n - 1)), momentum)
+        if running_mean is not None and running_var is not None:  # (n = 1 is fine without them)
+            n = input.size // C  # values per channel
+            new_mean, new_var = _running(xp, running_mean, running_var, mean, var * (n / (n - 1)), momentum)
         return y, mean.astype(ct), rstd, new_mean, new_var
     assert running_mean is not None and running_var is not None
     y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)
