@@ -1052,6 +1052,37 @@ def test_convert_sync_batchnorm_keeps_configuration_state_and_mode(rng, cls, sha
 def test_copies_share_the_communicator_and_pickles_drop_it(rng):
     comm = NoCollectives(1)
     m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
+class _Model:
+    """A model of the caller's own, holding a BatchNorm."""
+
+    def __init__(self) -> None:
+        self.bn = npnorm.BatchNorm1d(3)
+
+
+@pytest.mark.parametrize(
+    "make, hint",
+    [
+        (_Model, "npnorm modules do not nest: convert each BatchNorm of a model and assign it back"),
+        (lambda: [npnorm.BatchNorm1d(3)], "convert each BatchNorm"),
+        (lambda: None, "convert each BatchNorm"),
+    ],
+)
+def test_convert_sync_batchnorm_refuses_what_is_not_an_npnorm_module(make, hint):
+    """npnorm modules do not nest, so a model is not walked as torch's is: a model, a list
+    or None is a TypeError that says to convert each layer (it came back unconverted,
+    and every rank trained on its own batch's statistics)."""
+    with pytest.raises(TypeError, match="converts an npnorm BatchNorm1d/2d/3d module, got ") as info:
+        npnorm.SyncBatchNorm.convert_sync_batchnorm(make())
+    assert hint in str(info.value)
+
+
+def test_convert_sync_batchnorm_of_a_torch_module_says_how_to_convert_it(torch):
+    with pytest.raises(
+        TypeError, match=r"got torch\.nn\.modules\.batchnorm\.BatchNorm1d: npnorm\.from_torch"
+    ):
+        npnorm.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
+
+
     randomize(m, rng)
     for copied in (copy.copy(m), copy.deepcopy(m)):  # arrays copied, as for every Module
         assert copied.comm is comm and not np.shares_memory(copied.weight, m.weight)

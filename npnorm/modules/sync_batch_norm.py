@@ -295,8 +295,24 @@ class SyncBatchNorm(_BatchNorm):
     def convert_sync_batchnorm(cls, module: Module, comm: Comm | None = None) -> Module:
         """A SyncBatchNorm with the configuration, parameters, buffers, grads and
         training flag of ``module`` (a BatchNorm1d/2d/3d, or a SyncBatchNorm), on
-        ``comm``; any other module is returned as it is. As torch's, the new module
-        holds the same parameter and buffer arrays as ``module`` (not copies)."""
+        ``comm``; any other npnorm module is returned as it is. As torch's, the new module
+        holds the same parameter and buffer arrays as ``module`` (not copies). npnorm
+        modules do not nest, so a model is not walked as torch's is: anything but an
+        npnorm module (a model of the caller's own, a list, a torch module) is a
+        ``TypeError``, where it came back unconverted and every rank went on with its own
+        batch's statistics."""
+        if not isinstance(module, Module):
+            hint = (
+                "npnorm.from_torch(module) makes the npnorm module first, or torch's own "
+                "torch.nn.SyncBatchNorm.convert_sync_batchnorm converts it"
+                if type(module).__module__.split(".")[0] == "torch"
+                else "npnorm modules do not nest: convert each BatchNorm of a model and assign "
+                "it back (model.bn = SyncBatchNorm.convert_sync_batchnorm(model.bn))"
+            )
+            raise TypeError(
+                f"convert_sync_batchnorm converts an npnorm BatchNorm1d/2d/3d module, "
+                f"got {type(module).__module__}.{type(module).__qualname__}: {hint}"
+            )
         if not isinstance(module, _BatchNorm):
             return module
         new = cls(
