@@ -12,7 +12,9 @@ would take on the whole batch. Run it on one process or on three:
 
 Either way it trains the same network in one process on the whole batch with BatchNorm1d,
 and prints how far apart the two sets of parameters end up (rounding: about 1e-15).
-``--save FILE`` writes the final parameters (rank 0) to an .npz file; ``--batch N`` trains on
+``--save FILE`` writes the final parameters (rank 0) to an .npz file: w1, b1, w2, b2 and the
+SyncBatchNorm's state_dict under "bn." (``BatchNorm1d(16).load_state_dict(np.load(FILE),
+prefix="bn.")`` reads it, as does torch's with those keys); ``--batch N`` trains on
 N samples instead of 32 (fewer samples than ranks leaves ranks empty: they take part with
 no data). Without mpi4py (``pip install 'npnorm[mpi]'``) it runs the one-process training only.
 """
@@ -81,7 +83,7 @@ def train(x, target, bn, sum_over_ranks, show=False):
         bn.bias = bn.bias - LR * grads["bn_b"]
         if show and rank == 0 and step % 20 == 0:
             print(f"step {step:2d}: loss {loss:.6f}")
-    p.update({"bn_w": bn.weight, "bn_b": bn.bias, "bn_mean": bn.running_mean, "bn_var": bn.running_var})
+    p.update(bn.state_dict(prefix="bn."))  # bn.weight, bn.bias, bn.running_mean, ...: torch's keys
     return p
 
 

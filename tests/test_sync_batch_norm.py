@@ -106,6 +106,9 @@ def test_example_trains_the_same_parameters_on_one_and_three_ranks(tmp_path):
     assert sorted(a) == sorted(b)
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-12, err_msg=k)
+    bn = npnorm.BatchNorm1d(16, dtype="float64")  # its state_dict under "bn.", torch's keys
+    assert bn.load_state_dict(dict(b), prefix="bn.") == ([], [])
+    assert int(bn.num_batches_tracked) == 60 and np.array_equal(bn.running_var, b["bn.running_var"])
 
 
 @needs_mpi
@@ -1049,9 +1052,6 @@ def test_convert_sync_batchnorm_keeps_configuration_state_and_mode(rng, cls, sha
     assert npnorm.SyncBatchNorm.convert_sync_batchnorm(inorm) is inorm
 
 
-def test_copies_share_the_communicator_and_pickles_drop_it(rng):
-    comm = NoCollectives(1)
-    m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
 class _Model:
     """A model of the caller's own, holding a BatchNorm."""
 
@@ -1083,6 +1083,9 @@ def test_convert_sync_batchnorm_of_a_torch_module_says_how_to_convert_it(torch):
         npnorm.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
 
 
+def test_copies_share_the_communicator_and_pickles_drop_it(rng):
+    comm = NoCollectives(1)
+    m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
     randomize(m, rng)
     for copied in (copy.copy(m), copy.deepcopy(m)):  # arrays copied, as for every Module
         assert copied.comm is comm and not np.shares_memory(copied.weight, m.weight)
