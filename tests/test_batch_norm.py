@@ -581,6 +581,24 @@ def test_an_input_of_other_channels_than_a_replaced_weight_names_the_weight(make
         m(np.zeros((4, 3, 5), np.float32))
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: npnorm.BatchNorm1d(3), lambda: npnorm.GroupNorm(3, 3), lambda: npnorm.SyncBatchNorm(3)]
+)
+def test_one_sample_without_its_batch_axis_is_named_as_such(make):
+    """(C, L) input to a layer that takes (N, C, *) (torch's GroupNorm and BatchNorm1d
+    refuse it too): the error says that dim 0 holds the channels and how to add the
+    batch axis; an input whose dim 0 is not C gets no such hint."""
+    with pytest.raises(ValueError) as info:
+        make()(np.zeros((3, 5), np.float32))
+    assert str(info.value).endswith(
+        "expected 3 channels at dim 1, got input of shape (3, 5) (dim 0 has 3: one sample without its "
+        "batch axis? " + str(info.value).split(" expected")[0] + " takes (N, C, *): add the axis, x[None])"
+    )
+    with pytest.raises(ValueError) as info:
+        make()(np.zeros((4, 5), np.float32))
+    assert str(info.value).endswith("got input of shape (4, 5)")
+
+
 @pytest.mark.parametrize("shape", [(1,), (1, 1)])
 def test_a_counter_of_one_value_in_any_shape_averages_as_torchs(torch, rng, shape):
     """momentum=None with a num_batches_tracked of shape (1,) (set by hand): torch trains,

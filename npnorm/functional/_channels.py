@@ -135,7 +135,15 @@ def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2, s
     if num is not None and c != num:
         whose = f" (the length of its {source})" if source else ""
         shape = tuple(x.shape)
-        raise ValueError(f"{what} expected {num} channels at dim 1{whose}, got input of shape {shape}")
+        unbatched = (
+            f" (dim 0 has {num}: one sample without its batch axis? {what} takes (N, C, *): "
+            "add the axis, x[None])"
+            if shape[0] == num and not source
+            else ""
+        )
+        raise ValueError(
+            f"{what} expected {num} channels at dim 1{whose}, got input of shape {shape}{unbatched}"
+        )
     return c
 
 
