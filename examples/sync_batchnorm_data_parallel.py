@@ -14,7 +14,7 @@ Either way it trains the same network in one process on the whole batch with Bat
 and prints how far apart the two sets of parameters end up (rounding: about 1e-15).
 ``--save FILE`` writes the final parameters (rank 0) to an .npz file: w1, b1, w2, b2 and the
 SyncBatchNorm's state_dict under "bn." (``BatchNorm1d(16).load_state_dict(np.load(FILE),
-prefix="bn.")`` reads it, as does torch's with those keys); ``--batch N`` trains on
+prefix="bn.")`` reads it; past "bn." the keys are torch's BatchNorm1d's); ``--batch N`` trains on
 N samples instead of 32 (fewer samples than ranks leaves ranks empty: they take part with
 no data). Without mpi4py (``pip install 'npnorm[mpi]'``) it runs the one-process training only.
 """
