@@ -586,17 +586,28 @@ def test_an_input_of_other_channels_than_a_replaced_weight_names_the_weight(make
 )
 def test_one_sample_without_its_batch_axis_is_named_as_such(make):
     """(C, L) input to a layer that takes (N, C, *) (torch's GroupNorm and BatchNorm1d
-    refuse it too): the error says that dim 0 holds the channels and how to add the
-    batch axis; an input whose dim 0 is not C gets no such hint."""
+    refuse it too): the error says how to add the batch axis if dim 0 holds the
+    channels; an input whose dim 0 is not C gets no such hint."""
     with pytest.raises(ValueError) as info:
         make()(np.zeros((3, 5), np.float32))
     assert str(info.value).endswith(
-        "expected 3 channels at dim 1, got input of shape (3, 5) (dim 0 has 3: one sample without its "
-        "batch axis? " + str(info.value).split(" expected")[0] + " takes (N, C, *): add the axis, x[None])"
+        "expected 3 channels at dim 1, got input of shape (3, 5) "
+        "(if it is one sample with its 3 channels at dim 0, add the batch axis: x[None])"
     )
     with pytest.raises(ValueError) as info:
         make()(np.zeros((4, 5), np.float32))
     assert str(info.value).endswith("got input of shape (4, 5)")
+
+
+@pytest.mark.parametrize(
+    "make, shape", [(lambda: npnorm.BatchNorm1d(3), (3, 5, 7)), (lambda: npnorm.BatchNorm2d(3), (3, 8, 4, 4))]
+)
+def test_no_batch_axis_hint_where_the_layer_would_refuse_the_axis_added(make, shape):
+    """BatchNorm1d takes (N, C) or (N, C, L) and BatchNorm2d (N, C, H, W): with one more
+    axis the input would be refused for its dims, so C at dim 0 gets no hint there."""
+    with pytest.raises(ValueError) as info:
+        make()(np.zeros(shape, np.float32))
+    assert str(info.value).endswith(f"got input of shape {shape}")
 
 
 @pytest.mark.parametrize("shape", [(1,), (1, 1)])

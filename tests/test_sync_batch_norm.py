@@ -1077,10 +1077,17 @@ def test_convert_sync_batchnorm_refuses_what_is_not_an_npnorm_module(make, hint)
 
 
 def test_convert_sync_batchnorm_of_a_torch_module_says_how_to_convert_it(torch):
-    with pytest.raises(
-        TypeError, match=r"got torch\.nn\.modules\.batchnorm\.BatchNorm1d: npnorm\.from_torch"
-    ):
-        npnorm.SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3))
+    """A torch layer or a torch model of the user's own (any torch.nn.Module) is told of
+    torch's own conversion and of npnorm.from_torch."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(3)
+
+    for module in (torch.nn.BatchNorm1d(3), Net()):
+        with pytest.raises(TypeError, match=r"torch's own torch\.nn\.SyncBatchNorm\.convert_sync_batchnorm"):
+            npnorm.SyncBatchNorm.convert_sync_batchnorm(module)
 
 
 def test_copies_share_the_communicator_and_pickles_drop_it(rng):

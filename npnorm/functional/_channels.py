@@ -123,9 +123,13 @@ def _write_counted(current: Array, value: Array) -> None:
     current[...] = value
 
 
-def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2, source: str = "") -> int:
+def check_channels(
+    x: Array, num: int | None, what: str, *, min_ndim: int = 2, source: str = "", unbatched: bool = False
+) -> int:
     """``x`` is (N, C, *) with at least ``min_ndim`` dims; return C (checked against ``num``,
-    the length of the module's array named ``source``, where given)."""
+    the length of the module's array named ``source``, where given). ``unbatched``: the
+    layer takes ``x[None]`` too, so an ``x`` with ``num`` at dim 0 may be one sample
+    without its batch axis, and the error says how to add it."""
     if x.ndim < min_ndim:
         raise ValueError(
             f"{what} expects input of shape (N, C, *) with at least {min_ndim} dims, "
@@ -135,15 +139,12 @@ def check_channels(x: Array, num: int | None, what: str, *, min_ndim: int = 2, s
     if num is not None and c != num:
         whose = f" (the length of its {source})" if source else ""
         shape = tuple(x.shape)
-        unbatched = (
-            f" (dim 0 has {num}: one sample without its batch axis? {what} takes (N, C, *): "
-            "add the axis, x[None])"
-            if shape[0] == num and not source
+        hint = (
+            f" (if it is one sample with its {num} channels at dim 0, add the batch axis: x[None])"
+            if unbatched and shape[0] == num and not source
             else ""
         )
-        raise ValueError(
-            f"{what} expected {num} channels at dim 1{whose}, got input of shape {shape}{unbatched}"
-        )
+        raise ValueError(f"{what} expected {num} channels at dim 1{whose}, got input of shape {shape}{hint}")
     return c
 
 

@@ -125,8 +125,12 @@ class _BatchNorm(_NormBase):
 
     _expected_ndims: tuple[int, ...] = ()
 
+    def _takes_ndim(self, ndim: int) -> bool:
+        """Whether an input of ``ndim`` dims has the dims this layer takes."""
+        return ndim in self._expected_ndims
+
     def _check_input_dim(self, input: Array) -> None:
-        if input.ndim not in self._expected_ndims:
+        if not self._takes_ndim(input.ndim):
             dims = " or ".join(f"{d}D" for d in self._expected_ndims)
             raise ValueError(f"expected {dims} input (got {input.ndim}D input of shape {tuple(input.shape)})")
 
@@ -147,7 +151,8 @@ class _BatchNorm(_NormBase):
         self._check_input_dim(input)
         buffers_in_use = not self.training or self.track_running_stats
         expected, source = self._expected_channels(buffers_in_use)
-        check_channels(input, expected, type(self).__name__, source=source)
+        unbatched = self._takes_ndim(input.ndim + 1)  # (x[None] is an input it takes)
+        check_channels(input, expected, type(self).__name__, source=source, unbatched=unbatched)
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

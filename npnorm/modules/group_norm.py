@@ -100,7 +100,8 @@ class GroupNorm(Module):
         # as PyTorch's: the length of weight and bias (not num_channels); without them,
         # any channel count divisible by num_groups
         expected, source = channels_of(weight=self.weight, bias=self.bias)
-        check_channels(input, expected, "GroupNorm", source=source if expected != self.num_channels else "")
+        named = source if expected != self.num_channels else ""
+        check_channels(input, expected, "GroupNorm", source=named, unbatched=True)
         y, mean, rstd = group_norm_forward(input, self.num_groups, self.weight, self.bias, self.eps)
         saved = (self._input_for_backward(input), mean, rstd, self.weight, self.bias, self.num_groups)
         return y, saved, {}

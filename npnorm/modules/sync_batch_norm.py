@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -136,8 +137,11 @@ class SyncBatchNorm(_BatchNorm):
         )
         self.comm: Comm | None = check_comm(comm)
 
+    def _takes_ndim(self, ndim: int) -> bool:
+        return ndim >= 2  # (N, C, *)
+
     def _check_input_dim(self, input: Array) -> None:
-        if input.ndim < 2:
+        if not self._takes_ndim(input.ndim):
             raise ValueError(
                 f"expected at least 2D input (got {input.ndim}D input of shape {tuple(input.shape)})"
             )
@@ -195,7 +199,7 @@ class SyncBatchNorm(_BatchNorm):
             self._check_input_dim(input)
             self._check_updates_allowed()  # (Module.forward's check comes after the exchange)
             expected, source = self._expected_channels(self.track_running_stats)
-            check_channels(input, expected, what, source=source)
+            check_channels(input, expected, what, source=source, unbatched=True)
             check_training_eps(self.eps, True)  # as on one rank (BatchNorm's, PyTorch's F.batch_norm)
             factor = 0.0 if self.momentum is None else self.momentum
             updates: Updates = {}
@@ -302,10 +306,11 @@ class SyncBatchNorm(_BatchNorm):
         ``TypeError``, where it came back unconverted and every rank went on with its own
         batch's statistics."""
         if not isinstance(module, Module):
+            torch = sys.modules.get("torch")  # (a torch module means torch is imported)
             hint = (
-                "npnorm.from_torch(module) makes the npnorm module first, or torch's own "
-                "torch.nn.SyncBatchNorm.convert_sync_batchnorm converts it"
-                if type(module).__module__.split(".")[0] == "torch"
+                "torch's own torch.nn.SyncBatchNorm.convert_sync_batchnorm converts a torch "
+                "model, and npnorm.from_torch turns one torch norm layer into npnorm's"
+                if torch is not None and isinstance(module, torch.nn.Module)
                 else "npnorm modules do not nest: convert each BatchNorm of a model and assign "
                 "it back (model.bn = SyncBatchNorm.convert_sync_batchnorm(model.bn))"
             )
