@@ -100,14 +100,16 @@ def _running(
     running_var: np.ndarray | None,
     mean: np.ndarray,
     var: np.ndarray,
+    count: int,
     momentum: float,
 ) -> Buffers:
-    """The buffers moved towards the batch's (C,) mean and unbiased variance (float64);
-    a variance beyond the buffer dtype's range becomes inf (as in PyTorch)."""
+    """The buffers moved towards the batch's (C,) mean and variance (float64, biased over
+    ``count`` values, unbiased here: by ``count/(count - 1)``, where there are buffers to
+    move); a variance beyond the buffer dtype's range becomes inf (as in PyTorch)."""
     if running_mean is None or running_var is None:
         return running_mean, running_var
     new_mean = running_update(xp, running_mean, mean, momentum)  # C
-    return new_mean, running_update(xp, running_var, var, momentum)
+    return new_mean, running_update(xp, running_var, var * (count / (count - 1)), momentum)  # C, unbiased
 
 
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
@@ -1105,9 +1107,7 @@ def batch_norm_forward(
     if training:
         mean, var = np.empty(C), np.empty(C)  # C, C float64, filled by the loop
         y, rstd = _channel_forward(input, weight, bias, eps, True, mean, var, ct, out)
-        if running_mean is not None and running_var is not None:  # (n = 1 is fine without them)
-            n = input.size // C  # values per channel
-            new_mean, new_var = _running(xp, running_mean, running_var, mean, var * (n / (n - 1)), momentum)
+        new_mean, new_var = _running(xp, running_mean, running_var, mean, var, input.size // C, momentum)
         return y, mean.astype(ct), rstd, new_mean, new_var
     assert running_mean is not None and running_var is not None
     y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)
@@ -1165,8 +1165,8 @@ def instance_norm_forward(
         new_mean, new_var = running_mean, running_var
         if running_mean is not None and running_var is not None:
             batch_mean = np.mean(np.reshape(mean, (N, C)).astype(np.float64), axis=0)  # C
-            batch_var = np.mean(np.reshape(var, (N, C)), axis=0) * (S / (S - 1))  # C, unbiased
-            new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, momentum)
+            batch_var = np.mean(np.reshape(var, (N, C)), axis=0)  # C, biased
+            new_mean, new_var = _running(xp, running_mean, running_var, batch_mean, batch_var, S, momentum)
         return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
     assert running_mean is not None and running_var is not None
     y, m, rstd = _running_forward(xp, input, running_mean, running_var, weight, bias, eps, ct, out)
