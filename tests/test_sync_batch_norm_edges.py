@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sync_batch_norm import NoCollectives
+from test_sync_batch_norm import NoCollectives, _synced_then_eval_on_rank_0
 
 import npnorm
 import npnorm.functional as F
@@ -222,13 +222,7 @@ def test_after_a_collective_failure_of_the_backward_an_eval_step_on_one_rank_is_
     barrier breaks after its timeout.)"""
 
     def rank_fn(comm):
-        m = npnorm.SyncBatchNorm(3, comm=comm, dtype="float64")
-        x = np.random.default_rng(comm.Get_rank()).normal(size=(2, 3, 4))
-        m(x)
-        if comm.Get_rank() == 0:
-            m.eval()
-            m(x)
-            m.train()
+        m, x = _synced_then_eval_on_rank_0(comm, True)
         with pytest.raises(RuntimeError, match="did not sync"):
             m.backward(np.ones_like(x))
         if comm.Get_rank() != 0:
