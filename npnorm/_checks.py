@@ -18,6 +18,7 @@ import numpy as np
 from ._backend import (
     Array,
     Namespace,
+    backend_name,
     check_dense,
     check_floating,
     compute_dtype,
@@ -288,7 +289,8 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
     if repeats_elements(out):
         raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
             f"{what} has more than one element at one memory location (a zero stride, from "
-            "broadcasting): each element needs its own; pass a copy (out.copy())"
+            "broadcasting): each element needs its own; pass a new array "
+            f"({backend_name(xp)}.empty_like(out))"
         )
     if not writable(out):
         raise ValueError(f"{what} is read-only (an immutable array, such as JAX's, cannot take out=)")
