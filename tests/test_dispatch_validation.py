@@ -1,7 +1,8 @@
 """The validation and dispatch layer's own rules, each pinned where a one-spot change of
 ``npnorm/functional/_dispatch.py``, ``npnorm/_checks.py`` or ``npnorm/_backend.py`` went
 unnoticed by the other tests: kernel registration and lookup, another backend's kernels
-under "reference"."""
+under "reference", the namespace cache, gradcheck's NaN-equals-NaN test of changes in
+place, a module that is no array backend as xp."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import array_api_compat.numpy as xp
 import numpy as np
 import pytest
 
+import npnorm
 import npnorm.functional as F
+from npnorm._backend import namespace_of
 from npnorm.functional import _dispatch
 from npnorm.functional._dispatch import NUMPY, family_kernel, generic_kernel, kernel
 
@@ -68,3 +71,40 @@ def test_a_bool_is_not_a_normalized_shape(shape):
     """A bool (numpy's too), alone or in a sequence, is a TypeError, not a size of 1 or 0."""
     with pytest.raises(TypeError, match="normalized_shape must be an int or a sequence of ints"):
         F.layer_norm_forward(np.ones((2, 1), np.float32), shape)
+
+
+class _Duck:
+    """An Array API object whose namespace is its own attribute, not its type's."""
+
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+    def __array_namespace__(self, api_version=None):
+        return self.namespace
+
+
+def test_the_namespace_is_cached_only_for_types_that_decide_it():
+    """The namespace is cached by array type only for NumPy, CuPy and torch arrays, whose
+    type decides it: arrays of another type each give their own namespace."""
+    strict = pytest.importorskip("array_api_strict")
+    for ns in (strict, xp, strict):
+        assert namespace_of(_Duck(ns)) is ns
+
+
+def test_gradcheck_takes_a_nan_left_as_it_was_as_unchanged():
+    """An input NaN the forward leaves alone is not a change in place (NaN equals NaN in
+    the before/after comparison): the check passes."""
+
+    def masked(x):
+        return np.where(np.isnan(x), 0.0, x)
+
+    pair = (lambda x: masked(x) ** 2, lambda dy, x: dy * 2 * masked(x))
+    assert npnorm.gradcheck(pair, np.array([1.0, np.nan, -2.0]))
+
+
+def test_xp_whose_empty_makes_no_array_is_a_clear_error():
+    """A module whose empty() makes something no Array API namespace takes (JAX's sparse
+    BCOO) is no array backend: the ValueError a module without empty() gets."""
+    pytest.importorskip("jax.experimental.sparse")
+    with pytest.raises(ValueError, match=r"xp='jax.experimental.sparse' is not an array backend"):
+        npnorm.LayerNorm(3).to("jax.experimental.sparse")
