@@ -179,8 +179,18 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
         return array_api_compat.array_namespace(module.empty((0,)))
     except (AttributeError, TypeError) as err:  # xp="json": a module, but no array library
         sub = f"{module.__name__}.numpy"  # "jax": its arrays come from jax.numpy
-        hint = f"; did you mean {sub!r}?" if importlib.util.find_spec(sub) is not None else ""
+        hint = f"; did you mean {sub!r}?" if _module_exists(sub) else ""
         raise ValueError(f"xp={module.__name__!r} is not an array backend ({err}){hint}") from err
+
+
+def _module_exists(name: str) -> bool:
+    """Whether the module ``name`` (``"jax.numpy"``) can be found. ``find_spec`` raises
+    where its parent is no package (``"math.numpy"``: ModuleNotFoundError) or was made at
+    run time without a spec (ValueError), and that is an answer too."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def resolve_dtype(xp: Namespace, dtype: Any, device: Any = None) -> Any:

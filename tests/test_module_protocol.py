@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import warnings
 
 import numpy as np
@@ -451,6 +452,12 @@ def test_to_a_device_leaves_plain_arrays(torch):
 def test_xp_that_is_no_array_library_is_a_clear_error():
     with pytest.raises(ValueError, match="xp='json' is not an array backend"):
         npnorm.LayerNorm(3).to("json")
+    # a module that is no package, and one made at run time: looking for a hint
+    # ("did you mean 'jax.numpy'?") raised ModuleNotFoundError from find_spec instead
+    with pytest.raises(ValueError, match=r"xp='math' is not an array backend \(.*\)$"):
+        npnorm.LayerNorm(3, xp="math")
+    with pytest.raises(ValueError, match="xp='mine' is not an array backend"):
+        npnorm.LayerNorm(3, xp=types.ModuleType("mine"))
 
 
 @pytest.mark.parametrize(
