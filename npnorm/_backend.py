@@ -185,8 +185,9 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
 
 def _module_exists(name: str) -> bool:
     """Whether the module ``name`` (``"jax.numpy"``) can be found. ``find_spec`` raises
-    where its parent is no package (``"math.numpy"``: ModuleNotFoundError) or was made at
-    run time without a spec (ValueError), and that is an answer too."""
+    where its parent is no package or cannot be imported (``"math.numpy"``, a module made
+    at run time: ModuleNotFoundError), or where ``name`` itself is in ``sys.modules``
+    without a spec (ValueError), and that is an answer too."""
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):

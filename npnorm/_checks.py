@@ -242,9 +242,9 @@ def work_dtype(xp: Namespace, *arrays: Array | None) -> Any:
 
 
 def default_eps(xp: Namespace, input: Array) -> float:
-    """RMSNorm's ``eps=None``, as PyTorch's: the machine epsilon of the dtype the input
-    is computed in (float32 for float16, bfloat16 and float32 input; float64 for
-    float64), whatever the weight's dtype."""
+    """RMSNorm's ``eps=None``, as PyTorch's: the machine epsilon of the input's dtype
+    (float32's for float16, bfloat16 and float32 input; float64's for float64), whatever
+    the weight's dtype, even where a float64 weight widens the computation."""
     return float(xp.finfo(work_dtype(xp, input)).eps)
 
 
@@ -290,7 +290,7 @@ def check_out_fully(xp: Namespace, out: Array, like: Array, what: str = "out") -
         raise ValueError(  # (np.broadcast_arrays, expand: each result would overwrite others)
             f"{what} has more than one element at one memory location (a zero stride, from "
             "broadcasting): each element needs its own; pass a new array "
-            f"({backend_name(xp)}.empty_like(out))"
+            f"({backend_name(xp)}.empty(out.shape, dtype=out.dtype))"
         )
     if not writable(out):
         raise ValueError(f"{what} is read-only (an immutable array, such as JAX's, cannot take out=)")

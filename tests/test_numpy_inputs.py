@@ -172,6 +172,10 @@ def test_out_masked_or_self_overlapping_is_refused(family):
             F.layer_norm_forward(x, 5, out=masked)
         with pytest.raises(ValueError, match="more than one element at one memory location"):
             F.layer_norm_forward(x, 5, out=overlapping)
+        # a hint that makes a C-ordered array (np.empty_like(out) keeps a broadcast view's
+        # stride order: Fortran-ordered here) and exists for every backend (not out.copy())
+        with pytest.raises(ValueError, match=r"\(numpy\.empty\(out\.shape, dtype=out\.dtype\)\)$"):
+            F.layer_norm_forward(x, 5, out=np.broadcast_to(np.zeros(5, np.float32), (4, 5)))
         _, mean, rstd = F.layer_norm_forward(x, 5)
         with pytest.raises(ValueError, match="more than one element at one memory location"):
             F.layer_norm_backward(x, x, 5, mean, rstd, out=overlapping)
