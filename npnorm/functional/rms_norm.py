@@ -55,8 +55,8 @@ def rms_norm_forward(
     weight : array of shape normalized_shape, optional
     eps : float or None, default None
         Added to the mean square; ``None`` (as in PyTorch) means the machine
-        epsilon of the dtype the input is computed in (float32 for float16 and
-        float32 input, float64 for float64, whatever the weight's dtype).
+        epsilon of the input's dtype (float32's for float16 and float32 input,
+        float64's for float64), whatever the weight's dtype.
     out : array, keyword-only, optional
         Where to write the output: an array of the input's backend, shape and
         dtype (any layout), written in place and returned in its place.
@@ -180,7 +180,8 @@ def rms_norm(
         torch's function takes a tuple or list only).
     weight : array of shape normalized_shape, optional
     eps : float or None, default None
-        ``None`` means the machine epsilon of the dtype the input is computed in.
+        ``None`` means the machine epsilon of the input's dtype (float32's for
+        float16 input), whatever the weight's dtype.
 
     Returns
     -------

@@ -20,8 +20,9 @@ _RMS_NORM_DOC = """Root-mean-square normalization (Zhang & Sennrich 2019, https:
         y  = x / sqrt(ms + eps) * weight
 
     ``weight`` (ones) has shape ``normalized_shape``. ``eps=None`` (the default,
-    as in PyTorch) is the machine epsilon of the dtype the input is computed in
-    (float32 for float16 and float32 input, whatever the weight's dtype). Same
+    as in PyTorch) is the machine epsilon of the input's own dtype (float32's for
+    float16 input), whatever the weight's dtype (float32 input with a float64
+    weight is computed in float64, with float32's epsilon). Same
     arguments, defaults and ``state_dict`` keys as ``torch.nn.RMSNorm``.
 
     Backward, with ``rstd = 1 / sqrt(ms + eps)``, ``xhat = x * rstd``,
@@ -38,7 +39,8 @@ _RMS_NORM_DOC = """Root-mean-square normalization (Zhang & Sennrich 2019, https:
         (*, *normalized_shape).
     eps : float or None, default None
         Added to the mean square before the square root; ``None`` means the
-        machine epsilon of the dtype the input is computed in.
+        machine epsilon of the input's dtype (float32's for float16 input),
+        whatever the weight's dtype.
     elementwise_affine : bool, default True
         Learn ``weight``; without it the output is xhat.
     {device_dtype_xp}
@@ -92,7 +94,7 @@ class RMSNorm(Module):
         return y, (input, rstd, self.weight, self.normalized_shape), {}
 
     def _pin_for_float64(self, input: Array) -> None:
-        if self.eps is None:  # the machine epsilon of the dtype the forward computes the input in
+        if self.eps is None:  # the machine epsilon of the input's dtype (float32's for float16)
             self.eps = default_eps(self.xp, input)
 
     def _backward(self, grad_output: Array, saved: Saved) -> tuple[Array, dict[str, Array | None]]:
