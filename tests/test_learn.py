@@ -1319,3 +1319,14 @@ def test_an_error_under_a_thousandth_is_called_small_but_real(off, small):
     result = _grade_solution_changed("layer_norm", lambda d: {**d, "var": d["var"] * (1 + off)})
     assert not result.ok and result.first_wrong is not None and result.first_wrong.name == "var"
     assert ("small, but far above rounding in float64" in result.message()) is small, result.message()
+
+
+def test_staged_backward_refuses_a_tape_built_by_hand_by_saying_so():
+    """A Tape built by hand has no backward: the message said "expected a Tape from
+    staged_forward, got Tape", though it was given a Tape (and staged_normalize's are
+    taken too)."""
+    tape = Tape("mine", input=np.ones(3))
+    with pytest.raises(TypeError, match=r"staged_forward or staged_normalize, got a Tape without a backward"):
+        staged_backward(tape, np.ones(3))
+    with pytest.raises(TypeError, match=r"staged_normalize, got dict$"):
+        staged_backward({}, np.ones(3))

@@ -130,7 +130,8 @@ def staged_backward(tape: Tape, grad_output: np.ndarray) -> dict[str, np.ndarray
     Raises
     ------
     TypeError
-        When ``tape`` is not a tape with a backward (from ``staged_forward``).
+        When ``tape`` is not a tape with a backward (one from ``staged_forward`` or
+        ``staged_normalize``; a Tape built by hand has none).
     ValueError
         When ``grad_output`` does not have the output's shape.
 
@@ -150,7 +151,8 @@ def staged_backward(tape: Tape, grad_output: np.ndarray) -> dict[str, np.ndarray
     True
     """
     if not isinstance(tape, Tape) or tape.backward is None:
-        raise TypeError(f"expected a Tape from staged_forward, got {type(tape).__name__}")
+        got = "a Tape without a backward (built by hand)" if isinstance(tape, Tape) else type(tape).__name__
+        raise TypeError(f"expected a Tape from staged_forward or staged_normalize, got {got}")
     dy = np.asarray(grad_output)
     if dy.shape != tape.output.shape:
         raise ValueError(f"grad_output must have the output's shape {tape.output.shape}, got {dy.shape}")
