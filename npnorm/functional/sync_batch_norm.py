@@ -107,11 +107,11 @@ def sync_batch_norm_forward(
         The running statistics (identical on every rank); required when
         ``training`` is False.
     weight, bias : arrays of shape (C,), optional
-    training : bool
+    training : bool, default False
         Use the global batch statistics (and update the buffers, if any).
-    momentum : float
+    momentum : float, default 0.1
         Weight of the batch statistics in the running-statistics update.
-    eps : float
+    eps : float, default 1e-5
         Added to the variance before the square root.
     comm : mpi4py intracommunicator, keyword-only
         Default ``MPI.COMM_WORLD`` (mpi4py is imported only when training needs it).

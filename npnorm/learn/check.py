@@ -336,7 +336,7 @@ def check_steps(
     names : sequence of str, optional
         The steps to check; by default the differentiable leaves, then every step.
         A name missing from ``grads`` fails ("missing").
-    atol, rtol, h : float
+    atol, rtol, h : float, default 1e-7, 1e-6 and 1e-6
         Tolerances and the finite-difference step (see the module docstring).
 
     Returns
@@ -485,7 +485,7 @@ def check_terms(
         GroupNorm's grouped view ``xg``). A term missing here fails ("missing").
     grad_output : ndarray
         The upstream gradient ``dy`` the terms were computed from, of the output's shape.
-    atol, rtol, h : float
+    atol, rtol, h : float, default 1e-7, 1e-6 and 1e-6
         Tolerances and the finite-difference step (see the module docstring).
 
     Returns

@@ -52,7 +52,7 @@ def staged_normalize(
         Added to the variance under the square root.
     center : bool, default True
         False leaves out the mean (RMSNorm).
-    correction : {0, 1}
+    correction : {0, 1}, default 0
         The variance divides by ``n - correction``: 0 is the biased variance PyTorch
         normalizes with, 1 the n-1 (unbiased) variance some write-ups normalize with.
     float64 : bool, default True

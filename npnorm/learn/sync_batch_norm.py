@@ -130,7 +130,7 @@ def simulate_sync_batch_norm(
         The running buffers every rank starts from.
     weight, bias : ndarray of shape (C,), optional
         The affine parameters, the same on every rank.
-    momentum, eps : float
+    momentum, eps : float, default 0.1 and 1e-5
         As ``sync_batch_norm_forward``.
 
     Returns

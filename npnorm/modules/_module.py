@@ -237,6 +237,7 @@ class Module:
     # --- forward / backward -------------------------------------------------
 
     def __call__(self, input: Array) -> Array:
+        """``self.forward(input)``, as a PyTorch module's call."""
         return self.forward(input)
 
     def forward(self, input: Array) -> Array:
@@ -692,9 +693,15 @@ class Module:
             ) from None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the accumulated gradients, as PyTorch's ``zero_grad``: forget them
-        (``set_to_none=True``, the default: ``self.grads`` becomes empty), or write zeros
-        into each in place (``False``: a reference to ``m.grads["weight"]`` sees them)."""
+        """Reset the accumulated gradients, as PyTorch's ``zero_grad``.
+
+        Parameters
+        ----------
+        set_to_none : bool, default True
+            Forget them (``self.grads`` becomes empty, as torch's ``.grad`` becomes
+            None), or, with False, write zeros into each in place (a reference to
+            ``m.grads["weight"]`` sees them).
+        """
         if set_to_none:
             self.grads.clear()
             return
@@ -707,8 +714,22 @@ class Module:
         """Set training mode (``mode=True``) or evaluation mode; returns the module.
 
         The mode matters to BatchNorm (batch or running statistics) and to
-        InstanceNorm with ``track_running_stats=True``. ``mode`` must be a bool
-        (``ValueError`` otherwise, as in PyTorch: ``train("eval")`` would train).
+        InstanceNorm with ``track_running_stats=True``.
+
+        Parameters
+        ----------
+        mode : bool, default True
+            Training (True) or evaluation (False).
+
+        Returns
+        -------
+        Module
+            ``self``.
+
+        Raises
+        ------
+        ValueError
+            When ``mode`` is not a bool, as in PyTorch (``train("eval")`` would train).
         """
         if not isinstance(mode, bool):
             raise ValueError(f"training mode is expected to be a bool, got {mode!r}")

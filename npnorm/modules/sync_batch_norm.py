@@ -304,7 +304,28 @@ class SyncBatchNorm(_BatchNorm):
         modules do not nest, so a model is not walked as torch's is: anything but an
         npnorm module (a model of the caller's own, a list, a torch module) is a
         ``TypeError``, where it came back unconverted and every rank went on with its own
-        batch's statistics."""
+        batch's statistics.
+
+        Parameters
+        ----------
+        module : npnorm Module
+            The layer to convert: a BatchNorm1d/2d/3d or SyncBatchNorm (converted), or
+            any other npnorm module (returned as it is).
+        comm : mpi4py intracommunicator, default None
+            The processes whose batches are normalized together (None:
+            ``MPI.COMM_WORLD``, resolved at each training step, as the constructor's).
+
+        Returns
+        -------
+        Module
+            The new SyncBatchNorm, or ``module`` itself where it is no BatchNorm.
+
+        Raises
+        ------
+        TypeError
+            When ``module`` is not an npnorm module (a model of the caller's own, a
+            list, a torch module).
+        """
         if not isinstance(module, Module):
             torch = sys.modules.get("torch")  # (a torch module means torch is imported)
             hint = (
