@@ -600,19 +600,24 @@ def test_an_eval_forward_on_one_rank_before_the_synced_backward_raises_on_every_
     assert expected in results[0][0], results
 
 
-def test_after_a_backward_that_failed_on_every_rank_nothing_is_pending():
+@pytest.mark.parametrize("step_between", [True, False])
+def test_after_a_backward_that_failed_on_every_rank_nothing_is_pending(step_between):
     """The collective failure above left the synced backward "pending" on every rank: the
     next eval forward and backward on one rank alone joined an exchange no other rank
-    entered (a hang; here the stand-in's barrier breaks)."""
+    entered (a hang; here the stand-in's barrier breaks). With ``step_between`` a synced
+    step whose backward fails in the exchange runs first; without it, rank 0's eval step
+    follows the failure at once (the synced step clears what the failure left pending:
+    a mutation that kept it passed the case with the step alone)."""
 
     def rank_fn(comm):
         rank = comm.Get_rank()
         m, x = _synced_then_eval_on_rank_0(comm, True)
         with pytest.raises(RuntimeError, match="did not sync"):
             m.backward(np.ones_like(x))
-        m(x)
-        with pytest.raises(ValueError, match="grad_output must have the shape"):  # fails in the exchange
-            m.backward(np.ones((1, 3, 4)) if rank == 1 else np.ones_like(x))
+        if step_between:
+            m(x)
+            with pytest.raises(ValueError, match="grad_output must have the shape"):  # fails in the exchange
+                m.backward(np.ones((1, 3, 4)) if rank == 1 else np.ones_like(x))
         if rank != 0:
             return None
         m.eval()
