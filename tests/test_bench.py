@@ -317,6 +317,36 @@ def test_a_ratio_target_below_the_copy_roofline_is_said_to_be_unreachable(capsys
     assert "unreachable" not in second
 
 
+def test_a_verdict_gives_torchs_own_times_where_they_spread(capsys):
+    """On a 2-vCPU AMD EPYC VM PyTorch's GroupNorm forward+backward took 3.7-5.3 ms in 16
+    rounds of 36 and 8.1-13.7 ms in the others (steps about 4 ms apart), npnorm's 3.9-4.7 ms
+    in all: the ratio's spread was PyTorch's, and nothing said so. Where PyTorch's middle half
+    spans BASELINE_SPREAD times or more, the verdict (with a target or without) gives it;
+    a narrower one says nothing more."""
+    from npnorm import _bench
+
+    common = {"roofline_fb": 0.8, "extra_memory_x_input": 0.0, "copy_ms": 1.0, "torch_fb_ms": 8.3}
+    spread = _bench.BASELINE_SPREAD
+    rows = [
+        _row("GroupNorm", (32, 64, 56, 56), fb_vs_torch=0.55, torch_fb_quartiles=[4.4, 8.8], **common),
+        _row(
+            "GroupNorm", (32, 64, 56, 56), fb_vs_torch=0.55, torch_fb_quartiles=[4.0, 4.0 * spread], **common
+        ),
+        _row(
+            "GroupNorm", (32, 64, 56, 56), fb_vs_torch=0.55, torch_fb_quartiles=[4.0, 3.99 * spread], **common
+        ),
+        _row("GroupNorm", (32, 64, 56, 56), fb_vs_torch=0.55, torch_fb_quartiles=None, **common),
+        _row("RMSNorm", (8, 2048, 4096), fb_vs_torch=0.08, torch_fb_quartiles=[700.0, 1400.0], **common),
+    ]
+    _bench._print_targets(rows, [], [], judge=True)
+    lines = capsys.readouterr().out.splitlines()[-5:]
+    said = "torch's own forward+backward: rounds' middle half"
+    assert f"{said} 4.4-8.8 ms)" in lines[0].split(";")[0], lines[0]
+    assert f"{said} 4.0-{4.0 * spread:.1f} ms)" in lines[1], lines[1]
+    assert said not in lines[2] and said not in lines[3], lines[2:4]
+    assert f"0.08x torch (no target) ({said} 700.0-1400.0 ms)" in lines[4], lines[4]
+
+
 def test_training_rounds_lead_with_the_copy_and_warm_each_implementation(monkeypatch):
     """The training rounds share the round-robin loop: the copy leads every round, each
     implementation runs once a round, its untimed forward+backward before its timed calls."""
@@ -546,6 +576,7 @@ def test_training_rows_are_the_medians_and_ratios_of_the_rounds(monkeypatch):
     assert row["impl"] == default and sum(r["default"] for r in rows) == 1
     want = {"rounds": 3, "fwd_ms": 2.0, "bwd_ms": 4.0, "fb_ms": 5.0, "copy_ms": 2.0, "torch_fb_ms": 20.0}
     assert {k: row[k] for k in want} == want
+    assert row["torch_fb_quartiles"] == pytest.approx([15.0, 30.0])  # torch's own fb: 10, 20, 40
     assert row["copy_GBps"] == pytest.approx(2 * 96 / 2.0 / 1e6)
     assert row["roofline_fwd"] == 1.0 and row["roofline_fb"] == 1.0  # 2.5 copies
     assert row["roofline_fb_quartiles"] == pytest.approx([0.75, 2.0])
