@@ -83,6 +83,9 @@ TARGET_VS_TORCH = {
     ("InstanceNorm2d", (32, 64, 56, 56)): 0.5,
 }
 TARGET_ROOFLINE = 0.50
+TARGET_EXTRA_MEMORY = 0.25
+TARGET_INFERENCE = 1.0  # F.layer_norm forward at INFERENCE_SHAPE, x torch under no_grad
+TARGET_TINY = 2.0  # F.layer_norm forward at TINY_SHAPE, x torch's per-call time
 # A ratio verdict also gives PyTorch's own forward+backward times (the middle half of its
 # rounds) where their third quartile is at least this multiple of their first: on a 2-vCPU
 # AMD EPYC VM (a kernel ticking at 250 Hz) PyTorch's two-thread calls at the (32, 64, 56,
@@ -91,9 +94,6 @@ TARGET_ROOFLINE = 0.50
 # of 36, 8.1-9.1 in 14 and 10.9-13.7 in 6 (npnorm's 3.9-4.7 ms in all 36); alone in a
 # process it stepped too, in some runs on one thread and with OMP_WAIT_POLICY=PASSIVE as well.
 BASELINE_SPREAD = 1.5
-TARGET_EXTRA_MEMORY = 0.25
-TARGET_INFERENCE = 1.0  # F.layer_norm forward at INFERENCE_SHAPE, x torch under no_grad
-TARGET_TINY = 2.0  # F.layer_norm forward at TINY_SHAPE, x torch's per-call time
 INFERENCE_SHAPE = (64, 128, 384)
 TINY_SHAPE = (4, 8)
 TINY_CALLS = 200  # calls per timed round of the tiny-call figure
@@ -902,8 +902,8 @@ def _unreachable(row: dict[str, Any], target: float) -> str:
 
 def _baseline_spread(row: dict[str, Any]) -> str:
     """PyTorch's own forward+backward times, the middle half of its rounds, where they
-    spread by ``BASELINE_SPREAD`` or more (third quartile against first): then the
-    ratios' spread is its (see ``BASELINE_SPREAD``)."""
+    spread by ``BASELINE_SPREAD`` or more (third quartile against first), where the
+    ratios then spread with them (see ``BASELINE_SPREAD``)."""
     quartiles = row.get("torch_fb_quartiles")
     if not quartiles or quartiles[1] < BASELINE_SPREAD * quartiles[0]:
         return ""
