@@ -902,8 +902,8 @@ def _unreachable(row: dict[str, Any], target: float) -> str:
 
 def _baseline_spread(row: dict[str, Any]) -> str:
     """PyTorch's own forward+backward times, the middle half of its rounds, where they
-    spread by ``BASELINE_SPREAD`` or more (third quartile against first), where the
-    ratios then spread with them (see ``BASELINE_SPREAD``)."""
+    spread by ``BASELINE_SPREAD`` or more (third quartile against first): a ratio's
+    spread may then be PyTorch's (see ``BASELINE_SPREAD``)."""
     quartiles = row.get("torch_fb_quartiles")
     if not quartiles or quartiles[1] < BASELINE_SPREAD * quartiles[0]:
         return ""

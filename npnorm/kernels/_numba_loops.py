@@ -846,8 +846,9 @@ def channel_forward_pipelined(x, w, b, eps, training, mean, var, rstd, y, c0, c1
 # added in the same order), was timed against this pipeline on a 2-vCPU AMD EPYC, the loops
 # alone in float32: on one thread 0.71-0.87x its time at (32, 64, 56, 56), (128, 64, 28,
 # 28) and (32, 256, 28, 28) (1.1x at (8, 64, 128, 128) and (16, 32, 224, 224)), but on two
-# threads 0.95x at (32, 64, 56, 56) only, and 1.04-1.30x at the four others, (64, 128, 14,
-# 14) and (256, 512, 7, 7): it reads dy and x from memory twice. So it was not kept.
+# threads 0.95x at (32, 64, 56, 56) only, and 1.04-1.30x at the other six (the four above,
+# (64, 128, 14, 14) and (256, 512, 7, 7)): it reads dy and x from memory twice. So it was
+# not kept.
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
