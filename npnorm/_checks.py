@@ -32,8 +32,12 @@ from ._backend import (
 Shape = tuple[int, ...]
 
 
-def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shape") -> Shape:
-    """An int or a sequence of ints as a non-empty tuple of positive ints."""
+def as_shape(
+    normalized_shape: int | Sequence[int], what: str = "normalized_shape", *, after: str = ""
+) -> Shape:
+    """An int or a sequence of ints as a non-empty tuple of positive ints. ``after``: the
+    arguments before it in a function's signature, named in the error where an array came
+    in its place (a weight, mean or rstd passed one argument early)."""
     if type(normalized_shape) is int and normalized_shape > 0:  # the common calls, cheaply
         return (normalized_shape,)
     if type(normalized_shape) is tuple and len(normalized_shape) == 1:
@@ -50,10 +54,43 @@ def as_shape(normalized_shape: int | Sequence[int], what: str = "normalized_shap
             # operator.index: ints of any kind (np.int64 too), never a float or a string's digits
             shape = tuple(operator.index(d) for d in items)
         except TypeError as err:
-            raise TypeError(f"{what} must be an int or a sequence of ints, got {normalized_shape!r}") from err
+            hint = ""
+            if after and _an_array(normalized_shape):
+                hint = f" (an array where the shape goes: {what} comes right after {after})"
+            raise TypeError(
+                f"{what} must be an int or a sequence of ints, got {_shown(normalized_shape)}{hint}"
+            ) from err
     if not shape or any(d <= 0 for d in shape):
-        raise ValueError(f"{what} must be a non-empty shape of positive sizes, got {normalized_shape!r}")
+        raise ValueError(
+            f"{what} must be a non-empty shape of positive sizes, got {_shown(normalized_shape)}"
+        )
     return shape
+
+
+def _an_array(value: object) -> bool:
+    """Whether ``value`` is an array of one dimension or more (NumPy's, torch's, ...)."""
+    shape = getattr(value, "shape", None)
+    return getattr(value, "dtype", None) is not None and isinstance(shape, tuple) and len(shape) > 0
+
+
+# the values an array may have for its repr in an error message: a longer one is named by its
+# shape and dtype (a weight passed where normalized_shape, eps or training goes printed its
+# 768 values, 3.5 KB)
+SHOWN_VALUES = 8
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message: its repr, or for an array of more than SHOWN_VALUES
+    values its shape, dtype and type."""
+    if _an_array(value):
+        try:
+            shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # a size not known (dask's NaN, None): its own repr
+            return repr(value)
+        if prod(shape) > SHOWN_VALUES:
+            dtype = value.dtype  # type: ignore[attr-defined]
+            return f"an array of shape {shape} and dtype {dtype} ({type(value).__name__})"
+    return repr(value)
 
 
 def prod(shape: Sequence[int]) -> int:
@@ -176,9 +213,9 @@ def check_count(value: Any, what: str, expected: str = "a positive int") -> int:
             raise TypeError
         count = operator.index(value)
     except TypeError:  # PyTorch: TypeError
-        raise TypeError(f"{what} must be {expected}, got {value!r}") from None
+        raise TypeError(f"{what} must be {expected}, got {_shown(value)}") from None
     if count <= 0:
-        raise ValueError(f"{what} must be {expected}, got {value!r}")
+        raise ValueError(f"{what} must be {expected}, got {_shown(value)}")
     return count
 
 
@@ -187,7 +224,7 @@ def check_flag(value: Any, what: str) -> bool:
     TypeError, where a truthy string such as "False" would silently select training."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"{what} must be a bool, got {value!r}")
+    raise TypeError(f"{what} must be a bool, got {_shown(value)}")
 
 
 def check_backward_training(value: Any, what: str) -> bool:
@@ -206,7 +243,7 @@ def check_backward_training(value: Any, what: str) -> bool:
 def check_real(value: Any, what: str) -> float:
     """A real number (of any type: NumPy's float32 too; not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number, got {value!r}")
+        raise TypeError(f"{what} must be a number, got {_shown(value)}")
     return float(value)
 
 
@@ -214,7 +251,7 @@ def check_eps(eps: Any) -> float:
     if type(eps) is float and eps >= 0:  # the common call, cheaply (NaN falls through)
         return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # PyTorch: TypeError
-        raise TypeError(f"eps must be a non-negative number, got {eps!r}")
+        raise TypeError(f"eps must be a non-negative number, got {_shown(eps)}")
     if not float(eps) >= 0:  # negative or NaN (PyTorch lets some through: npnorm refuses all)
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     return float(eps)

@@ -73,6 +73,55 @@ def test_a_bool_is_not_a_normalized_shape(shape):
         F.layer_norm_forward(np.ones((2, 1), np.float32), shape)
 
 
+def test_an_array_where_the_shape_goes_is_named_not_printed():
+    """A weight passed where normalized_shape goes (``F.layer_norm_forward(x, w)``) printed
+    its 768 values, a 3.5 KB message. An array of more than a few values is now named by its
+    shape and dtype, and the functions say where the shape goes (an array in its place is
+    most likely a weight, mean or rstd one argument early); the module, whose first argument
+    it is, says no more; a short array keeps its repr."""
+    x, w = np.ones((4, 768), np.float32), np.ones(768, np.float32)
+    named = r"got an array of shape \(768,\) and dtype float32 \(ndarray\)"
+    with pytest.raises(
+        TypeError,
+        match=named + r" \(an array where the shape goes: normalized_shape comes right after input\)$",
+    ):
+        F.layer_norm_forward(x, w)
+    with pytest.raises(
+        TypeError,
+        match=named + r" \(an array where the shape goes: normalized_shape comes right after input\)$",
+    ):
+        F.rms_norm(x, w)
+    _, mean, rstd = F.layer_norm_forward(x, 768)
+    after = r"\(an array where the shape goes: normalized_shape comes right after grad_output and input\)$"
+    with pytest.raises(TypeError, match=r"got array\(\[1\., 1\., 1\., 1\.\], dtype=float32\) " + after):
+        F.layer_norm_backward(x, x, mean, rstd, w)
+    with pytest.raises(TypeError, match=named + "$"):
+        npnorm.LayerNorm(w)
+    with pytest.raises(
+        ValueError, match=r"positive sizes, got an array of shape \(12,\) and dtype int64 \(ndarray\)$"
+    ):
+        F.layer_norm_forward(x, np.zeros(12, np.int64))
+    with pytest.raises(TypeError, match=r"got 768\.0$"):  # not an array: its repr, no hint
+        F.layer_norm_forward(x, 768.0)
+
+
+def test_an_array_where_a_number_or_flag_goes_is_named_not_printed():
+    """The same for eps, training, momentum and a count (an array one argument off among
+    the positional ones: each printed its 768 values)."""
+    x, w = np.ones((4, 768), np.float32), np.ones(768, np.float32)
+    named = r"got an array of shape \(768,\) and dtype float32 \(ndarray\)$"
+    with pytest.raises(TypeError, match="eps must be a non-negative number, " + named):
+        F.layer_norm_forward(x, 768, w, w, w)
+    with pytest.raises(TypeError, match="training must be a bool, " + named):
+        F.batch_norm_forward(x, w, w, w, w, w)
+    with pytest.raises(TypeError, match="momentum must be a number, " + named):
+        F.batch_norm_forward(x, w, w, w, w, True, w)
+    with pytest.raises(TypeError, match="num_groups must be a positive int, " + named):
+        F.group_norm_forward(np.ones((2, 768, 3), np.float32), w)
+    with pytest.raises(TypeError, match=r"eps must be a non-negative number, got array\(\[1\., 1\.\]"):
+        F.layer_norm_forward(x, 768, eps=np.ones(2))  # a short one keeps its repr
+
+
 class _Duck:
     """An Array API object whose namespace is its own attribute, not its type's."""
 

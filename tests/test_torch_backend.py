@@ -504,6 +504,14 @@ def test_a_broadcast_out_is_told_of_its_backends_empty(torch):
         F.layer_norm_forward(x, 3, out=torch.empty(1, 3).expand(4, 3))
 
 
+def test_a_tensor_where_the_shape_goes_is_named_not_printed(torch):
+    """A weight tensor passed where normalized_shape goes is named by its shape and dtype
+    (its repr printed every value), with where the shape goes."""
+    named = r"got an array of shape \(768,\) and dtype torch\.float32 \(Tensor\)"
+    with pytest.raises(TypeError, match=named + r" \(an array where the shape goes: normalized_shape"):
+        F.layer_norm_forward(torch.ones(4, 768), torch.ones(768))
+
+
 @pytest.mark.parametrize("kind", ["coo", "mkldnn"])
 def test_a_sparse_out_or_running_buffer_is_refused_clearly(torch, kind):
     x = torch.randn(4, 3)

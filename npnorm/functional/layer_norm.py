@@ -86,7 +86,7 @@ def layer_norm_forward(
     (array([[-1.2247,  0.    ,  1.2247],
            [-0.7071, -0.7071,  1.4142]]), array([2., 3.]))
     """
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="input")
     eps = check_eps(eps)
     xp = float_inputs(input, weight, bias, names=("input", "weight", "bias"))
     check_trailing(input, shape)
@@ -159,7 +159,7 @@ def layer_norm_backward(
     >>> np.abs(dx).max() < 1e-12, db is None  # a constant dy shifts y: no gradient
     (np.True_, True)
     """
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="grad_output and input")
     xp = float_inputs(
         grad_output,
         input,

@@ -84,7 +84,7 @@ def rms_norm_forward(
     >>> y.round(4), rstd.round(4)
     (array([[0.8485, 1.1314]]), array([0.2828]))
     """
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="input")
     xp = float_inputs(input, weight, names=("input", "weight"))
     check_trailing(input, shape)
     check_param(weight, shape, "weight")
@@ -144,7 +144,7 @@ def rms_norm_backward(
     >>> np.abs(dx).max() < 1e-12, db
     (np.True_, None)
     """
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="grad_output and input")
     xp = float_inputs(
         grad_output, input, rstd, weight, names=("grad_output", "input", "rstd", "weight"), required=3
     )
