@@ -29,6 +29,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 
 
+def an_array(value: object) -> bool:
+    """Whether ``value`` is an array of one dimension or more (NumPy's, torch's, ...)."""
+    shape = getattr(value, "shape", None)
+    return getattr(value, "dtype", None) is not None and isinstance(shape, tuple) and len(shape) > 0
+
+
+# the values an array may have for its repr in an error message: a longer one is named by its
+# shape and dtype (a weight passed where normalized_shape, eps or training goes printed its
+# 768 values, 3.5 KB)
+SHOWN_VALUES = 8
+
+
+def shown(value: object) -> str:
+    """``value`` for an error message: its repr, or for an array of more than SHOWN_VALUES
+    values its shape, dtype and type."""
+    if an_array(value):
+        try:
+            shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
+        except (TypeError, ValueError):  # a size not known (dask's NaN, None): its own repr
+            return repr(value)
+        if math.prod(shape) > SHOWN_VALUES:
+            dtype = value.dtype  # type: ignore[attr-defined]
+            return f"an array of shape {shape} and dtype {dtype} ({type(value).__name__})"
+    return repr(value)
+
+
 def no_fp_warnings(fn: F) -> F:
     """Run ``fn`` with NumPy's floating-point warnings off, as PyTorch's kernels never
     warn: a result that does not fit its dtype (an output beyond float32's range, 1/0
@@ -172,8 +198,8 @@ def resolve_namespace(xp: str | ModuleType | None) -> Namespace:
         module = xp
     else:
         raise TypeError(
-            f"xp must be None, a backend name or a namespace module, got {xp!r} (a dtype goes in dtype=, "
-            f"a device in device=)"
+            f"xp must be None, a backend name or a namespace module, got {shown(xp)} (a dtype goes "
+            f"in dtype=, a device in device=)"
         )
     try:
         return array_api_compat.array_namespace(module.empty((0,)))
@@ -217,7 +243,7 @@ def resolve_dtype(xp: Namespace, dtype: Any, device: Any = None) -> Any:
             if library != _library(dtype):  # not a dtype that names itself: an enum, a config
                 name = ""
     if name not in FLOAT_NAMES:
-        raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {dtype!r}")
+        raise TypeError(f"dtype must be one of {FLOAT_NAMES}, got {shown(dtype)}")
     resolved = getattr(xp, name, None)
     if resolved is None or name not in _standard_floats(xp):
         raise TypeError(
@@ -298,7 +324,7 @@ def check_device(xp: Namespace, device: Any) -> Any:
             if known is not None and str(device) in names:
                 return known
         raise ValueError(
-            f"device {device!r} is not a device of backend {backend_name(xp)} ({err}); None means "
+            f"device {shown(device)} is not a device of backend {backend_name(xp)} ({err}); None means "
             f"the backend's default device, and xp= chooses the backend"
         ) from err
 

@@ -18,6 +18,7 @@ import numpy as np
 from ._backend import (
     Array,
     Namespace,
+    an_array,
     backend_name,
     check_dense,
     check_floating,
@@ -25,6 +26,7 @@ from ._backend import (
     grad_tracked,
     namespace_of,
     repeats_elements,
+    shown,
     to_host,
     writable,
 )
@@ -55,42 +57,14 @@ def as_shape(
             shape = tuple(operator.index(d) for d in items)
         except TypeError as err:
             hint = ""
-            if after and _an_array(normalized_shape):
+            if after and an_array(normalized_shape):
                 hint = f" (an array where the shape goes: {what} comes right after {after})"
             raise TypeError(
-                f"{what} must be an int or a sequence of ints, got {_shown(normalized_shape)}{hint}"
+                f"{what} must be an int or a sequence of ints, got {shown(normalized_shape)}{hint}"
             ) from err
     if not shape or any(d <= 0 for d in shape):
-        raise ValueError(
-            f"{what} must be a non-empty shape of positive sizes, got {_shown(normalized_shape)}"
-        )
+        raise ValueError(f"{what} must be a non-empty shape of positive sizes, got {shown(normalized_shape)}")
     return shape
-
-
-def _an_array(value: object) -> bool:
-    """Whether ``value`` is an array of one dimension or more (NumPy's, torch's, ...)."""
-    shape = getattr(value, "shape", None)
-    return getattr(value, "dtype", None) is not None and isinstance(shape, tuple) and len(shape) > 0
-
-
-# the values an array may have for its repr in an error message: a longer one is named by its
-# shape and dtype (a weight passed where normalized_shape, eps or training goes printed its
-# 768 values, 3.5 KB)
-SHOWN_VALUES = 8
-
-
-def _shown(value: object) -> str:
-    """``value`` for an error message: its repr, or for an array of more than SHOWN_VALUES
-    values its shape, dtype and type."""
-    if _an_array(value):
-        try:
-            shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
-        except (TypeError, ValueError):  # a size not known (dask's NaN, None): its own repr
-            return repr(value)
-        if prod(shape) > SHOWN_VALUES:
-            dtype = value.dtype  # type: ignore[attr-defined]
-            return f"an array of shape {shape} and dtype {dtype} ({type(value).__name__})"
-    return repr(value)
 
 
 def prod(shape: Sequence[int]) -> int:
@@ -213,9 +187,9 @@ def check_count(value: Any, what: str, expected: str = "a positive int") -> int:
             raise TypeError
         count = operator.index(value)
     except TypeError:  # PyTorch: TypeError
-        raise TypeError(f"{what} must be {expected}, got {_shown(value)}") from None
+        raise TypeError(f"{what} must be {expected}, got {shown(value)}") from None
     if count <= 0:
-        raise ValueError(f"{what} must be {expected}, got {_shown(value)}")
+        raise ValueError(f"{what} must be {expected}, got {shown(value)}")
     return count
 
 
@@ -224,7 +198,7 @@ def check_flag(value: Any, what: str) -> bool:
     TypeError, where a truthy string such as "False" would silently select training."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"{what} must be a bool, got {_shown(value)}")
+    raise TypeError(f"{what} must be a bool, got {shown(value)}")
 
 
 def check_backward_training(value: Any, what: str) -> bool:
@@ -243,7 +217,7 @@ def check_backward_training(value: Any, what: str) -> bool:
 def check_real(value: Any, what: str) -> float:
     """A real number (of any type: NumPy's float32 too; not a bool) as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number, got {_shown(value)}")
+        raise TypeError(f"{what} must be a number, got {shown(value)}")
     return float(value)
 
 
@@ -251,7 +225,7 @@ def check_eps(eps: Any) -> float:
     if type(eps) is float and eps >= 0:  # the common call, cheaply (NaN falls through)
         return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # PyTorch: TypeError
-        raise TypeError(f"eps must be a non-negative number, got {_shown(eps)}")
+        raise TypeError(f"eps must be a non-negative number, got {shown(eps)}")
     if not float(eps) >= 0:  # negative or NaN (PyTorch lets some through: npnorm refuses all)
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
     return float(eps)

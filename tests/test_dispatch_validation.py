@@ -107,7 +107,7 @@ def test_an_array_where_the_shape_goes_is_named_not_printed():
 
 def test_an_array_where_a_number_or_flag_goes_is_named_not_printed():
     """The same for eps, training, momentum and a count (an array one argument off among
-    the positional ones: each printed its 768 values)."""
+    the positional ones: each printed its 768 values), and a module's dtype, xp and device."""
     x, w = np.ones((4, 768), np.float32), np.ones(768, np.float32)
     named = r"got an array of shape \(768,\) and dtype float32 \(ndarray\)$"
     with pytest.raises(TypeError, match="eps must be a non-negative number, " + named):
@@ -120,6 +120,15 @@ def test_an_array_where_a_number_or_flag_goes_is_named_not_printed():
         F.group_norm_forward(np.ones((2, 768, 3), np.float32), w)
     with pytest.raises(TypeError, match=r"eps must be a non-negative number, got array\(\[1\., 1\.\]"):
         F.layer_norm_forward(x, 768, eps=np.ones(2))  # a short one keeps its repr
+    named = r"got an array of shape \(768,\) and dtype float32 \(ndarray\)"
+    with pytest.raises(TypeError, match=r"dtype must be one of .*, " + named + "$"):
+        npnorm.LayerNorm(768, dtype=w)
+    with pytest.raises(TypeError, match=r"xp must be None, .*, " + named + r" \(a dtype goes"):
+        npnorm.LayerNorm(768, xp=w)
+    with pytest.raises(
+        ValueError, match=r"^device an array of shape \(768,\) and dtype float32 \(ndarray\) is not"
+    ):
+        npnorm.LayerNorm(768, device=w)
 
 
 class _Duck:
