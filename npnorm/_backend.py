@@ -12,6 +12,7 @@ import functools
 import importlib
 import importlib.util
 import math
+import reprlib
 import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -31,27 +32,35 @@ T = TypeVar("T")
 
 def an_array(value: object) -> bool:
     """Whether ``value`` is an array of one dimension or more (NumPy's, torch's, ...)."""
-    shape = getattr(value, "shape", None)
-    return getattr(value, "dtype", None) is not None and isinstance(shape, tuple) and len(shape) > 0
+    try:
+        shape = getattr(value, "shape", None)
+        return getattr(value, "dtype", None) is not None and isinstance(shape, tuple) and len(shape) > 0
+    except Exception:  # a shape that raises (torch's nested tensors): not one to describe
+        return False
 
 
-# the values an array may have for its repr in an error message: a longer one is named by its
-# shape and dtype (a weight passed where normalized_shape, eps or training goes printed its
-# 768 values, 3.5 KB)
+# the values an array, list or tuple may have for its repr in an error message: a longer
+# array is named by its shape and dtype, a longer list or tuple cut short (a weight passed
+# where normalized_shape, eps or training goes printed its 768 values, 3.5 KB)
 SHOWN_VALUES = 8
+_SHORT = reprlib.Repr()
+_SHORT.maxlist = _SHORT.maxtuple = SHOWN_VALUES
+_SHORT.maxstring = _SHORT.maxother = _SHORT.maxlong = 1 << 16  # (the rest as repr has it)
 
 
 def shown(value: object) -> str:
-    """``value`` for an error message: its repr, or for an array of more than SHOWN_VALUES
-    values its shape, dtype and type."""
-    if an_array(value):
-        try:
+    """``value`` for an error message (never raising): its repr, for an array of more than
+    SHOWN_VALUES values its shape, dtype and type, and a longer list or tuple cut short."""
+    try:
+        if an_array(value):
             shape = tuple(int(d) for d in value.shape)  # type: ignore[attr-defined]
-        except (TypeError, ValueError):  # a size not known (dask's NaN, None): its own repr
-            return repr(value)
-        if math.prod(shape) > SHOWN_VALUES:
-            dtype = value.dtype  # type: ignore[attr-defined]
-            return f"an array of shape {shape} and dtype {dtype} ({type(value).__name__})"
+            if math.prod(shape) > SHOWN_VALUES:
+                dtype = value.dtype  # type: ignore[attr-defined]
+                return f"an array of shape {shape} and dtype {dtype} ({type(value).__name__})"
+        elif isinstance(value, (list, tuple)):
+            return _SHORT.repr(value)
+    except Exception:  # a size not known (dask's NaN, a nested tensor's): its own repr
+        pass
     return repr(value)
 
 
@@ -324,7 +333,7 @@ def check_device(xp: Namespace, device: Any) -> Any:
             if known is not None and str(device) in names:
                 return known
         raise ValueError(
-            f"device {shown(device)} is not a device of backend {backend_name(xp)} ({err}); None means "
+            f"device={shown(device)} is not a device of backend {backend_name(xp)} ({err}); None means "
             f"the backend's default device, and xp= chooses the backend"
         ) from err
 

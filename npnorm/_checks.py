@@ -16,6 +16,7 @@ import array_api_compat
 import numpy as np
 
 from ._backend import (
+    SHOWN_VALUES,
     Array,
     Namespace,
     an_array,
@@ -148,9 +149,11 @@ def check_trailing(x: Array, shape: Shape, what: str = "input") -> None:
     """``x`` must end in ``shape``."""
     k = len(shape)
     if x.ndim < k or tuple(x.shape[x.ndim - k :]) != shape:
+        # (a shape of more sizes than SHOWN_VALUES, an int array's values, is not spelled out)
+        sizes = ", ".join(map(str, shape)) if k <= SHOWN_VALUES else f"the {k} sizes of the normalized shape"
         raise ValueError(
             f"{what} of shape {tuple(x.shape)} does not end in the normalized shape "
-            f"{shape}: expected an input of shape (*, {', '.join(map(str, shape))})"
+            f"{shown(shape)}: expected an input of shape (*, {sizes})"
         )
 
 

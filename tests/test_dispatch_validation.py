@@ -126,9 +126,49 @@ def test_an_array_where_a_number_or_flag_goes_is_named_not_printed():
     with pytest.raises(TypeError, match=r"xp must be None, .*, " + named + r" \(a dtype goes"):
         npnorm.LayerNorm(768, xp=w)
     with pytest.raises(
-        ValueError, match=r"^device an array of shape \(768,\) and dtype float32 \(ndarray\) is not"
+        ValueError, match=r"^device=an array of shape \(768,\) and dtype float32 \(ndarray\) is not"
     ):
         npnorm.LayerNorm(768, device=w)
+
+
+def test_what_an_error_shows_of_a_value_is_bounded_and_never_raises():
+    """Up to 8 values an array keeps its repr, from 9 it is named; a longer list or tuple is
+    cut short, and an int array of 768 sizes as normalized_shape (7.5 KB before) is not
+    spelled out; rms_norm_backward and the module's train(mode) show the same; a value whose
+    shape raises (torch's nested tensors) gets its repr, not the shape's exception."""
+    x = np.ones((4, 768), np.float32)
+    with pytest.raises(TypeError, match=r"got array\(\[1\., 1\., 1\., 1\., 1\., 1\., 1\., 1\.\]\)$"):
+        F.layer_norm_forward(x, 768, eps=np.ones(8))
+    with pytest.raises(TypeError, match=r"got an array of shape \(9,\) and dtype float64 \(ndarray\)$"):
+        F.layer_norm_forward(x, 768, eps=np.ones(9))
+    with pytest.raises(TypeError, match=r"got \[1\.0, 1\.0, 1\.0, 1\.0, 1\.0, 1\.0, 1\.0, 1\.0, \.\.\.\]$"):
+        F.layer_norm_forward(x, [1.0] * 768)
+    with pytest.raises(
+        ValueError,
+        match=r"shape \(1, 2, 3, 4, 5, 6, 7, 8, \.\.\.\): expected an input of shape \(\*, the 768 sizes",
+    ) as err:
+        F.layer_norm_forward(x, np.arange(1, 769))
+    assert len(str(err.value)) < 300
+    rstd = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match=r"normalized_shape comes right after grad_output and input\)$"):
+        F.rms_norm_backward(x, x, rstd, np.ones(768, np.float32))
+    with pytest.raises(
+        ValueError, match=r"bool, got an array of shape \(4, 768\) and dtype float32 \(ndarray\)$"
+    ):
+        npnorm.LayerNorm(768).train(x)
+
+    class Odd:  # an object whose shape raises, as a nested tensor's does
+        dtype = np.float32
+
+        @property
+        def shape(self):
+            raise RuntimeError("no sizes here")
+
+        def __repr__(self):
+            return "Odd()"
+
+    with pytest.raises(TypeError, match=r"eps must be a non-negative number, got Odd\(\)$"):
+        F.layer_norm_forward(x, 768, eps=Odd())
 
 
 class _Duck:

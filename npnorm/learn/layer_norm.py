@@ -25,7 +25,7 @@ def layer_norm(
     eps: float = 1e-5,
 ) -> Tape:
     """Staged LayerNorm forward; the arguments of ``npnorm.functional.layer_norm_forward``."""
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="input")
     eps = check_eps(eps)
     x, w, b = float64_leaves(input=input, weight=weight, bias=bias)
     assert x is not None

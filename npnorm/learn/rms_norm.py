@@ -29,7 +29,7 @@ def rms_norm(
     (float32 for float16/float32 input, whatever the weight's dtype), as in PyTorch, even
     though the tape is float64.
     """
-    shape = as_shape(normalized_shape)
+    shape = as_shape(normalized_shape, after="input")
     eps = machine_eps(input) if eps is None else check_eps(eps)
     x, w = float64_leaves(input=input, weight=weight)
     assert x is not None

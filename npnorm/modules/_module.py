@@ -34,6 +34,7 @@ from .._backend import (
     requires_grad,
     resolve_dtype,
     resolve_namespace,
+    shown,
     to_host,
     to_namespace,
     torch_refuses_in_place,
@@ -732,7 +733,7 @@ class Module:
             When ``mode`` is not a bool, as in PyTorch (``train("eval")`` would train).
         """
         if not isinstance(mode, bool):
-            raise ValueError(f"training mode is expected to be a bool, got {mode!r}")
+            raise ValueError(f"training mode is expected to be a bool, got {shown(mode)}")
         self.training = mode
         return self
 
