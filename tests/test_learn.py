@@ -1108,6 +1108,7 @@ def test_staged_normalize_computes_in_float64_on_a_copy():
     [
         ({"eps": -1.0}, ValueError, "eps must be a non-negative number"),
         ({"correction": 2}, ValueError, "correction must be 0"),
+        ({"correction": np.array([0, 1])}, ValueError, r"correction must be 0 .*, got array\(\[0, 1\]\)$"),
         ({"weight": np.ones((3, 4))}, ValueError, "weight of shape"),
     ],
 )

@@ -13,6 +13,7 @@ from functools import partial
 import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
+from .._backend import shown
 from .._checks import check_eps
 from ._graph import affine, backward, same, standardize
 from ._inputs import float64_leaves
@@ -98,8 +99,12 @@ def staged_normalize(
         input = x
     # NumPy's rules: an axis out of range is an AxisError, a repeated one a ValueError
     norm_axes = tuple(sorted(normalize_axis_tuple(axes, input.ndim, "axes")))
-    if correction not in (0, 1):
-        raise ValueError(f"correction must be 0 (biased variance) or 1 (n-1), got {correction!r}")
+    try:
+        valid = bool(correction in (0, 1))
+    except (TypeError, ValueError):  # an array of several values: "ambiguous" said nothing of it
+        valid = False
+    if not valid:
+        raise ValueError(f"correction must be 0 (biased variance) or 1 (n-1), got {shown(correction)}")
     if count(input.shape, norm_axes) <= correction:
         raise ValueError(
             f"the variance over {count(input.shape, norm_axes)} value(s) needs more than {correction}"
