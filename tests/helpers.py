@@ -4,14 +4,44 @@ for running every operation through two kernel families."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import pathlib
+import sys
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import npnorm
 from npnorm._backend import to_host
 from npnorm._selfcheck import randomize  # noqa: F401  (re-exported for the tests)
+
+# what each optional extra of setup.cfg brings that tests need: modules, and for `mpi` the
+# mpiexec launcher that mpich installs next to the interpreter (mpi4py cannot load MPI without it)
+EXTRA_MODULES = {"mpi": ("mpi4py",), "demo": ("matplotlib", "sklearn", "tqdm")}
+MPIEXEC = pathlib.Path(sys.executable).parent / "mpiexec"
+
+
+def extra_missing(extra: str) -> str | None:
+    """Why the tests that need the optional ``extra`` cannot run here, or None when they can.
+
+    Without an extra, its tests skip and say which (as the parity tests do without torch);
+    .ci/run installs every extra and checks that each imports, so none skips there.
+    """
+    absent = [name for name in EXTRA_MODULES[extra] if importlib.util.find_spec(name) is None]
+    if extra == "mpi" and not MPIEXEC.exists():
+        absent.append(f"mpiexec next to {sys.executable} (the mpich package)")
+    if not absent:
+        return None
+    return f'needs the {extra!r} extra ({", ".join(absent)} missing): pip install -e ".[{extra}]"'
+
+
+def needs_extra(extra: str) -> pytest.MarkDecorator:
+    """A mark that skips a test where ``extra`` is missing (see ``extra_missing``)."""
+    reason = extra_missing(extra)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
 
 TOL = {
     "float64": dict(rtol=1e-10, atol=1e-10),

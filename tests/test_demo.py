@@ -19,6 +19,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from helpers import extra_missing, needs_extra
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -71,6 +72,8 @@ class _Counter:
 
 @pytest.fixture(scope="module")
 def data() -> td.Digits:
+    if reason := extra_missing("demo"):
+        pytest.skip(reason)
     return td.load_data(0)
 
 
@@ -80,6 +83,8 @@ def data() -> td.Digits:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
     """``python -m npnorm demo --quick --out figs``, run from a folder outside the checkout."""
+    if reason := extra_missing("demo"):
+        pytest.skip(reason)
     cwd = tmp_path_factory.mktemp("quick")
     return _demo(["--quick", "--out", "figs"], cwd), cwd / "figs"
 
@@ -313,6 +318,7 @@ def test_cross_entropy_matches_torch(torch, logits, data):
 # --- missing dependencies and installs ---------------------------------------------------
 
 
+@needs_extra("demo")
 @pytest.mark.parametrize(
     "module, package", [("matplotlib", "matplotlib"), ("sklearn", "scikit-learn"), ("tqdm", "tqdm")]
 )
@@ -341,6 +347,7 @@ def test_training_script_names_the_extra_without_scikit_learn(monkeypatch, capsy
     assert out == "" and err.count("\n") == 1 and HINT in err and "scikit-learn" in err
 
 
+@needs_extra("demo")
 @pytest.mark.slow
 def test_demo_runs_from_a_wheel_outside_the_checkout(tmp_path):
     """``pip install .`` takes the demo along: the wheel holds npnorm.demo, and the demo runs
@@ -407,6 +414,7 @@ def test_train_eval_gap_scores_every_image_in_batches_of_its_size(data):
     assert acc == want
 
 
+@needs_extra("demo")
 def test_a_write_that_fails_is_one_line_and_figures_of_an_earlier_run_are_named(
     tmp_path, monkeypatch, capsys
 ):
@@ -478,6 +486,7 @@ def test_layer_statistics_title_fits_and_the_mean_row_has_each_norms_scale(tmp_p
         assert not axes[1, col].get_shared_y_axes().joined(axes[1, 0], axes[1, col])
 
 
+@needs_extra("demo")
 @pytest.mark.parametrize("argv", [["--quiet", "demo"], ["demo", "--quiet"]])
 def test_quiet_shows_no_progress_bars(tmp_path, monkeypatch, capsys, argv):
     """``--quiet`` prints nothing: the progress bars (on standard error) were still drawn."""
@@ -490,6 +499,7 @@ def test_quiet_shows_no_progress_bars(tmp_path, monkeypatch, capsys, argv):
     assert (tmp_path / "results.json").exists()
 
 
+@needs_extra("demo")
 def test_an_interrupted_figure_write_leaves_the_earlier_figure_whole(tmp_path, monkeypatch):
     """A Ctrl-C while a figure was written left a truncated PNG at its path (savefig wrote
     straight to it); the figure is now written beside it and renamed, so the earlier file

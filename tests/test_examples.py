@@ -5,11 +5,19 @@ import subprocess
 import sys
 
 import pytest
+from helpers import needs_extra
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
+NEEDS = {"train_digits.py": "demo"}  # the extra an example needs beyond the base install
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.name, marks=[needs_extra(NEEDS[p.name])] if p.name in NEEDS else [])
+        for p in EXAMPLES
+    ],
+)
 def test_example_runs(path):
     out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -18,7 +18,6 @@ import pytest
 
 import npnorm
 import npnorm.functional as F
-from npnorm.kernels import _staging
 
 FAST = [f for f in npnorm.kernels_available() if f != "reference"]
 
@@ -230,6 +229,8 @@ def test_channels_last_group_norm_backward_at_a_large_offset(family):
 def test_the_staged_constants_stay_few():
     """The numba family keeps constant rows (ones, for rows without a weight) per length and
     dtype in a small cache, cleared past 64 entries: 300 lengths do not keep 300 rows."""
+    from npnorm.kernels import _staging  # (imports numba: the module's other cases run without it)
+
     with npnorm.use_kernels("numba"):
         for d in range(1, 301):
             F.layer_norm_forward(np.ones((2, d), np.float32), d)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import os
 import pathlib
 import signal
@@ -30,7 +29,7 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import close, draw_state, gains, load_into_torch, randomize
+from helpers import MPIEXEC, close, draw_state, gains, load_into_torch, needs_extra, randomize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
@@ -43,18 +42,7 @@ from npnorm.functional._dispatch import family_kernel, generic_kernel
 from npnorm.functional.sync_batch_norm import merge_moments
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MPIEXEC = pathlib.Path(sys.executable).parent / "mpiexec"
-
-
-def _mpi_missing() -> str | None:
-    if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install 'npnorm[mpi]')"
-    if not MPIEXEC.exists():
-        return f"no mpiexec next to {sys.executable} (pip install mpich, or 'npnorm[mpi]')"
-    return None
-
-
-needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+needs_mpi = needs_extra("mpi")
 
 
 def launch(args: list[str], timeout: float, ranks: int | None = 3) -> subprocess.CompletedProcess[str]:
