@@ -1,0 +1,144 @@
+"""A module's life, step by step, against torch.nn's twin: random sequences of what a
+training loop does (forwards, backwards, a forward left without its backward, train/eval
+switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``), drawn
+by hypothesis's state machines, so a failing sequence shrinks to the few steps that make
+it fail.
+
+The other tests take one operation at a time; here the operations meet: the gradients
+accumulated over several backwards, a backward after a mode switch or a load (torch's
+saved forward decides, and where torch raises npnorm must too), ``momentum=None``'s
+cumulative average across a reset. After every step both modules must hold the same
+mode, parameters, buffers and gradients (float64, to 1e-10).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import draw_state, grid_arrays
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import npnorm
+
+torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
+
+# name: (make(namespace, **factory_kwargs), input shape)
+LAYERS = {
+    "BatchNorm1d": (lambda nn, **kw: nn.BatchNorm1d(3, **kw), (4, 3, 2)),
+    "BatchNorm1d, momentum=None": (lambda nn, **kw: nn.BatchNorm1d(3, momentum=None, **kw), (5, 3)),
+    "BatchNorm2d, no running stats": (
+        lambda nn, **kw: nn.BatchNorm2d(3, track_running_stats=False, **kw),
+        (2, 3, 2, 2),
+    ),
+    "BatchNorm1d, no affine": (lambda nn, **kw: nn.BatchNorm1d(3, affine=False, **kw), (4, 3)),
+    "InstanceNorm1d, tracked": (
+        lambda nn, **kw: nn.InstanceNorm1d(3, affine=True, track_running_stats=True, **kw),
+        (2, 3, 4),
+    ),
+    "LayerNorm": (lambda nn, **kw: nn.LayerNorm(4, **kw), (3, 4)),
+    "GroupNorm": (lambda nn, **kw: nn.GroupNorm(2, 4, **kw), (2, 4, 3)),
+    "RMSNorm": (lambda nn, **kw: nn.RMSNorm(4, **kw), (3, 4)),
+}
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _host(t) -> np.ndarray:
+    return t.detach().numpy() if hasattr(t, "detach") else np.asarray(t)
+
+
+class LifeOfAModule(RuleBasedStateMachine):
+    """One npnorm module and its torch twin, taken through the same steps."""
+
+    @initialize(name=st.sampled_from(sorted(LAYERS)), data=st.data())
+    def build(self, name, data):
+        make, self.shape = LAYERS[name]
+        self.ours = make(npnorm, dtype="float64")
+        self.ref = make(torch.nn, dtype=torch.float64)
+        self.pending = None  # torch's (input, output) of a forward not yet taken back
+        self.load(data)
+
+    # --- steps ---------------------------------------------------------------
+
+    @rule(data=st.data())
+    def load(self, data):
+        """A checkpoint of drawn values, loaded into both (a copy in place in both)."""
+        draw_state(data, self.ours)
+        self.ref.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in self.ours.state_dict().items()})
+
+    @rule(data=st.data())
+    def forward(self, data):
+        x = data.draw(grid_arrays(self.shape), label="x")
+        xt = torch.tensor(x, requires_grad=True)
+        yt = self.ref(xt)
+        y = self.ours(x)
+        np.testing.assert_allclose(y, _host(yt), **TOL)
+        self.pending = (xt, yt)
+
+    @precondition(lambda self: self.pending is not None)
+    @rule(data=st.data())
+    def backward(self, data):
+        """The last forward's backward: torch's graph or npnorm's saved forward, whatever
+        happened since (where torch refuses, because an array it saved was overwritten in
+        place, npnorm must refuse too and change nothing)."""
+        xt, yt = self.pending
+        self.pending = None
+        dy = data.draw(grid_arrays(self.shape), label="dy")
+        try:
+            yt.backward(torch.tensor(dy))
+            torch_error = None
+        except RuntimeError as err:
+            torch_error = err
+        if torch_error is not None:
+            grads = {k: np.array(v) for k, v in self.ours.grads.items()}
+            with pytest.raises(RuntimeError):
+                self.ours.backward(dy)
+            assert grads.keys() == self.ours.grads.keys()
+            for k, g in grads.items():
+                np.testing.assert_array_equal(self.ours.grads[k], g, err_msg=k)
+            return
+        dx = self.ours.backward(dy)
+        np.testing.assert_allclose(dx, _host(xt.grad), **TOL)
+
+    @rule(mode=st.booleans())
+    def train(self, mode):
+        self.ours.train(mode)
+        self.ref.train(mode)
+
+    @rule(set_to_none=st.booleans())
+    def zero_grad(self, set_to_none):
+        self.ours.zero_grad(set_to_none)
+        self.ref.zero_grad(set_to_none)
+
+    @rule(which=st.sampled_from(["reset_parameters", "reset_running_stats"]))
+    def reset(self, which):
+        if hasattr(self.ref, which):
+            getattr(self.ours, which)()
+            getattr(self.ref, which)()
+
+    @precondition(lambda self: hasattr(self.ref, "momentum"))
+    @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
+    def set_momentum(self, momentum):
+        self.ours.momentum = momentum
+        self.ref.momentum = momentum
+
+    # --- what must hold after every step -------------------------------------
+
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "ours"):
+            return
+        assert self.ours.training == self.ref.training
+        ours, theirs = self.ours.state_dict(), self.ref.state_dict()
+        assert list(ours) == list(theirs)
+        for k in ours:
+            np.testing.assert_allclose(np.asarray(ours[k]), _host(theirs[k]), err_msg=k, **TOL)
+        their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
+        assert self.ours.grads.keys() == their_grads.keys()
+        for k, g in their_grads.items():
+            np.testing.assert_allclose(self.ours.grads[k], _host(g), err_msg=k, **TOL)
+
+
+LifeOfAModule.TestCase.settings = settings(LifeOfAModule.TestCase.settings, stateful_step_count=20)
+test_a_modules_life_is_torchs = LifeOfAModule.TestCase
