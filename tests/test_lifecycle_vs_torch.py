@@ -8,10 +8,13 @@ The other tests take one operation at a time; here the operations meet: the grad
 accumulated over several backwards, a backward after a mode switch or a load (torch's
 saved forward decides, and where torch raises npnorm must too), ``momentum=None``'s
 cumulative average across a reset. After every step both modules must hold the same
-mode, parameters, buffers and gradients (float64, to 1e-10).
+mode, parameters, buffers and gradients (float64, to 1e-10). The npnorm module lives on
+NumPy or array_api_strict, and its steps run on whichever kernel family was last chosen.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import npnorm
+from npnorm._backend import resolve_namespace, to_host
 
 torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
 
@@ -42,22 +46,32 @@ LAYERS = {
     "RMSNorm": (lambda nn, **kw: nn.RMSNorm(4, **kw), (3, 4)),
 }
 TOL = dict(rtol=1e-10, atol=1e-10)
+BACKENDS = ["numpy"] + ["array_api_strict"] * (importlib.util.find_spec("array_api_strict") is not None)
 
 
 def _host(t) -> np.ndarray:
-    return t.detach().numpy() if hasattr(t, "detach") else np.asarray(t)
+    return t.detach().numpy() if hasattr(t, "detach") else to_host(t)
 
 
 class LifeOfAModule(RuleBasedStateMachine):
     """One npnorm module and its torch twin, taken through the same steps."""
 
-    @initialize(name=st.sampled_from(sorted(LAYERS)), data=st.data())
-    def build(self, name, data):
+    @initialize(name=st.sampled_from(sorted(LAYERS)), backend=st.sampled_from(BACKENDS), data=st.data())
+    def build(self, name, backend, data):
         make, self.shape = LAYERS[name]
-        self.ours = make(npnorm, dtype="float64")
+        self.xp = resolve_namespace(backend)
+        self.ours = make(npnorm, dtype="float64", xp=backend)
         self.ref = make(torch.nn, dtype=torch.float64)
         self.pending = None  # torch's (input, output) of a forward not yet taken back
+        self.kernels_before = npnorm.get_kernels()  # (restored at the end)
         self.load(data)
+
+    def teardown(self):
+        if hasattr(self, "kernels_before"):
+            npnorm.set_kernels(self.kernels_before)
+
+    def _ours(self, a: np.ndarray):
+        return self.xp.asarray(a, dtype=self.xp.float64)
 
     # --- steps ---------------------------------------------------------------
 
@@ -65,15 +79,15 @@ class LifeOfAModule(RuleBasedStateMachine):
     def load(self, data):
         """A checkpoint of drawn values, loaded into both (a copy in place in both)."""
         draw_state(data, self.ours)
-        self.ref.load_state_dict({k: torch.as_tensor(np.array(v)) for k, v in self.ours.state_dict().items()})
+        self.ref.load_state_dict({k: torch.as_tensor(to_host(v)) for k, v in self.ours.state_dict().items()})
 
     @rule(data=st.data())
     def forward(self, data):
         x = data.draw(grid_arrays(self.shape), label="x")
         xt = torch.tensor(x, requires_grad=True)
         yt = self.ref(xt)
-        y = self.ours(x)
-        np.testing.assert_allclose(y, _host(yt), **TOL)
+        y = self.ours(self._ours(x))
+        np.testing.assert_allclose(_host(y), _host(yt), **TOL)
         self.pending = (xt, yt)
 
     @precondition(lambda self: self.pending is not None)
@@ -91,15 +105,15 @@ class LifeOfAModule(RuleBasedStateMachine):
         except RuntimeError as err:
             torch_error = err
         if torch_error is not None:
-            grads = {k: np.array(v) for k, v in self.ours.grads.items()}
+            grads = {k: to_host(v) for k, v in self.ours.grads.items()}
             with pytest.raises(RuntimeError):
-                self.ours.backward(dy)
+                self.ours.backward(self._ours(dy))
             assert grads.keys() == self.ours.grads.keys()
             for k, g in grads.items():
-                np.testing.assert_array_equal(self.ours.grads[k], g, err_msg=k)
+                np.testing.assert_array_equal(to_host(self.ours.grads[k]), g, err_msg=k)
             return
-        dx = self.ours.backward(dy)
-        np.testing.assert_allclose(dx, _host(xt.grad), **TOL)
+        dx = self.ours.backward(self._ours(dy))
+        np.testing.assert_allclose(_host(dx), _host(xt.grad), **TOL)
 
     @rule(mode=st.booleans())
     def train(self, mode):
@@ -117,6 +131,12 @@ class LifeOfAModule(RuleBasedStateMachine):
             getattr(self.ours, which)()
             getattr(self.ref, which)()
 
+    @rule(family=st.sampled_from(npnorm.kernels_available()))
+    def kernels(self, family):
+        """The kernels NumPy input runs from here on (a backward may run other kernels than
+        its forward did)."""
+        npnorm.set_kernels(family)
+
     @precondition(lambda self: hasattr(self.ref, "momentum"))
     @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
     def set_momentum(self, momentum):
@@ -133,11 +153,11 @@ class LifeOfAModule(RuleBasedStateMachine):
         ours, theirs = self.ours.state_dict(), self.ref.state_dict()
         assert list(ours) == list(theirs)
         for k in ours:
-            np.testing.assert_allclose(np.asarray(ours[k]), _host(theirs[k]), err_msg=k, **TOL)
+            np.testing.assert_allclose(to_host(ours[k]), _host(theirs[k]), err_msg=k, **TOL)
         their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
         assert self.ours.grads.keys() == their_grads.keys()
         for k, g in their_grads.items():
-            np.testing.assert_allclose(self.ours.grads[k], _host(g), err_msg=k, **TOL)
+            np.testing.assert_allclose(to_host(self.ours.grads[k]), _host(g), err_msg=k, **TOL)
 
 
 LifeOfAModule.TestCase.settings = settings(LifeOfAModule.TestCase.settings, stateful_step_count=20)
