@@ -14,9 +14,9 @@ draws new ones each run (failures are kept in .hypothesis/ and replayed first).
 Optional extras (``mpi``, ``demo``): where one is not installed, the tests that need it
 skip and name it (``helpers.needs_extra``). A test that raises npnorm's own ImportError
 naming an extra (``pip install 'npnorm[mpi]'``, as a SyncBatchNorm training on the default
-communicator does without mpi4py) is skipped by the hook below, but only where that extra
-is indeed missing; with it installed (.ci/run installs every extra) the error fails the
-test as any other.
+communicator does without mpi4py) is skipped by the hook below, but only where it was
+raised from a ModuleNotFoundError for one of that extra's packages; any other (mpi4py
+installed but broken, say) fails the test as any other error.
 """
 
 from __future__ import annotations
@@ -97,11 +97,14 @@ _EXTRA_NAMED = re.compile(r"npnorm\[(\w+)\]")
 
 def _skip_if_its_extra_is_missing(err: ImportError) -> None:
     """Skip the test when ``err`` is npnorm's ImportError asking for an extra
-    (``npnorm[NAME]`` in its message) that is not installed here; else return."""
+    (``npnorm[NAME]`` in its message) raised because one of that extra's modules is not
+    installed (the ModuleNotFoundError it was raised from names it); else return."""
+    cause = err.__cause__
+    if not isinstance(cause, ModuleNotFoundError) or not cause.name:
+        return
     for extra in _EXTRA_NAMED.findall(str(err)):
-        reason = extra_missing(extra) if extra in EXTRA_MODULES else None
-        if reason is not None:
-            pytest.skip(f"{reason} (the test met: {err})")
+        if cause.name.split(".")[0] in EXTRA_MODULES.get(extra, ()):
+            pytest.skip(f"{extra_missing(extra) or f'needs the {extra!r} extra'} (the test met: {err})")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -454,7 +454,7 @@ def test_layer_statistics_title_fits_and_the_mean_row_has_each_norms_scale(tmp_p
     """With one or two columns the two-line title ran off both sides of the figure; and the
     mean row shared one scale, so no norm's mean of -60 flattened every norm's to 0, where
     the README says it stays between -1.5 and 0.2."""
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs the 'demo' extra (matplotlib)")
     from npnorm.demo import figures
 
     saved = {}
