@@ -1,4 +1,5 @@
-"""pickle and copy.deepcopy: every layer, every backend; copies share no memory."""
+"""pickle and copy.deepcopy: every layer, every backend; copies share no memory, and keep
+no gradients (as torch's)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_copy_is_equal_and_independent(backend, rng, name, how):
     assert type(c) is type(m) and repr(c) == repr(m) and c.training == m.training
     assert c.xp is m.xp and c.dtype == m.dtype
     ours, theirs = _arrays(m), _arrays(c)
+    if how != "copy":  # the gradients are left behind, as torch's deep copies and pickles do
+        assert m.grads and not c.grads
+        ours = {k: v for k, v in ours.items() if not k.startswith("grad ")}
     assert ours.keys() == theirs.keys()
     for k in ours:
         a, b = backend.numpy(ours[k]), backend.numpy(theirs[k])
@@ -73,6 +77,26 @@ def test_copy_has_no_saved_forward(rng, how):
     with pytest.raises(RuntimeError, match="no saved forward"):
         c.backward(np.ones_like(y))
     assert m.backward(np.ones_like(y)).shape == (2, 3)  # the original keeps its own
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_a_copy_has_the_gradients_torchs_has(torch, rng, how):
+    """torch's deep copies and pickles of a layer leave its parameters' ``.grad`` behind (a
+    Parameter is copied without it), and its shallow copy shares the parameters, so their
+    ``.grad`` too; npnorm's deep copies and pickles kept the grads, and a training step on
+    the copy added to them. ``copy.copy`` copies npnorm's arrays (grads included)."""
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    ours, ref = npnorm.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+    ours(x)
+    ours.backward(np.ones_like(x))
+    ref(torch.tensor(x)).backward(torch.ones(4, 3))
+    copy_of = COPIES[how]
+    theirs = {k: p.grad for k, p in copy_of(ref).named_parameters() if p.grad is not None}
+    c = copy_of(ours)
+    assert c.grads.keys() == theirs.keys()
+    for k, g in theirs.items():
+        np.testing.assert_allclose(c.grads[k], g.numpy(), rtol=1e-6, atol=1e-6)
+        assert not np.shares_memory(c.grads[k], ours.grads[k])
 
 
 def test_pickle_keeps_the_counter_a_0d_array(rng):

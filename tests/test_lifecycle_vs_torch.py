@@ -1,6 +1,7 @@
 """A module's life, step by step, against torch.nn's twin: random sequences of what a
 training loop does (forwards, backwards, a forward left without its backward, train/eval
-switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``), drawn
+switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``, deep
+copies), drawn
 by hypothesis's state machines, so a failing sequence shrinks to the few steps that make
 it fail.
 
@@ -14,6 +15,7 @@ NumPy or array_api_strict, and its steps run on whichever kernel family was last
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import numpy as np
@@ -138,6 +140,13 @@ class LifeOfAModule(RuleBasedStateMachine):
         if hasattr(self.ref, which):
             getattr(self.ours, which)()
             getattr(self.ref, which)()
+
+    @rule()
+    def deepcopy(self):
+        """Carry on with deep copies of both (torch's keeps the grads; a forward pending
+        in torch's graph would write the originals' grads, so it is dropped in both)."""
+        self.ours, self.ref = copy.deepcopy(self.ours), copy.deepcopy(self.ref)
+        self.pending = None
 
     @rule(family=st.sampled_from(npnorm.kernels_available()))
     def kernels(self, family):

@@ -1118,8 +1118,9 @@ class Module:
     # --- copies and pickling ---------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle state: the backend and dtype by name, no saved forward, and every array
-        for ``__setstate__`` to restore into the same backend: NumPy arrays and torch
+        """Pickle state: the backend and dtype by name, no saved forward, no gradients
+        (as PyTorch's parameters pickle without ``.grad``), and every other array for
+        ``__setstate__`` to restore into the same backend: NumPy arrays and torch
         tensors as themselves (pickled as NumPy and torch pickle them: an array that
         several modules in one pickle share stays shared, as in PyTorch), the arrays of
         other backends as NumPy copies."""
@@ -1131,6 +1132,8 @@ class Module:
                 state[key] = dtype_name(self.xp, value)
             elif key in self._forward_context:
                 state[key] = None
+            elif key == "grads":
+                state[key] = {}
             else:
                 state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
         return state
@@ -1149,20 +1152,23 @@ class Module:
         self.__dict__.update(restored)
 
     def __copy__(self: _M) -> _M:
-        """A copy whose arrays share no memory with this module's (each copied once);
-        its other attributes are this module's own objects (a SyncBatchNorm's
+        """A copy whose arrays share no memory with this module's (each copied once, the
+        gradients too: PyTorch's shallow copy shares its parameters and so their
+        ``.grad``); its other attributes are this module's own objects (a SyncBatchNorm's
         communicator, say); what the last forward saved is not copied."""
-        return self._copy({}, lambda v: v)
+        return self._copy({}, lambda v: v, grads=True)
 
     def __deepcopy__(self: _M, memo: dict[int, Any]) -> _M:
         """A copy that shares no memory with this module (every array copied on its
         backend, once: an array that modules copied together share stays shared among
-        the copies, as in PyTorch); what the last forward saved is not copied."""
-        return self._copy(memo, lambda v: copy.deepcopy(v, memo))
+        the copies, as in PyTorch); what the last forward saved is not copied, nor the
+        gradients (``grads`` is empty, as PyTorch's deep copy leaves ``.grad`` None)."""
+        return self._copy(memo, lambda v: copy.deepcopy(v, memo), grads=False)
 
-    def _copy(self: _M, memo: dict[int, Any], other: Callable[[Any], Any]) -> _M:
+    def _copy(self: _M, memo: dict[int, Any], other: Callable[[Any], Any], *, grads: bool) -> _M:
         """A new module of this class: the backend and dtype as they are, no saved
-        forward, every array copied once per ``memo``, and ``other`` applied to the rest."""
+        forward, the gradients copied only if ``grads``, every other array copied once
+        per ``memo``, and ``other`` applied to the rest."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
@@ -1170,6 +1176,8 @@ class Module:
                 new.__dict__[key] = value
             elif key in self._forward_context:
                 new.__dict__[key] = None
+            elif key == "grads" and not grads:
+                new.__dict__[key] = {}
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
         return new
