@@ -1,7 +1,7 @@
 """A module's life, step by step, against torch.nn's twin: random sequences of what a
 training loop does (forwards, backwards, a forward left without its backward, train/eval
 switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``, deep
-copies), drawn
+copies, pickles, a round trip through float32), drawn
 by hypothesis's state machines, so a failing sequence shrinks to the few steps that make
 it fail.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import pickle
 
 import numpy as np
 import pytest
@@ -141,11 +142,20 @@ class LifeOfAModule(RuleBasedStateMachine):
             getattr(self.ours, which)()
             getattr(self.ref, which)()
 
+    @rule(how=st.sampled_from(["deepcopy", "pickle"]))
+    def copy(self, how):
+        """Carry on with deep copies or pickled copies of both (a forward pending in
+        torch's graph would write the originals' grads, so it is dropped in both)."""
+        copy_of = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
+        self.ours, self.ref = copy_of(self.ours), copy_of(self.ref)
+        self.pending = None
+
     @rule()
-    def deepcopy(self):
-        """Carry on with deep copies of both (torch's keeps the grads; a forward pending
-        in torch's graph would write the originals' grads, so it is dropped in both)."""
-        self.ours, self.ref = copy.deepcopy(self.ours), copy.deepcopy(self.ref)
+    def to_float32_and_back(self):
+        """Parameters, buffers and grads rounded to float32 and cast back (torch's
+        ``.float().double()``; a pending forward is dropped, as above)."""
+        self.ours.to(dtype="float32").to(dtype="float64")
+        self.ref.float().double()
         self.pending = None
 
     @rule(family=st.sampled_from(npnorm.kernels_available()))
