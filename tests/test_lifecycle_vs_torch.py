@@ -1,16 +1,16 @@
 """A module's life, step by step, against torch.nn's twin: random sequences of what a
 training loop does (forwards, backwards, a forward left without its backward, train/eval
 switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``, deep
-copies, pickles, a round trip through float32), drawn
-by hypothesis's state machines, so a failing sequence shrinks to the few steps that make
-it fail.
+copies, pickles, a round trip through float32), drawn by hypothesis's state machines, so
+a failing sequence shrinks to the few steps that make it fail.
 
 The other tests take one operation at a time; here the operations meet: the gradients
 accumulated over several backwards, a backward after a mode switch or a load (torch's
 saved forward decides, and where torch raises npnorm must too), ``momentum=None``'s
-cumulative average across a reset. After every step both modules must hold the same
-mode, parameters, buffers and gradients (float64, to 1e-10). The npnorm module lives on
-NumPy or array_api_strict, and its steps run on whichever kernel family was last chosen.
+cumulative average across a reset, the gradients a copy keeps. After every step both
+modules must hold the same mode, parameters, buffers and gradients (float64, to 1e-10).
+The npnorm module lives on NumPy, torch tensors or array_api_strict, and its steps run on
+whichever kernel family was last chosen.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ LAYERS = {
     "RMSNorm": (lambda nn, **kw: nn.RMSNorm(4, **kw), (3, 4)),
 }
 TOL = dict(rtol=1e-10, atol=1e-10)
-BACKENDS = ["numpy"] + ["array_api_strict"] * (importlib.util.find_spec("array_api_strict") is not None)
+BACKENDS = ["numpy", "torch"] + ["array_api_strict"] * (
+    importlib.util.find_spec("array_api_strict") is not None
+)
 
 
 def _host(t) -> np.ndarray:
