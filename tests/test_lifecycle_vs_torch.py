@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import pickle
 
 import numpy as np
@@ -28,6 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import npnorm
 from npnorm._backend import resolve_namespace, to_host
+from npnorm._threadcomm import run_ranks
 from npnorm.functional import _dispatch
 
 torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
@@ -189,3 +191,136 @@ class LifeOfAModule(RuleBasedStateMachine):
 
 LifeOfAModule.TestCase.settings = settings(LifeOfAModule.TestCase.settings, stateful_step_count=20)
 test_a_modules_life_is_torchs = LifeOfAModule.TestCase
+
+
+# --- SyncBatchNorm over ranks against BatchNorm on the whole batch ----------------------
+
+SYNC_FLAGS = [
+    dict(momentum=0.1, affine=True, track_running_stats=True),
+    dict(momentum=None, affine=True, track_running_stats=True),
+    dict(momentum=0.1, affine=False, track_running_stats=True),
+    dict(momentum=0.1, affine=True, track_running_stats=False),
+]
+
+
+class LifeOfASyncBatchNorm(RuleBasedStateMachine):
+    """A SyncBatchNorm on each of a few ranks (threads), their batches of drawn sizes (some
+    empty), against torch's BatchNorm1d on the batches put together: a data-parallel
+    training loop's steps, as above. Every rank must hold torch's running statistics, mode
+    and parameters, each rank's outputs and input gradients must be torch's rows of
+    them, and the ranks' gradients must add up to torch's (each holds its own share)."""
+
+    C, L = 3, 2  # channels, and values per channel in a sample
+
+    @initialize(ranks=st.integers(1, 3), flags=st.sampled_from(SYNC_FLAGS), data=st.data())
+    def build(self, ranks, flags, data):
+        self.ranks = ranks
+        self.mods = [npnorm.SyncBatchNorm(self.C, **flags, dtype="float64") for _ in range(ranks)]
+        self.ref = torch.nn.BatchNorm1d(self.C, **flags, dtype=torch.float64)
+        self.load(data)
+
+    def _on_ranks(self, fn):
+        """``fn(rank, module)`` on every rank at once, each module on this step's group."""
+
+        def on_rank(comm):
+            r = comm.Get_rank()
+            self.mods[r].comm = comm
+            return fn(r, self.mods[r])
+
+        results = run_ranks(self.ranks, on_rank)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    @rule(data=st.data())
+    def load(self, data):
+        draw_state(data, self.mods[0])
+        state = {k: np.array(v) for k, v in self.mods[0].state_dict().items()}
+        for m in self.mods[1:]:
+            m.load_state_dict(state)
+        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+
+    @rule(data=st.data(), backward=st.booleans())
+    def step(self, data, backward):
+        """A forward on every rank, and its backward (or a forward under ``no_grad``, as a
+        skipped backward must be run: a synced forward's backward is collective)."""
+        sizes = data.draw(
+            st.lists(st.integers(0, 3), min_size=self.ranks, max_size=self.ranks), label="sizes"
+        )
+        if sum(sizes) == 0:
+            sizes[-1] = 1
+        n = sum(sizes)
+        x = data.draw(grid_arrays((n, self.C, self.L)), label="x")
+        dy = data.draw(grid_arrays((n, self.C, self.L)), label="dy")
+        ends = np.cumsum([0, *sizes])
+
+        def on_rank(r, m):
+            if not backward:  # (npnorm's documented way to skip a backward: see the README)
+                with npnorm.no_grad():
+                    return m(x[ends[r] : ends[r + 1]]), None
+            return m(x[ends[r] : ends[r + 1]]), m.backward(dy[ends[r] : ends[r + 1]])
+
+        got = self._on_ranks(on_rank)
+        # the whole batch, but where eval mode has no running statistics each rank's own
+        # batch (as torch's SyncBatchNorm does: it syncs in training only)
+        local = not self.ref.training and not self.ref.track_running_stats
+        parts = [(lo, hi) for lo, hi in itertools.pairwise(ends) if hi > lo] if local else [(0, n)]
+        for lo, hi in parts:
+            xt = torch.tensor(x[lo:hi], requires_grad=backward)
+            with torch.set_grad_enabled(backward):
+                yt = self.ref(xt)
+            np.testing.assert_allclose(np.concatenate([y for y, _ in got])[lo:hi], _host(yt), **TOL)
+            if backward:
+                yt.backward(torch.tensor(dy[lo:hi]))
+                np.testing.assert_allclose(
+                    np.concatenate([dx for _, dx in got])[lo:hi], _host(xt.grad), **TOL
+                )
+
+    @rule(mode=st.booleans())
+    def train(self, mode):
+        for m in self.mods:
+            m.train(mode)
+        self.ref.train(mode)
+
+    @rule(set_to_none=st.booleans())
+    def zero_grad(self, set_to_none):
+        for m in self.mods:
+            m.zero_grad(set_to_none)
+        self.ref.zero_grad(set_to_none)
+
+    @rule(which=st.sampled_from(["reset_parameters", "reset_running_stats"]))
+    def reset(self, which):
+        for m in self.mods:
+            getattr(m, which)()
+        getattr(self.ref, which)()
+
+    @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
+    def set_momentum(self, momentum):
+        for m in self.mods:
+            m.momentum = momentum
+        self.ref.momentum = momentum
+
+    @invariant()
+    def same_state(self):
+        theirs = self.ref.state_dict()
+        for r, m in enumerate(self.mods):
+            assert m.training == self.ref.training
+            ours = m.state_dict()
+            assert list(ours) == list(theirs)
+            for k in ours:
+                np.testing.assert_allclose(
+                    to_host(ours[k]), _host(theirs[k]), err_msg=f"rank {r}: {k}", **TOL
+                )
+        their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
+        for m in self.mods:
+            assert m.grads.keys() == their_grads.keys()
+        for k, g in their_grads.items():
+            total = sum(to_host(m.grads[k]) for m in self.mods)
+            np.testing.assert_allclose(total, _host(g), err_msg=k, **TOL)
+
+
+LifeOfASyncBatchNorm.TestCase.settings = settings(
+    LifeOfASyncBatchNorm.TestCase.settings, stateful_step_count=20
+)
+test_a_sync_batch_norms_life_over_ranks_is_batch_norms = LifeOfASyncBatchNorm.TestCase
