@@ -72,10 +72,10 @@ def channels_last(a: np.ndarray) -> np.ndarray:
     return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
 
 
-def draw_state(data, module) -> None:
+def draw_state(data, module) -> dict[str, np.ndarray]:
     """Load drawn values (``data``: hypothesis's ``st.data()``) into every entry of
     ``module``'s state_dict: weights in [-1.5, 1.5], running variances in [0.25, 2],
-    biases and running means in [-2, 2], a count in 0..5."""
+    biases and running means in [-2, 2], a count in 0..5. Returns what it loaded."""
     state = {}
     for name, value in module.state_dict().items():
         shape = tuple(value.shape)
@@ -88,6 +88,7 @@ def draw_state(data, module) -> None:
         else:
             state[name] = data.draw(grid_arrays(shape, -2.0, 2.0), label=name)
     module.load_state_dict(state)
+    return state
 
 
 def load_into_torch(torch, ours, ref) -> None:

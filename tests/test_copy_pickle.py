@@ -99,6 +99,37 @@ def test_a_copy_has_the_gradients_torchs_has(torch, rng, how):
         assert not np.shares_memory(c.grads[k], ours.grads[k])
 
 
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_converted_pair_copied_together_shares_its_new_gradients(rng, how):
+    """convert_sync_batchnorm shares the grads dict (as torch's layers share their
+    Parameters and so ``.grad``); copied together, the copies share one new empty dict,
+    so a backward on one shows in the other, as in torch (each got a dict of its own)."""
+    x = rng.normal(size=(4, 3)).astype(np.float32)
+    bn = npnorm.BatchNorm1d(3)
+    sync = npnorm.SyncBatchNorm.convert_sync_batchnorm(bn)
+    bn(x)
+    bn.backward(np.ones_like(x))
+    bn_copy, sync_copy = COPIES[how]([bn, sync])
+    assert bn_copy.grads is sync_copy.grads and not bn_copy.grads and bn.grads
+    bn_copy(x)
+    bn_copy.backward(np.ones_like(x))
+    assert sorted(sync_copy.grads) == ["bias", "weight"]
+
+
+def test_a_pickle_of_an_older_npnorm_holding_gradients_comes_back_without(rng):
+    """Pickles written before the gradients were left out still carry them: they are
+    dropped on loading, so that every unpickled module has empty grads."""
+    m = npnorm.LayerNorm(3)
+    x = rng.normal(size=(2, 3)).astype(np.float32)
+    m(x)
+    m.backward(np.ones_like(x))
+    state = m.__getstate__()
+    state["grads"] = {k: np.array(v) for k, v in m.grads.items()}  # as older versions wrote it
+    old = npnorm.LayerNorm.__new__(npnorm.LayerNorm)
+    old.__setstate__(state)
+    assert old.grads == {} and old(x).shape == (2, 3)
+
+
 def test_pickle_keeps_the_counter_a_0d_array(rng):
     m = npnorm.BatchNorm1d(2)
     m(rng.normal(size=(4, 2)).astype(np.float32))

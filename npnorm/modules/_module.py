@@ -10,10 +10,11 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, MutableMapping
 from types import ModuleType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import array_api_compat
 import numpy as np
@@ -1133,7 +1134,7 @@ class Module:
             elif key in self._forward_context:
                 state[key] = None
             elif key == "grads":
-                state[key] = {}
+                state[key] = _NoGrads.of(value)
             else:
                 state[key] = _map_arrays(value, _HostArray.of, lambda v: v)
         return state
@@ -1144,7 +1145,10 @@ class Module:
         restored["xp"] = xp
         restored["dtype"] = resolve_dtype(xp, state["dtype"])
         for key, value in state.items():
-            if key not in ("xp", "dtype"):
+            if key == "grads":  # a new empty dict (one per dict pickled: shared ones stay
+                # shared), also where an older pickle held the gradients
+                restored[key] = value if isinstance(value, dict) and not value else {}
+            elif key not in ("xp", "dtype"):
                 try:
                     restored[key] = _map_host(value, lambda h: h.restored(xp))
                 except OverflowError as err:  # (integers beyond this backend's dtype: JAX's int32)
@@ -1176,8 +1180,12 @@ class Module:
                 new.__dict__[key] = value
             elif key in self._forward_context:
                 new.__dict__[key] = None
-            elif key == "grads" and not grads:
-                new.__dict__[key] = {}
+            elif key == "grads" and not grads:  # one new empty dict per dict copied, so
+                # that modules sharing theirs (convert_sync_batchnorm) share the new one
+                if id(value) not in memo:
+                    memo[id(value)] = {}
+                    memo.setdefault(id(memo), []).append(value)  # (keep value alive, as below)
+                new.__dict__[key] = memo[id(value)]
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
         return new
@@ -1313,6 +1321,29 @@ def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
         done = memo[id(a)] = copy_array(a)
         memo.setdefault(id(memo), []).append(a)  # keep a alive while memo refers to its id
     return done
+
+
+class _NoGrads:
+    """A module's ``grads`` in a pickle: unpickled as a new empty dict, one per ``grads``
+    dict pickled (two modules that share theirs get the same placeholder, which pickle
+    stores once, so the unpickled modules share their new dict too)."""
+
+    _live: ClassVar[weakref.WeakValueDictionary[int, _NoGrads]] = weakref.WeakValueDictionary()
+
+    def __init__(self, grads: dict[str, Any]) -> None:
+        self._grads = grads  # (kept alive while the pickle is written: its id stays its own)
+
+    @classmethod
+    def of(cls, grads: dict[str, Any]) -> _NoGrads:
+        """The placeholder of ``grads``: the same object while one is alive (in a pickle
+        being written)."""
+        placeholder = cls._live.get(id(grads))
+        if placeholder is None or placeholder._grads is not grads:
+            placeholder = cls._live[id(grads)] = cls(grads)
+        return placeholder
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return dict, ()
 
 
 class _HostArray(NamedTuple):
