@@ -1,8 +1,9 @@
 """A module's life, step by step, against torch.nn's twin: random sequences of what a
 training loop does (forwards, backwards, a forward left without its backward, train/eval
-switches, ``zero_grad`` both ways, resets, checkpoint loads, a new ``momentum``, deep
-copies, pickles, a round trip through float32), drawn by hypothesis's state machines, so
-a failing sequence shrinks to the few steps that make it fail.
+switches, ``zero_grad`` both ways, resets, checkpoint loads (torch's own ``state_dict``
+among them, which npnorm must copy, not share), a new ``momentum``, deep copies, pickles, a
+round trip through float32), drawn by hypothesis's state machines, so a failing sequence
+shrinks to the few steps that make it fail.
 
 The other tests take one operation at a time; here the operations meet: the gradients
 accumulated over several backwards, a backward after a mode switch or a load (torch's
@@ -89,6 +90,26 @@ class LifeOfAModule(RuleBasedStateMachine):
         """A checkpoint of drawn values, loaded into both (a copy in place in both)."""
         state = draw_state(data, self.ours)  # (the values drawn, not what npnorm made of them)
         self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+
+    @rule(data=st.data())
+    def load_torchs_state_dict(self, data):
+        """torch's own ``state_dict()`` (its live tensors) loaded into npnorm: copied,
+        so that torch's later in-place updates never reach npnorm's arrays."""
+        state = draw_state(data, self.ours)
+        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        theirs = self.ref.state_dict()
+        self.ours.load_state_dict(theirs)
+        # torch's tensors changed in place, then put back: npnorm's arrays must not see it
+        # (state equality alone would not: two modules sharing memory stay equal)
+        before = {k: to_host(v).copy() for k, v in self.ours.state_dict().items()}
+        kept = {k: t.clone() for k, t in theirs.items()}
+        with torch.no_grad():
+            for t in theirs.values():
+                t.fill_(7)
+            for k, v in self.ours.state_dict().items():
+                np.testing.assert_array_equal(to_host(v), before[k], err_msg=f"{k}: shares torch's memory")
+            for k, t in theirs.items():
+                t.copy_(kept[k])
 
     @rule(data=st.data())
     def forward(self, data):
