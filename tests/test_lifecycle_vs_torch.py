@@ -2,8 +2,9 @@
 training loop does (forwards, backwards, a forward left without its backward, train/eval
 switches, ``zero_grad`` both ways, resets, checkpoint loads (torch's own ``state_dict``
 among them, which npnorm must copy, not share), a new ``momentum``, deep copies, pickles, a
-round trip through float32), drawn by hypothesis's state machines, so a failing sequence
-shrinks to the few steps that make it fail.
+round trip through float32, conversions with ``from_torch``/``to_torch``), drawn by
+hypothesis's state machines, so a failing sequence shrinks to the few steps that make it
+fail.
 
 The other tests take one operation at a time; here the operations meet: the gradients
 accumulated over several backwards, a backward after a mode switch or a load (torch's
@@ -69,7 +70,7 @@ class LifeOfAModule(RuleBasedStateMachine):
     @initialize(name=st.sampled_from(sorted(LAYERS)), backend=st.sampled_from(BACKENDS), data=st.data())
     def build(self, name, backend, data):
         make, self.shape = LAYERS[name]
-        self.xp = resolve_namespace(backend)
+        self.xp, self.backend = resolve_namespace(backend), backend
         self.ours = make(npnorm, dtype="float64", xp=backend)
         self.ref = make(torch.nn, dtype=torch.float64)
         self.pending = None  # torch's (input, output) of a forward not yet taken back
@@ -97,10 +98,26 @@ class LifeOfAModule(RuleBasedStateMachine):
         so that torch's later in-place updates never reach npnorm's arrays."""
         state = draw_state(data, self.ours)
         self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        self.ours.load_state_dict(self.ref.state_dict())
+        self._shares_no_memory()
+
+    @rule(how=st.sampled_from(["from_torch", "to_torch"]))
+    def convert(self, how):
+        """Carry on with a conversion of one twin into the other's library (the state
+        copied, the gradients not: both are cleared, and a pending forward dropped)."""
+        if how == "from_torch":
+            self.ours = npnorm.from_torch(self.ref, xp=self.backend)
+        else:
+            self.ref = npnorm.to_torch(self.ours)
+        self.ours.zero_grad()
+        self.ref.zero_grad()
+        self.pending = None
+        self._shares_no_memory()
+
+    def _shares_no_memory(self):
+        """torch's tensors changed in place, then put back: npnorm's arrays must not see
+        it (state equality alone would not: two modules sharing memory stay equal)."""
         theirs = self.ref.state_dict()
-        self.ours.load_state_dict(theirs)
-        # torch's tensors changed in place, then put back: npnorm's arrays must not see it
-        # (state equality alone would not: two modules sharing memory stay equal)
         before = {k: to_host(v).copy() for k, v in self.ours.state_dict().items()}
         kept = {k: t.clone() for k, t in theirs.items()}
         with torch.no_grad():
