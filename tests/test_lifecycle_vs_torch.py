@@ -245,9 +245,10 @@ SYNC_FLAGS = [
 class LifeOfASyncBatchNorm(RuleBasedStateMachine):
     """A SyncBatchNorm on each of a few ranks (threads), their batches of drawn sizes (some
     empty), against torch's BatchNorm1d on the batches put together: a data-parallel
-    training loop's steps, as above. Every rank must hold torch's running statistics, mode
-    and parameters, each rank's outputs and input gradients must be torch's rows of
-    them, and the ranks' gradients must add up to torch's (each holds its own share)."""
+    training loop's steps, as above (copies and pickles too). Every rank must hold torch's
+    running statistics, mode and parameters, each rank's outputs and input gradients must
+    be torch's rows of them, and the ranks' gradients must add up to torch's (each holds
+    its own share)."""
 
     C, L = 3, 2  # channels, and values per channel in a sample
 
@@ -333,6 +334,14 @@ class LifeOfASyncBatchNorm(RuleBasedStateMachine):
         for m in self.mods:
             getattr(m, which)()
         getattr(self.ref, which)()
+
+    @rule(how=st.sampled_from(["deepcopy", "pickle"]))
+    def copy(self, how):
+        """Carry on with copies on every rank (a pickled one comes back without its
+        communicator, set again at each step here)."""
+        copy_of = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
+        self.mods = [copy_of(m) for m in self.mods]
+        self.ref = copy_of(self.ref)
 
     @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
     def set_momentum(self, momentum):
