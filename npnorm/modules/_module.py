@@ -1182,10 +1182,7 @@ class Module:
                 new.__dict__[key] = None
             elif key == "grads" and not grads:  # one new empty dict per dict copied, so
                 # that modules sharing theirs (convert_sync_batchnorm) share the new one
-                if id(value) not in memo:
-                    memo[id(value)] = {}
-                    memo.setdefault(id(memo), []).append(value)  # (keep value alive, as below)
-                new.__dict__[key] = memo[id(value)]
+                new.__dict__[key] = _copy_once(value, memo, lambda _: {})
             else:
                 new.__dict__[key] = _map_arrays(value, lambda a: _copy_once(a, memo), other)
         return new
@@ -1313,12 +1310,12 @@ def channels_last(a: Any) -> bool:
     return layout is not None and bool(a.is_contiguous(memory_format=layout))
 
 
-def _copy_once(a: Array, memo: dict[int, Any]) -> Array:
-    """``a``'s copy in one ``copy.copy`` or ``copy.deepcopy`` call (one per array and
-    ``memo``: arrays that the copied modules share stay shared)."""
+def _copy_once(a: Any, memo: dict[int, Any], make: Callable[[Any], Any] = copy_array) -> Any:
+    """``make(a)``, ``a``'s copy, once in one ``copy.copy`` or ``copy.deepcopy`` call (one
+    per array, or object, and ``memo``: what the copied modules share stays shared)."""
     done = memo.get(id(a))
     if done is None:
-        done = memo[id(a)] = copy_array(a)
+        done = memo[id(a)] = make(a)
         memo.setdefault(id(memo), []).append(a)  # keep a alive while memo refers to its id
     return done
 
