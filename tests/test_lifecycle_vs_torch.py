@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import pickle
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -64,8 +65,89 @@ def _host(t) -> np.ndarray:
     return t.detach().numpy() if hasattr(t, "detach") else to_host(t)
 
 
-class LifeOfAModule(RuleBasedStateMachine):
+class _Twins(RuleBasedStateMachine):
+    """npnorm modules (``mods``: one, or one per rank) and their torch twin ``ref``, taken
+    through the same steps: the rules and the invariant of both machines below."""
+
+    mods: list
+    ref: Any
+    pending = None  # torch's (input, output) of a forward not yet taken back (LifeOfAModule's)
+
+    @rule(data=st.data())
+    def load(self, data):
+        """A checkpoint of drawn values, loaded into each (a copy in place in each)."""
+        state = draw_state(data, self.mods[0])  # (the values drawn, not what npnorm made of them)
+        for m in self.mods[1:]:
+            m.load_state_dict(state)
+        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+
+    @rule(mode=st.booleans())
+    def train(self, mode):
+        for m in self.mods:
+            m.train(mode)
+        self.ref.train(mode)
+
+    @rule(set_to_none=st.booleans())
+    def zero_grad(self, set_to_none):
+        for m in self.mods:
+            m.zero_grad(set_to_none)
+        self.ref.zero_grad(set_to_none)
+
+    @rule(which=st.sampled_from(["reset_parameters", "reset_running_stats"]))
+    def reset(self, which):
+        if hasattr(self.ref, which):
+            for m in self.mods:
+                getattr(m, which)()
+            getattr(self.ref, which)()
+
+    @rule(how=st.sampled_from(["deepcopy", "pickle"]))
+    def copy(self, how):
+        """Carry on with deep copies or pickled copies of all (a forward pending in torch's
+        graph would write the originals' grads, so it is dropped; a pickled SyncBatchNorm
+        comes back without its communicator, set again at each step)."""
+        copy_of = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
+        self.mods = [copy_of(m) for m in self.mods]
+        self.ref = copy_of(self.ref)
+        self.pending = None
+
+    @precondition(lambda self: hasattr(self.ref, "momentum"))
+    @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
+    def set_momentum(self, momentum):
+        for m in self.mods:
+            m.momentum = momentum
+        self.ref.momentum = momentum
+
+    @invariant()
+    def same_state(self):
+        """Each module holds torch's mode, parameters and buffers; their grads add up to
+        torch's (each rank holds its own share)."""
+        theirs = self.ref.state_dict()
+        for r, m in enumerate(self.mods):
+            assert m.training == self.ref.training
+            ours = m.state_dict()
+            assert list(ours) == list(theirs)
+            for k in ours:
+                np.testing.assert_allclose(
+                    to_host(ours[k]), _host(theirs[k]), err_msg=f"module {r}: {k}", **TOL
+                )
+        their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
+        for m in self.mods:
+            assert m.grads.keys() == their_grads.keys()
+        for k, g in their_grads.items():
+            total = sum(to_host(m.grads[k]) for m in self.mods)
+            np.testing.assert_allclose(total, _host(g), err_msg=k, **TOL)
+
+
+class LifeOfAModule(_Twins):
     """One npnorm module and its torch twin, taken through the same steps."""
+
+    @property
+    def ours(self):
+        return self.mods[0]
+
+    @ours.setter
+    def ours(self, module):
+        self.mods = [module]
 
     @initialize(name=st.sampled_from(sorted(LAYERS)), backend=st.sampled_from(BACKENDS), data=st.data())
     def build(self, name, backend, data):
@@ -73,9 +155,8 @@ class LifeOfAModule(RuleBasedStateMachine):
         self.xp, self.backend = resolve_namespace(backend), backend
         self.ours = make(npnorm, dtype="float64", xp=backend)
         self.ref = make(torch.nn, dtype=torch.float64)
-        self.pending = None  # torch's (input, output) of a forward not yet taken back
         self.kernels_before = _dispatch._selected  # (restored at the end, unset if it was)
-        self.load(data)
+        self.load_torchs_state_dict(data)  # (so that every sequence checks that it is copied)
 
     def teardown(self):
         if hasattr(self, "kernels_before"):
@@ -87,17 +168,10 @@ class LifeOfAModule(RuleBasedStateMachine):
     # --- steps ---------------------------------------------------------------
 
     @rule(data=st.data())
-    def load(self, data):
-        """A checkpoint of drawn values, loaded into both (a copy in place in both)."""
-        state = draw_state(data, self.ours)  # (the values drawn, not what npnorm made of them)
-        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
-
-    @rule(data=st.data())
     def load_torchs_state_dict(self, data):
         """torch's own ``state_dict()`` (its live tensors) loaded into npnorm: copied,
         so that torch's later in-place updates never reach npnorm's arrays."""
-        state = draw_state(data, self.ours)
-        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
+        self.load(data)
         self.ours.load_state_dict(self.ref.state_dict())
         self._shares_no_memory()
 
@@ -169,30 +243,6 @@ class LifeOfAModule(RuleBasedStateMachine):
         self.forward(data)
         self.backward(data)
 
-    @rule(mode=st.booleans())
-    def train(self, mode):
-        self.ours.train(mode)
-        self.ref.train(mode)
-
-    @rule(set_to_none=st.booleans())
-    def zero_grad(self, set_to_none):
-        self.ours.zero_grad(set_to_none)
-        self.ref.zero_grad(set_to_none)
-
-    @rule(which=st.sampled_from(["reset_parameters", "reset_running_stats"]))
-    def reset(self, which):
-        if hasattr(self.ref, which):
-            getattr(self.ours, which)()
-            getattr(self.ref, which)()
-
-    @rule(how=st.sampled_from(["deepcopy", "pickle"]))
-    def copy(self, how):
-        """Carry on with deep copies or pickled copies of both (a forward pending in
-        torch's graph would write the originals' grads, so it is dropped in both)."""
-        copy_of = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
-        self.ours, self.ref = copy_of(self.ours), copy_of(self.ref)
-        self.pending = None
-
     @rule()
     def to_float32_and_back(self):
         """Parameters, buffers and grads rounded to float32 and cast back (torch's
@@ -206,26 +256,6 @@ class LifeOfAModule(RuleBasedStateMachine):
         """The kernels NumPy input runs from here on (a backward may run other kernels than
         its forward did)."""
         npnorm.set_kernels(family)
-
-    @precondition(lambda self: hasattr(self.ref, "momentum"))
-    @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
-    def set_momentum(self, momentum):
-        self.ours.momentum = momentum
-        self.ref.momentum = momentum
-
-    # --- what must hold after every step -------------------------------------
-
-    @invariant()
-    def same_state(self):
-        assert self.ours.training == self.ref.training
-        ours, theirs = self.ours.state_dict(), self.ref.state_dict()
-        assert list(ours) == list(theirs)
-        for k in ours:
-            np.testing.assert_allclose(to_host(ours[k]), _host(theirs[k]), err_msg=k, **TOL)
-        their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
-        assert self.ours.grads.keys() == their_grads.keys()
-        for k, g in their_grads.items():
-            np.testing.assert_allclose(to_host(self.ours.grads[k]), _host(g), err_msg=k, **TOL)
 
 
 LifeOfAModule.TestCase.settings = settings(LifeOfAModule.TestCase.settings, stateful_step_count=20)
@@ -242,7 +272,7 @@ SYNC_FLAGS = [
 ]
 
 
-class LifeOfASyncBatchNorm(RuleBasedStateMachine):
+class LifeOfASyncBatchNorm(_Twins):
     """A SyncBatchNorm on each of a few ranks (threads), their batches of drawn sizes (some
     empty), against torch's BatchNorm1d on the batches put together: a data-parallel
     training loop's steps, as above (copies and pickles too). Every rank must hold torch's
@@ -273,13 +303,6 @@ class LifeOfASyncBatchNorm(RuleBasedStateMachine):
             errors.sort(key=lambda err: isinstance(err, threading.BrokenBarrierError))
             raise errors[0]
         return results
-
-    @rule(data=st.data())
-    def load(self, data):
-        state = draw_state(data, self.mods[0])
-        for m in self.mods[1:]:
-            m.load_state_dict(state)
-        self.ref.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()})
 
     @rule(data=st.data(), backward=st.booleans())
     def step(self, data, backward):
@@ -316,56 +339,6 @@ class LifeOfASyncBatchNorm(RuleBasedStateMachine):
                 np.testing.assert_allclose(
                     np.concatenate([dx for _, dx in got])[lo:hi], _host(xt.grad), **TOL
                 )
-
-    @rule(mode=st.booleans())
-    def train(self, mode):
-        for m in self.mods:
-            m.train(mode)
-        self.ref.train(mode)
-
-    @rule(set_to_none=st.booleans())
-    def zero_grad(self, set_to_none):
-        for m in self.mods:
-            m.zero_grad(set_to_none)
-        self.ref.zero_grad(set_to_none)
-
-    @rule(which=st.sampled_from(["reset_parameters", "reset_running_stats"]))
-    def reset(self, which):
-        for m in self.mods:
-            getattr(m, which)()
-        getattr(self.ref, which)()
-
-    @rule(how=st.sampled_from(["deepcopy", "pickle"]))
-    def copy(self, how):
-        """Carry on with copies on every rank (a pickled one comes back without its
-        communicator, set again at each step here)."""
-        copy_of = copy.deepcopy if how == "deepcopy" else (lambda m: pickle.loads(pickle.dumps(m)))
-        self.mods = [copy_of(m) for m in self.mods]
-        self.ref = copy_of(self.ref)
-
-    @rule(momentum=st.sampled_from([None, 0.0, 0.25, 1.0]))
-    def set_momentum(self, momentum):
-        for m in self.mods:
-            m.momentum = momentum
-        self.ref.momentum = momentum
-
-    @invariant()
-    def same_state(self):
-        theirs = self.ref.state_dict()
-        for r, m in enumerate(self.mods):
-            assert m.training == self.ref.training
-            ours = m.state_dict()
-            assert list(ours) == list(theirs)
-            for k in ours:
-                np.testing.assert_allclose(
-                    to_host(ours[k]), _host(theirs[k]), err_msg=f"rank {r}: {k}", **TOL
-                )
-        their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
-        for m in self.mods:
-            assert m.grads.keys() == their_grads.keys()
-        for k, g in their_grads.items():
-            total = sum(to_host(m.grads[k]) for m in self.mods)
-            np.testing.assert_allclose(total, _host(g), err_msg=k, **TOL)
 
 
 LifeOfASyncBatchNorm.TestCase.settings = settings(
