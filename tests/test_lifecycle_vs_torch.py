@@ -1,18 +1,19 @@
 """A module's life, step by step, against torch.nn's twin: random sequences of what a
 training loop does (forwards, backwards, a forward left without its backward, train/eval
-switches, ``zero_grad`` both ways, resets, checkpoint loads (torch's own ``state_dict``
-among them, which npnorm must copy, not share), a new ``momentum``, deep copies, pickles, a
-round trip through float32, conversions with ``from_torch``/``to_torch``), drawn by
-hypothesis's state machines, so a failing sequence shrinks to the few steps that make it
-fail.
+switches, forwards under ``no_grad``, ``zero_grad`` both ways, resets, checkpoint loads
+(torch's own ``state_dict`` among them, which npnorm must copy, not share), a new
+``momentum``, deep copies, pickles, casts between float32 and float64, conversions with
+``from_torch``/``to_torch``), drawn by hypothesis's state machines, so a failing sequence
+shrinks to the few steps that make it fail.
 
 The other tests take one operation at a time; here the operations meet: the gradients
 accumulated over several backwards, a backward after a mode switch or a load (torch's
 saved forward decides, and where torch raises npnorm must too), ``momentum=None``'s
 cumulative average across a reset, the gradients a deep copy or a pickle drops. After
-every step both modules must hold the same mode, parameters, buffers and gradients
-(float64, to 1e-10). The npnorm module lives on NumPy, torch tensors or array_api_strict,
-and its steps run on whichever kernel family was last chosen.
+every step both modules must hold the same mode, parameters, buffers and gradients, of
+the same dtypes (to 1e-10 in float64; to float32's tolerance once the twins have computed
+in float32). The npnorm module lives on NumPy, torch tensors or array_api_strict, in
+float64 or float32, and its steps run on whichever kernel family was last chosen.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import draw_state, grid_arrays
+from helpers import close, draw_state, grid_arrays
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -55,7 +56,6 @@ LAYERS = {
     "GroupNorm": (lambda nn, **kw: nn.GroupNorm(2, 4, **kw), (2, 4, 3)),
     "RMSNorm": (lambda nn, **kw: nn.RMSNorm(4, **kw), (3, 4)),
 }
-TOL = dict(rtol=1e-10, atol=1e-10)
 BACKENDS = ["numpy", "torch"] + ["array_api_strict"] * (
     importlib.util.find_spec("array_api_strict") is not None
 )
@@ -71,6 +71,8 @@ class _Twins(RuleBasedStateMachine):
 
     mods: list
     ref: Any
+    dtype = "float64"  # the twins' dtype now (LifeOfAModule's changes)
+    tol = "float64"  # the tolerance: float32's once the twins have computed in float32
     pending = None  # torch's (input, output) of a forward not yet taken back (LifeOfAModule's)
 
     @rule(data=st.data())
@@ -119,23 +121,24 @@ class _Twins(RuleBasedStateMachine):
 
     @invariant()
     def same_state(self):
-        """Each module holds torch's mode, parameters and buffers; their grads add up to
-        torch's (each rank holds its own share)."""
+        """Each module holds torch's mode, parameters and buffers, of torch's dtypes; their
+        grads, of torch's dtypes too, add up to torch's (each rank holds its own share)."""
         theirs = self.ref.state_dict()
         for r, m in enumerate(self.mods):
             assert m.training == self.ref.training
             ours = m.state_dict()
             assert list(ours) == list(theirs)
             for k in ours:
-                np.testing.assert_allclose(
-                    to_host(ours[k]), _host(theirs[k]), err_msg=f"module {r}: {k}", **TOL
-                )
+                assert to_host(ours[k]).dtype == _host(theirs[k]).dtype, f"module {r}: {k}'s dtype"
+                close(ours[k], theirs[k], self.tol, f"module {r}: {k}")
         their_grads = {k: p.grad for k, p in self.ref.named_parameters() if p.grad is not None}
-        for m in self.mods:
+        for r, m in enumerate(self.mods):
             assert m.grads.keys() == their_grads.keys()
+            for k, g in m.grads.items():
+                assert to_host(g).dtype == _host(their_grads[k]).dtype, f"module {r}: {k}'s grad dtype"
         for k, g in their_grads.items():
-            total = sum(to_host(m.grads[k]) for m in self.mods)
-            np.testing.assert_allclose(total, _host(g), err_msg=k, **TOL)
+            total = sum(to_host(m.grads[k]).astype(np.float64) for m in self.mods)
+            close(total, g, self.tol, f"{k}'s grad")
 
 
 class LifeOfAModule(_Twins):
@@ -149,12 +152,17 @@ class LifeOfAModule(_Twins):
     def ours(self, module):
         self.mods = [module]
 
-    @initialize(name=st.sampled_from(sorted(LAYERS)), backend=st.sampled_from(BACKENDS), data=st.data())
-    def build(self, name, backend, data):
+    @initialize(
+        name=st.sampled_from(sorted(LAYERS)),
+        backend=st.sampled_from(BACKENDS),
+        dtype=st.sampled_from(["float64", "float32"]),
+        data=st.data(),
+    )
+    def build(self, name, backend, dtype, data):
         make, self.shape = LAYERS[name]
-        self.xp, self.backend = resolve_namespace(backend), backend
-        self.ours = make(npnorm, dtype="float64", xp=backend)
-        self.ref = make(torch.nn, dtype=torch.float64)
+        self.xp, self.backend, self.dtype, self.tol = resolve_namespace(backend), backend, dtype, dtype
+        self.ours = make(npnorm, dtype=dtype, xp=backend)
+        self.ref = make(torch.nn, dtype=getattr(torch, dtype))
         self.kernels_before = _dispatch._selected  # (restored at the end, unset if it was)
         self.load_torchs_state_dict(data)  # (so that every sequence checks that it is copied)
 
@@ -163,7 +171,10 @@ class LifeOfAModule(_Twins):
             _dispatch._selected = self.kernels_before
 
     def _ours(self, a: np.ndarray):
-        return self.xp.asarray(a, dtype=self.xp.float64)
+        return self.xp.asarray(a, dtype=getattr(self.xp, self.dtype))
+
+    def _theirs(self, a: np.ndarray, **kwargs):
+        return torch.tensor(a, dtype=getattr(torch, self.dtype), **kwargs)
 
     # --- steps ---------------------------------------------------------------
 
@@ -205,11 +216,27 @@ class LifeOfAModule(_Twins):
     @rule(data=st.data())
     def forward(self, data):
         x = data.draw(grid_arrays(self.shape), label="x")
-        xt = torch.tensor(x, requires_grad=True)
+        xt = self._theirs(x, requires_grad=True)
         yt = self.ref(xt)
         y = self.ours(self._ours(x))
-        np.testing.assert_allclose(_host(y), _host(yt), **TOL)
+        close(y, yt, self.tol, "y")
         self.pending = (xt, yt)
+
+    @rule(data=st.data())
+    def forward_without_grad(self, data):
+        """A forward under ``no_grad`` (inference in a training loop, a validation
+        batch): the same output, the same running statistics updated in training mode,
+        and nothing kept for a backward (npnorm drops an earlier forward's; torch's
+        earlier graph is left alone here)."""
+        x = data.draw(grid_arrays(self.shape), label="x")
+        with torch.no_grad():
+            yt = self.ref(self._theirs(x))
+        with npnorm.no_grad():
+            y = self.ours(self._ours(x))
+        close(y, yt, self.tol, "y")
+        self.pending = None
+        with pytest.raises(RuntimeError, match="no saved forward"):
+            self.ours.backward(self._ours(x))
 
     @precondition(lambda self: self.pending is not None)
     @rule(data=st.data())
@@ -221,7 +248,7 @@ class LifeOfAModule(_Twins):
         self.pending = None
         dy = data.draw(grid_arrays(self.shape), label="dy")
         try:
-            yt.backward(torch.tensor(dy))
+            yt.backward(self._theirs(dy))
             torch_error = None
         except RuntimeError as err:
             torch_error = err
@@ -234,7 +261,7 @@ class LifeOfAModule(_Twins):
                 np.testing.assert_array_equal(to_host(self.ours.grads[k]), g, err_msg=k)
             return
         dx = self.ours.backward(self._ours(dy))
-        np.testing.assert_allclose(_host(dx), _host(xt.grad), **TOL)
+        close(dx, xt.grad, self.tol, "dx")
 
     @rule(data=st.data())
     def step(self, data):
@@ -243,12 +270,16 @@ class LifeOfAModule(_Twins):
         self.forward(data)
         self.backward(data)
 
-    @rule()
-    def to_float32_and_back(self):
-        """Parameters, buffers and grads rounded to float32 and cast back (torch's
-        ``.float().double()``; a pending forward is dropped, as above)."""
-        self.ours.to(dtype="float32").to(dtype="float64")
-        self.ref.float().double()
+    @rule(dtype=st.sampled_from(["float32", "float64"]))
+    def cast(self, dtype):
+        """Parameters, buffers and grads cast to ``dtype``, and the life goes on in it
+        (torch's ``.float()``/``.double()``: a float64 life rounded to float32 and back
+        is two of these; a pending forward is dropped, as above)."""
+        self.ours.to(dtype=dtype)
+        self.ref.to(getattr(torch, dtype))
+        self.dtype = dtype
+        if dtype == "float32":  # (float32's results stay float32's results, cast or not)
+            self.tol = dtype
         self.pending = None
 
     @rule(family=st.sampled_from(npnorm.kernels_available()))
@@ -333,12 +364,10 @@ class LifeOfASyncBatchNorm(_Twins):
             xt = torch.tensor(x[lo:hi], requires_grad=backward)
             with torch.set_grad_enabled(backward):
                 yt = self.ref(xt)
-            np.testing.assert_allclose(np.concatenate([y for y, _ in got])[lo:hi], _host(yt), **TOL)
+            close(np.concatenate([y for y, _ in got])[lo:hi], yt, self.dtype, "y")
             if backward:
                 yt.backward(torch.tensor(dy[lo:hi]))
-                np.testing.assert_allclose(
-                    np.concatenate([dx for _, dx in got])[lo:hi], _host(xt.grad), **TOL
-                )
+                close(np.concatenate([dx for _, dx in got])[lo:hi], xt.grad, self.dtype, "dx")
 
 
 LifeOfASyncBatchNorm.TestCase.settings = settings(
