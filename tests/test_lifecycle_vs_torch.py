@@ -61,6 +61,24 @@ BACKENDS = ["numpy", "torch"] + ["array_api_strict"] * (
 )
 
 
+# In float32 each drawn input value gets SPREAD times its position added, so that the
+# values of a group (a row, a channel) all differ by 0.25 or more (the grid's values,
+# quarters in [-6, 6], differ by less than SPREAD): the small batches drawn here often held
+# a constant channel, where both libraries' results are rounding amplified by 1/sqrt(eps)
+# (torch's y 2.3e-5 where npnorm's is the exact 0; a running_var of 0 after it, in eval,
+# the same), a case the tests written for it take (test_offset_accuracy.py's constant
+# rows). The values stay exact in float32.
+SPREAD = 12.25
+
+
+def draw_input(data, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An input of ``shape`` drawn on the grid, spread as above in float32."""
+    x = data.draw(grid_arrays(shape), label="x")
+    if dtype == "float32":
+        x = x + SPREAD * np.arange(x.size).reshape(x.shape)
+    return x.astype(dtype)
+
+
 def _host(t) -> np.ndarray:
     return t.detach().numpy() if hasattr(t, "detach") else to_host(t)
 
@@ -220,7 +238,7 @@ class LifeOfAModule(_Twins):
 
     @rule(data=st.data())
     def forward(self, data):
-        x = data.draw(grid_arrays(self.shape), label="x")
+        x = draw_input(data, self.shape, self.dtype)
         xt = self._theirs(x, requires_grad=True)
         yt = self.ref(xt)
         y = self.ours(self._ours(x))
@@ -233,7 +251,7 @@ class LifeOfAModule(_Twins):
         batch): the same output, the same running statistics updated in training mode,
         and nothing kept for a backward (npnorm drops an earlier forward's; torch's
         earlier graph is left alone here)."""
-        x = data.draw(grid_arrays(self.shape), label="x")
+        x = draw_input(data, self.shape, self.dtype)
         with torch.no_grad():
             yt = self.ref(self._theirs(x))
         with npnorm.no_grad():
@@ -308,15 +326,6 @@ SYNC_FLAGS = [
 ]
 
 
-# In float32 each drawn value gets SPREAD times its position in the batch added, so that
-# the values of a channel all differ by 0.25 or more (the grid's values, quarters in [-6,
-# 6], differ by less than SPREAD): the small batches drawn here often held a constant
-# channel, where both libraries' results are rounding amplified by 1/sqrt(eps) (torch's y
-# 2.3e-5 where the exact 0 is npnorm's), a case the tests written for it take
-# (test_offset_accuracy.py's constant rows); exact in float32 all the same.
-SPREAD = 12.25
-
-
 class LifeOfASyncBatchNorm(_Twins):
     """A SyncBatchNorm on each of a few ranks (threads), their batches of drawn sizes (some
     empty), against torch's BatchNorm1d on the batches put together: a data-parallel
@@ -364,10 +373,7 @@ class LifeOfASyncBatchNorm(_Twins):
         if sum(sizes) == 0:
             sizes[-1] = 1
         n = sum(sizes)
-        x = data.draw(grid_arrays((n, self.C, self.L)), label="x")
-        if self.dtype == "float32":  # no channel constant or nearly so (see SPREAD)
-            x = x + SPREAD * np.arange(x.size).reshape(x.shape)
-        x = x.astype(self.dtype)
+        x = draw_input(data, (n, self.C, self.L), self.dtype)
         dy = data.draw(grid_arrays((n, self.C, self.L)), label="dy").astype(self.dtype)
         ends = np.cumsum([0, *sizes])
 
