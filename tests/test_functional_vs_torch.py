@@ -1,0 +1,159 @@
+"""npnorm's torch-signature functions (``F.batch_norm``, ``F.instance_norm``,
+``F.group_norm``, ``F.layer_norm``, ``F.rms_norm``) against torch.nn.functional's, on
+drawn shapes, flags, dtypes (float16, float32, float64), layouts (C-ordered,
+Fortran-ordered, channels-last) and kernel families, with NumPy arrays or torch tensors
+as npnorm's input: the same outputs, the same errors, and for BatchNorm and InstanceNorm
+the same running statistics after a few calls that update them in place (the caller's
+arrays, as torch updates its tensors).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+from helpers import grid_arrays
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npnorm
+import npnorm.functional as F
+from npnorm._backend import to_host
+
+torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
+TF = torch.nn.functional
+
+TOL = {
+    "float64": dict(rtol=1e-10, atol=1e-10),
+    "float32": dict(rtol=1e-4, atol=1e-4),
+    "float16": dict(rtol=4e-3, atol=4e-3),  # (its ulp is 1e-3 relative)
+}
+
+
+class _Draw:
+    """The draws of one example: dtype, layout, backend, and arrays of them."""
+
+    def __init__(self, data):
+        self.data = data
+        self.dtype = data.draw(st.sampled_from(["float64", "float32", "float16"]), label="dtype")
+        self.layout = data.draw(st.sampled_from(["C", "F", "channels last"]), label="layout")
+        self.torch_input = data.draw(st.booleans(), label="npnorm takes torch tensors")
+        npnorm.set_kernels(data.draw(st.sampled_from(npnorm.kernels_available()), label="kernels"))
+
+    def values(self, shape, lo=-6.0, hi=6.0, step=0.25) -> np.ndarray:
+        """Grid values (exact in float16) of ``shape`` in the dtype and layout drawn."""
+        a = self.data.draw(grid_arrays(shape, lo, hi, step)).astype(self.dtype)
+        if self.layout == "F":
+            return np.asfortranarray(a)
+        if self.layout == "channels last" and a.ndim > 2:
+            return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
+        return a
+
+    def optional(self, shape, lo, hi, step):
+        """A parameter, or None."""
+        return self.values(shape, lo, hi, step) if self.data.draw(st.booleans()) else None
+
+    def ours(self, a):
+        """``a`` as npnorm's input: the array, or a torch tensor of it."""
+        return a if a is None or not self.torch_input else torch.from_numpy(a)
+
+    def theirs(self, a):
+        return a if a is None else torch.from_numpy(np.array(a))
+
+
+def _both(ours, theirs):
+    """Both calls' results, or both errors' types (which must then agree)."""
+    try:
+        want = theirs()
+    except (RuntimeError, ValueError, IndexError) as err:
+        with pytest.raises((RuntimeError, ValueError, IndexError)) as ours_err:
+            ours()
+        assert ours_err.type is type(err), (err, ours_err.value)
+        return None, None
+    return ours(), want
+
+
+def _same(ours, theirs, dtype: str, what: str) -> None:
+    ours, theirs = to_host(ours), theirs.numpy()
+    assert ours.dtype == theirs.dtype, f"{what}: dtype {ours.dtype}, torch's {theirs.dtype}"
+    np.testing.assert_allclose(ours.astype(np.float64), theirs.astype(np.float64), **TOL[dtype], err_msg=what)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernels():
+    from npnorm.functional import _dispatch
+
+    before = _dispatch._selected
+    yield
+    _dispatch._selected = before
+
+
+@pytest.mark.parametrize("name", ["batch_norm", "instance_norm"])
+@given(data=st.data())
+def test_running_statistics_layers_over_calls_are_torchs(name, data):
+    d = _Draw(data)
+    C = data.draw(st.sampled_from([1, 2, 4]), label="C")
+    shape = (data.draw(st.integers(1, 4), label="N"), C, *data.draw(st.lists(st.integers(1, 3), max_size=2)))
+    eps = data.draw(st.sampled_from([1e-5, 1e-3, 0.5]), label="eps")
+    track = data.draw(st.booleans(), label="running statistics")
+    rm, rv = d.values((C,), -2.0, 2.0), d.values((C,), 0.25, 2.0, 0.125)
+    rm_ours, rv_ours = d.ours(np.array(rm)), d.ours(np.array(rv))  # (their own memory)
+    rm_theirs, rv_theirs = d.theirs(rm), d.theirs(rv)
+    w, b = d.optional((C,), -1.5, 1.5, 0.125), d.optional((C,), -2.0, 2.0, 0.25)
+    ours_fn, theirs_fn = getattr(F, name), getattr(TF, name)
+    for call in range(data.draw(st.integers(1, 3), label="calls")):
+        x = d.values(shape)
+        flag = data.draw(st.booleans(), label="training / use_input_stats")
+        momentum = data.draw(st.sampled_from([0.1, 0.0, 0.5, 1.0]), label="momentum")
+        stats_ours = (rm_ours, rv_ours) if track else (None, None)
+        stats_theirs = (rm_theirs, rv_theirs) if track else (None, None)
+        y, yt = _both(
+            partial(ours_fn, d.ours(x), *stats_ours, d.ours(w), d.ours(b), flag, momentum, eps),
+            partial(theirs_fn, d.theirs(x), *stats_theirs, d.theirs(w), d.theirs(b), flag, momentum, eps),
+        )
+        if yt is not None:
+            _same(y, yt, d.dtype, f"call {call}: output")
+        _same(rm_ours, rm_theirs, d.dtype, f"call {call}: running_mean")
+        _same(rv_ours, rv_theirs, d.dtype, f"call {call}: running_var")
+
+
+@given(data=st.data())
+def test_group_norm_is_torchs(data):
+    d = _Draw(data)
+    C = data.draw(st.sampled_from([2, 4, 6]), label="C")
+    G = data.draw(st.sampled_from([g for g in (1, 2, 3) if C % g == 0]), label="groups")
+    shape = (data.draw(st.integers(1, 3), label="N"), C, *data.draw(st.lists(st.integers(1, 3), max_size=2)))
+    eps = data.draw(st.sampled_from([1e-5, 1e-3, 0.5]), label="eps")
+    x = d.values(shape)
+    w, b = d.optional((C,), -1.5, 1.5, 0.125), d.optional((C,), -2.0, 2.0, 0.25)
+    y, yt = _both(
+        lambda: F.group_norm(d.ours(x), G, d.ours(w), d.ours(b), eps),
+        lambda: TF.group_norm(d.theirs(x), G, d.theirs(w), d.theirs(b), eps),
+    )
+    if yt is not None:
+        _same(y, yt, d.dtype, "output")
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+@given(data=st.data())
+def test_row_layers_are_torchs(name, data):
+    d = _Draw(data)
+    shape = tuple(data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4), label="shape"))
+    normalized = shape[len(shape) - data.draw(st.integers(1, len(shape)), label="normalized dims") :]
+    eps = data.draw(st.sampled_from([1e-5, 1e-3, 0.5] + [None] * (name == "rms_norm")), label="eps")
+    x = d.values(shape)
+    w = d.optional(normalized, -1.5, 1.5, 0.125)
+    if name == "layer_norm":
+        b = d.optional(normalized, -2.0, 2.0, 0.25)
+        y, yt = _both(
+            lambda: F.layer_norm(d.ours(x), normalized, d.ours(w), d.ours(b), eps),
+            lambda: TF.layer_norm(d.theirs(x), list(normalized), d.theirs(w), d.theirs(b), eps),
+        )
+    else:
+        y, yt = _both(
+            lambda: F.rms_norm(d.ours(x), normalized, d.ours(w), eps),
+            lambda: TF.rms_norm(d.theirs(x), list(normalized), d.theirs(w), eps),
+        )
+    if yt is not None:
+        _same(y, yt, d.dtype, "output")
