@@ -1,5 +1,6 @@
-"""Kernel calls from several Python threads at once, each with its own arrays (as torch's
-functions may be called): every call gives bitwise the results it gives alone.
+"""Kernel calls from several Python threads at once, each with its own arrays or modules
+(as torch's functions and modules may be called): every call gives bitwise the results it
+gives alone.
 
 One caller at a time holds the worker pool; a call that finds it held runs its share of
 the work in its own thread (``npnorm._threads.run_parallel``), split as the pool would
@@ -56,6 +57,16 @@ def _calls(rng: np.random.Generator) -> list:
                 return (y, mean, rstd, *F.group_norm_backward(dyc, xc, 4, mean, rstd, wc, bc))
 
             calls.append(group_norm)
+
+            def module(xc=xc, dyc=dyc, wc=wc):  # a BatchNorm2d's training step, then eval
+                m = npnorm.BatchNorm2d(xc.shape[1])
+                m.weight[...] = wc
+                y = m(xc)
+                dx = m.backward(dyc)
+                y_eval = m.eval()(xc)
+                return y, dx, m.grads["weight"], m.grads["bias"], m.running_mean, m.running_var, y_eval
+
+            calls.append(module)
     return calls
 
 
