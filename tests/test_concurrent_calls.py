@@ -5,38 +5,46 @@ gives alone.
 One caller at a time holds the worker pool; a call that finds it held runs its share of
 the work in its own thread (``npnorm._threads.run_parallel``), split as the pool would
 split it, so the results must not depend on who got the pool, nor on what the other
-threads are running. The inputs are large enough for the kernels to split them over
-threads (the sample-split sums of BatchNorm1d's short channels included), and each
-thread picks a kernel family per call (``use_kernels`` holds per thread), so that
-families run side by side too.
+threads are running. The inputs are large enough for the "numba" kernels to split every
+call over threads (the "numpy" kernels split BatchNorm1d's, whose samples are split for
+its sums; the "reference" kernels never split), and calls without weight or bias use the
+kernels' shared constants (``_staging.param_or``). Every call of every kernel family runs
+in a step where all threads run it at once, and in one where each thread runs another
+family (``use_kernels`` holds per thread); the test checks that calls did find the pool
+held.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import npnorm
 import npnorm.functional as F
+from npnorm import _threads
 
 pytestmark = pytest.mark.usefixtures("restore_threads")  # (tests/conftest.py)
 
 
-def _calls(rng: np.random.Generator) -> list:
-    """Functions that run a layer's forward and backward and return every array made."""
-    calls = []
+def _calls(rng: np.random.Generator) -> dict:
+    """Functions, by name, that run a layer's forward and backward and return every array
+    made."""
+    calls = {}
     x = (rng.standard_normal((8, 96, 257)) * 3 + 5).astype(np.float32)  # 197K values
     dy = rng.standard_normal(x.shape).astype(np.float32)
     w, b = rng.standard_normal(257).astype(np.float32), rng.standard_normal(257).astype(np.float32)
 
-    def layer_norm():
+    def layer_norm(w=w, b=b):
         y, mean, rstd = F.layer_norm_forward(x, 257, w, b)
         return (y, mean, rstd, *F.layer_norm_backward(dy, x, 257, mean, rstd, w, b))
 
-    calls.append(layer_norm)
+    calls["LayerNorm"] = layer_norm
+    calls["LayerNorm without weight and bias"] = lambda: layer_norm(None, None)
     for shape in [(65536, 64), (32, 16, 20, 20)]:  # BatchNorm1d's short channels; 2d
         xc = (rng.standard_normal(shape) * 3 + 5).astype(np.float32)
         dyc = rng.standard_normal(shape).astype(np.float32)
@@ -49,14 +57,12 @@ def _calls(rng: np.random.Generator) -> list:
             y_eval = F.batch_norm_forward(xc, rm, rv, wc, bc)[0]
             return y, mean, rstd, rm, rv, dx, dw, db, y_eval
 
-        calls.append(batch_norm)
+        calls[f"BatchNorm {shape}"] = batch_norm
         if len(shape) == 4:
 
-            def group_norm(xc=xc, dyc=dyc, wc=wc, bc=bc):
-                y, mean, rstd = F.group_norm_forward(xc, 4, wc, bc)
-                return (y, mean, rstd, *F.group_norm_backward(dyc, xc, 4, mean, rstd, wc, bc))
-
-            calls.append(group_norm)
+            def group_norm(xc=xc, dyc=dyc):  # without weight and bias
+                y, mean, rstd = F.group_norm_forward(xc, 4)
+                return (y, mean, rstd, *F.group_norm_backward(dyc, xc, 4, mean, rstd))
 
             def module(xc=xc, dyc=dyc, wc=wc):  # a BatchNorm2d's training step, then eval
                 m = npnorm.BatchNorm2d(xc.shape[1])
@@ -66,7 +72,8 @@ def _calls(rng: np.random.Generator) -> list:
                 y_eval = m.eval()(xc)
                 return y, dx, m.grads["weight"], m.grads["bias"], m.running_mean, m.running_var, y_eval
 
-            calls.append(module)
+            calls[f"GroupNorm {shape}"] = group_norm
+            calls[f"BatchNorm2d module {shape}"] = module
     return calls
 
 
@@ -76,42 +83,65 @@ def _digests(arrays) -> list[str]:
     return [hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for a in arrays]
 
 
-def test_calls_from_several_threads_at_once_give_each_calls_own_results(rng):
+class _CountingLock:
+    """The pool's lock, counting the calls that found it held (and so ran inline)."""
+
+    def __init__(self, lock):
+        self.lock, self.found_held = lock, 0
+
+    def locked(self) -> bool:
+        held = self.lock.locked()
+        self.found_held += held
+        return held
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+
+def test_calls_from_several_threads_at_once_give_each_calls_own_results(rng, monkeypatch):
     npnorm.set_num_threads(2)
     threads = 4
     calls = [_calls(rng) for _ in range(threads)]  # each thread's own arrays
-    families = npnorm.kernels_available()
+    names, families = list(calls[0]), npnorm.kernels_available()
     alone = {}
     for family in families:
         with npnorm.use_kernels(family):
             for t in range(threads):
-                for i, call in enumerate(calls[t]):
-                    alone[t, family, i] = _digests(call())
-    # the steps every thread takes together (after a barrier): a call, and a family, the
-    # same for all threads on even steps, one per thread on odd steps
-    steps = [(int(rng.integers(len(calls[0]))), int(rng.integers(len(families)))) for _ in range(24)]
+                for name in names:
+                    alone[t, family, name] = _digests(calls[t][name]())
+    # the steps the threads take together (after a barrier): every call and family once
+    # with the same family in all threads, once with one family per thread
+    steps = [
+        (name, f, mixed) for name, f in itertools.product(names, range(len(families))) for mixed in (0, 1)
+    ]
     barrier = threading.Barrier(threads, timeout=60)
     errors: list = []
+    lock = _CountingLock(_threads._busy)
+    monkeypatch.setattr(_threads, "_busy", lock)
 
     def caller(t: int) -> None:
         try:
-            for s, (i, f) in enumerate(steps):
-                family = families[(f + t * (s % 2)) % len(families)]
+            for s, (name, f, mixed) in enumerate(steps):
+                family = families[(f + t * mixed) % len(families)]
                 barrier.wait()
                 with npnorm.use_kernels(family):
-                    got = calls[t][i]()
-                for k, (a, want) in enumerate(zip(_digests(got), alone[t, family, i], strict=True)):
+                    got = _digests(calls[t][name]())
+                for k, (a, want) in enumerate(zip(got, alone[t, family, name], strict=True)):
                     if a != want:
-                        name = calls[t][i].__name__
                         errors.append(f"step {s}, thread {t}: {family} {name}: result {k} differs")
         except BaseException as err:  # reported below (a broken barrier: see the first)
             errors.append(err)
             barrier.abort()
 
-    workers = [threading.Thread(target=caller, args=(t,)) for t in range(threads)]
+    workers = [threading.Thread(target=caller, args=(t,), daemon=True) for t in range(threads)]
     for w in workers:
         w.start()
+    deadline = time.monotonic() + 300
     for w in workers:
-        w.join(timeout=300)
-    assert not any(w.is_alive() for w in workers)
+        w.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(w.is_alive() for w in workers), "a call hung"
     assert not errors, errors[:3]
+    assert lock.found_held > 0, "no call found the pool held: the threads did not overlap"
