@@ -2,9 +2,9 @@
 training loop does (forwards, backwards, a forward left without its backward, train/eval
 switches, forwards under ``no_grad``, ``zero_grad`` both ways, resets, checkpoint loads
 (torch's own ``state_dict`` among them, which npnorm must copy, not share), a new
-``momentum``, deep copies, pickles, casts between float32 and float64, conversions with
-``from_torch``/``to_torch``), drawn by hypothesis's state machines, so a failing sequence
-shrinks to the few steps that make it fail.
+``momentum``, deep copies, pickles, casts between float32 and float64, moves between
+backends, conversions with ``from_torch``/``to_torch``), drawn by hypothesis's state
+machines, so a failing sequence shrinks to the few steps that make it fail.
 
 The other tests take one operation at a time; here the operations meet: the gradients
 accumulated over several backwards, a backward after a mode switch or a load (torch's
@@ -12,8 +12,9 @@ saved forward decides, and where torch raises npnorm must too), ``momentum=None`
 cumulative average across a reset, the gradients a deep copy or a pickle drops. After
 every step both modules must hold the same mode, parameters, buffers and gradients, of
 the same dtypes (to 1e-10 in float64; to float32's tolerance once the twins have lived
-in float32). The npnorm module lives on NumPy, torch tensors or array_api_strict, in
-float64 or float32, and its steps run on whichever kernel family was last chosen.
+in float32). The npnorm module lives on NumPy, torch tensors or array_api_strict (and
+moves between them), in float64 or float32, and its steps run on whichever kernel family
+was last chosen.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import npnorm
-from npnorm._backend import resolve_namespace, to_host
+from npnorm._backend import namespace_of, resolve_namespace, to_host
 from npnorm._threadcomm import run_ranks
 from npnorm.functional import _dispatch
 
@@ -316,6 +317,23 @@ class LifeOfAModule(_Twins):
         self.dtype = dtype
         if dtype == "float32":  # (see tol: its rounding stays after a cast back)
             self.tol = dtype
+        self.pending = None
+
+    @invariant()
+    def on_its_backend(self):
+        """Every parameter, buffer and grad is an array of the backend the life is on."""
+        assert self.ours.xp is self.xp
+        arrays = {**self.ours.state_dict(), **{f"{k}'s grad": g for k, g in self.ours.grads.items()}}
+        for k, v in arrays.items():
+            assert namespace_of(v) is self.xp, f"{k}: {type(v).__name__} on a {self.backend} module"
+
+    @rule(backend=st.sampled_from(BACKENDS))
+    def move(self, backend):
+        """Parameters, buffers and grads moved to another backend (``to(xp)``), and the
+        life goes on there (npnorm drops the saved forward when anything moved, as the
+        README says: a pending forward is dropped)."""
+        self.ours.to(backend)
+        self.xp, self.backend = resolve_namespace(backend), backend
         self.pending = None
 
     @rule(family=st.sampled_from(npnorm.kernels_available()))
