@@ -136,6 +136,18 @@ def close(a, b, dtype: str, what: str, truth=None, scale: float | np.ndarray = 1
         )
 
 
+def same_dtype(ours, theirs, what: str) -> None:
+    """npnorm's array (any backend) has the dtype of torch's tensor ``theirs``."""
+    a, b = to_host(ours).dtype, to_host(theirs).dtype
+    assert a == b, f"{what}: dtype {a}, torch's {b}"
+
+
+def same_as_torch(ours, theirs, dtype: str, what: str, truth=None) -> None:
+    """npnorm's array is torch's: its dtype, and its values as ``close`` has them."""
+    same_dtype(ours, theirs, what)
+    close(ours, theirs, dtype, what, truth)
+
+
 _SPATIAL = {"1d": 1, "2d": 2, "3d": 3}
 
 

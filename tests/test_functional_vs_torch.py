@@ -15,13 +15,12 @@ from functools import partial
 
 import numpy as np
 import pytest
-from helpers import close, grid_arrays
+from helpers import channels_last, grid_arrays, same_as_torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import npnorm
 import npnorm.functional as F
-from npnorm._backend import to_host
 
 torch = pytest.importorskip("torch", reason="parity tests need torch==2.13.0 (the 'parity' extra)")
 TF = torch.nn.functional
@@ -43,7 +42,7 @@ class _Draw:
         if self.layout == "F":
             return np.asfortranarray(a)
         if self.layout == "channels last" and a.ndim > 2:
-            return np.moveaxis(np.ascontiguousarray(np.moveaxis(a, 1, -1)), -1, 1)
+            return channels_last(a)
         return a
 
     def optional(self, shape, lo, hi, step):
@@ -77,9 +76,7 @@ def _both(ours, theirs):
 def _same(ours, theirs, dtype: str, what: str, truth=None) -> None:
     """npnorm's result is torch's: its dtype, and its values to the dtype's tolerance, or
     within twice torch's own error of ``truth`` (torch's float64 result: ``close``)."""
-    a, b = to_host(ours).dtype, theirs.numpy().dtype
-    assert a == b, f"{what}: dtype {a}, torch's {b}"
-    close(ours, theirs, dtype, what, truth if dtype != "float64" else None)
+    same_as_torch(ours, theirs, dtype, what, truth if dtype != "float64" else None)
 
 
 @pytest.mark.parametrize("track", [True, False], ids=["running statistics", "none"])

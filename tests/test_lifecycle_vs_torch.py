@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import close, draw_state, grid_arrays
+from helpers import close, draw_state, grid_arrays, same_as_torch, same_dtype
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -82,15 +82,6 @@ def draw_input(data, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         k = np.arange(x.size)
         x = x + (SPREAD * k * (-1.0) ** k).reshape(x.shape)
     return x.astype(dtype)
-
-
-def _same_dtype(ours, theirs, what: str) -> None:
-    a, b = _host(ours).dtype, _host(theirs).dtype
-    assert a == b, f"{what}: dtype {a}, torch's {b}"
-
-
-def _host(t) -> np.ndarray:
-    return t.detach().numpy() if hasattr(t, "detach") else to_host(t)
 
 
 class _Twins(RuleBasedStateMachine):
@@ -153,8 +144,7 @@ class _Twins(RuleBasedStateMachine):
     def _same(self, ours, theirs, what: str) -> None:
         """An array of npnorm's (any backend) is torch's: its dtype, and its values to the
         tolerance."""
-        _same_dtype(ours, theirs, what)
-        close(ours, theirs, self.tol, what)
+        same_as_torch(ours, theirs, self.tol, what)
 
     @invariant()
     def same_state(self):
@@ -171,7 +161,7 @@ class _Twins(RuleBasedStateMachine):
         for r, m in enumerate(self.mods):
             assert m.grads.keys() == their_grads.keys()
             for k, g in m.grads.items():
-                _same_dtype(g, their_grads[k], f"module {r}: {k}'s grad")
+                same_dtype(g, their_grads[k], f"module {r}: {k}'s grad")
         for k, g in their_grads.items():
             total = sum(to_host(m.grads[k]).astype(np.float64) for m in self.mods)
             close(total, g, self.tol, f"{k}'s grad")
