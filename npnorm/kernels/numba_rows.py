@@ -12,9 +12,10 @@ sums (in the data's dtype, flushed into float64 every ``_numba_loops.FLUSH_ROWS`
 the threads' float64 sums are added in thread order at the end: bitwise reproducible
 for a fixed thread count). The loops are pipelined: while a row's output is written,
 chunk by chunk, the next rows' sums are taken, so that reading memory overlaps writing
-it; on AMD processors LayerNorm's forward takes rows of ``loops.LONG_FORWARD_ROW`` values
-and more one at a time instead (``layer_norm_forward_long``), which measured faster there
-and slower on an Intel Xeon (``loops.one_row_at_a_time``). See ``_numba_loops`` for the
+it (the backwards: row r + 1's sums, whole, then row r's dx); on AMD processors
+LayerNorm's forward takes rows of ``loops.LONG_FORWARD_ROW`` values and more one at a
+time instead (``layer_norm_forward_long``), which measured faster there and slower on
+an Intel Xeon (``loops.one_row_at_a_time``). See ``_numba_loops`` for the
 loops and ``_staging`` for how inputs of other dtypes and layouts reach them.
 
 Anything the loops do not compile for (a computation dtype other than float32/float64,
