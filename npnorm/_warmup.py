@@ -74,7 +74,8 @@ def _layers(dtype: str) -> dict[str, Callable[[], Any]]:
             C = x.shape[1]  # for each), and a channels-last input's samples
             with _loop_rule("LONG_ROWS_ALONE", True):
                 _, mean, rstd = F.group_norm_forward(x, 2, np.ones(C, dtype), np.zeros(C, dtype))
-            F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
+            with _loop_rule("LONG_ROWS_ALONE", False):  # (wide's rows pipelined, img's not)
+                F.group_norm_backward(x, x, 2, mean, rstd, np.ones(C, dtype), np.zeros(C, dtype))
         from .kernels import numba_channels
 
         numba_channels.compile_split_loops(dtype)  # (samples fewer than the threads take them)

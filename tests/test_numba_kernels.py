@@ -960,11 +960,16 @@ def test_short_group_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, 
         np.testing.assert_array_equal(a, c)
 
 
-def test_short_group_rows_rule(monkeypatch):
+@pytest.mark.parametrize("alone", [True, False])
+def test_short_group_rows_rule(monkeypatch, alone):
     """Which backward loop GroupNorm and InstanceNorm rows go to: short rows of short
-    channels one at a time, the others pipelined (see ``numba_channels._short_rows``)."""
+    channels one at a time, the others pipelined (see ``numba_channels._short_rows``),
+    but where the forward takes long rows alone (AMD hosts: ``LONG_ROWS_ALONE``), rows of
+    ``LONG_FORWARD_ROW`` values and more one at a time too."""
     from npnorm.kernels import _numba_loops as loops
 
+    assert loops.LONG_FORWARD_ROW == 256  # the cases below straddle it
+    monkeypatch.setattr(loops, "LONG_ROWS_ALONE", alone)
     called: list[str] = []
     for name in ("group_backward", "group_backward_short"):
         loop = getattr(loops, name)
@@ -972,12 +977,16 @@ def test_short_group_rows_rule(monkeypatch):
     cases = [
         ((2, 4, 7, 7), 4, "float32", "group_backward_short"),  # InstanceNorm 7x7
         ((2, 32, 7, 7), 2, "float32", "group_backward_short"),  # 16 channels of 7x7: 3 KB rows
-        ((2, 4, 14, 14), 4, "float64", "group_backward"),  # channels of 1.5 KB
-        ((1, 2, 30, 30), 2, "float32", "group_backward"),  # channels of 3.5 KB
-        ((1, 32, 14, 14), 2, "float32", "group_backward"),  # rows of 12.5 KB
+        ((2, 4, 14, 14), 4, "float64", "group_backward"),  # channels of 1.5 KB, rows of 196
+        ((1, 1, 15, 17), 1, "float64", "group_backward"),  # rows of 255
+        ((1, 2, 16, 16), 2, "float64", "group_backward_long"),  # rows of 256
+        ((1, 2, 30, 30), 2, "float32", "group_backward_long"),  # channels of 3.5 KB
+        ((1, 32, 14, 14), 2, "float32", "group_backward_long"),  # rows of 12.5 KB
     ]
     rng = np.random.default_rng(5)
     for shape, groups, dtype, expected in cases:
+        # (the long rows: one at a time where long rows go alone, else pipelined)
+        expected = expected.replace("_long", "_short" if alone else "")
         x = rng.normal(size=shape).astype(dtype)
         _, mean, rstd = F.group_norm_forward(x, groups)
         called.clear()

@@ -468,7 +468,8 @@ LONG_ROWS_ALONE = ON_AMD
 def one_row_at_a_time(L: int) -> bool:
     """Whether the forward loops take rows of L values one at a time (``*_forward_long``)
     rather than pipelined: long rows, on a host where that measured faster (see above).
-    The two give bitwise the same results."""
+    The two give bitwise the same results. GroupNorm's backward follows it too
+    (``group_backward_short``; see ``numba_channels.SHORT_ROW_BYTES``)."""
     return LONG_ROWS_ALONE and L >= LONG_FORWARD_ROW
 
 

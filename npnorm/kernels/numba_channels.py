@@ -35,8 +35,8 @@ as (N, C, S), S = prod(spatial):
   like LayerNorm's rows: while a row's output is written, the next rows' sums are taken,
   so that reading memory overlaps writing it; on AMD processors the forward takes rows of
   ``loops.LONG_FORWARD_ROW`` values and more one at a time instead (``group_forward_long``,
-  see ``_numba_loops.one_row_at_a_time``), and the backward rows of a few KB
-  (``loops.group_backward_short``, see _short_rows). A channels-last input (with a
+  see ``_numba_loops.one_row_at_a_time``), and the backward too, as it does rows of a few
+  KB everywhere (``loops.group_backward_short``, see SHORT_ROW_BYTES). A channels-last input (with a
   channels-last gradient in the backward) is taken sample by sample instead
   (``loops.group_rows_forward`` / ``_backward``): a sample's S rows of C values, summed
   down the channels' columns in spans of rows, the sample kept in cache between its
@@ -132,7 +132,12 @@ ROW_BYTES = 8 * 1024
 # (backward, (32, 512, H, W), 2 threads): 8-15% faster for InstanceNorm at 4x4 to 14x14 in
 # float32 (4x4, 7x7 in float64), 2-9% for GroupNorm at 5x5 to 10x10 with 16-512 groups
 # (rows of 400 B to 6 KB); 4-5% slower for InstanceNorm at 28x28 (channels of 3 KB), and
-# the loops alone 18% slower for GroupNorm(32) at 14x14 (rows of 12 KB).
+# the loops alone 18% slower for GroupNorm(32) at 14x14 (rows of 12 KB). Where the forward
+# takes long rows one at a time (``loops.one_row_at_a_time``: AMD processors), so does the
+# backward, whatever their length: on a 2-vCPU AMD EPYC (``znver5``, 2026-12-06; float32,
+# 2 threads, a module's backward interleaved with the pipelined one's) it took 0.79-0.84x
+# the pipeline's time at (32, 64, 56, 56) with 32 and 64 groups, (8, 64, 128, 128) and (32,
+# 64, 28, 28), 0.94x at (16, 32, 224, 224); on the earlier AMD host it measured 0.89-1.07x.
 SHORT_ROW_BYTES = 8192
 SHORT_SPAN_BYTES = 1024
 
@@ -764,7 +769,8 @@ def _group_backward(
     m, r = vector(mean, R, ct), vector(rstd, R, ct)  # R, R
     w = param_or(weight, C, ct, 1.0)  # C
     sdy, sdyx = np.empty(N * C), np.empty(N * C)  # N*C float64: sum(dy), sum(dy*(x - mean))
-    loop = loops.group_backward_short if _short_rows(L, L // k, ct) else loops.group_backward
+    alone = _short_rows(L, L // k, ct) or loops.one_row_at_a_time(L)  # (see SHORT_ROW_BYTES)
+    loop = loops.group_backward_short if alone else loops.group_backward
     last = _samples_last(ct, out, input, grad_output)
     if last is not None:  # channels-last: by samples
         (xs, dys), dxs = last  # N,S,C each
