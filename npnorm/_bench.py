@@ -799,7 +799,8 @@ def run(
     info["freed memory"] = "kept for reuse (--reuse-memory)" if reuse_memory else "the C library's default"
     if importlib.util.find_spec("numba") is not None:
         info["numba"] = importlib.import_module("numba").__version__
-    if "numba" in info["kernels_available"]:  # the forward loops this host takes (see _numba_loops)
+    if "numba" in info["kernels_available"]:  # the loops this host takes (see _numba_loops; long_rows:
+        # the forwards' long rows and GroupNorm's backward rows)
         from .kernels import _numba_loops as loops
 
         info["long_rows"] = "one at a time" if loops.LONG_ROWS_ALONE else "pipelined"

@@ -435,11 +435,14 @@ def _flush(part, total):  # type: ignore[no-untyped-def]
 # the AMD host (LayerNorm (65536, 64), InstanceNorm at 4x4, 7x7 and 10x10), the steps of
 # a row too short to hide one another's latency. (A pipeline one row deep, the next row's
 # sum taken under this row's output and its squared deviations after, measured between
-# the two there.) The backwards and RMSNorm's forward stay pipelined one row deep (but
-# GroupNorm's short rows, see ``group_backward_short``): one row at a time they measured
-# 1.0-1.3x the pipeline's time on the AMD host. LayerNorm's and RMSNorm's backwards take
-# whole rows, not chunks: row r + 1's sums in one call, then row r's dx in the loop's own
-# body (see ``layer_norm_backward``).
+# the two there.) The backwards and RMSNorm's forward stay pipelined one row deep: one
+# row at a time they measured 1.0-1.3x the pipeline's time on that AMD host. But
+# GroupNorm's and InstanceNorm's backward takes short rows one at a time everywhere, and
+# long ones where the forward does (``group_backward_short``; on a later AMD EPYC,
+# ``znver5``, that took 0.79-0.94x the pipeline's time: see
+# ``numba_channels.SHORT_ROW_BYTES``); and LayerNorm's and RMSNorm's backwards take whole
+# rows, not chunks: row r + 1's sums in one call, then row r's dx in the loop's own body
+# (see ``layer_norm_backward``).
 LONG_FORWARD_ROW = 256
 
 
@@ -1159,7 +1162,8 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
 
 # --- GroupNorm and InstanceNorm: (sample, group) rows of k channels of S values ----------
 #
-# Pipelined as the rows above (the forward's long rows one at a time). The forward's sums
+# Pipelined as the rows above (long rows one at a time where the forward's are, in both
+# directions, and the backward's short rows everywhere). The forward's sums
 # take the row in chunks of CHUNK values whatever its channels (a row of short channels,
 # 16 of 7x7 values, then costs a few sum calls per pass instead of one per channel: with
 # the pipelined loop writing each chunk's output channel by channel too, 18% faster at
@@ -1298,7 +1302,8 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
 def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # type: ignore[no-untyped-def]
     """``group_backward`` for short rows (a few KB): one row at a time, its sums, then its
     dx, with no pipeline (the hardware fetches short rows in time on its own, and the
-    pipeline's steps cost more than they hide there). The same sums, chunk by chunk in
+    pipeline's steps cost more than they hide there); for long rows too where the forward
+    takes them one at a time (``one_row_at_a_time``: AMD hosts). The same sums, chunk by chunk in
     the same order, and the same dx: bitwise ``group_backward``'s results. (The row's
     dx coefficients are written out as there: as one helper called from both, the
     backward measured 1.6x slower at InstanceNorm (32, 512, 7, 7).)"""

@@ -133,11 +133,12 @@ ROW_BYTES = 8 * 1024
 # float32 (4x4, 7x7 in float64), 2-9% for GroupNorm at 5x5 to 10x10 with 16-512 groups
 # (rows of 400 B to 6 KB); 4-5% slower for InstanceNorm at 28x28 (channels of 3 KB), and
 # the loops alone 18% slower for GroupNorm(32) at 14x14 (rows of 12 KB). Where the forward
-# takes long rows one at a time (``loops.one_row_at_a_time``: AMD processors), so does the
-# backward, whatever their length: on a 2-vCPU AMD EPYC (``znver5``, 2026-12-06; float32,
-# 2 threads, a module's backward interleaved with the pipelined one's) it took 0.79-0.84x
-# the pipeline's time at (32, 64, 56, 56) with 32 and 64 groups, (8, 64, 128, 128) and (32,
-# 64, 28, 28), 0.94x at (16, 32, 224, 224); on the earlier AMD host it measured 0.89-1.07x.
+# takes long rows one at a time (``loops.one_row_at_a_time``: AMD processors, rows of
+# LONG_FORWARD_ROW values and more), so does the backward, whatever their channels: on a
+# 2-vCPU AMD EPYC (``znver5``, 2026-12-06; float32, 2 threads, a module's backward
+# interleaved with the pipelined one's) it took 0.79-0.84x the pipeline's time at (32,
+# 64, 56, 56) with 32 and 64 groups, (8, 64, 128, 128) and (32, 64, 28, 28), 0.94x at
+# (16, 32, 224, 224); on the earlier AMD host it measured 0.89-1.07x.
 SHORT_ROW_BYTES = 8192
 SHORT_SPAN_BYTES = 1024
 
@@ -760,9 +761,10 @@ def _group_backward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``loops.group_backward`` (``group_backward_short`` for short rows) over the N*G
-    rows; dweight and dbias summed over samples (float64, fixed order) from the
-    per-(sample, channel) sums."""
+    """``loops.group_backward`` (``group_backward_short`` for short rows, and long ones
+    where the forward takes them one at a time: see SHORT_ROW_BYTES) over the N*G rows;
+    dweight and dbias summed over samples (float64, fixed order) from the per-(sample,
+    channel) sums."""
     N, C = int(input.shape[0]), int(input.shape[1])
     R, k = N * G, C // G
     L = input.size // R
