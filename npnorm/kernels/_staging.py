@@ -38,7 +38,17 @@ from ._blocks import Rows, view
 T = TypeVar("T")
 
 COMPILED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the loops compile for
-MIN_PARALLEL = 1 << 16  # elements per thread below which a call runs serially
+# Elements per thread below which a call runs serially: a call splits over two threads
+# from 2*MIN_PARALLEL values. Each split costs a hand-off to the pool, measured at 15-78
+# us on the 2-vCPU VMs (a call of two no-op tasks; the same VM gave 66 us in one run of
+# 2000 calls and 15 us in the next). With 1 << 16, on an AMD EPYC (2026-12-06; float32,
+# module calls, 1 and 2 threads interleaved), two threads took 1.3-2.5x one thread's time
+# at 131072 and 262144 values (LayerNorm, BatchNorm and GroupNorm forward+backward,
+# BatchNorm's eval, LayerNorm's forward), 1.02-1.46x at 524288 (1.02-1.15x for the
+# forward+backwards), 0.69-1.26x at 1048576 and 0.57-0.88x from 2097152; an earlier
+# session measured the crossover at 400000-800000 values on another VM. So calls split
+# from 524288 values.
+MIN_PARALLEL = 1 << 18
 STAGE_BYTES = 1 << 20  # bytes of one staged block (per thread and staged array)
 
 
