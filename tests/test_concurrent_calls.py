@@ -6,8 +6,10 @@ One caller at a time holds the worker pool; a call that finds it held runs its s
 the work in its own thread (``npnorm._threads.run_parallel``), split as the pool would
 split it, so the results must not depend on who got the pool, nor on what the other
 threads are running. The inputs are large enough for the "numba" kernels to split every
-call over threads (the "numpy" kernels split BatchNorm1d's, whose samples are split for
-its sums; the "reference" kernels never split), and calls without weight or bias use the
+call over threads with ``_staging.MIN_PARALLEL`` at 65536 values a thread, which the test
+sets (the default splits from 524288 values; these inputs stay small for four threads;
+the "numpy" kernels split BatchNorm1d's, whose samples are split for its sums; the
+"reference" kernels never split), and calls without weight or bias use the
 kernels' shared constants (``_staging.param_or``). Every call of every kernel family runs
 in a step where all threads run it at once, and in one where each thread runs another
 family (``use_kernels`` holds per thread); the test checks that calls did find the pool
@@ -27,6 +29,7 @@ import pytest
 import npnorm
 import npnorm.functional as F
 from npnorm import _threads
+from npnorm.kernels import _staging
 
 pytestmark = pytest.mark.usefixtures("restore_threads")  # (tests/conftest.py)
 
@@ -103,6 +106,7 @@ class _CountingLock:
 
 def test_calls_from_several_threads_at_once_give_each_calls_own_results(rng, monkeypatch):
     npnorm.set_num_threads(2)
+    monkeypatch.setattr(_staging, "MIN_PARALLEL", 1 << 16)  # (every call split: see above)
     threads = 4
     calls = [_calls(rng) for _ in range(threads)]  # each thread's own arrays
     names, families = list(calls[0]), npnorm.kernels_available()
