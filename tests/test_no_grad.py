@@ -47,22 +47,35 @@ def test_memory_is_released(rng):
 
 
 @pytest.mark.parametrize("family", ["numba", "numpy"])
-def test_memory_is_released_after_calls_split_over_threads(rng, family, restore_threads):
+def test_memory_is_released_after_calls_split_over_threads(rng, family, restore_threads, monkeypatch):
     """Inputs large enough for the pool (2 threads): its workers kept the last call's
-    tasks, and with them its input and output, while they slept."""
+    tasks, and with them its input and output, while they slept. (The calls are split:
+    a (1024, 256) input was split by neither family.)"""
     import gc
     import weakref
 
+    from npnorm import _threads
+    from npnorm.kernels import _blocks, _staging
+
     if family not in npnorm.kernels_available():
         pytest.skip(f"{family} is not installed")
+    split: list[int] = []
+
+    def counting(tasks):
+        split.append(len(tasks))
+        return _threads.run_parallel(tasks)
+
+    for module in (_staging, _blocks):  # (the two families' way to the pool)
+        monkeypatch.setattr(module, "run_parallel", counting)
     npnorm.set_num_threads(2)
-    m = npnorm.BatchNorm1d(256)
-    x = rng.normal(size=(1024, 256)).astype(np.float32)
+    m = npnorm.BatchNorm1d(64)
+    x = rng.normal(size=(65536, 64)).astype(np.float32)  # samples split over the threads
     with npnorm.use_kernels(family):
         y = m(x)
         dx = m.backward(y)
         with npnorm.no_grad():
             z = m(x)
+    assert split and max(split) == 2, split
     refs = [weakref.ref(a) for a in (x, y, dx, z)]
     del x, y, dx, z
     gc.collect()
