@@ -7,7 +7,7 @@ the work in its own thread (``npnorm._threads.run_parallel``), split as the pool
 split it, so the results must not depend on who got the pool, nor on what the other
 threads are running. The inputs are large enough for the "numba" kernels to split every
 call over threads with ``_staging.MIN_PARALLEL`` at 65536 values a thread, which the test
-sets (the default splits from 524288 values; these inputs stay small for four threads;
+sets (the default splits from 786432 values; these inputs stay small for four threads;
 the "numpy" kernels split BatchNorm1d's, whose samples are split for its sums; the
 "reference" kernels never split), and calls without weight or bias use the
 kernels' shared constants (``_staging.param_or``). Every call of every kernel family runs

@@ -328,8 +328,10 @@ import numpy as np
 import npnorm, npnorm.functional as F
 
 npnorm.set_num_threads(int(sys.argv[1]))
-x = np.random.default_rng(0).standard_normal((96, 4096)).astype(np.float32)
+x = np.random.default_rng(0).standard_normal((512, 4096)).astype(np.float32)  # split by either family
 ref = F.layer_norm_forward(x, 4096)[0]
+from npnorm import _threads
+assert _threads._workers_list, "the calls must use the pool"
 rng = np.random.default_rng(0)
 for _ in range(60):
     t = threading.Timer(rng.uniform(0, 2e-3), os.kill, (os.getpid(), signal.SIGINT))
@@ -347,7 +349,6 @@ for _ in range(60):
 y = np.zeros_like(x)
 F.layer_norm_forward(x, 4096, out=y)
 assert np.array_equal(y, ref)
-from npnorm import _threads
 assert not _threads._busy.locked(), "the pool was left taken: every call runs inline"
 assert all(w.thread.is_alive() for w in _threads._workers_list)
 names = _threads.run_parallel([lambda: threading.current_thread().name] * 2)

@@ -45,10 +45,11 @@ COMPILED = (np.dtype(np.float32), np.dtype(np.float64))  # the dtypes the loops 
 # module calls, 1 and 2 threads interleaved), two threads took 1.3-2.5x one thread's time
 # at 131072 and 262144 values (LayerNorm, BatchNorm and GroupNorm forward+backward,
 # BatchNorm's eval, LayerNorm's forward), 1.02-1.46x at 524288 (1.02-1.15x for the
-# forward+backwards), 0.69-1.26x at 1048576 and 0.57-0.88x from 2097152; an earlier
-# session measured the crossover at 400000-800000 values on another VM. So calls split
-# from 524288 values.
-MIN_PARALLEL = 1 << 18
+# forward+backwards), 0.69-1.26x at 1048576 (0.69-0.88x but BatchNorm's eval) and
+# 0.57-0.88x from 2097152; an earlier session measured the crossover at 400000-800000
+# values on another VM (two threads 0.62-0.92x from 800000). So calls split from 786432
+# values. (Some loops split later by rules of their own: ``numba_channels``.)
+MIN_PARALLEL = 3 << 17
 STAGE_BYTES = 1 << 20  # bytes of one staged block (per thread and staged array)
 
 

@@ -166,8 +166,9 @@ def _channel_block(N: int, S: int, ct: np.dtype[Any]) -> int:
 # (4096, 1024) 3 and 4 ms against 4 and 7 (the threads that split the channels before
 # took 4-6 and 6-8 ms there, and up to 2x one thread's time at (16384, 256)).
 SPLIT_VALUES = 1 << 21
-# Below that, the threads split the channels where each one's share of a sample's row is
-# at least SHARE_BYTES (with two threads, forward+backward: (256, 2048) 0.7 ms against
+# Below that, the threads split the channels (of inputs large enough to split at all:
+# ``_staging.MIN_PARALLEL``) where each one's share of a sample's row is at least
+# SHARE_BYTES (with two threads, forward+backward: (256, 2048) 0.7 ms against
 # 1.0 in one thread, (128, 512, 7, 7) 6 against 10.4), else one thread takes them all
 # (shares of 1 KB, at (256, 512): 0.35 ms split so, against 0.17).
 SHARE_BYTES = 4096
@@ -421,7 +422,9 @@ def _staged_spans(
     def task(k0: int, k1: int) -> None:
         _staged_rows(sources, 0, ct, k0 * loops.SPAN, min(k1 * loops.SPAN, M), block)
 
-    run(task, ranges(count, loops.SPAN * C))
+    # (whole spans: a count of them rounded up could pass the threads' threshold where
+    # the M*C values do not)
+    run(task, ranges(count, loops.SPAN * C) if M * C >= 2 * _staging.MIN_PARALLEL else [(0, count)])
 
 
 def _staged_row_statistics(x: np.ndarray, mean: np.ndarray, var: np.ndarray, ct: np.dtype[Any]) -> None:
