@@ -666,6 +666,41 @@ def _every_op(x, dy, w, b):
     return [a for a in out if a is not None]
 
 
+@pytest.mark.parametrize("layout", ["C", "F", "sliced", "channels_last", "read-only"])
+def test_inputs_under_the_threshold_run_in_the_calling_thread(layout, monkeypatch):
+    """Every operation, forward and backward, on inputs of fewer than ``2*MIN_PARALLEL``
+    values runs in the calling thread whatever its layout, dtype and staging (staged in
+    small blocks here): no call hands tasks to the pool. (Staged BatchNorm rows of one
+    value per channel counted whole spans of 64 rows, 9216 values for these 6240, and
+    split.) An input of ``2*MIN_PARALLEL`` values does split."""
+    split: list[int] = []
+
+    def counting(tasks):
+        if len(tasks) > 1:
+            split.append(len(tasks))
+        return _threads.run_parallel(tasks)
+
+    monkeypatch.setattr(_staging, "run_parallel", counting)
+    rng = np.random.default_rng(12)
+    with config(2, small=False, stage_bytes=64):
+        _staging.MIN_PARALLEL = 4096  # (restored by config): calls split from 8192 values
+        for shape in [(130, 48), (100, 81), (2, 4, 1023), (3, 5, 7, 77)]:
+            for dtype in ("float16", "float32", "float64"):
+                x = laid_out((rng.normal(size=shape) * 3 + 1).astype(dtype), layout.replace("read-only", "C"))
+                x.flags.writeable = layout != "read-only"
+                dy = rng.normal(size=shape).astype(dtype)
+                w, b = np.ones(shape[-1], dtype), np.zeros(shape[-1], dtype)
+                for op, fwd_args, bwd_args in op_calls(x, dy, w, b, 1):
+                    if op == "instance_norm" and x.ndim < 3:  # (one value per instance)
+                        continue
+                    f = family_kernel(op + "_forward", "numba")(xp, *fwd_args)
+                    family_kernel(op + "_backward", "numba")(xp, *bwd_args(f))
+                    assert not split, (shape, dtype, op, split)
+        x = rng.normal(size=(2, 4096)).astype(np.float32)
+        family_kernel("layer_norm_forward", "numba")(xp, x, (4096,), None, None, 1e-5)
+        assert split == [2]
+
+
 def test_c_ordered_calls_skip_staging(monkeypatch):
     """An input C-ordered in the computation dtype goes to the loops as it is, every
     operation forward and backward: no staging (``Source``), each thread's rows in one
