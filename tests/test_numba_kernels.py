@@ -1009,19 +1009,18 @@ def test_short_group_rows_rule(monkeypatch, alone):
     for name in ("group_backward", "group_backward_short"):
         loop = getattr(loops, name)
         monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    long = "group_backward_short" if alone else "group_backward"  # rows of 256 values and more
     cases = [
         ((2, 4, 7, 7), 4, "float32", "group_backward_short"),  # InstanceNorm 7x7
         ((2, 32, 7, 7), 2, "float32", "group_backward_short"),  # 16 channels of 7x7: 3 KB rows
         ((2, 4, 14, 14), 4, "float64", "group_backward"),  # channels of 1.5 KB, rows of 196
         ((1, 1, 15, 17), 1, "float64", "group_backward"),  # rows of 255
-        ((1, 2, 16, 16), 2, "float64", "group_backward_long"),  # rows of 256
-        ((1, 2, 30, 30), 2, "float32", "group_backward_long"),  # channels of 3.5 KB
-        ((1, 32, 14, 14), 2, "float32", "group_backward_long"),  # rows of 12.5 KB
+        ((1, 2, 16, 16), 2, "float64", long),  # rows of 256
+        ((1, 2, 30, 30), 2, "float32", long),  # channels of 3.5 KB
+        ((1, 32, 14, 14), 2, "float32", long),  # rows of 12.5 KB
     ]
     rng = np.random.default_rng(5)
     for shape, groups, dtype, expected in cases:
-        # (the long rows: one at a time where long rows go alone, else pipelined)
-        expected = expected.replace("_long", "_short" if alone else "")
         x = rng.normal(size=shape).astype(dtype)
         _, mean, rstd = F.group_norm_forward(x, groups)
         called.clear()
