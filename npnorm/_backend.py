@@ -559,6 +559,8 @@ def repeats_elements(a: Any) -> bool:
     An axis of length 1 may have a zero stride with no element repeated (NumPy's
     ``x[:, None]``), and an empty array has no two elements (NumPy gives ``np.empty((0,
     3))`` zero strides)."""
+    if type(a) is np.ndarray and 0 not in a.strides:  # (the common call: no zero stride)
+        return False
     shape = tuple(a.shape)
     strides = a.stride() if array_api_compat.is_torch_array(a) else getattr(a, "strides", None)
     if strides is None or math.prod(shape) == 0:
@@ -574,6 +576,8 @@ def writable(a: Any) -> bool:
     ``array_api_compat.is_writeable_array`` says True for the last two and for a
     read-only array_api_strict array, whose writes then raised half-way through a
     module's update."""
+    if type(a) is np.ndarray and 0 not in a.strides:  # (the common call)
+        return bool(a.flags.writeable)
     if not array_api_compat.is_writeable_array(a) or repeats_elements(a):
         return False
     if type(a).__module__.startswith("array_api_strict"):  # it wraps a NumPy array, which

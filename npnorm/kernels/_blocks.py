@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -169,7 +169,9 @@ def grad_as(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
     (None when there is no parameter)."""
     if g is None or like is None:
         return None
-    return np.reshape(g, like.shape).astype(like.dtype, copy=False)
+    if g.shape != like.shape:
+        g = g.reshape(like.shape)
+    return g if g.dtype == like.dtype else g.astype(like.dtype)
 
 
 def param(p: np.ndarray | None, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
@@ -467,7 +469,7 @@ def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     ``ct``, or its products ``dy * (x - mean)`` overflow it; the generic kernels, which
     form ``xhat = (x - mean) * rstd`` first, then run instead (finite input, finite and
     accurate gradients)."""
-    return bool(np.any(np.abs(rstd) < np.sqrt(np.finfo(ct).tiny) * 1e4))
+    return bool((np.abs(rstd) < _spread_limits(ct)[0]).any())
 
 
 def scale_overflows(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any]) -> bool:
@@ -478,8 +480,15 @@ def scale_overflows(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[An
     float64, then runs instead."""
     if weight is None:
         return False
-    big = np.max(np.abs(np.asarray(rstd, dtype=np.float64)), initial=0.0)
-    return bool(big * np.max(np.abs(np.asarray(weight, dtype=np.float64)), initial=0.0) > np.finfo(ct).max)
+    # (the largest magnitudes are exact in the arrays' own dtypes; their product in float64)
+    big = float(np.abs(np.asarray(rstd)).max(initial=0.0))
+    return big * float(np.abs(np.asarray(weight)).max(initial=0.0)) > _largest(ct)
+
+
+@cache
+def _largest(ct: np.dtype[Any]) -> float:
+    """The largest finite value of ``ct``."""
+    return float(np.finfo(ct).max)
 
 
 def extreme_coefficients(
@@ -499,7 +508,9 @@ def extreme_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     backward (about ``rstd^2``) would under- or overflow ``ct``, or whose rstd is inf
     (eps = 0 and a spread that underflows). The row backwards then run the generic
     kernel, which forms xhat first."""
-    return huge_spread(rstd, ct) or tiny_spread(rstd, ct)
+    low, high = _spread_limits(ct)
+    size = np.abs(rstd)
+    return bool((size < low).any() or (size > high).any())
 
 
 def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
@@ -507,7 +518,15 @@ def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
     with ``eps`` about 0) that the "numpy" family's backward coefficients, about
     ``rstd^2``, overflow ``ct`` (inf, then ``inf*0`` NaN in dx); the generic kernels,
     which form ``xhat`` first, then run instead, as for ``huge_spread``."""
-    return bool(np.any(np.abs(rstd) > np.sqrt(np.finfo(ct).max) * 1e-4))
+    return bool((np.abs(rstd) > _spread_limits(ct)[1]).any())
+
+
+@cache
+def _spread_limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any]]:
+    """The bounds of rstd that ``huge_spread`` and ``tiny_spread`` test: scalars of ``ct``
+    (an rstd of another dtype is compared as NumPy promotes the two), once per dtype."""
+    info = np.finfo(ct)
+    return np.sqrt(info.tiny) * 1e4, np.sqrt(info.max) * 1e-4
 
 
 def recentre(

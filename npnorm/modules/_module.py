@@ -498,17 +498,20 @@ class Module:
                 f"which {'is not a parameter' if len(unknown) == 1 else 'are not parameters'} "
                 f"(_parameter_names: {self._parameter_names})"
             )
-        totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
+        checked = {}  # name: the gradient in the parameter's dtype, checked
         for name, g in param_grads.items():
             if g is not None:
                 g = self._as_parameter_grad(name, g)
                 self._check_parameter_grad(name, g)
+                checked[name] = g
+        totals = {}  # (held, new total): every sum first, nothing accumulated if one raises
+        with np.errstate(all="ignore"):  # float16 sums overflow to inf, as torch's
+            for name, g in checked.items():
                 held = self.grads.get(name)
                 if held is None:  # a copy: the backward's array may be a view of its input
                     totals[name] = (held, copy_array(g))
                 else:
-                    with np.errstate(all="ignore"):  # float16 sums overflow to inf, as torch's
-                        total = held + g
+                    total = held + g
                     if isinstance(total, np.generic):  # 0-d + 0-d is a NumPy scalar: an array again
                         total = self.xp.asarray(total)
                     totals[name] = (held, total)
@@ -604,8 +607,8 @@ class Module:
         param: Any = getattr(self, name, None)
         if not _is_array(param):
             return
-        xp = array_api_compat.array_namespace(param)
-        if array_api_compat.array_namespace(g) is not xp:
+        xp = namespace_of(param)  # (array_namespace's answer, remembered by array type)
+        if namespace_of(g) is not xp:
             raise TypeError(
                 f"{what} is a {type(g).__name__}, of another backend than the parameter "
                 f"({type(param).__name__}): compute it with the module's arrays"
@@ -1237,6 +1240,8 @@ class _InOut(NamedTuple):
 def _version_of(a: Any) -> int | None:
     """``a``'s in-place change counter: a torch tensor's ``_version``; None for arrays of
     other backends, and for torch's inference tensors, which keep none."""
+    if type(a) is np.ndarray:  # (the common call, without the AttributeError)
+        return None
     try:
         return int(a._version)
     except (AttributeError, RuntimeError):
