@@ -1082,7 +1082,12 @@ def _channel_views(
     has another layout: the result is then copied into it, so that an ``out`` of any
     layout gets bitwise the fresh result) and the map from a result's view back to the
     array in that layout. None for C-ordered and other layouts."""
-    shape = tuple(int(d) for d in arrays[0].shape)
+    first = arrays[0]
+    if first.flags.c_contiguous and (
+        first.ndim < 3 or first.shape[1] <= 1 or first.strides[1] != first.itemsize
+    ):
+        return None  # (the common call: C-ordered, and not channels-last too, as S = 1 is)
+    shape = tuple(int(d) for d in first.shape)
     for view, back in ((_as_channel_rows, from_channel_rows), (_as_channel_planes, _from_channel_planes)):
         views = [v for v in map(view, arrays) if v is not None]
         if len(views) < len(arrays):
