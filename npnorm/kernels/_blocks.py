@@ -463,70 +463,65 @@ def inv_rms(
     return out
 
 
-def huge_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
-    """Whether some statistic has so small an rstd (a spread beyond ~1e15 in float32) that
-    a fast backward's coefficients (``rstd^3 * sum(...)``, about ``rstd^2``) underflow
-    ``ct``, or its products ``dy * (x - mean)`` overflow it; the generic kernels, which
-    form ``xhat = (x - mean) * rstd`` first, then run instead (finite input, finite and
-    accurate gradients)."""
-    return bool((np.abs(rstd) < _spread_limits(ct)[0]).any())
+# The fast backwards' guards against coefficients that leave the computation dtype ``ct``;
+# where one fires, the caller runs the next family's kernel instead (numba: the "numpy"
+# family's; that: the reference's, which forms ``xhat = (x - mean) * rstd`` first: finite
+# input, finite and accurate gradients). On the statistics' magnitudes ``size = |rstd|``:
+#
+# * a huge spread: some rstd below ``low`` (a spread beyond ~1e15 in float32), whose
+#   coefficients (``rstd^3 * sum(...)``, about ``rstd^2``) underflow ``ct``, or whose
+#   products ``dy * (x - mean)`` overflow it;
+# * a tiny spread: some rstd above ``high`` (a spread below ~1e-15 in float32, with
+#   ``eps`` about 0), or inf (eps = 0 and a spread that underflows), whose coefficients,
+#   about ``rstd^2``, overflow ``ct`` (inf, then ``inf*0`` NaN in dx);
+# * a scale that overflows: ``rstd * w``, the per-channel factor by which the backwards of
+#   BatchNorm, InstanceNorm and GroupNorm scale dy, might leave ``ct`` (rstd 1e14 with w
+#   1e25 in float32): a bound from the largest of each, their product taken in float64.
+#   dx may still fit (w 1e25 with dy 1e-6: 1e33).
+#
+# Each is a few NumPy calls on (C,) or (R,) arrays, once per call: cheap, but a tiny call's
+# whole budget is tens of us, so the bounds are taken once per dtype and ``size`` once.
 
 
-def scale_overflows(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any]) -> bool:
-    """Whether ``rstd * w``, the per-channel factor of a fast backward's ``dx`` (BatchNorm,
-    InstanceNorm and GroupNorm scale ``dy`` by it), might leave ``ct`` (rstd 1e14 with
-    w 1e25 in float32): a bound from the largest of each, taken in float64. dx may still
-    fit (w 1e25 with dy 1e-6: 1e33); the reference, which takes that product in
-    float64, then runs instead."""
+def extreme_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
+    """A huge or tiny spread (see above): the row backwards (LayerNorm, RMSNorm) then run
+    the generic kernel."""
+    return _extreme(np.abs(rstd), ct, tiny=True)
+
+
+def extreme_coefficients(
+    rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any], *, tiny: bool = True
+) -> bool:
+    """A huge spread, a scale that overflows or (with ``tiny``; the numba loops take
+    those in float64) a tiny spread (see above): a channel backward's coefficients would
+    leave ``ct``."""
+    size = np.abs(np.asarray(rstd))
+    if _extreme(size, ct, tiny=tiny):
+        return True
     if weight is None:
         return False
     # (the largest magnitudes are exact in the arrays' own dtypes; their product in float64)
-    big = float(np.abs(np.asarray(rstd)).max(initial=0.0))
-    return big * float(np.abs(np.asarray(weight)).max(initial=0.0)) > _largest(ct)
+    return float(size.max(initial=0.0)) * float(np.abs(np.asarray(weight)).max(initial=0.0)) > _largest(ct)
+
+
+def _extreme(size: np.ndarray, ct: np.dtype[Any], *, tiny: bool) -> bool:
+    """A huge spread, or with ``tiny`` a tiny one, among the magnitudes ``size`` of rstd."""
+    low, high = _spread_limits(ct)
+    return bool((size < low).any() or (tiny and (size > high).any()))
+
+
+@cache
+def _spread_limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any]]:
+    """``(low, high)``, the bounds of rstd (see above): scalars of ``ct`` (an rstd of
+    another dtype is compared as NumPy promotes the two)."""
+    info = np.finfo(ct)
+    return np.sqrt(info.tiny) * 1e4, np.sqrt(info.max) * 1e-4
 
 
 @cache
 def _largest(ct: np.dtype[Any]) -> float:
     """The largest finite value of ``ct``."""
     return float(np.finfo(ct).max)
-
-
-def extreme_coefficients(
-    rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any], *, tiny: bool = True
-) -> bool:
-    """Whether a channel backward's coefficients would leave ``ct``: ``huge_spread``,
-    ``scale_overflows`` and (with ``tiny``; the numba loops take those in float64)
-    ``tiny_spread``. The caller runs the next family's kernel instead (numba: the
-    "numpy" family's; that: the reference's)."""
-    rstd = np.asarray(rstd)
-    spread = extreme_spread(rstd, ct) if tiny else huge_spread(rstd, ct)
-    return spread or scale_overflows(rstd, weight, ct)
-
-
-def extreme_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
-    """``huge_spread`` or ``tiny_spread``: some statistic whose coefficients in a fast
-    backward (about ``rstd^2``) would under- or overflow ``ct``, or whose rstd is inf
-    (eps = 0 and a spread that underflows). The row backwards then run the generic
-    kernel, which forms xhat first."""
-    low, high = _spread_limits(ct)
-    size = np.abs(rstd)
-    return bool((size < low).any() or (size > high).any())
-
-
-def tiny_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
-    """Whether some statistic has so large an rstd (a spread below ~1e-15 in float32,
-    with ``eps`` about 0) that the "numpy" family's backward coefficients, about
-    ``rstd^2``, overflow ``ct`` (inf, then ``inf*0`` NaN in dx); the generic kernels,
-    which form ``xhat`` first, then run instead, as for ``huge_spread``."""
-    return bool((np.abs(rstd) > _spread_limits(ct)[1]).any())
-
-
-@cache
-def _spread_limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any]]:
-    """The bounds of rstd that ``huge_spread`` and ``tiny_spread`` test: scalars of ``ct``
-    (an rstd of another dtype is compared as NumPy promotes the two), once per dtype."""
-    info = np.finfo(ct)
-    return np.sqrt(info.tiny) * 1e4, np.sqrt(info.max) * 1e-4
 
 
 def recentre(

@@ -110,10 +110,11 @@ def writable(a: np.ndarray) -> np.ndarray:
 def vector(a: np.ndarray, n: int, ct: np.dtype[Any]) -> np.ndarray:
     """``a`` (n values: a parameter, a saved statistic) as the loops take it: a C-ordered,
     writable (n,) array of ``ct``."""
-    if type(a) is np.ndarray and a.shape == (n,) and a.dtype == ct:  # the common parameter
-        flags = a.flags
+    if type(a) is np.ndarray and a.dtype == ct:  # the common parameter, or saved statistic
+        b = a if a.shape == (n,) else a.reshape(n)  # (np.reshape took a tenth of a tiny call)
+        flags = b.flags
         if flags.c_contiguous and flags.writeable:
-            return a  # as it is (reshaping it took a tenth of a tiny call)
+            return b
     return writable(np.ascontiguousarray(np.reshape(a, (n,)), dtype=ct))
 
 

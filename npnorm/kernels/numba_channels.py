@@ -1234,7 +1234,7 @@ def group_norm_forward(
         return _fallback("group_norm_forward", xp, input, num_groups, weight, bias, eps, out)
     N = int(input.shape[0])
     y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct, out)
-    return y, np.reshape(mean, (N, num_groups)), np.reshape(rstd, (N, num_groups))
+    return y, mean.reshape(N, num_groups), rstd.reshape(N, num_groups)
 
 
 @specialized("group_norm_backward", NUMPY, kernels="numba")
