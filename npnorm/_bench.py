@@ -16,7 +16,7 @@ allocator that the ratios otherwise include.
 (Before, each implementation ran right after a fixed neighbour in the rotation, and
 inherited that neighbour's cache and threads: at the inference shape, 12.6 MB in and out
 with a 48 MB cache, that moved a ratio by up to 2x.) Timings are figures to read, not
-assertions. Four parts:
+assertions. Five parts:
 
 1. **Training**, per layer at standard shapes: the median forward, backward and
    forward+backward times of the module API with fresh outputs, for each npnorm kernel
@@ -30,7 +30,10 @@ assertions. Four parts:
 2. **Inference**: ``F.layer_norm`` forward at (64, 128, 384) against PyTorch's under
    ``torch.no_grad()``.
 3. **Tiny call**: ``F.layer_norm`` forward at (4, 8), time per call.
-4. **Compile**: ``python -m npnorm warmup`` in a fresh process with an empty numba
+4. **Tiny training step**: each layer's module forward+backward at a small shape
+   (``TINY_STEPS``), time per call, with the default kernels and PyTorch's (figures
+   only: what a call costs beyond its arithmetic).
+5. **Compile**: ``python -m npnorm warmup`` in a fresh process with an empty numba
    cache (cold) and again with the cache it filled (warm).
 
 Then the figures of the default kernels against the targets of the compiled-kernels
@@ -132,6 +135,18 @@ QUICK = [
     Spec("GroupNorm", (8, 64, 28, 28)),
     Spec("InstanceNorm2d", (8, 64, 28, 28)),
 ]
+
+# The tiny training step: each layer's module forward+backward at a small shape, per call,
+# where the time is the per-call costs (checks, dispatch, the module's bookkeeping) more
+# than the arithmetic; figures only (the issue set no target for them).
+TINY_STEPS = [
+    Spec("LayerNorm", (4, 8)),
+    Spec("RMSNorm", (4, 8)),
+    Spec("BatchNorm2d", (2, 4, 3, 3)),
+    Spec("GroupNorm", (2, 32, 2, 2)),  # (the layer's 32 groups)
+    Spec("InstanceNorm2d", (2, 4, 3, 3)),
+]
+TINY_STEP_CALLS = 50  # calls per timed round of each step
 
 
 def _ours(spec: Spec) -> Module:
@@ -747,6 +762,69 @@ def _forward_rows(
     return rows
 
 
+def _step_calls(spec: Spec, torch: Any, repeat: int) -> dict[str, Callable[[], Any]]:
+    """The module's forward+backward (``repeat`` per round) with the default kernels, and
+    torch's; both accumulate their parameters' gradients, as a training loop between two
+    ``zero_grad`` calls does. Their results are checked against the reference kernels'
+    first."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(spec.shape, dtype=np.float32)
+    dy = rng.standard_normal(spec.shape, dtype=np.float32)
+    default = get_kernels()
+    impls = {f"npnorm {default}": _npnorm_impl(spec, x, dy, default)}
+    if torch is not None:
+        impls["torch"] = _torch_impl(torch, spec, x, dy)
+    _check_results(spec, x, dy, impls)
+    m = _ours(spec)
+
+    def step() -> None:
+        with use_kernels(default):
+            for _ in range(repeat):
+                m(x)
+                m.backward(dy)
+
+    calls: dict[str, Callable[[], Any]] = {f"npnorm {default}": step}
+    if torch is not None:
+        tm = _torch_module(torch, spec)
+        xt = torch.from_numpy(x).requires_grad_(True)
+        dyt = torch.from_numpy(dy)
+
+        def torch_step() -> None:
+            for _ in range(repeat):
+                xt.grad = None
+                tm(xt).backward(dyt)
+
+        calls["torch"] = torch_step
+    return calls
+
+
+def _step_rows(
+    specs: list[Spec], torch: Any, repeat: int, reps: int, seconds: float, cold: bool = False
+) -> list[dict[str, Any]]:
+    """The tiny training step's figures: us per module forward+backward, and x torch."""
+    rows = []
+    print("\ntiny training step: module forward+backward, float32, per call; medians of per-round figures")
+    print(f"  {'layer':15} {'shape':18} {'impl':16} {'us/call':>8} {'x torch':>8}")
+    for spec in specs:
+        times = _rounds(_step_calls(spec, torch, repeat), reps, seconds, cold)
+        for name, t in times.items():
+            row: dict[str, Any] = {
+                "layer": spec.layer,
+                "shape": list(spec.shape),
+                "impl": name,
+                "us_per_call": 1e3 * statistics.median(t) / repeat,
+                "vs_torch": _median_ratio(t, times["torch"]) if "torch" in times else None,
+                "vs_torch_quartiles": _ratio_quartiles(t, times["torch"]) if "torch" in times else None,
+                "times_ms": t,
+            }
+            rows.append(row)
+            print(
+                f"  {spec.layer:15} {spec.shape!s:18} {name:16} {row['us_per_call']:8.1f} "
+                f"{_fmt(row['vs_torch'], '8.2f')}"
+            )
+    return rows
+
+
 def compile_times() -> dict[str, Any]:
     """``python -m npnorm warmup`` twice in fresh processes sharing an empty numba cache
     directory: the first compiles every kernel (cold), the second loads them (warm)."""
@@ -818,6 +896,7 @@ def run(
         rows = _training(specs, torch, reps, seconds, cold)
         inference = _forward_rows("inference", INFERENCE_SHAPE, torch, 1, reps, seconds, cold)
         tiny = _forward_rows("tiny call", TINY_SHAPE, torch, TINY_CALLS, reps, seconds, cold)
+        steps = _step_rows(TINY_STEPS, torch, TINY_STEP_CALLS, reps, seconds, cold)
     finally:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -835,6 +914,7 @@ def run(
                 "rows": rows,
                 "inference": inference,
                 "tiny": tiny,
+                "tiny_steps": steps,
                 "compile": compiled,
             },
         )

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from npnorm._bench import TINY_STEPS
+
 
 def test_bench_quick_writes_every_figure(tmp_path):
     out_file = tmp_path / "bench.json"
@@ -49,6 +51,11 @@ def test_bench_quick_writes_every_figure(tmp_path):
         rows = data[part]
         assert {r["impl"] for r in rows} >= {f"npnorm {k}" for k in families} | {f"npnorm {default} out="}
         assert all(r["shape"] == shape and r["us_per_call"] > 0 for r in rows)
+    steps = data["tiny_steps"]
+    step_impls = {f"npnorm {default}", *(["torch"] if "torch" in data["machine"] else [])}
+    assert {(r["layer"], tuple(r["shape"])) for r in steps} == {(s.layer, s.shape) for s in TINY_STEPS}
+    assert all(r["impl"] in step_impls and r["us_per_call"] > 0 for r in steps)
+    assert len(steps) == len(TINY_STEPS) * len(step_impls) and "tiny training step" in out.stdout
     if "numba" in families:  # the loop shape the figures of long rows come from
         from npnorm.kernels import _numba_loops as loops
 
@@ -602,6 +609,55 @@ def test_forward_rows_are_per_call_and_against_torch(monkeypatch):
     assert row["vs_torch"] == 0.5 and row["vs_torch_quartiles"] == pytest.approx([0.5, 1.0])
 
 
+def test_step_rows_are_per_call_per_layer_and_against_torch(monkeypatch):
+    # pins _step_rows: a row per layer and implementation, us per call (round / repeat),
+    # ratio direction, quartiles, --cold passed on
+    from npnorm import _bench
+
+    seen = []
+
+    def rounds(calls, reps, seconds, cold=False):
+        seen.append((sorted(calls), cold))
+        return {"npnorm x": [2.0, 4.0, 12.0], "torch": [4.0, 8.0, 8.0]}
+
+    monkeypatch.setattr(_bench, "_step_calls", lambda spec, torch, repeat: {spec.layer: None})
+    monkeypatch.setattr(_bench, "_rounds", rounds)
+    specs = [_bench.Spec("LayerNorm", (4, 8)), _bench.Spec("GroupNorm", (2, 32, 2, 2))]
+    rows = _bench._step_rows(specs, None, 50, 1, 0.0, cold=True)
+    assert seen == [(["LayerNorm"], True), (["GroupNorm"], True)]
+    assert [(r["layer"], r["shape"], r["impl"]) for r in rows] == [
+        ("LayerNorm", [4, 8], "npnorm x"),
+        ("LayerNorm", [4, 8], "torch"),
+        ("GroupNorm", [2, 32, 2, 2], "npnorm x"),
+        ("GroupNorm", [2, 32, 2, 2], "torch"),
+    ]
+    assert rows[0]["us_per_call"] == 1e3 * 4.0 / 50 and rows[1]["us_per_call"] == 1e3 * 8.0 / 50
+    assert rows[0]["vs_torch"] == 0.5 and rows[0]["vs_torch_quartiles"] == pytest.approx([0.5, 1.0])
+
+
+@pytest.mark.parametrize("spec", TINY_STEPS, ids=lambda s: s.layer)
+def test_a_tiny_step_checks_its_results_then_runs_forward_and_backward(spec, monkeypatch):
+    # pins _step_calls: the results are checked against the reference before any timing
+    # (a wrong module stops it), and each call runs `repeat` forwards and backwards
+    from npnorm import _bench
+
+    checked = []
+    real_check = _bench._check_results
+    monkeypatch.setattr(_bench, "_check_results", lambda *a: checked.append(a[0]) or real_check(*a))
+    calls = _bench._step_calls(spec, None, 3)
+    assert checked == [spec] and list(calls) == [f"npnorm {_bench.get_kernels()}"]
+    ran = []
+    module = _bench._ours(spec)
+    monkeypatch.setattr(_bench, "_ours", lambda s: module)
+    real_forward, real_backward = module.forward, module.backward
+    monkeypatch.setattr(module, "forward", lambda x: ran.append("f") or real_forward(x))
+    monkeypatch.setattr(module, "backward", lambda dy: ran.append("b") or real_backward(dy))
+    step = next(iter(_bench._step_calls(spec, None, 3).values()))
+    ran.clear()  # (the check before timing ran the module too)
+    step()
+    assert ran == ["f", "b"] * 3
+
+
 def test_run_passes_its_options_to_every_part_and_into_the_json(monkeypatch, tmp_path):
     # pins run(): specs, default reps, seconds, --cold, the tiny call's repeat, judge, JSON fields
     from npnorm import _bench
@@ -610,6 +666,9 @@ def test_run_passes_its_options_to_every_part_and_into_the_json(monkeypatch, tmp
     monkeypatch.setattr(_bench, "_training", lambda *a: calls.append(("training", a[0], *a[2:])) or [])
     monkeypatch.setattr(
         _bench, "_forward_rows", lambda what, shape, torch, *a: calls.append((what, *a)) or []
+    )
+    monkeypatch.setattr(
+        _bench, "_step_rows", lambda specs, torch, *a: calls.append(("steps", specs, *a)) or [{"step": 1}]
     )
     monkeypatch.setattr(_bench, "compile_times", lambda: {})
     monkeypatch.setattr(_bench, "_print_targets", lambda *a, judge: calls.append(("judge", judge)))
@@ -623,10 +682,12 @@ def test_run_passes_its_options_to_every_part_and_into_the_json(monkeypatch, tmp
             ("training", specs, reps, seconds, True),
             ("inference", 1, reps, seconds, True),
             ("tiny call", _bench.TINY_CALLS, reps, seconds, True),
+            ("steps", _bench.TINY_STEPS, _bench.TINY_STEP_CALLS, reps, seconds, True),
             ("judge", not quick),
         ]
         data = json.loads((tmp_path / "b.json").read_text())
         assert (data["quick"], data["cold"], data["reps"], data["reuse_memory"]) == (quick, True, reps, False)
+        assert data["tiny_steps"] == [{"step": 1}]
 
 
 def test_the_bench_command_passes_its_options_to_run(monkeypatch):

@@ -68,9 +68,9 @@ block into scratch of the computation dtype, and the result converted on the way
 out. Inputs that cannot be viewed as rows (Fortran order, some slicings) are copied
 block by block, one sample at a time (small ones whole). Empty inputs go to the
 generic kernels, and so does a backward whose rstd is so small (a spread beyond ~1e15
-in float32) that the sweeps' coefficients would underflow (a huge spread: ``extreme_coefficients``). A single row
-longer than a block (GroupNorm with few, large groups) is one block: memory then grows
-to a few such rows per thread.
+in float32) that the sweeps' coefficients would underflow (a huge spread:
+``extreme_coefficients``). A single row longer than a block (GroupNorm with few, large
+groups) is one block: memory then grows to a few such rows per thread.
 """
 
 from __future__ import annotations
