@@ -1290,6 +1290,9 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
         return False  # (a ">f4" buffer, a memmap of a file say, takes float32 values)
     if not writable(current):  # read-only, or immutable (JAX): a new array instead
         return False
+    if type(current) is np.ndarray:  # (the common call: no torch tensor to ask, counted or not)
+        current[...] = value
+        return True
     if uncounted:
         write_uncounted(current, value)
         return True
