@@ -506,7 +506,7 @@ def test_a_spread_near_float32s_smallest_keeps_finite_gradients(family, scale, o
     """Values of spread 1e-20 and less with eps about 0 (0; BatchNorm's smallest positive,
     1e-45): rstd ~1e20, whose square overflows float32. The "numpy" family's backward
     coefficients (about rstd^2) went inf and dx NaN/inf; it now takes the reference's way,
-    as for the other end (a huge spread: ``extreme_spread``)."""
+    as for the other end (a huge spread: ``extreme_coefficients``)."""
     rng = np.random.default_rng(0)
     x = (scale * rng.normal(size=(2, 3, 64))).astype(np.float32)
     dy = rng.normal(size=x.shape).astype(np.float32)
@@ -609,14 +609,15 @@ def test_batch_norm_dx_centres_dy_as_torch_does(torch, family, shape):
 def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     family, spread, weight, scale, op
 ):
-    """rstd 1e10 to 1e14, below the tiny spread's bound (``extreme_spread``), but weights and dy large enough
-    that the "numpy" family's coefficient ``rstd^3*sum(g*(x - mean))/n`` left float32
-    (dx ~1e26 fits): its dx was inf and NaN in most places. Such coefficients now take
-    the reference's way. Where one of the two factors of ``rstd * w * dy`` applied alone
-    leaves float32 (rstd * dy, rstd * w) and dx fits, the reference's BatchNorm and
-    InstanceNorm dx (which scaled by rstd, then w) was inf and NaN, and numba's (whose
-    per-channel ``rstd * w`` was inf) too; a subnormal ``dy * rstd`` lost digits (3e-4).
-    (PyTorch's dx is inf and NaN in the first two, and 0 in the last.)"""
+    """rstd 1e10 to 1e14, below the tiny spread's bound (``extreme_coefficients``), but
+    weights and dy large enough that the "numpy" family's coefficient ``rstd^3*sum(g*(x
+    - mean))/n`` left float32 (dx ~1e26 fits): its dx was inf and NaN in most places.
+    Such coefficients now take the reference's way. Where one of the two factors of
+    ``rstd * w * dy`` applied alone leaves float32 (rstd * dy, rstd * w) and dx fits,
+    the reference's BatchNorm and InstanceNorm dx (which scaled by rstd, then w) was inf
+    and NaN, and numba's (whose per-channel ``rstd * w`` was inf) too; a subnormal ``dy
+    * rstd`` lost digits (3e-4). (PyTorch's dx is inf and NaN in the first two, and 0 in
+    the last.)"""
     rng = np.random.default_rng(7)
     x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
     dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)

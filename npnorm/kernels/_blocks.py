@@ -484,8 +484,8 @@ def inv_rms(
 
 
 def extreme_spread(rstd: np.ndarray, ct: np.dtype[Any]) -> bool:
-    """A huge or tiny spread (see above): the row backwards (LayerNorm, RMSNorm) then run
-    the generic kernel."""
+    """A huge or tiny spread (see above): the row backwards (LayerNorm, RMSNorm) and
+    SyncBatchNorm's dx then take the next family's way."""
     return _extreme(np.abs(rstd), ct, tiny=True)
 
 
