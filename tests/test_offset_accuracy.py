@@ -610,14 +610,14 @@ def test_a_small_spread_with_large_weights_and_gradients_keeps_finite_gradients(
     family, spread, weight, scale, op
 ):
     """rstd 1e10 to 1e14, below the tiny spread's bound (``extreme_coefficients``), but
-    weights and dy large enough that the "numpy" family's coefficient ``rstd^3*sum(g*(x
-    - mean))/n`` left float32 (dx ~1e26 fits): its dx was inf and NaN in most places.
-    Such coefficients now take the reference's way. Where one of the two factors of
-    ``rstd * w * dy`` applied alone leaves float32 (rstd * dy, rstd * w) and dx fits,
-    the reference's BatchNorm and InstanceNorm dx (which scaled by rstd, then w) was inf
-    and NaN, and numba's (whose per-channel ``rstd * w`` was inf) too; a subnormal ``dy
-    * rstd`` lost digits (3e-4). (PyTorch's dx is inf and NaN in the first two, and 0 in
-    the last.)"""
+    weights and dy large enough that the "numpy" family's coefficient
+    ``rstd^3*sum(g*(x - mean))/n`` left float32 (dx ~1e26 fits): its dx was inf and NaN
+    in most places. Such coefficients now take the reference's way. Where one of the two
+    factors of ``rstd * w * dy`` applied alone leaves float32 (rstd * dy, rstd * w) and
+    dx fits, the reference's BatchNorm and InstanceNorm dx (which scaled by rstd, then
+    w) was inf and NaN, and numba's (whose per-channel ``rstd * w`` was inf) too; a
+    subnormal ``dy * rstd`` lost digits (3e-4). (PyTorch's dx is inf and NaN in the
+    first two, and 0 in the last.)"""
     rng = np.random.default_rng(7)
     x = (spread * rng.standard_normal((4, 3, 16))).astype(np.float32)
     dy = (scale * rng.standard_normal(x.shape)).astype(np.float32)
