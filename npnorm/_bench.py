@@ -748,18 +748,23 @@ def _forward_rows(
     )
     print(f"  {'impl':24} {'us/call':>10} {'x torch':>8}")
     for name, t in times.items():
-        row: dict[str, Any] = {
-            "part": what,
-            "shape": list(shape),
-            "impl": name,
-            "us_per_call": 1e3 * statistics.median(t) / repeat,
-            "vs_torch": _median_ratio(t, times["torch"]) if "torch" in times else None,
-            "vs_torch_quartiles": _ratio_quartiles(t, times["torch"]) if "torch" in times else None,
-            "times_ms": t,
-        }
+        row = {"part": what, "shape": list(shape), **_per_call(name, t, times, repeat)}
         rows.append(row)
         print(f"  {name:24} {row['us_per_call']:10.1f} {_fmt(row['vs_torch'], '8.2f')}")
     return rows
+
+
+def _per_call(name: str, t: list[float], times: dict[str, list[float]], repeat: int) -> dict[str, Any]:
+    """Implementation ``name``'s per-call figures from its rounds' ms ``t`` (``repeat``
+    calls a round): us per call, and the median and quartiles of its per-round ratios to
+    torch's rounds in ``times`` (None where torch was not timed)."""
+    return {
+        "impl": name,
+        "us_per_call": 1e3 * statistics.median(t) / repeat,
+        "vs_torch": _median_ratio(t, times["torch"]) if "torch" in times else None,
+        "vs_torch_quartiles": _ratio_quartiles(t, times["torch"]) if "torch" in times else None,
+        "times_ms": t,
+    }
 
 
 def _step_calls(spec: Spec, torch: Any, repeat: int) -> dict[str, Callable[[], Any]]:
@@ -808,15 +813,7 @@ def _step_rows(
     for spec in specs:
         times = _rounds(_step_calls(spec, torch, repeat), reps, seconds, cold)
         for name, t in times.items():
-            row: dict[str, Any] = {
-                "layer": spec.layer,
-                "shape": list(spec.shape),
-                "impl": name,
-                "us_per_call": 1e3 * statistics.median(t) / repeat,
-                "vs_torch": _median_ratio(t, times["torch"]) if "torch" in times else None,
-                "vs_torch_quartiles": _ratio_quartiles(t, times["torch"]) if "torch" in times else None,
-                "times_ms": t,
-            }
+            row = {"layer": spec.layer, "shape": list(spec.shape), **_per_call(name, t, times, repeat)}
             rows.append(row)
             print(
                 f"  {spec.layer:15} {spec.shape!s:18} {name:16} {row['us_per_call']:8.1f} "
