@@ -501,27 +501,23 @@ def extreme_coefficients(
     if weight is None:
         return False
     # (the largest magnitudes are exact in the arrays' own dtypes; their product in float64)
-    return float(size.max(initial=0.0)) * float(np.abs(np.asarray(weight)).max(initial=0.0)) > _largest(ct)
+    largest = _limits(ct)[2]
+    return float(size.max(initial=0.0)) * float(np.abs(np.asarray(weight)).max(initial=0.0)) > largest
 
 
 def _extreme(size: np.ndarray, ct: np.dtype[Any], *, tiny: bool) -> bool:
     """A huge spread, or with ``tiny`` a tiny one, among the magnitudes ``size`` of rstd."""
-    low, high = _spread_limits(ct)
+    low, high, _ = _limits(ct)
     return bool((size < low).any() or (tiny and (size > high).any()))
 
 
 @cache
-def _spread_limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any]]:
-    """``(low, high)``, the bounds of rstd (see above): scalars of ``ct`` (an rstd of
-    another dtype is compared as NumPy promotes the two)."""
+def _limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any], float]:
+    """``(low, high, largest)``: the bounds of rstd (see above), scalars of ``ct`` (an
+    rstd of another dtype is compared as NumPy promotes the two), and the largest finite
+    value of ``ct``, which bounds the scale."""
     info = np.finfo(ct)
-    return np.sqrt(info.tiny) * 1e4, np.sqrt(info.max) * 1e-4
-
-
-@cache
-def _largest(ct: np.dtype[Any]) -> float:
-    """The largest finite value of ``ct``."""
-    return float(np.finfo(ct).max)
+    return np.sqrt(info.tiny) * 1e4, np.sqrt(info.max) * 1e-4, float(info.max)
 
 
 def recentre(
