@@ -236,7 +236,11 @@ def check_eps(eps: Any) -> float:
 
 def cast(xp: Namespace, x: Array, dtype: Any) -> Array:
     """``x`` in ``dtype``, without a copy when it already is."""
-    return x if x.dtype == dtype else xp.astype(x, dtype)
+    if x.dtype == dtype:
+        return x
+    if type(x) is np.ndarray:  # (the same copy as array_api_compat's astype, without its device check)
+        return x.astype(dtype)
+    return xp.astype(x, dtype)
 
 
 _WIDE = (np.dtype(np.float32), np.dtype(np.float64))  # NumPy dtypes that are their own computation dtype

@@ -601,10 +601,17 @@ class Module:
         ``_as_parameter_grad``) is a floating array of parameter ``name``'s backend and
         shape: anything else went into ``grads`` (a (3, 4) gradient of a (4,) weight, one
         not summed over the batch, grew the accumulated gradient to (3, 4))."""
+        param: Any = getattr(self, name, None)
+        if (  # (the built-in layers' NumPy gradients: the checks below, answered cheaply)
+            type(g) is np.ndarray
+            and type(param) is np.ndarray
+            and g.dtype.kind == "f"
+            and g.shape == param.shape
+        ):
+            return
         what = f"{type(self).__name__}._backward's gradient for {name!r}"
         if not _is_array(g):
             raise TypeError(f"{what} is a {type(g).__name__}, not an array")
-        param: Any = getattr(self, name, None)
         if not _is_array(param):
             return
         xp = namespace_of(param)  # (array_namespace's answer, remembered by array type)

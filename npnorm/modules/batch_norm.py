@@ -6,6 +6,8 @@ import math
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from .._backend import Array, counter_dtype
 from .._checks import check_count, check_eps, check_real
 from ..functional._channels import channels_of, check_channels, check_training_eps
@@ -156,8 +158,12 @@ class _BatchNorm(_NormBase):
         factor = 0.0 if self.momentum is None else self.momentum
         updates: Updates = {}
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            # a 0-d array: NumPy arithmetic on a 0-d array returns a NumPy scalar
-            updates["num_batches_tracked"] = self.xp.asarray(self.num_batches_tracked + 1)
+            # a 0-d array: NumPy arithmetic on a 0-d array returns a NumPy scalar (made one by
+            # NumPy's own asarray, the same array as array_api_compat's, at a third of its cost)
+            count = self.num_batches_tracked + 1
+            updates["num_batches_tracked"] = (
+                np.asarray(count) if isinstance(count, np.generic) else self.xp.asarray(count)
+            )
             if self.momentum is None:  # cumulative moving average
                 factor = cumulative_factor(self.xp, updates["num_batches_tracked"])
         # batch statistics when training, or when there are no running statistics (a bool
