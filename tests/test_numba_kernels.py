@@ -995,6 +995,74 @@ def test_short_group_rows_one_at_a_time_as_the_pipeline(dtype, n, groups, k, S, 
         np.testing.assert_array_equal(a, c)
 
 
+def _errors_by_row(dx, dx64, rows):
+    """Each row's largest error of ``dx`` against ``dx64``, relative to the row's largest
+    value of ``dx64`` (``rows`` rows in C order)."""
+    got, truth = np.reshape(dx, (rows, -1)).astype(np.float64), np.reshape(dx64, (rows, -1))
+    return np.abs(got - truth).max(axis=1) / np.abs(truth).max(axis=1)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("short", [True, False])
+def test_group_rows_near_and_far_from_zero_side_by_side(monkeypatch, restore_threads, short, threads):
+    """GroupNorm's row loops take a row's ``sum(x - mean)``, which centres xhat again,
+    only on the rows far from 0 (``loops._far_from_zero``), row by row, and the pipeline
+    (``short=False``) for the row it sums, not the one it writes: here (sample, group)
+    rows 1e4 from 0 alternate with rows near it, and every row's float32 dx is off the
+    float64 one by float32 rounding only (not centred again, 1e-6 to 1e-5 of the row)."""
+    from npnorm.kernels import _numba_loops as loops
+
+    N, C, G = 4, 8, 4
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, C, 5, 5))
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    for n in range(N):
+        for g in range(G):
+            x[n, 2 * g : 2 * g + 2] += 1e4 * ((n + g) % 2)
+    x = x.astype(np.float32)
+    w = np.linspace(0.5, 1.5, C)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    _, mean64, rstd64 = generic_kernel("group_norm_forward")(xp, x64, G, w, None, 1e-5)
+    dx64 = generic_kernel("group_norm_backward")(xp, dy64, x64, G, mean64, rstd64, w, None)[0]
+    _threads.set_num_threads(threads)
+    monkeypatch.setattr(numba_channels, "_short_rows", lambda L, S, ct: short)
+    monkeypatch.setattr(loops, "LONG_ROWS_ALONE", False)  # (short=False: the pipeline)
+    w32 = w.astype(np.float32)
+    with npnorm.use_kernels("numba"):
+        _, mean, rstd = F.group_norm_forward(x, G, w32)
+        dx = F.group_norm_backward(dy, x, G, mean, rstd, w32)[0]
+    assert np.all(_errors_by_row(dx, dx64, N * G) <= 3e-7)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("spatial", [(16, 20), (6, 6), ()])
+def test_batch_norm_channels_near_and_far_from_zero_side_by_side(restore_threads, spatial, threads):
+    """BatchNorm's backward takes a channel's ``sum(x - mean)`` only on the channels far
+    from 0, channel by channel, in the channel loops (320 values per sample: the pipeline,
+    for the channel it sums), the blocks of short channels (36) and across the channels
+    (one value): channels 1e4 from 0 beside channels near it, each channel's float32 dx
+    off the float64 one by float32 rounding only (not centred again, 1e-6 to 1e-5)."""
+    N, C = 8, 8
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N, C, *spatial))
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    x[:, [1, 2, 5, 6]] += 1e4  # far, near, far and near neighbours both ways
+    x = x.astype(np.float32)
+    w = np.linspace(0.5, 1.5, C)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    _, mean64, rstd64, _, _ = generic_kernel("batch_norm_forward")(
+        xp, x64, None, None, w, None, True, 0.1, 1e-5
+    )
+    dx64 = generic_kernel("batch_norm_backward")(xp, dy64, x64, mean64, rstd64, w, None, True)[0]
+    _threads.set_num_threads(threads)
+    w32 = w.astype(np.float32)
+    with npnorm.use_kernels("numba"):
+        _, mean, rstd, _, _ = F.batch_norm_forward(x, None, None, w32, None, True, 0.1, 1e-5)
+        dx = F.batch_norm_backward(dy, x, mean, rstd, w32, None, True)[0]
+    errors = _errors_by_row(np.moveaxis(dx, 1, 0), np.moveaxis(dx64, 1, 0), C)  # by channel
+    assert np.all(errors <= 3e-7), errors
+
+
 @pytest.mark.parametrize("alone", [True, False])
 def test_short_group_rows_rule(monkeypatch, alone):
     """Which backward loop GroupNorm and InstanceNorm rows go to: short rows of short

@@ -195,6 +195,23 @@ def _sums_dy_dev(dy, x, lo, hi, m, zero):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
+def _sums_dy(dy, x, lo, hi, m):  # type: ignore[no-untyped-def]
+    """``(sum(dy), sum(dy * (x - m)))`` over ``[lo, hi)`` of a channel row, in float64:
+    ``_sums_dy_dev`` without its third sum, for the channels (BatchNorm) and rows
+    (GroupNorm, InstanceNorm) near 0, whose dx does not centre xhat again
+    (``_far_from_zero``). The loops that sum a channel's or a row's values one after the
+    other (BatchNorm's channel loop and blocks, GroupNorm's rows, pipelined or not) pick
+    between the two by that one rule, so that they add in the same order."""
+    s = 0.0
+    sx = 0.0
+    for i in range(uint64(lo), uint64(hi)):
+        d = dy[i]
+        s += d
+        sx += d * (x[i] - m)
+    return s, sx
+
+
+@_sum_loop
 def _row_sum_g_x(dy, x, w, r):  # type: ignore[no-untyped-def]
     """Row r of an RMSNorm backward: ``sum(dy * w * x)`` (as ``_row_sums_dy``)."""
     t = 0.0
@@ -261,7 +278,10 @@ def _far_from_zero(m, r):  # type: ignore[no-untyped-def]
     input for BatchNorm). Nearer to 0 the mean's rounding moves xhat by under two
     roundings of the dtype, and its sum costs the backward of one value per channel and
     sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``), and channels-last
-    GroupNorm's 15%."""
+    GroupNorm's 15%. On longer rows it cost (``_sums_dy_dev`` where ``_sums_dy`` does)
+    GroupNorm's C-ordered backward 1.2-1.27x its time in cache ((4, 256, 16, 16), (16,
+    512, 7, 7) with 32 groups) and 1.07x at (32, 64, 56, 56), and BatchNorm2d's up to
+    1.1x, on one thread."""
     return abs(np.float64(m)) * abs(np.float64(r)) > RECENTRE_ABOVE
 
 
@@ -279,9 +299,10 @@ def _centred_sum(sx, m, r):  # type: ignore[no-untyped-def]
     """A GroupNorm or InstanceNorm row's ``sum(x - mean)`` as its dx coefficients take
     it (``_row_dx_coefs``): ``sx`` where the row is ``_far_from_zero``, else 0 (xhat not
     centred again, as BatchNorm's channels near 0). Every loop of theirs applies it per
-    row, so that C-ordered and channels-last input get the same dx; the channels-last
-    loops skip the sum on samples with no such row (``_any_far`` of the sample's groups),
-    where it cost their backward 15% on one thread."""
+    row, so that C-ordered and channels-last input get the same dx. The row loops take
+    the sum only on the rows far from 0 (``_sums_dy`` elsewhere), and the channels-last
+    loops only on samples with such a row (``_any_far`` of the sample's groups): see
+    ``_far_from_zero`` for what it cost."""
     return sx if _far_from_zero(m, r) else 0.0
 
 
@@ -829,7 +850,8 @@ def channel_forward_pipelined(x, w, b, eps, training, mean, var, rstd, y, c0, c1
 @_loop
 def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
     """Channels ``[c0, c1)``: per channel ``sum(dy)`` and ``sum(dy*(x - mean))`` (float64,
-    into ``db`` and, times rstd, ``dw``) and ``sum(x - mean)``, then with ``training`` (batch statistics)
+    into ``db`` and, times rstd, ``dw``) and, on a channel ``_far_from_zero``, ``sum(x -
+    mean)``, then with ``training`` (batch statistics)
     ``dx = a*(dy - mean(dy)) + k1*xhat`` with ``a = rstd*w``, ``xhat = (x - mean)*rstd``,
     ``k1 = -rstd*w*mean(dy*xhat)`` (over the M = N*S values; ``_batch_dx_coefs``), else
     (running statistics) ``dx = a*dy`` alone. Pipelined as the rows above: writing
@@ -855,15 +877,20 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
         rc = rstd[ch]
         sd = sdx = sxc = 0.0
         pd = pdx = 0.0  # the same over this span of samples (and px[0])
+        far = _far_from_zero(mean[n1], rstd[n1])  # (else channel n1's sum(x - mean) is not read)
         for n in range(N):
             xr, dyr, dxr, x1, dy1 = x[n, ch], dy[n, ch], dx[n, ch], x[n, n1], dy[n, n1]
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
-                if add:
+                if add and far:
                     u, v, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n1], zero)
                     pd += u
                     pdx += v
                     px[0] += t
+                elif add:
+                    u, v = _sums_dy(dy1, x1, lo, hi, mean[n1])
+                    pd += u
+                    pdx += v
                 if write:
                     if training:
                         _batch_dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, d_hi, d_lo)
@@ -987,11 +1014,14 @@ def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
 
 
 @_loop
-def _span_dy_sums(dy, x, n0, n1, lo, S, m, far, sd, sdx, sxc):  # type: ignore[no-untyped-def]
+def _span_dy_sums(dy, x, n0, n1, lo, S, m, r, far, sd, sdx, sxc):  # type: ignore[no-untyped-def]
     """``sd``, ``sdx`` (float64 (k,)) and ``sxc`` (the data's dtype) = each channel's
     ``sum(dy)``, ``sum(dy*(x - m))``, ``sum(x - m)`` over samples ``[n0, n1)``, the block
-    of k channels beginning at ``lo`` (one value per channel and sample takes ``sxc`` only
-    with ``far``, ``_any_far`` of the block's channels, 0 elsewhere)."""
+    of k channels beginning at ``lo`` (m, r (k,)). ``sxc`` is taken only where
+    ``_batch_dx_coefs`` reads it, 0 elsewhere: with one value per channel and sample, on
+    every channel where ``far`` (``_any_far`` of the block's channels); with more, on each
+    channel that is ``_far_from_zero`` itself (as ``channel_backward`` takes it: the same
+    helper for each channel's sums, so the same sums)."""
     sd.fill(0.0)
     sdx.fill(0.0)
     sxc.fill(0.0)
@@ -1004,10 +1034,14 @@ def _span_dy_sums(dy, x, n0, n1, lo, S, m, far, sd, sdx, sxc):  # type: ignore[n
     for n in range(n0, n1):
         xr, dyr = x[n], dy[n]
         for j in range(sd.shape[0]):
-            u, v, t = _sums_dy_dev(dyr, xr, lo + j * S, lo + (j + 1) * S, m[j], zero)
+            jlo, jhi = lo + j * S, lo + (j + 1) * S
+            if far and _far_from_zero(m[j], r[j]):
+                u, v, t = _sums_dy_dev(dyr, xr, jlo, jhi, m[j], zero)
+                sxc[j] += t
+            else:
+                u, v = _sums_dy(dyr, xr, jlo, jhi, m[j])
             sd[j] += u
             sdx[j] += v
-            sxc[j] += t
 
 
 @_loop
@@ -1038,7 +1072,7 @@ def channel_span_dy_sums(dy, x, S, m, r, sd, sdx, sxc, k0, k1):  # type: ignore[
     N = x.shape[0]
     far = _any_far(m, r)
     for k in range(k0, k1):
-        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, far, sd[k], sdx[k], sxc[k])
+        _span_dy_sums(dy, x, k * SPAN, min((k + 1) * SPAN, N), 0, S, m, r, far, sd[k], sdx[k], sxc[k])
 
 
 @_loop
@@ -1148,7 +1182,7 @@ def channel_block_backward(dy, x, mean, rstd, w, training, dx, dw, db, B, c0, c1
         sxc.fill(0.0)
         far = _any_far(m, r)
         for n0 in range(0, N, SPAN):
-            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, far, pd[:k], pdx[:k], pxc[:k])
+            _span_dy_sums(dy, x, n0, min(n0 + SPAN, N), lo, S, m, r, far, pd[:k], pdx[:k], pxc[:k])
             for j in range(k):
                 sd[j] += pd[j]
                 sdx[j] += pdx[j]
@@ -1278,6 +1312,7 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             _centre_row_sums(sdy, sdyx, row * k, k, csx, L)  # for dweight
         rc = rstd[row]
         sx = 0.0
+        far = _far_from_zero(mean[n], rstd[n])  # (else row n's sum(x - mean) is not taken)
         for i in range(k):
             s[0] = rs * w[c0 + i]
             a = s[0]
@@ -1286,11 +1321,15 @@ def group_backward(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1):  # typ
             v = 0.0
             for lo in range(i * S, end, CHUNK):
                 hi = min(lo + CHUNK, end)
-                if add:
+                if add and far:
                     p, q, t = _sums_dy_dev(dy1, x1, lo, hi, mean[n], 0.0)
                     u += p
                     v += q
                     sx += t
+                elif add:
+                    p, q = _sums_dy(dy1, x1, lo, hi, mean[n])
+                    u += p
+                    v += q
                 if write:
                     _dx_span(dyr, xr, dxr, lo, hi, a, k1, m, rc, k0)
             if add:
@@ -1316,14 +1355,18 @@ def group_backward_short(dy, x, mean, rstd, w, k, dx, sdy, sdyx, base, r0, r1): 
         m = mean[r]
         rs = np.float64(rstd[r])
         c0 = ((base + r) % G) * k
-        sx = 0.0  # the row's sum(x - mean)
+        sx = 0.0  # the row's sum(x - mean), taken where it is far from 0 (_centred_sum)
+        far = _far_from_zero(m, rs)
         for i in range(k):  # the row's sums per channel
             u = 0.0
             v = 0.0
             for lo in range(i * S, (i + 1) * S, CHUNK):
                 hi = min(lo + CHUNK, (i + 1) * S)
-                p, q, t = _sums_dy_dev(dyr, xr, lo, hi, m, 0.0)
-                sx += t
+                if far:
+                    p, q, t = _sums_dy_dev(dyr, xr, lo, hi, m, 0.0)
+                    sx += t
+                else:
+                    p, q = _sums_dy(dyr, xr, lo, hi, m)
                 u += p
                 v += q
             sdy[r * k + i] = u
