@@ -1003,6 +1003,32 @@ def _errors_by_row(dx, dx64, rows):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
+def test_layer_norm_rows_near_and_far_from_zero_side_by_side(restore_threads, threads):
+    """LayerNorm's backward takes a row's ``sum(x - mean)``, which centres xhat again for
+    dx and dweight, only on the rows far from 0 (``loops._far_from_zero``), for the row
+    the pipeline sums, not the one it writes: rows 1e4 from 0 beside rows near it, every
+    row's float32 dx off the float64 one by float32 rounding only (not centred again,
+    1e-6 to 1e-5 of the row), and dweight too (the far rows' rounding of the saved mean
+    put 1e-3 of it there)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(12, 48))
+    dy = rng.normal(size=x.shape).astype(np.float32)
+    x[[1, 2, 5, 6, 9, 10]] += 1e4  # far, near, far and near neighbours both ways
+    x = x.astype(np.float32)
+    w, b = np.linspace(0.5, 1.5, 48), np.zeros(48)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    _, mean64, rstd64 = generic_kernel("layer_norm_forward")(xp, x64, (48,), w, b, 1e-5)
+    dx64, dw64, _ = generic_kernel("layer_norm_backward")(xp, dy64, x64, (48,), mean64, rstd64, w, b)
+    _threads.set_num_threads(threads)
+    w32, b32 = w.astype(np.float32), b.astype(np.float32)
+    with npnorm.use_kernels("numba"):
+        _, mean, rstd = F.layer_norm_forward(x, 48, w32, b32)
+        dx, dw, _ = F.layer_norm_backward(dy, x, 48, mean, rstd, w32, b32)
+    assert np.all(_errors_by_row(dx, dx64, 12) <= 3e-7)
+    assert np.abs(dw - dw64).max() / np.abs(dw64).max() <= 3e-7
+
+
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("short", [True, False])
 def test_group_rows_near_and_far_from_zero_side_by_side(monkeypatch, restore_threads, short, threads):
     """GroupNorm's row loops take a row's ``sum(x - mean)``, which centres xhat again,

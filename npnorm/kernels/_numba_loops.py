@@ -172,6 +172,19 @@ def _row_sums_dy(dy, x, w, r, m):  # type: ignore[no-untyped-def]
 
 
 @_sum_loop
+def _row_sums_g(dy, x, w, r, m):  # type: ignore[no-untyped-def]
+    """``_row_sums_dy`` without its third sum, ``(sum(g), sum(g * (x - m)))``: for the
+    rows near 0, whose dx and dweight do not centre xhat again (``_far_from_zero``)."""
+    sg = 0.0
+    sgx = 0.0
+    for i in range(uint64(0), uint64(x.shape[1])):
+        g = dy[r, i] * w[i]
+        sg += g
+        sgx += g * (x[r, i] - m)
+    return sg, sgx
+
+
+@_sum_loop
 def _sums_dy_dev(dy, x, lo, hi, m, zero):  # type: ignore[no-untyped-def]
     """``(sum(dy), sum(dy * (x - m)), sum(x - m))`` over ``[lo, hi)`` of a channel row, m
     in the data's dtype (the backwards of BatchNorm, GroupNorm and InstanceNorm; the last
@@ -272,16 +285,18 @@ def _scale_dy_span(dy, dx, lo, hi, a):  # type: ignore[no-untyped-def]
 @_loop
 def _far_from_zero(m, r):  # type: ignore[no-untyped-def]
     """Whether a channel with mean m and rstd r has its xhat centred again in BatchNorm's
-    backward (``_batch_dx_coefs``), or a row in GroupNorm's and InstanceNorm's
-    (``_centred_sum``): its mean more than RECENTRE_ABOVE standard deviations from 0, the
-    threshold of the "numpy" family's rules (which take it per row for LayerNorm, per
-    input for BatchNorm). Nearer to 0 the mean's rounding moves xhat by under two
-    roundings of the dtype, and its sum costs the backward of one value per channel and
-    sample (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``), and channels-last
+    backward (``_batch_dx_coefs``), or a row in LayerNorm's (``layer_norm_backward``),
+    GroupNorm's and InstanceNorm's (``_centred_sum``): its mean more than RECENTRE_ABOVE
+    standard deviations from 0, the threshold of the "numpy" family's rules (which take
+    it per row for LayerNorm, per input for BatchNorm). Nearer to 0 the mean's rounding
+    moves xhat by under two roundings of the dtype, and the sum that centres it again,
+    ``sum(x - mean)``, costs the backward of one value per channel and sample
+    (BatchNorm1d, channels-last) 12-29% (``_span_dy_sums``), and channels-last
     GroupNorm's 15%. On longer rows it cost (``_sums_dy_dev`` where ``_sums_dy`` does)
     GroupNorm's C-ordered backward 1.2-1.27x its time in cache ((4, 256, 16, 16), (16,
     512, 7, 7) with 32 groups) and 1.07x at (32, 64, 56, 56), and BatchNorm2d's up to
-    1.1x, on one thread."""
+    1.1x, on one thread; LayerNorm's (``_row_sums_dy`` where ``_row_sums_g`` does)
+    1.1-1.2x at (512, 384), (256, 768) and (4096, 64)."""
     return abs(np.float64(m)) * abs(np.float64(r)) > RECENTRE_ABOVE
 
 
@@ -390,9 +405,9 @@ def _row_dx_coefs(rs, sg, sgx, sx, D, s):  # type: ignore[no-untyped-def]
     ``rs*sum(g)`` can pass float64's range where dx's terms do not). Where a sum is not
     finite (an inf or NaN in dy or x) xhat is taken as it is, so that NaN comes only
     where the values make it (0*inf of a correction would put it on the whole row); so
-    it is where ``sx`` is 0, which GroupNorm's and InstanceNorm's loops pass for rows
-    near 0 (``_centred_sum``): bitwise the uncentred coefficients, with no 0*inf where
-    ``c1`` overflows."""
+    it is where ``sx`` is 0, which the loops of LayerNorm, GroupNorm and InstanceNorm
+    pass for rows near 0 (``_far_from_zero``, ``_centred_sum``): bitwise the uncentred
+    coefficients, with no 0*inf where ``c1`` overflows."""
     s[0] = rs
     if sx != 0.0 and np.isfinite(sg) and np.isfinite(sgx) and np.isfinite(sx):
         d = rs * (sx / D)
@@ -596,11 +611,13 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
     """Rows ``[r0, r1)`` (rows ``base + r`` of the input): ``dx = rstd*(g - mean(g) -
     xhat*mean(g*xhat))``, ``g = dy*w``, as ``dx = a*g + c1*xhat + c0`` with per-row
     ``a = rstd``, ``c1 = -rstd*mean(g*xhat)``, ``c0 = -rstd*mean(g)``, xhat centred
-    again first (``_row_dx_coefs``). With
+    again first (``_row_dx_coefs``) on the rows far from 0 (``_far_from_zero``; the
+    others take two sums, ``_row_sums_g``). With
     ``with_sums``, ``sum_rows(dy*xhat)`` and ``sum_rows(dy)`` go into the partial sums
     ``pw``, ``pb`` (the data's dtype, (D,)), flushed into the float64 ``dw``, ``db``
     (see FLUSH_ROWS; the caller flushes what is left). Pipelined one row deep: row r + 1's
-    sums (``_row_sums_dy``, one call), then row r's dx, written here in the loop's body.
+    sums (``_row_sums_dy`` or ``_row_sums_g``, one call), then row r's dx, written here in
+    the loop's body.
     (Calling a helper per chunk of 256 values for each, on row views, as the forwards do,
     took 1.2-4.6x this loop's time in float32 on an AMD EPYC, float64 0.95-1.3x.)"""
     D = x.shape[1]
@@ -614,8 +631,11 @@ def layer_norm_backward(dy, x, mean, rstd, w, dx, dw, db, pw, pb, with_sums, bas
         s[3] = _row_centre(rs, sx, D)
         e = s[3]  # (in the data's dtype)
         a, c1, c0 = _row_dx_coefs(rs, sg, sgx, sx, D, s)
-        if add:
+        if add and _far_from_zero(mean[n], rstd[n]):
             sg, sgx, sx = _row_sums_dy(dy, x, w, n, mean[n])
+        elif add:
+            sg, sgx = _row_sums_g(dy, x, w, n, mean[n])
+            sx = 0.0
         if not write:
             continue
         m = mean[row]
