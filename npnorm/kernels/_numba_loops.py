@@ -21,9 +21,8 @@ Numerics:
   remainder, ``(x - m_hi) - m_lo``, so that centring in float32 keeps the float64 mean's
   accuracy (the backwards centre with the saved mean, which is stored in the data's
   dtype, as the reference's is; the backwards then centre the recomputed xhat again, as
-  the reference's does: ``_row_dx_coefs``, ``_batch_dx_coefs``; BatchNorm's, GroupNorm's
-  and InstanceNorm's for the channels or rows ``_far_from_zero`` only, LayerNorm's for
-  every row);
+  the reference's does: ``_row_dx_coefs``, ``_batch_dx_coefs``; for the channels or rows
+  ``_far_from_zero`` only, whose third sum, ``sum(x - mean)``, is taken for that alone);
 * the row sums are vectorized: the small ``_sum*`` helpers are compiled with
   ``fastmath={"reassoc"}`` (only reassociation: NaN and infinity behave as usual), so
   their partial sums run in SIMD lanes, in an order fixed by the compiled code (the same
@@ -1037,10 +1036,11 @@ def _span_sums(x, n0, n1, lo, S, dev, m, t):  # type: ignore[no-untyped-def]
 def _span_dy_sums(dy, x, n0, n1, lo, S, m, r, far, sd, sdx, sxc):  # type: ignore[no-untyped-def]
     """``sd``, ``sdx`` (float64 (k,)) and ``sxc`` (the data's dtype) = each channel's
     ``sum(dy)``, ``sum(dy*(x - m))``, ``sum(x - m)`` over samples ``[n0, n1)``, the block
-    of k channels beginning at ``lo`` (m, r (k,)). ``sxc`` is taken only where
-    ``_batch_dx_coefs`` reads it, 0 elsewhere: with one value per channel and sample, on
-    every channel where ``far`` (``_any_far`` of the block's channels); with more, on each
-    channel that is ``_far_from_zero`` itself (as ``channel_backward`` takes it: the same
+    of k channels beginning at ``lo`` (m, r (k,)). ``sxc``, which ``_batch_dx_coefs``
+    reads on the channels ``_far_from_zero`` only, is 0 on a block with none (``far``:
+    ``_any_far`` of the block's channels); with one value per channel and sample it is
+    taken on every channel of a block with one (vectorized across the channels), with
+    more on each channel that is far itself (as ``channel_backward`` takes it: the same
     helper for each channel's sums, so the same sums)."""
     sd.fill(0.0)
     sdx.fill(0.0)
