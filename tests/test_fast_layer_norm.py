@@ -178,7 +178,12 @@ def check_layer_norm(p, eps=1e-5):
     # (1 + max|x| * rstd, which let the kernels that did not centre pass at offset 1e4)
     xhat_max = float(np.max(np.abs(xhat), initial=0.0))
     assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xhat_max), "dx")
-    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax), "dweight")
+    # dweight = sum(dy * xhat): on a row near 0, which only the reference centres again,
+    # each term moves by dy times xhat's mean (under two roundings of ct), which a column
+    # whose xhat is near 0 has no size of its own to bound (a float16 row at offset 3 with
+    # float32 weights: 1.4e-7 off, 3x a tolerance from col_scale(dy * xhat) alone)
+    shift = col_scale(dy, k) * 2 * ulp(ct) / REL[np.dtype(ct).name]
+    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax) + shift, "dweight")
     assert_close(db, rdb, ct, col_scale(dy, k), "dbias")
 
 
