@@ -431,6 +431,177 @@ def test_batch_norm(p):
         assert f[3] is rm and f[4] is rv
 
 
+def numpy_running(rm, rv, mean, var, count, momentum):
+    """The running statistics as the NumPy kernels move them (``running_update``)."""
+    from npnorm.functional._channels import running_update
+
+    with np.errstate(all="ignore"):
+        return (
+            running_update(xp, rm, mean, momentum),
+            running_update(xp, rv, var * (count / (count - 1)), momentum),
+        )
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    """Equal values of one dtype, the sign of zeros and infinities included (a NaN's
+    payload aside)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.signbit(got) | np.isnan(got), np.signbit(want) | np.isnan(want))
+
+
+@settings(max_examples=200)
+@given(
+    dtype=st.sampled_from(["float32", "float64"]),
+    C=st.integers(1, 9),
+    count=st.integers(2, 2**40),
+    momentum=st.floats() | st.sampled_from([0.0, 0.1, 1.0, -0.5, 2.0]),
+    data=st.data(),
+)
+def test_running_statistics_compiled_bitwise_as_numpy(dtype, C, count, momentum, data):
+    """The numba family moves common buffers (C-ordered, writable, float32 or float64) in
+    one compiled call (``loops.running_moved``): bitwise what the NumPy kernels'
+    ``running_update`` gives, on any values (infinities, NaN, overflow to inf in float32,
+    subnormals, negative zeros) and any momentum."""
+    from npnorm.kernels import _numba_loops as loops
+
+    buffer = hnp.arrays(dtype, C, elements=st.floats(width=np.dtype(dtype).itemsize * 8))
+    batch = hnp.arrays("float64", C, elements=st.floats())
+    rm, rv, mean, var = data.draw(buffer), data.draw(buffer), data.draw(batch), data.draw(batch)
+    assert numba_channels._compiled_buffers(rm, rv, mean, var)
+    before = rm.copy(), rv.copy()
+    got = numba_channels._running(xp, rm, rv, mean, var, count, momentum)
+    for g, w in zip(got, numpy_running(rm, rv, mean, var, count, momentum), strict=True):
+        assert_same_bits(g, w)
+    assert_same_bits(rm, before[0])  # the buffers are read, not written
+    assert_same_bits(rv, before[1])
+    new_mean, new_var = np.empty_like(rm), np.empty_like(rv)
+    loops.running_moved(rm, rv, mean, var, count / (count - 1), momentum, new_mean, new_var)
+    assert_same_bits(new_mean, got[0])
+    assert_same_bits(new_var, got[1])
+
+
+@pytest.mark.parametrize("kind", ["read-only", "strided", "float16", "mixed dtypes", "float32 batch"])
+def test_other_running_statistics_moved_by_numpy(kind, monkeypatch):
+    """Buffers the compiled update would compile again for (read-only, strided), or does
+    not take (float16, two dtypes, a float32 batch variance: ``running_update`` computes in
+    the batch's dtype), are moved by NumPy, with the same results as before."""
+    from npnorm.kernels import _numba_loops as loops
+
+    rng = np.random.default_rng(5)
+    rm, rv = rng.normal(size=6).astype(np.float32), rng.uniform(0.5, 2, 6).astype(np.float32)
+    mean, var = rng.normal(size=6), rng.uniform(0, 3, 6)
+    if kind == "read-only":
+        rm.flags.writeable = False
+    elif kind == "strided":
+        rv = np.repeat(rv, 2)[::2]
+    elif kind == "float16":
+        rm, rv = rm.astype(np.float16), rv.astype(np.float16)
+    elif kind == "mixed dtypes":
+        rv = rv.astype(np.float64)
+    else:
+        var = var.astype(np.float32)
+    assert not numba_channels._compiled_buffers(rm, rv, mean, var)
+    monkeypatch.setattr(loops, "running_moved", None)  # (calling it raises)
+    got = numba_channels._running(xp, rm, rv, mean, var, 18, 0.1)
+    for g, w in zip(got, numpy_running(rm, rv, mean, var, 18, 0.1), strict=True):
+        assert_same_bits(g, w)
+
+
+def near_the_bounds(dtype: str) -> st.SearchStrategy[float]:
+    """Any value of ``dtype``, or one at or next to the bounds of ``spread_limits`` (an
+    rstd at ``low``; a factor whose square is about ``largest``)."""
+    low, _, largest = _blocks.spread_limits(np.dtype(dtype))
+    t = np.dtype(dtype).type
+    root = t(np.sqrt(largest))
+    edges = [low, np.nextafter(low, t(0)), np.nextafter(low, t(1)), root, np.nextafter(root, t(np.inf))]
+    return st.floats(width=np.dtype(dtype).itemsize * 8) | st.sampled_from([float(e) for e in edges])
+
+
+@settings(max_examples=300)
+@given(
+    dtype=st.sampled_from(["float32", "float64"]),
+    shape=st.sampled_from([(1,), (5,), (3, 4)]),
+    weighted=st.booleans(),
+    data=st.data(),
+)
+def test_coefficient_bounds_compiled_as_numpy(dtype, shape, weighted, data):
+    """The numba backwards ask whether their coefficients would leave the dtype in one
+    compiled call (``loops.coefficients_leave``) where rstd and the weight are plain arrays
+    of the computation dtype: the answer of ``extreme_coefficients`` (tiny=False) on any
+    values, at the bounds, with NaN, infinities and zeros."""
+    ct = np.dtype(dtype)
+    values = near_the_bounds(dtype)
+    rstd = data.draw(hnp.arrays(ct, shape, elements=values))
+    weight = data.draw(hnp.arrays(ct, shape[-1], elements=values)) if weighted else None
+    assert _staging.plain(rstd, ct) and (weight is None or _staging.plain(weight, ct))
+    with np.errstate(all="ignore"):
+        want = _blocks.extreme_coefficients(rstd, weight, ct, tiny=False)
+    assert numba_channels._coefficients_leave(rstd, weight, ct) is want
+
+
+@settings(max_examples=300)
+@given(dtype=st.sampled_from(["float32", "float64"]), n=st.integers(1, 6), data=st.data())
+def test_spread_bounds_compiled_as_numpy(dtype, n, data):
+    """The numba row backwards (LayerNorm, RMSNorm) ask whether a row's spread is huge
+    or tiny in one compiled call (``loops.spread_leaves``): the answer of
+    ``extreme_spread`` on any values, at the bounds, with NaN, infinities and zeros."""
+    ct = np.dtype(dtype)
+    low, high, _ = _blocks.spread_limits(ct)
+    t = ct.type
+    edges = [
+        low,
+        np.nextafter(low, t(0)),
+        high,
+        np.nextafter(high, t(np.inf)),
+        -high,
+        -np.nextafter(low, t(0)),
+    ]
+    values = st.floats(width=ct.itemsize * 8) | st.sampled_from([float(e) for e in edges])
+    rstd = data.draw(hnp.arrays(ct, n, elements=values))
+    with np.errstate(all="ignore"):
+        want = _blocks.extreme_spread(rstd, ct)
+    assert numba_rows._extreme_spread(rstd, ct) is want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(
+    "rstd, weight",
+    [([np.nan, 1e30], [1e30]), ([1e30], [1e30, np.nan]), ([1e30, np.nan], [1.0]), ([1e30, 2.0], [np.inf])],
+)
+def test_coefficient_bounds_with_nan_as_numpy(dtype, rstd, weight):
+    """A NaN among rstd or the weights makes NumPy's largest magnitude NaN, and the
+    product's bound no longer holds (False) where the other values would exceed it."""
+    ct = np.dtype(dtype)
+    big = float(np.finfo(ct).max) ** 0.5 * 2  # (1e30 is huge in float32 only)
+    r = np.array([big if v == 1e30 else v for v in rstd], ct)
+    w = np.array([big if v == 1e30 else v for v in weight], ct)
+    with np.errstate(all="ignore"):
+        want = _blocks.extreme_coefficients(r, w, ct, tiny=False)
+    assert numba_channels._coefficients_leave(r, w, ct) is want
+
+
+@pytest.mark.parametrize("kind", ["float64 rstd", "read-only", "strided weight", "2-d weight"])
+def test_other_coefficient_bounds_asked_of_numpy(kind, monkeypatch):
+    """rstd or weights the compiled question would compile again for, or does not take,
+    are asked of ``extreme_coefficients`` itself."""
+    from npnorm.kernels import _numba_loops as loops
+
+    ct = np.dtype(np.float32)
+
+    def rstd_of(value: float) -> np.ndarray:
+        rstd = np.full(4, value, np.float64 if kind == "float64 rstd" else ct)
+        rstd.flags.writeable = kind != "read-only"
+        return rstd
+
+    weight = {"strided weight": np.ones(8, ct)[::2], "2-d weight": np.ones((1, 4), ct)}.get(
+        kind, np.ones(4, ct)
+    )
+    monkeypatch.setattr(loops, "coefficients_leave", None)  # (calling it raises)
+    assert numba_channels._coefficients_leave(rstd_of(1e-20), weight, ct) is True  # below ``low``
+    assert numba_channels._coefficients_leave(rstd_of(1.0), weight, ct) is False
+
+
 def staged_batch_norm_case(kind: str, shape: tuple[int, ...], seed: int, layout: str = "C") -> tuple:
     """BatchNorm inputs the loops must stage (``kind``: float16, read-only, a float64
     weight, the other byte order) in ``layout``, and the same values as the loops take

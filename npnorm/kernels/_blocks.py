@@ -501,18 +501,18 @@ def extreme_coefficients(
     if weight is None:
         return False
     # (the largest magnitudes are exact in the arrays' own dtypes; their product in float64)
-    largest = _limits(ct)[2]
+    largest = spread_limits(ct)[2]
     return float(size.max(initial=0.0)) * float(np.abs(np.asarray(weight)).max(initial=0.0)) > largest
 
 
 def _extreme(size: np.ndarray, ct: np.dtype[Any], *, tiny: bool) -> bool:
     """A huge spread, or with ``tiny`` a tiny one, among the magnitudes ``size`` of rstd."""
-    low, high, _ = _limits(ct)
+    low, high, _ = spread_limits(ct)
     return bool((size < low).any() or (tiny and (size > high).any()))
 
 
 @cache
-def _limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any], float]:
+def spread_limits(ct: np.dtype[Any]) -> tuple[np.floating[Any], np.floating[Any], float]:
     """``(low, high, largest)``: the bounds of rstd (see above), scalars of ``ct`` (an
     rstd of another dtype is compared as NumPy promotes the two), and the largest finite
     value of ``ct``, which bounds the scale."""

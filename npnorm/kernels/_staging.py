@@ -169,6 +169,13 @@ def compiled(ct: np.dtype[Any]) -> bool:
     return ct in COMPILED
 
 
+def plain(a: Any, ct: np.dtype[Any]) -> bool:
+    """Whether ``a`` is a C-ordered, writable NumPy array of ``ct``, as the loops take
+    their small arrays without a copy (numba would compile a loop again, at run time,
+    for a read-only or strided one)."""
+    return type(a) is np.ndarray and a.dtype == ct and a.flags.c_contiguous and a.flags.writeable
+
+
 def direct(ct: np.dtype[Any], out: np.ndarray | None, *inputs: np.ndarray) -> bool:
     """Whether a call can skip staging: the inputs C-ordered in the computation dtype and
     writable, and no ``out`` or a C-ordered one in that dtype (the caller lets the other

@@ -65,7 +65,15 @@ from ..functional._channels import running_update
 from ..functional._dispatch import NUMPY, family_kernel, specialized
 from . import _numba_loops as loops
 from . import _staging
-from ._blocks import channels_last_rows, extreme_coefficients, finish, from_channel_rows, grad_as, output
+from ._blocks import (
+    channels_last_rows,
+    extreme_coefficients,
+    finish,
+    from_channel_rows,
+    grad_as,
+    output,
+    spread_limits,
+)
 from ._staging import (
     Source,
     Target,
@@ -74,6 +82,7 @@ from ._staging import (
     compiled,
     direct,
     param_or,
+    plain,
     ranges,
     run,
     spans,
@@ -108,8 +117,53 @@ def _running(
     move); a variance beyond the buffer dtype's range becomes inf (as in PyTorch)."""
     if running_mean is None or running_var is None:
         return running_mean, running_var
+    unbias = count / (count - 1)
+    if _compiled_buffers(running_mean, running_var, mean, var):  # the common buffers: one call
+        new_mean, new_var = np.empty_like(running_mean), np.empty_like(running_var)  # C, C
+        loops.running_moved(running_mean, running_var, mean, var, unbias, momentum, new_mean, new_var)
+        return new_mean, new_var
     new_mean = running_update(xp, running_mean, mean, momentum)  # C
-    return new_mean, running_update(xp, running_var, var * (count / (count - 1)), momentum)  # C, unbiased
+    return new_mean, running_update(xp, running_var, var * unbias, momentum)  # C, unbiased
+
+
+def _coefficients_leave(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtype[Any]) -> bool:
+    """``extreme_coefficients(rstd, weight, ct, tiny=False)``: whether the backward's
+    coefficients would leave ``ct`` (the NumPy kernels take the call then), in one
+    compiled call (``loops.coefficients_leave``) where rstd and the weight are C-ordered,
+    writable arrays of ``ct`` (the saved statistics and parameters, as a rule)."""
+    if plain(rstd, ct) and (weight is None or (plain(weight, ct) and weight.ndim == 1)):
+        low, _, largest = spread_limits(ct)
+        r = rstd.reshape(-1)  # (N, C) or (N, G) where per sample and group
+        return bool(
+            loops.coefficients_leave(
+                r, r if weight is None else weight, weight is not None, float(low), largest
+            )
+        )
+    return extreme_coefficients(rstd, weight, ct, tiny=False)
+
+
+def _compiled_buffers(
+    running_mean: np.ndarray, running_var: np.ndarray, mean: np.ndarray, var: np.ndarray
+) -> bool:
+    """Whether ``loops.running_moved`` takes these: writable, C-ordered (C,) buffers of one
+    compiled dtype and C-ordered float64 batch statistics (``running_update`` computes in
+    the batch's dtype); numba would compile it again, at run time, for read-only or
+    strided arrays."""
+    return (
+        type(running_mean) is np.ndarray
+        and type(running_var) is np.ndarray
+        and running_mean.dtype == running_var.dtype
+        and running_mean.dtype in _staging.COMPILED
+        and mean.dtype == var.dtype == np.float64
+        and running_mean.shape == running_var.shape == mean.shape == var.shape
+        and running_mean.ndim == 1
+        and running_mean.flags.c_contiguous
+        and running_var.flags.c_contiguous
+        and mean.flags.c_contiguous
+        and var.flags.c_contiguous
+        and running_mean.flags.writeable
+        and running_var.flags.writeable
+    )
 
 
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
@@ -1145,7 +1199,7 @@ def batch_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """BatchNorm backward: each channel read once for its sums and ``dx``."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
+    if input.size == 0 or not compiled(ct) or _coefficients_leave(rstd, weight, ct):
         args = (xp, grad_output, input, mean, rstd, weight, bias, training, out)
         return _fallback("batch_norm_backward", *args)
     return _channel_backward(grad_output, input, mean, rstd, weight, bias, training, ct, out)
@@ -1205,7 +1259,7 @@ def instance_norm_backward(
     """InstanceNorm backward: GroupNorm's with one channel per group, or the affine map's
     with running statistics."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
+    if input.size == 0 or not compiled(ct) or _coefficients_leave(rstd, weight, ct):
         args = (xp, grad_output, input, mean, rstd, weight, bias, use_input_stats, out)
         return _fallback("instance_norm_backward", *args)
     if use_input_stats:
@@ -1252,7 +1306,7 @@ def group_norm_backward(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """GroupNorm backward: each (sample, group) row read once."""
     ct = np.dtype(work_dtype(xp, input, weight, bias, mean))
-    if input.size == 0 or not compiled(ct) or extreme_coefficients(rstd, weight, ct, tiny=False):
+    if input.size == 0 or not compiled(ct) or _coefficients_leave(rstd, weight, ct):
         args = (xp, grad_output, input, num_groups, mean, rstd, weight, bias, out)
         return _fallback("group_norm_backward", *args)
     return _group_backward(grad_output, input, num_groups, mean, rstd, weight, bias, ct, out)
