@@ -688,14 +688,6 @@ def _forward_calls(shape: tuple[int, ...], torch: Any, repeat: int) -> dict[str,
     d = shape[-1]
     y_buf = np.empty_like(x)
     calls: dict[str, Callable[[], Any]] = {}
-
-    def looped(f: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> None:
-            for _ in range(repeat):
-                f()
-
-        return run
-
     for k in _families():
 
         def call(k: str = k) -> None:
