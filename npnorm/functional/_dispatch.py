@@ -62,7 +62,6 @@ _FAMILIES: dict[str, tuple[tuple[str, ...], str | None]] = {
 # An op a family has no kernel for runs the kernel of the family named here (else the
 # generic one): SyncBatchNorm's per-rank pieces have blocked NumPy kernels, no compiled ones.
 _FALLBACK: dict[str, str] = {"numba": "numpy"}
-NAMES = (REFERENCE, *_FAMILIES)
 DEFAULT_ORDER = ("numba", "numpy")
 
 _GENERIC: dict[str, Callable[..., Any]] = {}

@@ -37,13 +37,6 @@ Exit status 0 when every check passes.
 """
 
 SYMBOL = {"input": "x", "weight": "w", "bias": "b"}
-TITLE = {
-    "batch_norm": "BatchNorm",
-    "layer_norm": "LayerNorm",
-    "rms_norm": "RMSNorm",
-    "group_norm": "GroupNorm",
-    "instance_norm": "InstanceNorm",
-}
 
 
 def _num(v: float) -> str:
