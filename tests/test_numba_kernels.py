@@ -470,22 +470,25 @@ def test_running_statistics_compiled_bitwise_as_numpy(dtype, C, count, momentum,
     rm, rv, mean, var = data.draw(buffer), data.draw(buffer), data.draw(batch), data.draw(batch)
     assert numba_channels._compiled_buffers(rm, rv, mean, var)
     before = rm.copy(), rv.copy()
-    got = numba_channels._running(xp, rm, rv, mean, var, count, momentum)
-    for g, w in zip(got, numpy_running(rm, rv, mean, var, count, momentum), strict=True):
+    want = numpy_running(rm, rv, mean, var, count, momentum)
+    new_mean, new_var = np.empty_like(rm), np.empty_like(rv)
+    loops.running_moved(rm, rv, mean, var, count / (count - 1), momentum, new_mean, new_var)
+    got = numba_channels._running(xp, rm, rv, mean, var, count, momentum)  # (the loop, by the guard)
+    for g, w in zip((new_mean, new_var, *got), want * 2, strict=True):
         assert_same_bits(g, w)
     assert_same_bits(rm, before[0])  # the buffers are read, not written
     assert_same_bits(rv, before[1])
-    new_mean, new_var = np.empty_like(rm), np.empty_like(rv)
-    loops.running_moved(rm, rv, mean, var, count / (count - 1), momentum, new_mean, new_var)
-    assert_same_bits(new_mean, got[0])
-    assert_same_bits(new_var, got[1])
 
 
-@pytest.mark.parametrize("kind", ["read-only", "strided", "float16", "mixed dtypes", "float32 batch"])
+@pytest.mark.parametrize(
+    "kind",
+    ["read-only", "strided", "float16", "mixed dtypes", "float32 batch", "read-only batch", "strided batch"],
+)
 def test_other_running_statistics_moved_by_numpy(kind, monkeypatch):
-    """Buffers the compiled update would compile again for (read-only, strided), or does
-    not take (float16, two dtypes, a float32 batch variance: ``running_update`` computes in
-    the batch's dtype), are moved by NumPy, with the same results as before."""
+    """Buffers or batch statistics the compiled update would compile again for (read-only,
+    strided), or does not take (float16, two dtypes, a float32 batch variance:
+    ``running_update`` computes in the batch's dtype), are moved by NumPy, with the same
+    results as before."""
     from npnorm.kernels import _numba_loops as loops
 
     rng = np.random.default_rng(5)
@@ -499,8 +502,12 @@ def test_other_running_statistics_moved_by_numpy(kind, monkeypatch):
         rm, rv = rm.astype(np.float16), rv.astype(np.float16)
     elif kind == "mixed dtypes":
         rv = rv.astype(np.float64)
-    else:
+    elif kind == "float32 batch":
         var = var.astype(np.float32)
+    elif kind == "read-only batch":
+        mean.flags.writeable = False
+    else:
+        var = np.repeat(var, 2)[::2]
     assert not numba_channels._compiled_buffers(rm, rv, mean, var)
     monkeypatch.setattr(loops, "running_moved", None)  # (calling it raises)
     got = numba_channels._running(xp, rm, rv, mean, var, 18, 0.1)

@@ -146,9 +146,9 @@ def _compiled_buffers(
     running_mean: np.ndarray, running_var: np.ndarray, mean: np.ndarray, var: np.ndarray
 ) -> bool:
     """Whether ``loops.running_moved`` takes these: writable, C-ordered (C,) buffers of one
-    compiled dtype and C-ordered float64 batch statistics (``running_update`` computes in
-    the batch's dtype); numba would compile it again, at run time, for read-only or
-    strided arrays."""
+    compiled dtype and writable, C-ordered float64 batch statistics (``running_update``
+    computes in the batch's dtype; the forwards' own arrays, as a rule); numba would
+    compile it again, at run time, for read-only or strided arrays."""
     return (
         type(running_mean) is np.ndarray
         and type(running_var) is np.ndarray
@@ -163,6 +163,8 @@ def _compiled_buffers(
         and var.flags.c_contiguous
         and running_mean.flags.writeable
         and running_var.flags.writeable
+        and mean.flags.writeable
+        and var.flags.writeable
     )
 
 
