@@ -337,6 +337,14 @@ class Module:
                     f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
                 )
             current: Any = getattr(self, name, None)
+            if (  # (the built-in layers' NumPy updates: nothing to refuse, check or cast)
+                type(value) is np.ndarray
+                and type(current) is np.ndarray
+                and value.dtype == current.dtype
+                and value.shape == current.shape
+            ):
+                checked[name] = value
+                continue
             self._check_update_allowed(name, current)
             checked[name] = self._as_update(name, value, current)
         return checked
@@ -1289,6 +1297,16 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     written under ``torch.no_grad()``, as PyTorch's ``load_state_dict`` copies into a
     Parameter; ``uncounted``: through ``write_uncounted``, as torch's kernels write the
     running statistics."""
+    if (  # (the common call: NumPy arrays alike, the buffer writable, no element repeated)
+        type(current) is np.ndarray
+        and type(value) is np.ndarray
+        and current.shape == value.shape
+        and current.dtype == value.dtype
+        and current.flags.writeable
+        and 0 not in current.strides
+    ):
+        current[...] = value
+        return True
     if not _is_array(value) or not isinstance(current, type(value)):  # (a memmap takes an ndarray)
         return False
     if tuple(value.shape) != tuple(current.shape):
