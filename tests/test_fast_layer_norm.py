@@ -249,6 +249,31 @@ def test_rms_norm_matches_generic_default_blocks_one_thread(p):
     check_rms_norm(p)
 
 
+@settings(max_examples=60, suppress_health_check=FIXTURES_OK)
+@given(p=problems, threads=st.sampled_from([1, 2]))
+def test_parameters_broadcast_or_tiled_bitwise_alike(small_blocks, p, threads):
+    """Blocks of at most ``BROADCAST_ROWS`` rows take the weight and bias as one row to
+    broadcast, larger ones tiled (``_blocks.tiled``): the same products and sums, so
+    every result of all four ops is bitwise the same either way."""
+    _threads.set_num_threads(threads)
+    norm, x, dy, w, b = make(p)
+    results = []
+    for rows in (0, 10**9):  # always tiled, always broadcast
+        before = _blocks.BROADCAST_ROWS
+        _blocks.BROADCAST_ROWS = rows
+        try:
+            f = fast.layer_norm_forward(xp, x, norm, w, b, 1e-5)
+            g = fast.layer_norm_backward(xp, dy, x, norm, f[1], f[2], w, b)
+            h = fast.rms_norm_forward(xp, x, norm, w, 1e-5)
+            k = fast.rms_norm_backward(xp, dy, x, norm, h[1], w)
+        finally:
+            _blocks.BROADCAST_ROWS = before
+        results.append([a for a in (*f, *g, *h, *k) if a is not None])
+    for tiled, broadcast in zip(*results, strict=True):
+        np.testing.assert_array_equal(broadcast, tiled)
+        assert broadcast.dtype == tiled.dtype
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("rows", [1, 7, 1000])
 @pytest.mark.parametrize("layout", ["C", "F"])
