@@ -546,7 +546,7 @@ def grad_tracked(a: Any) -> bool:
 def torch_refuses_in_place(a: Any) -> bool:
     """Whether torch refuses an in-place write to ``a`` (after making it, for some
     writes): an inference tensor (made inside ``torch.inference_mode()``) outside it."""
-    if not array_api_compat.is_torch_array(a):
+    if type(a) is np.ndarray or not array_api_compat.is_torch_array(a):  # (NumPy's: at once)
         return False
     import torch
 

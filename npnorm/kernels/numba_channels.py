@@ -90,6 +90,7 @@ from ._staging import (
 )
 
 Buffers = tuple[np.ndarray | None, np.ndarray | None]
+_F64 = np.dtype(np.float64)
 Params = tuple[np.ndarray, ...]  # per-channel arrays a channel loop reads or fills
 
 
@@ -145,26 +146,18 @@ def _coefficients_leave(rstd: np.ndarray, weight: np.ndarray | None, ct: np.dtyp
 def _compiled_buffers(
     running_mean: np.ndarray, running_var: np.ndarray, mean: np.ndarray, var: np.ndarray
 ) -> bool:
-    """Whether ``loops.running_moved`` takes these: writable, C-ordered (C,) buffers of one
-    compiled dtype and writable, C-ordered float64 batch statistics (``running_update``
-    computes in the batch's dtype; the forwards' own arrays, as a rule); numba would
-    compile it again, at run time, for read-only or strided arrays."""
+    """Whether ``loops.running_moved`` takes these: ``plain`` (C,) buffers of one compiled
+    dtype and ``plain`` float64 batch statistics (``running_update`` computes in the
+    batch's dtype; the forwards' own arrays, as a rule)."""
+    dtype = running_mean.dtype
     return (
-        type(running_mean) is np.ndarray
-        and type(running_var) is np.ndarray
-        and running_mean.dtype == running_var.dtype
-        and running_mean.dtype in _staging.COMPILED
-        and mean.dtype == var.dtype == np.float64
-        and running_mean.shape == running_var.shape == mean.shape == var.shape
+        dtype in _staging.COMPILED
+        and plain(running_mean, dtype)
+        and plain(running_var, dtype)
+        and plain(mean, _F64)
+        and plain(var, _F64)
         and running_mean.ndim == 1
-        and running_mean.flags.c_contiguous
-        and running_var.flags.c_contiguous
-        and mean.flags.c_contiguous
-        and var.flags.c_contiguous
-        and running_mean.flags.writeable
-        and running_var.flags.writeable
-        and mean.flags.writeable
-        and var.flags.writeable
+        and running_mean.shape == running_var.shape == mean.shape == var.shape
     )
 
 

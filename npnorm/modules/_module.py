@@ -337,14 +337,6 @@ class Module:
                     f"(_buffer_names: {self._buffer_names}); parameters change only by assignment"
                 )
             current: Any = getattr(self, name, None)
-            if (  # (the built-in layers' NumPy updates: nothing to refuse, check or cast)
-                type(value) is np.ndarray
-                and type(current) is np.ndarray
-                and value.dtype == current.dtype
-                and value.shape == current.shape
-            ):
-                checked[name] = value
-                continue
             self._check_update_allowed(name, current)
             checked[name] = self._as_update(name, value, current)
         return checked
@@ -357,7 +349,10 @@ class Module:
             and _is_array(current)
             and value.dtype == current.dtype
             and value.shape == current.shape
-            and getattr(value, "device", None) == getattr(current, "device", None)
+            and (
+                type(current) is np.ndarray
+                or getattr(value, "device", None) == getattr(current, "device", None)
+            )
         ):
             return value  # (the built-in layers' updates: nothing to check, nothing to cast)
         what = f"{type(self).__name__}._forward's update of {name!r}"
@@ -1297,13 +1292,12 @@ def _into(current: Any, value: Any, *, uncounted: bool = False) -> bool:
     written under ``torch.no_grad()``, as PyTorch's ``load_state_dict`` copies into a
     Parameter; ``uncounted``: through ``write_uncounted``, as torch's kernels write the
     running statistics."""
-    if (  # (the common call: NumPy arrays alike, the buffer writable, no element repeated)
+    if (  # (the common call: NumPy arrays alike, ``current`` writable)
         type(current) is np.ndarray
         and type(value) is np.ndarray
         and current.shape == value.shape
         and current.dtype == value.dtype
-        and current.flags.writeable
-        and 0 not in current.strides
+        and writable(current)
     ):
         current[...] = value
         return True
