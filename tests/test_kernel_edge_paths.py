@@ -18,6 +18,7 @@ import pytest
 
 import npnorm
 import npnorm.functional as F
+from npnorm.kernels import _blocks
 
 FAST = [f for f in npnorm.kernels_available() if f != "reference"]
 
@@ -226,15 +227,28 @@ def test_channels_last_group_norm_backward_at_a_large_offset(family):
 
 
 @pytest.mark.skipif("numba" not in FAST, reason="needs numba (the 'fast' extra)")
-def test_the_staged_constants_stay_few():
-    """The numba family keeps constant rows (ones, for rows without a weight) per length and
-    dtype in a small cache, cleared past 64 entries: 300 lengths do not keep 300 rows."""
-    from npnorm.kernels import _staging  # (imports numba: the module's other cases run without it)
-
-    with npnorm.use_kernels("numba"):
+@pytest.mark.parametrize("family", FAST)
+def test_the_kept_constants_stay_few(family):
+    """The fast families keep constant rows (ones for a row sum, 1/L for a mean, ones for
+    rows without a weight) per length and dtype in a small cache (``_blocks.filled``),
+    cleared past 64 entries: 300 lengths do not keep 300 rows."""
+    with npnorm.use_kernels(family):
         for d in range(1, 301):
             F.layer_norm_forward(np.ones((2, d), np.float32), d)
-    assert len(_staging._CONSTANTS) <= 65
+    assert len(_blocks._CONSTANTS) <= 65
+
+
+@pytest.mark.parametrize("family", FAST)
+def test_no_large_constant_is_kept_after_a_call(family):
+    """An absent weight or bias was cached as a filled array of the row's length for the
+    life of the process: 256 MB per row length after a LayerNorm of 2**26 values."""
+    x = np.ones((1, 1 << 16), dtype=np.float32)
+    _blocks._CONSTANTS.clear()
+    with npnorm.use_kernels(family):
+        F.layer_norm(x, x.shape[1:])
+        F.layer_norm(x[:, :8], (8,))
+    sizes = [c.nbytes for c in _blocks._CONSTANTS.values()]
+    assert sizes and max(sizes) <= _blocks.CONSTANT_CACHE_BYTES, sizes
 
 
 @pytest.mark.parametrize("family", FAST)

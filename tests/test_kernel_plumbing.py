@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from test_kernel_edge_paths import FAST, assert_matches, reference, run
 
 import npnorm.functional as F
@@ -128,3 +131,102 @@ def test_one_channel_gives_the_same_bits_whatever_the_stride_of_its_axis(family)
     got = run(family, F.batch_norm_forward, x, *args)
     for g, v in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, v)
+
+
+# --- the small helpers every "numpy" kernel call goes through -------------------------------
+# Each answers the common call without NumPy's general function; each is checked here against
+# that function on drawn arrays (the kernels' results stayed bitwise the same with them).
+
+_FLOATS = st.sampled_from([np.float16, np.float32, np.float64])
+
+
+@given(
+    a=hnp.arrays(
+        _FLOATS, hnp.array_shapes(min_dims=1, max_dims=3, max_side=5), elements=st.floats(-9, 9, width=16)
+    ),
+    order=st.sampled_from(["C", "F", "reversed", "strided"]),
+    to=_FLOATS,
+    readonly=st.booleans(),
+)
+def test_flat_is_ascontiguousarray_of_the_reshape(a, order, to, readonly):
+    """``flat`` gives what ``np.ascontiguousarray(np.reshape(a, (n,)), dtype)`` gives, and
+    ``a`` itself (or its view) where that is already a C-ordered (n,) array of the dtype."""
+    if order == "F":
+        a = np.asfortranarray(a)
+    elif order == "reversed":
+        a = a[::-1]
+    elif order == "strided":
+        a = np.repeat(a, 2, axis=-1)[..., ::2]
+    a.flags.writeable = not readonly
+    n, dtype = a.size, np.dtype(to)
+    got = _blocks.flat(a, n, dtype)
+    want = np.ascontiguousarray(np.reshape(a, (n,)), dtype=dtype)
+    assert got.shape == (n,) and got.dtype == dtype and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want)
+    if a.dtype == dtype and a.flags.c_contiguous:
+        assert np.shares_memory(got, a) or a.size == 0
+    else:
+        assert not np.shares_memory(got, a)
+
+
+@given(
+    v=hnp.arrays(
+        _FLOATS, hnp.array_shapes(min_dims=1, max_dims=3, max_side=4), elements=st.floats(-9, 9, width=16)
+    ),
+    n=st.integers(0, 6),
+)
+def test_stacked_is_tile(v, n):
+    """``stacked(v, n)`` is ``np.tile`` of ``v`` along a new first axis: the parameters'
+    rows (``tiled``), the channel rings, GroupNorm's per-channel-row weights."""
+    got = _blocks.stacked(v, n)
+    want = np.tile(v, (n,) + (1,) * v.ndim).reshape(n, *v.shape)
+    assert got.dtype == v.dtype and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want)
+
+
+def test_filled_keeps_small_constants_and_makes_large_ones_each_call():
+    """``filled`` gives the same array again for a small constant (kept; never written by
+    a kernel) and a new one above ``CONSTANT_CACHE_BYTES``; either holds the value."""
+    small = _blocks.filled(8, np.dtype(np.float32), 1.0 / 8)
+    assert _blocks.filled(8, np.dtype(np.float32), 1.0 / 8) is small
+    np.testing.assert_array_equal(small, np.full(8, 1.0 / 8, np.float32))
+    assert _blocks.filled(8, np.dtype(np.float64), 1.0 / 8) is not small  # (another dtype)
+    n = _blocks.CONSTANT_CACHE_BYTES // 4 + 1
+    large = _blocks.filled(n, np.dtype(np.float32), 1.0)
+    assert _blocks.filled(n, np.dtype(np.float32), 1.0) is not large
+    assert large.shape == (n,) and (large == 1).all()
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "sliced"])
+def test_view_of_a_c_ordered_array_is_numpys_view(layout):
+    """``view`` answers a C-ordered array with its ``reshape`` method: the same view
+    NumPy's ``np.reshape(copy=False)`` gives (memory, strides); other arrays as before."""
+    a = np.arange(24.0).reshape(2, 3, 4)
+    a = {"C": a, "F": np.asfortranarray(a), "sliced": a[:, :, ::2]}[layout]
+    for shape in ((a.size // a.shape[-1], a.shape[-1]), (a.size,), (-1, a.shape[-1])):
+        try:
+            want = np.reshape(a, shape, copy=False)
+        except ValueError:
+            assert _blocks.view(a, shape) is None
+            continue
+        got = _blocks.view(a, shape)
+        assert got is not None and got.shape == want.shape and got.strides == want.strides
+        assert np.shares_memory(got, a)
+
+
+def test_one_range_runs_in_the_calling_thread_without_the_pool(monkeypatch, restore_threads):
+    """A call of one range (every small call) runs its work at once in the calling thread:
+    the pool is not asked."""
+    import threading
+
+    _threads.set_num_threads(2)
+
+    def no_pool(tasks):
+        raise AssertionError("the pool was asked for one range")
+
+    monkeypatch.setattr(_blocks, "run_parallel", no_pool)
+    seen = []
+    assert _blocks.run_chunks(lambda a, e: seen.append(threading.get_ident()) or (a, e), 10, 4, 8) == [
+        (0, 10)
+    ]
+    assert seen == [threading.get_ident()]

@@ -48,6 +48,8 @@ SMALL_COPY_BYTES = 1 << 20
 
 def view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     """``a`` reshaped to ``shape`` if that is possible without a copy, else None."""
+    if a.flags.c_contiguous:  # always a view (the method: a third of np.reshape's cost)
+        return a.reshape(shape)
     try:
         return np.reshape(a, shape, copy=False)
     except ValueError:
@@ -174,18 +176,49 @@ def grad_as(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
     return g if g.dtype == like.dtype else g.astype(like.dtype)
 
 
+def flat(a: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """``a`` (n values: a parameter, a saved statistic) as a C-ordered ``(n,)`` array of
+    ``dtype``: ``a`` itself, or its view, where it is one already (the common call, at a
+    third of ``np.ascontiguousarray``'s cost), else a copy."""
+    if type(a) is np.ndarray and a.dtype == dtype:
+        b = a if a.shape == (n,) else a.reshape(n)
+        if b.flags.c_contiguous:
+            return b
+    return np.ascontiguousarray(np.reshape(a, (n,)), dtype=dtype)  # n
+
+
 def param(p: np.ndarray | None, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
     """A weight or bias as a contiguous ``(D,)`` array of ``dtype`` (``None`` stays)."""
-    if p is None:
-        return None
-    return np.ascontiguousarray(np.reshape(p, (D,)), dtype=dtype)  # D
+    return None if p is None else flat(p, D, dtype)  # D
+
+
+_CONSTANTS: dict[tuple[int, np.dtype[Any], float], np.ndarray] = {}
+CONSTANT_CACHE_BYTES = 1 << 16  # larger filled arrays are made per call, not kept
+
+
+def filled(n: int, dtype: np.dtype[Any], value: float) -> np.ndarray:
+    """An (n,) array of ``dtype`` holding ``value`` everywhere (the ones a row sum is a dot
+    with, ``1/n`` for a mean, an absent weight's ones), for the kernels to read, never to
+    write. Those of at most ``CONSTANT_CACHE_BYTES`` are made once and kept (a small
+    call's ``np.full`` cost 1 us); a cache of larger ones held 256 MB per row length after
+    LayerNorm(2**26, elementwise_affine=False) was gone, and filling one costs little
+    beside a row of that length."""
+    if n * dtype.itemsize > CONSTANT_CACHE_BYTES:
+        return np.full(n, value, dtype=dtype)
+    key = (n, dtype, value)
+    c = _CONSTANTS.get(key)
+    if c is None:
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.clear()
+        c = _CONSTANTS[key] = np.full(n, value, dtype=dtype)
+    return c
 
 
 def per_row(s: np.ndarray, R: int, dtype: np.dtype[Any], what: str) -> np.ndarray:
     """A saved per-row statistic as a contiguous ``(R,)`` array of ``dtype``."""
     if s.size != R:
         raise ValueError(f"{what} must have one value per row ({R}), got shape {tuple(s.shape)}")
-    return np.ascontiguousarray(np.reshape(s, (R,)), dtype=dtype)  # R
+    return flat(s, R, dtype)  # R
 
 
 def block_rows(R: int, D: int, itemsize: int) -> int:
@@ -277,6 +310,8 @@ def chunks(R: int, B: int) -> list[tuple[int, int]]:
     """One block-aligned ``(start, stop)`` row range per thread; a single range
     (run inline) when there are too few blocks to share."""
     n_blocks = -(-R // B)
+    if n_blocks < 2 * MIN_BLOCKS_PER_THREAD:  # one range whatever the thread count
+        return [(0, R)]
     n = max(1, min(get_num_threads(), n_blocks // MIN_BLOCKS_PER_THREAD))
     edges = [min(R, (k * n_blocks // n) * B) for k in range(n + 1)]
     return list(itertools.pairwise(edges))
@@ -292,7 +327,12 @@ def run_ranges(work: Callable[[int, int], T], parts: list[tuple[int, int]], row:
     """``work(start, stop)`` over the ranges ``parts``, in parallel, in
     ``loop_mode(row)``; results in range order. The kernels raise no floating-point
     warnings (see ``npnorm._backend.no_fp_warnings``); NumPy's error settings are per
-    thread, so the workers silence them too."""
+    thread, so the workers silence them too. A single range of rows shorter than
+    ``UNBUFFERED_MIN_ROW`` (every small call) runs in the calling thread at once, under
+    the calling kernel's ``no_fp_warnings``: the pool's plumbing (the task, its error
+    settings) cost ~4 us a sweep, more than a tiny call's arithmetic."""
+    if len(parts) == 1 and row < UNBUFFERED_MIN_ROW:
+        return [work(*parts[0])]
 
     def task(start: int, stop: int) -> T:
         with np.errstate(all="ignore"), loop_mode(row):
@@ -599,4 +639,13 @@ def tiled(v: np.ndarray | None, B: int) -> np.ndarray | None:
         return None
     if B <= BROADCAST_ROWS:
         return v[None]  # 1,D
-    return np.tile(v, (B, 1))  # B,D
+    return stacked(v, B)  # B,D
+
+
+def stacked(v: np.ndarray, n: int) -> np.ndarray:
+    """``n`` copies of ``v`` along a new first axis, shape ``(n, *v.shape)``, C-ordered:
+    ``np.tile(v, (n, 1, ...))`` by one broadcast assignment (``np.tile``'s Python layers
+    cost 3-4 us a call, more than a small call's copy)."""
+    out = np.empty((n, *v.shape), dtype=v.dtype)  # n,*v.shape
+    out[...] = v
+    return out

@@ -33,7 +33,7 @@ import numpy as np
 from .._threads import get_num_threads, run_parallel
 from . import _blocks
 from . import _numba_loops as loops
-from ._blocks import Rows, view
+from ._blocks import Rows, filled, flat, view
 
 T = TypeVar("T")
 
@@ -75,27 +75,13 @@ def spans(start: int, stop: int, step: int) -> Iterator[tuple[int, int]]:
         yield a, min(a + step, stop)
 
 
-_CONSTANTS: dict[tuple[int, np.dtype[Any], float], np.ndarray] = {}
-CONSTANT_CACHE_BYTES = 1 << 16  # larger filled arrays are made per call, not kept
-
-
 def param_or(p: np.ndarray | None, n: int, ct: np.dtype[Any], fill: float) -> np.ndarray:
     """A weight or bias as a C-ordered (n,) array of ``ct``; an absent one as ``fill``
-    (ones or zeros: multiplying by 1 and adding 0 are exact). The filled arrays of at
-    most ``CONSTANT_CACHE_BYTES`` are cached and never written (a cache of larger ones
-    held 256 MB per row length after LayerNorm(2**26, elementwise_affine=False) was gone;
-    filling one costs little beside a row of that length)."""
+    (ones or zeros: multiplying by 1 and adding 0 are exact; ``_blocks.filled``, never
+    written)."""
     if p is not None:
         return vector(p, n, ct)
-    if n * ct.itemsize > CONSTANT_CACHE_BYTES:
-        return np.full(n, fill, dtype=ct)
-    key = (n, ct, fill)
-    c = _CONSTANTS.get(key)
-    if c is None:
-        if len(_CONSTANTS) > 64:
-            _CONSTANTS.clear()
-        c = _CONSTANTS[key] = np.full(n, fill, dtype=ct)
-    return c
+    return filled(n, ct, fill)
 
 
 def writable(a: np.ndarray) -> np.ndarray:
@@ -109,13 +95,8 @@ def writable(a: np.ndarray) -> np.ndarray:
 
 def vector(a: np.ndarray, n: int, ct: np.dtype[Any]) -> np.ndarray:
     """``a`` (n values: a parameter, a saved statistic) as the loops take it: a C-ordered,
-    writable (n,) array of ``ct``."""
-    if type(a) is np.ndarray and a.dtype == ct:  # the common parameter, or saved statistic
-        b = a if a.shape == (n,) else a.reshape(n)  # (np.reshape took a tenth of a tiny call)
-        flags = b.flags
-        if flags.c_contiguous and flags.writeable:
-            return b
-    return writable(np.ascontiguousarray(np.reshape(a, (n,)), dtype=ct))
+    writable (n,) array of ``ct`` (``_blocks.flat``, copied where read-only)."""
+    return writable(flat(a, n, ct))
 
 
 HALF, SINGLE = np.dtype(np.float16), np.dtype(np.float32)

@@ -47,6 +47,7 @@ from ._blocks import (
     block_rows,
     blocks,
     extreme_spread,
+    filled,
     finish,
     grad_as,
     inv_rms,
@@ -117,7 +118,7 @@ def layer_norm_forward(
     rstd = np.empty(R, dtype=ct)  # R
     w = param(weight, D, ct)  # D
     b = param(bias, D, ct)  # D
-    ones = np.ones(D, dtype=ct)  # D
+    ones = filled(D, ct, 1.0)  # D
     B = block_rows(R, D, ct.itemsize)
     # compute in the output block itself, where it is C-ordered: the row sums taken there
     # over a strided out= would be summed in another order than over a fresh output's
@@ -127,7 +128,7 @@ def layer_norm_forward(
         xbuf = scratch(x.staged, B, D, ct)  # B,D
         wbuf = scratch(not direct, B, D, ct)  # B,D
         wt, bt = tiled(w, B), tiled(b, B)  # B,D  B,D
-        inv = np.full(D, 1.0 / D, dtype=ct)  # D
+        inv = filled(D, ct, 1.0 / D)  # D
         var = np.empty(B)  # B  the rows' mean squares about their rounded means
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -221,7 +222,7 @@ def layer_norm_backward(
     r64 = rstd_c.astype(np.float64)  # R
     rr = r64 * r64 / D  # R  rstd^2 / D, in float64: it underflows float32 for huge rows
     w = param(weight, D, ct)  # D
-    ones = np.ones(D, dtype=ct)  # D
+    ones = filled(D, ct, 1.0)  # D
     dx = output(out, input.shape, input.dtype, (R, D), (input, grad_output))  # *,*shape
     dx2 = view(dx, (R, D))  # R,D view of dx
     assert dx2 is not None
@@ -240,7 +241,7 @@ def layer_norm_backward(
         kbuf = np.empty(B, dtype=ct)  # B
         mgbuf = np.empty(B, dtype=ct)  # B
         sxbuf = np.empty(B, dtype=ct)  # B
-        ones_b = np.ones(B, dtype=ct)  # B
+        ones_b = filled(B, ct, 1.0)  # B
         for a, e in blocks(start, stop, B):
             n = e - a
             xb = x.read(a, e, xbuf)  # n,D

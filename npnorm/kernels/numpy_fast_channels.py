@@ -92,7 +92,9 @@ from ._blocks import (
     blocks,
     constant_rows,
     extreme_coefficients,
+    filled,
     finish,
+    flat,
     grad_as,
     inv_rms,
     output,
@@ -103,6 +105,7 @@ from ._blocks import (
     rowsumsq,
     run_chunks,
     scratch,
+    stacked,
     view,
 )
 
@@ -130,7 +133,8 @@ class _Ring:
     def __init__(self, v: np.ndarray, B: int) -> None:
         self.P = int(v.shape[0])
         reps = -(-(B + self.P) // self.P)
-        self.tiled = np.tile(v, (reps,) + (1,) * (v.ndim - 1))[: B + self.P]  # B+P,*v.shape[1:]
+        tiles = stacked(v, reps).reshape(reps * self.P, *v.shape[1:])  # reps*P,*v.shape[1:]
+        self.tiled = tiles[: B + self.P]  # B+P,*v.shape[1:]
 
     def rows(self, start: int, n: int) -> np.ndarray:
         s = start % self.P
@@ -155,7 +159,7 @@ def _foldable(mean: np.ndarray, rstd: np.ndarray, var: np.ndarray | None = None)
     like one of 1 (y lost 10-50 ulps where PyTorch's lost 2-20)."""
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         r = rstd if var is None else 1.0 / np.sqrt(var.astype(np.float64))  # 1/std
-        return bool(np.all(np.abs(mean) * r <= FOLD_LIMIT))
+        return bool((np.abs(mean) * r <= FOLD_LIMIT).all())
 
 
 # --- per-channel statistics (BatchNorm, and InstanceNorm/BatchNorm eval) -----------------
@@ -254,7 +258,7 @@ def _row_moments(rows: Rows, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray,
     def work(start: int, stop: int) -> None:
         xbuf = scratch(rows.staged, B, S, ct)  # B,S
         xcbuf = np.empty((B, S), dtype=ct)  # B,S
-        inv = np.full(S, 1.0 / S, dtype=ct)  # S
+        inv = filled(S, ct, 1.0 / S)  # S
         for a, e in blocks(start, stop, B):
             xb = rows.read(a, e, xbuf)  # n,S
             xc = xcbuf[: e - a]  # n,S
@@ -292,7 +296,7 @@ def _merge_rows(
     """Chan et al.'s parallel merge of the N row statistics of each channel (all rows
     have S values), in float64: ``numpy_fast_columns.merge_parts`` of the (N, C) row
     statistics."""
-    return columns.merge_parts(np.reshape(mean, (N, C)), np.reshape(resid, (N, C)), np.reshape(m2, (N, C)), S)
+    return columns.merge_parts(mean.reshape((N, C)), resid.reshape((N, C)), m2.reshape((N, C)), S)
 
 
 def _short_channel_moments(input: np.ndarray, N: int, C: int, S: int) -> tuple[np.ndarray, np.ndarray]:
@@ -301,7 +305,7 @@ def _short_channel_moments(input: np.ndarray, N: int, C: int, S: int) -> tuple[n
     row statistics of ``_row_moments`` would cost more than their rows: two passes over
     blocks of samples, the deviations from the float64 mean in float64 (a constant
     channel's are exactly 0)."""
-    x = np.reshape(input, (N, C, S))  # N,C,S
+    x = input.reshape((N, C, S))  # N,C,S
     B = block_rows(N, C * S, 8)  # samples per block of float64 deviations
     total = np.zeros(C, dtype=np.float64)  # C
     for a, e in blocks(0, N, B):
@@ -344,7 +348,7 @@ def _grad_sums_sweep(
         xbuf = scratch(need_dot and rows_x.staged, B, S, ct)  # B,S
         xcbuf = scratch(need_dot, B, S, ct)  # B,S
         obuf = scratch(dx2 is not None and not direct, B, S, ct)  # B,S
-        ones = np.ones(S, dtype=ct)  # S
+        ones = filled(S, ct, 1.0)  # S
         for a, e in blocks(start, stop, B):
             n = e - a
             dyb = rows_dy.read(a, e, dybuf)  # n,S
@@ -490,7 +494,7 @@ def _batch_dx_coefficients(
         d64 = d64 + np.where(a64 == 0, 0.0, b64 * m / safe)  # C
     big = float(np.finfo(ct).max)
     with np.errstate(invalid="ignore"):
-        if np.any(np.isfinite(b64) & (np.abs(b64) > big)):  # (a finite float64 beyond ct)
+        if (np.isfinite(b64) & (np.abs(b64) > big)).any():  # (a finite float64 beyond ct)
             raise CoefficientOverflow
     return (None if fold else m), a_coef, b64.astype(ct), d64.astype(ct)
 
@@ -518,8 +522,8 @@ def _channel_backward(
     """
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    m = np.ascontiguousarray(np.reshape(mean, (C,)), dtype=ct)  # C
-    r = np.ascontiguousarray(np.reshape(rstd, (C,)), dtype=ct)  # C
+    m = flat(mean, C, ct)  # C
+    r = flat(rstd, C, ct)  # C
     w = param(weight, C, ct)  # C
     need_dot = batch_stats or weight is not None
     cols = columns.columns_of(out, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
@@ -551,14 +555,14 @@ def _channel_backward(
     else:  # dx = rstd*w*dy, written by the sums sweep
         dx_coef = _Ring(r if w is None else r * w, B)  # C
         sdy, sdx = _grad_sums_sweep(rows_dy, rows_x, ct, center, need_dot, dx, dx_coef)
-    sum_dy = np.add.reduce(np.reshape(sdy, (N, C)), axis=0, dtype=np.float64)  # C
+    sum_dy = np.add.reduce(sdy.reshape((N, C)), axis=0, dtype=np.float64)  # C
     sum_dyxc = (  # C: sum(dy*(x - mean))
-        None if sdx is None else np.add.reduce(np.reshape(sdx, (N, C)), axis=0, dtype=np.float64)
+        None if sdx is None else np.add.reduce(sdx.reshape((N, C)), axis=0, dtype=np.float64)
     )
     if batch_stats:
         assert sum_dyxc is not None
         sum_xc = (  # C: sum(x - mean)
-            None if xc_rows is None else np.add.reduce(np.reshape(xc_rows, (N, C)), axis=0, dtype=np.float64)
+            None if xc_rows is None else np.add.reduce(xc_rows.reshape((N, C)), axis=0, dtype=np.float64)
         )
         # with fold, dx = a*(dy - d - b*mean/a) + b*x, one pass fewer
         coefs = _batch_dx_coefficients(ct, m, r, w, sum_dy, sum_dyxc, N * S, fold, sum_xc=sum_xc)
@@ -626,14 +630,14 @@ def _group_forward(
     rstd = np.empty(R, dtype=ct)  # R
     var = np.empty(R, dtype=np.float64) if keep_var else None  # R
     B = block_rows(R, L, ct.itemsize)
-    w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
-    b_ring = None if b is None else _Ring(np.reshape(b, (G, k)), B)
+    w_ring = None if w is None else _Ring(w.reshape((G, k)), B)  # group row -> its k weights
+    b_ring = None if b is None else _Ring(b.reshape((G, k)), B)
     direct = y.dtype == ct
 
     def work(start: int, stop: int) -> None:
         xbuf = scratch(rows.staged, B, L, ct)  # B,L
         obuf = scratch(not direct, B, L, ct)  # B,L
-        inv = np.full(L, 1.0 / L, dtype=ct)  # L
+        inv = filled(L, ct, 1.0 / L)  # L
         vbuf = np.empty(B)  # B  the rows' variances, where var is not kept
         scale = np.empty((B, k), dtype=ct)  # B,k
         for a, e in blocks(start, stop, B):
@@ -689,8 +693,8 @@ def _group_backward(
     ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
     """
     N, C = int(input.shape[0]), int(input.shape[1])
-    m_all = np.ascontiguousarray(np.reshape(mean, (N * G,)), dtype=ct)  # N*G
-    r_all = np.ascontiguousarray(np.reshape(rstd, (N * G,)), dtype=ct)  # N*G
+    m_all = flat(mean, N * G, ct)  # N*G
+    r_all = flat(rstd, N * G, ct)  # N*G
     w = param(weight, C, ct)  # C
     samples = columns.samples_of(out, input, grad_output)  # channels-last input and gradient
     if samples is not None:
@@ -705,7 +709,7 @@ def _group_backward(
         _require_finite(sdy_s, sdx_s)
         dweight_s = None
         if weight is not None:
-            dweight_s = np.sum(sdx_s * np.repeat(np.reshape(r_all, (N, G)), C // G, axis=1), axis=0)  # C
+            dweight_s = np.sum(sdx_s * np.repeat(r_all.reshape((N, G)), C // G, axis=1), axis=0)  # C
         dbias_s = None if bias is None else np.sum(sdy_s, axis=0)  # C
         return finish(dx, out), grad_as(dweight_s, weight), grad_as(dbias_s, bias)
     rows_x = _rows(input, G, ct)
@@ -716,9 +720,9 @@ def _group_backward(
     nb_all = (r64 * r64) / -L  # R: b = nb * (rstd * sgx) (float64; rstd * sgx is O(1))
     nc_all = r_all / -L  # R: c = nc * sg
     B = block_rows(R, L, ct.itemsize)
-    w_ring = None if w is None else _Ring(np.reshape(w, (G, k)), B)  # group row -> its k weights
+    w_ring = None if w is None else _Ring(w.reshape((G, k)), B)  # group row -> its k weights
     # d(dx)/d(dy) per channel row: rstd*w (R,k), or rstd per group row without weight
-    a_all = None if w is None else np.reshape(r_all, (R, 1)) * np.tile(np.reshape(w, (G, k)), (N, 1))
+    a_all = None if w is None else r_all.reshape((R, 1)) * stacked(w.reshape((G, k)), N).reshape(R, k)
     dx = output(out, input.shape, input.dtype, (R, L), (input, grad_output), contiguous=True)
     dx2 = view(dx, (R, L))  # R,L
     assert dx2 is not None
@@ -731,8 +735,8 @@ def _group_backward(
         dybuf = scratch(rows_dy.staged, B, L, ct)  # B,L
         tbuf = np.empty((B, L), dtype=ct)  # B,L
         obuf = scratch(not direct, B, L, ct)  # B,L
-        ones = np.ones(S, dtype=ct)  # S
-        inv_l = np.full(L, 1.0 / L, dtype=ct)  # L
+        ones = filled(S, ct, 1.0)  # S
+        inv_l = filled(L, ct, 1.0 / L)  # L
         sg_buf, sgx_buf, b_buf, c_buf, d_buf = (np.empty(B, dtype=ct) for _ in range(5))  # B each
         for a, e in blocks(start, stop, B):
             n = e - a
@@ -777,11 +781,11 @@ def _group_backward(
     run_chunks(work, R, B, S)
     dweight = dbias = None
     if weight is not None:
-        sdx3 = np.reshape(sdx_all, (N, G, k))  # N,G,k  sum(dy * (x - mean))
-        dxhat = sdx3 * np.reshape(r_all, (N, G, 1))  # N,G,k  sum(dy * xhat)
-        dweight = np.sum(np.reshape(dxhat, (N, C)), axis=0)  # C
+        sdx3 = sdx_all.reshape((N, G, k))  # N,G,k  sum(dy * (x - mean))
+        dxhat = sdx3 * r_all.reshape((N, G, 1))  # N,G,k  sum(dy * xhat)
+        dweight = np.sum(dxhat.reshape((N, C)), axis=0)  # C
     if bias is not None:
-        dbias = np.sum(np.reshape(sdy_all, (N, C)), axis=0)  # C
+        dbias = np.sum(sdy_all.reshape((N, C)), axis=0)  # C
     return finish(dx, out), grad_as(dweight, weight), grad_as(dbias, bias)
 
 
@@ -933,12 +937,12 @@ def instance_norm_forward(
         if running_mean is not None and running_var is not None:
             assert var is not None
             # C: the average over the N instances (NaN for an empty batch, as in PyTorch)
-            batch_mean = np.sum(np.reshape(mean, (N, C)), axis=0, dtype=np.float64) / N  # C (float64:
+            batch_mean = np.sum(mean.reshape((N, C)), axis=0, dtype=np.float64) / N  # C (float64:
             # means near the dtype's largest would overflow its sum)
-            batch_var = np.sum(np.reshape(var, (N, C)), axis=0) / N * (S / (S - 1))  # C, unbiased
+            batch_var = np.sum(var.reshape((N, C)), axis=0) / N * (S / (S - 1))  # C, unbiased
             new_mean = running_update(xp, running_mean, batch_mean, momentum)  # C
             new_var = running_update(xp, running_var, batch_var, momentum)  # C
-        return y, np.reshape(mean, (N, C)), np.reshape(rstd, (N, C)), new_mean, new_var
+        return y, mean.reshape((N, C)), rstd.reshape((N, C)), new_mean, new_var
     assert running_mean is not None and running_var is not None
     m = np.array(cast(xp, running_mean, ct), dtype=ct, copy=True)  # C
     v = cast(xp, running_var, ct)  # C
@@ -1006,7 +1010,7 @@ def group_norm_forward(
     ct = np.dtype(work_dtype(xp, input, weight, bias))  # float32 at least
     N = int(input.shape[0])
     y, mean, rstd, _ = _group_forward(input, num_groups, weight, bias, eps, ct, False, out)
-    return y, np.reshape(mean, (N, num_groups)), np.reshape(rstd, (N, num_groups))
+    return y, mean.reshape((N, num_groups)), rstd.reshape((N, num_groups))
 
 
 @specialized("group_norm_backward", NS, kernels="numpy")

@@ -36,6 +36,7 @@ from ._blocks import (
     block_rows,
     blocks,
     channels_last_rows,
+    filled,
     from_channel_rows,
     needs_staging,
     run_chunks,
@@ -251,7 +252,7 @@ def moments(x: np.ndarray, ct: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
     def work(start: int, stop: int) -> None:
         xbuf = _staged(x, B, P, ct)
         xcbuf, sqbuf = _Scratch(B, P, ct), _Scratch(B, P, ct)
-        ones = np.ones(max(B, SUM_ROWS), dtype=ct)  # B
+        ones = filled(max(B, SUM_ROWS), ct, 1.0)  # B
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
             i, n, p = a // B, e - a, c1 - c0
             xb = _read(x, a, e, c0, c1, xbuf)  # n,p
@@ -398,7 +399,7 @@ def grad_sums(
         xbuf = _staged(x, B, P, ct) if need_dot else None
         tbuf = _scratch(need_dot, B, P, ct)
         obuf = _scratch(dx is not None and dx.dtype != ct, B, P, ct)
-        ones = np.ones(max(B, SUM_ROWS), dtype=ct)  # B
+        ones = filled(max(B, SUM_ROWS), ct, 1.0)  # B
         for a, e, c0, c1 in _panels(start, stop, B, C, P):
             i, n = a // B, e - a
             dyb = _read(dy, a, e, c0, c1, dybuf)  # n,p
@@ -588,7 +589,7 @@ def group_forward(
         xbuf = _scratch(needs_staging(x[0], ct), B, C, ct)
         tbuf = _Scratch(B, C, ct)
         obuf = _scratch(y.dtype != ct, B, C, ct)
-        ones = np.ones(max(B, SUM_ROWS), dtype=ct)  # B
+        ones = filled(max(B, SUM_ROWS), ct, 1.0)  # B
         for n in range(n0, n1):
             xs, ys = x[n], y[n]  # S,C  S,C
             m, resid, v = statistics(xs, xbuf, tbuf, ones)  # G (ct), G, G (float64)
@@ -648,7 +649,7 @@ def group_backward(
         )
         tbuf = _Scratch(B, C, ct)
         obuf = _scratch(dx.dtype != ct, B, C, ct)
-        ones = np.ones(max(B, SUM_ROWS), dtype=ct)  # B
+        ones = filled(max(B, SUM_ROWS), ct, 1.0)  # B
         for n in range(n0, n1):
             xs, dys, dxs = x[n], dy[n], dx[n]  # S,C each
             g0 = n * G
