@@ -226,7 +226,6 @@ def test_channels_last_group_norm_backward_at_a_large_offset(family):
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5 * float(np.abs(want[1]).max()))
 
 
-@pytest.mark.skipif("numba" not in FAST, reason="needs numba (the 'fast' extra)")
 @pytest.mark.parametrize("family", FAST)
 def test_the_kept_constants_stay_few(family):
     """The fast families keep constant rows (ones for a row sum, 1/L for a mean, ones for

@@ -10,9 +10,11 @@ C-ordered array of one channel whose channel axis has a stride of one value.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from test_kernel_edge_paths import FAST, assert_matches, reference, run
@@ -144,29 +146,37 @@ _FLOATS = st.sampled_from([np.float16, np.float32, np.float64])
     a=hnp.arrays(
         _FLOATS, hnp.array_shapes(min_dims=1, max_dims=3, max_side=5), elements=st.floats(-9, 9, width=16)
     ),
-    order=st.sampled_from(["C", "F", "reversed", "strided"]),
+    order=st.sampled_from(["C", "F", "reversed", "strided", "subclass"]),
     to=_FLOATS,
     readonly=st.booleans(),
 )
-def test_flat_is_ascontiguousarray_of_the_reshape(a, order, to, readonly):
-    """``flat`` gives what ``np.ascontiguousarray(np.reshape(a, (n,)), dtype)`` gives, and
-    ``a`` itself (or its view) where that is already a C-ordered (n,) array of the dtype."""
+@example(a=np.arange(6.0).reshape(2, 3), order="F", to=np.float64, readonly=False)  # (order matters)
+@example(a=np.arange(6.0).reshape(3, 2), order="subclass", to=np.float64, readonly=False)
+def test_as_vector_is_ascontiguousarray_of_the_reshape(a, order, to, readonly):
+    """``as_vector`` gives what ``np.ascontiguousarray(np.reshape(a, (n,)), dtype)`` gives (a
+    plain ndarray, the values in C order), and ``a`` itself (or its view) where that is
+    already a C-ordered (n,) ndarray of the dtype."""
     if order == "F":
         a = np.asfortranarray(a)
     elif order == "reversed":
         a = a[::-1]
     elif order == "strided":
         a = np.repeat(a, 2, axis=-1)[..., ::2]
+    elif order == "subclass":
+        a = a.view(_Sub)
     a.flags.writeable = not readonly
     n, dtype = a.size, np.dtype(to)
-    got = _blocks.flat(a, n, dtype)
+    got = _blocks.as_vector(a, n, dtype)
     want = np.ascontiguousarray(np.reshape(a, (n,)), dtype=dtype)
+    assert type(got) is type(want) is np.ndarray
     assert got.shape == (n,) and got.dtype == dtype and got.flags.c_contiguous
     np.testing.assert_array_equal(got, want)
-    if a.dtype == dtype and a.flags.c_contiguous:
-        assert np.shares_memory(got, a) or a.size == 0
-    else:
-        assert not np.shares_memory(got, a)
+    if type(a) is np.ndarray and a.dtype == dtype and a.flags.c_contiguous and a.size:
+        assert np.shares_memory(got, a)
+
+
+class _Sub(np.ndarray):
+    """An ndarray subclass (as np.memmap is one): ``as_vector`` hands the kernels a plain array."""
 
 
 @given(
@@ -230,3 +240,29 @@ def test_one_range_runs_in_the_calling_thread_without_the_pool(monkeypatch, rest
         (0, 10)
     ]
     assert seen == [threading.get_ident()]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunks_are_the_general_split_of_the_blocks(threads, restore_threads):
+    """``chunks`` answers few blocks with one range at once, as the general split does (at
+    most one range for fewer than 2 * MIN_BLOCKS_PER_THREAD blocks): the same ranges,
+    and so the same sums, for every row count and thread count."""
+    _threads.set_num_threads(threads)
+    M = _blocks.MIN_BLOCKS_PER_THREAD
+    for B in (1, 3, 7):
+        for R in range(1, 4 * M * B + 2):
+            n_blocks = -(-R // B)
+            n = max(1, min(threads, n_blocks // M))
+            edges = [min(R, (k * n_blocks // n) * B) for k in range(n + 1)]
+            assert _blocks.chunks(R, B) == list(itertools.pairwise(edges)), (R, B)
+
+
+def test_one_range_of_long_rows_runs_unbuffered(restore_threads):
+    """One range of rows of ``UNBUFFERED_MIN_ROW`` values or more still runs in
+    ``loop_mode`` (NumPy's minimal buffer), as every split does; shorter rows at NumPy's
+    own buffer size."""
+    _threads.set_num_threads(1)
+    sizes = []
+    for row in (_blocks.UNBUFFERED_MIN_ROW - 1, _blocks.UNBUFFERED_MIN_ROW):
+        _blocks.run_ranges(lambda a, e: sizes.append(np.getbufsize()), [(0, 1)], row)
+    assert sizes == [np.getbufsize(), 16]

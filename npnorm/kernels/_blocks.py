@@ -48,11 +48,11 @@ SMALL_COPY_BYTES = 1 << 20
 
 def view(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
     """``a`` reshaped to ``shape`` if that is possible without a copy, else None."""
-    if a.flags.c_contiguous:  # always a view (the method: a third of np.reshape's cost)
-        return a.reshape(shape)
     try:
+        if a.flags.c_contiguous:  # always a view (the method: a third of np.reshape's cost)
+            return a.reshape(shape)
         return np.reshape(a, shape, copy=False)
-    except ValueError:
+    except ValueError:  # (no copy would do, or no array has that shape)
         return None
 
 
@@ -176,7 +176,7 @@ def grad_as(g: np.ndarray | None, like: np.ndarray | None) -> np.ndarray | None:
     return g if g.dtype == like.dtype else g.astype(like.dtype)
 
 
-def flat(a: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+def as_vector(a: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
     """``a`` (n values: a parameter, a saved statistic) as a C-ordered ``(n,)`` array of
     ``dtype``: ``a`` itself, or its view, where it is one already (the common call, at a
     third of ``np.ascontiguousarray``'s cost), else a copy."""
@@ -189,7 +189,7 @@ def flat(a: np.ndarray, n: int, dtype: np.dtype[Any]) -> np.ndarray:
 
 def param(p: np.ndarray | None, D: int, dtype: np.dtype[Any]) -> np.ndarray | None:
     """A weight or bias as a contiguous ``(D,)`` array of ``dtype`` (``None`` stays)."""
-    return None if p is None else flat(p, D, dtype)  # D
+    return None if p is None else as_vector(p, D, dtype)  # D
 
 
 _CONSTANTS: dict[tuple[int, np.dtype[Any], float], np.ndarray] = {}
@@ -218,7 +218,7 @@ def per_row(s: np.ndarray, R: int, dtype: np.dtype[Any], what: str) -> np.ndarra
     """A saved per-row statistic as a contiguous ``(R,)`` array of ``dtype``."""
     if s.size != R:
         raise ValueError(f"{what} must have one value per row ({R}), got shape {tuple(s.shape)}")
-    return flat(s, R, dtype)  # R
+    return as_vector(s, R, dtype)  # R
 
 
 def block_rows(R: int, D: int, itemsize: int) -> int:
@@ -578,8 +578,8 @@ def recentre(
     then comes out exactly centred (``xc`` all 0, ``var`` 0, ``mean`` the constant), as
     PyTorch's: its output is the bias exactly, NaN with ``eps = 0``. One more pass over
     the cached block, with a large common offset or a constant row only."""
-    if not (mean.astype(np.float64) ** 2 > RECENTRE_ABOVE**2 * var).any():  # (run_chunks
-        return  # silences fp warnings)
+    if not (mean.astype(np.float64) ** 2 > RECENTRE_ABOVE**2 * var).any():  # (a mean beyond
+        return  # 1e154 squares to inf: silenced by the calling kernel's no_fp_warnings)
     d = rowdot(xc, inv, out=np.empty(xc.shape[0], dtype=xc.dtype))  # n
     flat = constant_rows(xc, mean, var)
     d[flat] = xc[flat, 0]
@@ -633,7 +633,7 @@ def tiled(v: np.ndarray | None, B: int) -> np.ndarray | None:
     """A (D,) parameter repeated on B rows, so that multiplying a block by it is one
     contiguous pass (a broadcast (D,) operand costs NumPy one loop call per row); for
     blocks of at most ``BROADCAST_ROWS`` rows, the parameter as one (1, D) row to
-    broadcast (those loop calls cost less than ``np.tile``'s 2-3 us; the same products).
+    broadcast (those loop calls cost less than a copy's 1-3 us; the same products).
     Either way ``tiled(v, B)[:n]`` multiplies or adds into an (n, D) block, n <= B."""
     if v is None:
         return None

@@ -33,7 +33,7 @@ import numpy as np
 from .._threads import get_num_threads, run_parallel
 from . import _blocks
 from . import _numba_loops as loops
-from ._blocks import Rows, filled, flat, view
+from ._blocks import Rows, as_vector, filled, view
 
 T = TypeVar("T")
 
@@ -95,8 +95,8 @@ def writable(a: np.ndarray) -> np.ndarray:
 
 def vector(a: np.ndarray, n: int, ct: np.dtype[Any]) -> np.ndarray:
     """``a`` (n values: a parameter, a saved statistic) as the loops take it: a C-ordered,
-    writable (n,) array of ``ct`` (``_blocks.flat``, copied where read-only)."""
-    return writable(flat(a, n, ct))
+    writable (n,) array of ``ct`` (``_blocks.as_vector``, copied where read-only)."""
+    return writable(as_vector(a, n, ct))
 
 
 HALF, SINGLE = np.dtype(np.float16), np.dtype(np.float32)

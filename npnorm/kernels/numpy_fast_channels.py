@@ -88,13 +88,13 @@ from . import numpy_fast_columns as columns
 from ._blocks import (
     SHORT_ROW,
     Rows,
+    as_vector,
     block_rows,
     blocks,
     constant_rows,
     extreme_coefficients,
     filled,
     finish,
-    flat,
     grad_as,
     inv_rms,
     output,
@@ -522,8 +522,8 @@ def _channel_backward(
     """
     N, C = int(input.shape[0]), int(input.shape[1])
     S = prod(input.shape[2:])
-    m = flat(mean, C, ct)  # C
-    r = flat(rstd, C, ct)  # C
+    m = as_vector(mean, C, ct)  # C
+    r = as_vector(rstd, C, ct)  # C
     w = param(weight, C, ct)  # C
     need_dot = batch_stats or weight is not None
     cols = columns.columns_of(out, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
@@ -693,8 +693,8 @@ def _group_backward(
     ``sum(dy)``, reduced at the end from (N*C,) per-channel-row arrays.
     """
     N, C = int(input.shape[0]), int(input.shape[1])
-    m_all = flat(mean, N * G, ct)  # N*G
-    r_all = flat(rstd, N * G, ct)  # N*G
+    m_all = as_vector(mean, N * G, ct)  # N*G
+    r_all = as_vector(rstd, N * G, ct)  # N*G
     w = param(weight, C, ct)  # C
     samples = columns.samples_of(out, input, grad_output)  # channels-last input and gradient
     if samples is not None:

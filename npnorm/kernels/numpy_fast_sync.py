@@ -29,7 +29,7 @@ from .._backend import Namespace, no_fp_warnings
 from .._checks import prod, work_dtype
 from ..functional._dispatch import generic_kernel, specialized
 from . import numpy_fast_columns as columns
-from ._blocks import block_rows, extreme_spread, flat, param
+from ._blocks import as_vector, block_rows, extreme_spread, param
 from .numpy_fast_channels import (
     NS,
     CoefficientOverflow,
@@ -68,7 +68,7 @@ def sync_batch_norm_grad_sums(
         return generic_kernel("sync_batch_norm_grad_sums")(xp, grad_output, input, mean, rstd, ct)
     ct = np.dtype(ct)
     N, C = int(input.shape[0]), int(input.shape[1])
-    m = flat(mean, C, ct)  # C
+    m = as_vector(mean, C, ct)  # C
     cols = columns.columns_of(None, input, grad_output)  # BatchNorm1d's (N, C), channels-last input
     if cols is not None:
         (x2, dy2), _ = cols
@@ -107,16 +107,16 @@ def sync_batch_norm_dx(
     not ``_foldable``), so does this one, on ``mean_G(x - mean)``."""
     ct = np.dtype(work_dtype(xp, input, weight, mean))
     C = int(input.shape[1])
-    m, r = flat(mean, C, ct), flat(rstd, C, ct)  # C, C
+    m, r = as_vector(mean, C, ct), as_vector(rstd, C, ct)  # C, C
     if input.size == 0 or extreme_spread(r, ct):  # nothing to sweep, or
         # coefficients that underflow or overflow ct
         return generic_kernel("sync_batch_norm_dx")(
             xp, grad_output, input, mean, rstd, weight, mean_dy, mean_dyxc, mean_xc
         )
     f64 = np.dtype(np.float64)
-    mean_dy64, mean_dyxc64 = flat(mean_dy, C, f64), flat(mean_dyxc, C, f64)  # C, C
+    mean_dy64, mean_dyxc64 = as_vector(mean_dy, C, f64), as_vector(mean_dyxc, C, f64)  # C, C
     fold = _foldable(m, r)  # (else: a large offset, and xhat is centred again)
-    mean_xc64 = None if fold else flat(mean_xc, C, f64)  # C
+    mean_xc64 = None if fold else as_vector(mean_xc, C, f64)  # C
     try:  # BatchNorm's dx coefficients, with the global means as the sums over one value
         coefs = _batch_dx_coefficients(
             ct, m, r, param(weight, C, ct), mean_dy64, mean_dyxc64, 1.0, fold, sum_xc=mean_xc64
