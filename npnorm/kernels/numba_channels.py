@@ -151,7 +151,7 @@ def _compiled_buffers(
     batch's dtype; the forwards' own arrays, as a rule)."""
     dtype = running_mean.dtype
     return (
-        dtype in _staging.COMPILED
+        compiled(dtype)
         and plain(running_mean, dtype)
         and plain(running_var, dtype)
         and plain(mean, _F64)
