@@ -21,8 +21,10 @@ installed but broken, say) fails the test as any other error.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import pkgutil
 import re
 from collections.abc import Generator
 
@@ -46,6 +48,31 @@ settings.register_profile(
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target],
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def _import_every_module() -> None:
+    """Every npnorm module that imports here, imported now, before any test draws.
+
+    Hypothesis also draws the constants written in the source of the code under test (the
+    modules in ``sys.modules`` outside site-packages and outside the tests): so what a test
+    draws, even derandomized or with ``--hypothesis-seed``, depended on which npnorm modules
+    the tests collected or run before it had imported. One file run alone drew other
+    examples than the same file in the whole suite, so a CI failure did not come back when
+    its file was run again. With every module imported first, a test draws the same in any
+    selection of tests, given the same code and extras: a change to a constant in npnorm
+    still changes the draws (the printed ``@reproduce_failure`` blob replays one example
+    whatever changed in npnorm). A module whose optional dependency is missing here (cupy,
+    numba, an extra) is left out, as the tests that need it are."""
+    for found in pkgutil.walk_packages(npnorm.__path__, "npnorm."):
+        if found.name.rpartition(".")[2] == "__main__":  # (runs a command)
+            continue
+        try:
+            importlib.import_module(found.name)
+        except ImportError:
+            continue
+
+
+_import_every_module()
 
 
 def _cupy_unusable() -> str:
