@@ -1140,7 +1140,8 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, spread
     c = shape[1]
     ct = np.dtype(np.result_type(np.float32, dtype))
     values = st.floats(-4, 4, width=16)  # exact in every dtype
-    x = data.draw(hnp.arrays(np.float64, shape, elements=values), label="x")
+    x = data.draw(hnp.arrays(np.float64, shape, elements=values), label="x")  # (times a spread
+    # of 1e-3 they are not, but both kernels take x as cast to the dtype)
     x = laid_out((x * spread + offset).astype(dtype), layout)
     dy = laid_out(data.draw(hnp.arrays(dtype, shape, elements=values), label="dy"), layout)
     w = data.draw(hnp.arrays(dtype, c, elements=st.floats(0.5, 1.5, width=16)), label="w") if weight else None
