@@ -304,3 +304,69 @@ def module_as_on_numpy(ours, ref, shape, to_backend, array_type, *, gradcheck: b
         np.testing.assert_array_equal(np.asarray(ours.state_dict()[k]), v, err_msg=k)
     if gradcheck:
         assert npnorm.gradcheck(ours, to_backend(rng.normal(size=shape)))
+
+
+# --- each element's own scale, for comparing two kernels' gradients ---------------------------
+
+
+def statistic_ids(op: str, shape: tuple[int, ...], stat_shape: tuple[int, ...]) -> np.ndarray:
+    """Each element's statistic: its index into the flattened mean and rstd of ``op``
+    ("layer_norm", "rms_norm": one per leading index, over the trailing axes; of (N, C,
+    *spatial) input, per channel (BatchNorm; running statistics) or per (sample, group)
+    (GroupNorm; InstanceNorm's groups of one channel))."""
+    size = int(np.prod(stat_shape))
+    if op in ("layer_norm", "rms_norm"):
+        per = int(np.prod(shape)) // max(size, 1)
+        return np.arange(size).repeat(per).reshape(shape)
+    n, c = shape[:2]
+    spatial = (1,) * (len(shape) - 2)
+    channel = np.arange(c).reshape(1, c, *spatial)
+    if len(stat_shape) == 1:  # (C,)
+        return np.broadcast_to(channel, shape)
+    groups = stat_shape[1]
+    return np.broadcast_to(np.arange(n).reshape(n, 1, *spatial) * groups + channel // (c // groups), shape)
+
+
+def gradient_terms(
+    op: str, x, dy, w, mean, rstd, *, batch: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dx, dweight, dbias)`` terms: per element of dx, and per parameter element, the
+    sum of the magnitudes of the terms their formulas add, in float64. Two kernels'
+    gradients differ by a few roundings of the computation dtype of these, so a bound
+    from them goes with each element's own statistic (a bound from the largest term of
+    all lets a gradient wrong on a statistic of small terms pass).
+
+    With batch statistics (``batch``), ``dx = r (g - mean(g) - xhat mean(g xhat))``,
+    ``g = w dy``, the means over the element's statistic (RMSNorm has no ``mean(g)``;
+    the bound takes it anyway): the terms ``r (|g| + mean|g| + (|xhat| + 1)(mean|g xhat|
+    + mean|g|))``, where the 1 takes xhat's own rounding (the saved mean's, a few ulps
+    once centred again). With running statistics ``dx = r g``. ``dweight`` sums ``|dy|
+    (|xhat| + 1)``, ``dbias`` ``|dy|``, over what each parameter element scales; ``xhat`` is ``(x - mean) r``,
+    or, with running statistics, ``(|x| + |mean|) r``: the given mean is subtracted in
+    the computation dtype (``mean`` None: RMSNorm, ``x r``)."""
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    rstd64 = np.abs(np.asarray(rstd, np.float64)).ravel()
+    ids = statistic_ids(op, x64.shape, np.shape(rstd))
+    rows = op in ("layer_norm", "rms_norm")
+    if w is None:
+        w64 = np.ones(())
+    else:  # rows: over the trailing axes; channels: along axis 1
+        w64 = np.abs(np.asarray(w, np.float64))
+        w64 = w64 if rows else w64.reshape(1, -1, *(1,) * (x64.ndim - 2))
+    r = rstd64[ids]
+    m = 0.0 if mean is None else np.asarray(mean, np.float64).ravel()[ids]
+    with np.errstate(invalid="ignore", over="ignore"):  # inf data: an infinite bound
+        xhat = (np.abs(x64 - m) if batch else np.abs(x64) + np.abs(m)) * r
+        g = np.abs(dy64) * w64
+        if batch:
+            count = np.maximum(np.bincount(ids.ravel(), minlength=rstd64.size), 1)
+
+            def average(v: np.ndarray) -> np.ndarray:  # over each element's statistic
+                return (np.bincount(ids.ravel(), weights=v.ravel(), minlength=rstd64.size) / count)[ids]
+
+            dx = r * (g + average(g) + (xhat + 1) * (average(g * xhat) + average(g)))
+        else:
+            dx = r * g
+        summed = tuple(range(x64.ndim - np.ndim(w))) if rows else (0, *range(2, x64.ndim))
+        dweight = np.sum(np.abs(dy64) * (xhat + 1), axis=summed)
+    return dx, dweight, np.sum(np.abs(dy64), axis=summed)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import op_calls, same_results
+from helpers import gradient_terms, op_calls, same_results
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -258,7 +258,7 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
         ours_b = family_kernel(ops[1], "numba")(xp, *bwd_args(ref_f))
         ref_b = generic_kernel(ops[1])(xp, *bwd_args(ref_f))
     x, dy, w = p["x"], p["dy"], p["w"]
-    x64, dy64 = np.abs(x.astype(np.float64)), np.abs(dy.astype(np.float64))
+    x64 = np.abs(x.astype(np.float64))
     xmax = float(x64.max(initial=0.0))
     rstd = ref_f[1] if ops[0] == "rms_norm_forward" else ref_f[2]
     rmax = float(np.max(np.abs(rstd.astype(np.float64)), initial=0.0))
@@ -305,7 +305,6 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
                 momentum = fwd_args[6]  # (x, rm, rv, w, b, use_input_stats, momentum, eps)
                 scale = scale + abs(momentum or 1.0) * ulp(np.dtype(ct)) * xmax / TIGHT
         assert_accurate(ours_f[i], ref_f[i], truth[i], scale, name)
-    dy_sum = float(dy64.sum())
     # dx = rstd * (g - mean(g) - ...): the reference takes mean(g) in the data's dtype, where a
     # mean of subnormal gradients rounds to the subnormal spacing, which rstd amplifies (dy
     # [1e-45, 0] with rstd 316 gave dx [4.4e-43, 0] against numba's float64 [2.2e-43, -2.2e-43])
@@ -319,11 +318,19 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     # amplifies (float64 dy [2.1e-313, 0] with x [1e-3, 0], rstd 312: dx 8.5e-321 apart)
     subnormal = (2 + rmax * (1 + dx_xhat)) * rmax * wmax * float(np.finfo(ct).smallest_subnormal)
     subnormal /= REL[np.dtype(ct).name]
-    dx_scale = 4 * rmax * wmax * float(dy64.max(initial=0.0)) * (1 + dx_xhat) + subnormal
-    assert_close(ours_b[0], ref_b[0], ct, dx_scale, "dx")
-    for i, name in ((1, "dweight"), (2, "dbias")):
+    # Otherwise each element of dx to a few roundings of its own terms on its own statistic,
+    # and each of dweight and dbias of its own sums (helpers.gradient_terms): with the
+    # largest terms of all, a dx off by 50 roundings of its own terms, only on a statistic
+    # whose terms are under 5% of the largest, passed the drawn LayerNorm, RMSNorm,
+    # InstanceNorm and GroupNorm tests on 3 seeds of 3
+    op = ops[0].removesuffix("_forward")
+    batch = _centred_again(ops[0], fwd_args) or op == "rms_norm"
+    mean = None if op == "rms_norm" else ref_f[1]
+    dx_terms, dw_terms, db_terms = gradient_terms(op, x, dy, w, mean, rstd, batch=batch)
+    assert_close(ours_b[0], ref_b[0], ct, 4 * dx_terms + subnormal, "dx")
+    for i, name, terms in ((1, "dweight", dw_terms), (2, "dbias", db_terms)):
         if i < len(ref_b):
-            assert_close(ours_b[i], ref_b[i], ct, dy_sum * (1 + xhat_max), name)
+            assert_close(ours_b[i], ref_b[i], ct, terms, name)
     return ours_f, ours_b
 
 
