@@ -341,9 +341,9 @@ def gradient_terms(
     the bound takes it anyway): the terms ``r (|g| + mean|g| + (|xhat| + 1)(mean|g xhat|
     + mean|g|))``, where the 1 takes xhat's own rounding (the saved mean's, a few ulps
     once centred again). With running statistics ``dx = r g``. ``dweight`` sums ``|dy|
-    (|xhat| + 1)``, ``dbias`` ``|dy|``, over what each parameter element scales; ``xhat`` is ``(x - mean) r``,
-    or, with running statistics, ``(|x| + |mean|) r``: the given mean is subtracted in
-    the computation dtype (``mean`` None: RMSNorm, ``x r``)."""
+    (|xhat| + 1)``, ``dbias`` ``|dy|``, over what each parameter element scales. ``xhat``
+    is ``(x - mean) r``, or, with running statistics, ``(|x| + |mean|) r``: the given
+    mean is subtracted in the computation dtype (``mean`` None: RMSNorm, ``x r``)."""
     x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
     rstd64 = np.abs(np.asarray(rstd, np.float64)).ravel()
     ids = statistic_ids(op, x64.shape, np.shape(rstd))

@@ -14,6 +14,7 @@ import tracemalloc
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
+from helpers import gradient_terms
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -137,22 +138,6 @@ def make(p):
     return norm, x, dy, w, b
 
 
-def grad_scale(dy, rstd, w, norm):
-    """What dx's rounding errors are relative to: rstd * |dy * w| at its largest."""
-    k = len(norm)
-    r = np.abs(rstd.astype(np.float64)).max(initial=0.0)
-    g = np.abs(dy.astype(np.float64)).max(initial=0.0)
-    if w is not None:
-        g *= np.abs(w.astype(np.float64)).max(initial=0.0)
-    return max(r * g, 1e-30) * max(1, int(np.prod(dy.shape[dy.ndim - k :])) ** 0.5)
-
-
-def col_scale(terms, k):
-    """Errors of a sum over rows are relative to the sum of the terms' sizes."""
-    t = np.abs(terms.astype(np.float64))
-    return t.reshape(-1, *t.shape[t.ndim - k :]).sum(axis=0)
-
-
 def check_layer_norm(p, eps=1e-5):
     norm, x, dy, w, b = make(p)
     ct = np.result_type(np.float32, *(a.dtype for a in (x, w, b) if a is not None))
@@ -168,23 +153,20 @@ def check_layer_norm(p, eps=1e-5):
 
     dx, dw, db = fast.layer_norm_backward(xp, dy, x, norm, rmean, rrstd, w, b)
     rdx, rdw, rdb = generic_kernel("layer_norm_backward")(xp, dy, x, norm, rmean, rrstd, w, b)
-    k = len(norm)
-    xhat = (x.astype(np.float64) - rmean.reshape(*rmean.shape, *(1,) * k)) * rrstd.reshape(
-        *rrstd.shape, *(1,) * k
-    )
     # Both centre the recomputed xhat again (the fast kernels on rows whose mean is more than
     # RECENTRE_ABOVE standard deviations from 0, below which the saved mean's rounding moves
     # xhat by under two roundings): dx's error is bounded by |xhat|, not by the offset
     # (1 + max|x| * rstd, which let the kernels that did not centre pass at offset 1e4)
-    xhat_max = float(np.max(np.abs(xhat), initial=0.0))
-    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xhat_max), "dx")
-    # dweight = sum(dy * xhat): on a row near 0, which only the reference centres again,
-    # each term moves by dy times xhat's mean (under two roundings of ct), which a column
-    # whose xhat is near 0 has no size of its own to bound (a float16 row at offset 3 with
-    # float32 weights: 1.4e-7 off, 3x a tolerance from col_scale(dy * xhat) alone)
-    shift = col_scale(dy, k) * 2 * ulp(ct) / REL[np.dtype(ct).name]
-    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax) + shift, "dweight")
-    assert_close(db, rdb, ct, col_scale(dy, k), "dbias")
+    # and each element by its own terms on its own row (helpers.gradient_terms; the largest
+    # terms of all, times sqrt(D), let a dx wrong on a row of small terms pass). dweight =
+    # sum(dy * xhat): on a row near 0, which only the reference centres again, each term
+    # moves by dy times xhat's mean (under two roundings of ct): the terms' 1 + |xhat| (a
+    # float16 row at offset 3 with float32 weights: 1.4e-7 off, 3x a tolerance from the
+    # column's sum of |dy * xhat| alone)
+    dx_terms, dw_terms, db_terms = gradient_terms("layer_norm", x, dy, w, rmean, rrstd, batch=True)
+    assert_close(dx, rdx, ct, 4 * dx_terms, "dx")
+    assert_close(dw, rdw, ct, dw_terms, "dweight")
+    assert_close(db, rdb, ct, db_terms, "dbias")
 
 
 def check_rms_norm(p):
@@ -200,10 +182,9 @@ def check_rms_norm(p):
 
     dx, dw = fast.rms_norm_backward(xp, dy, x, norm, rrstd, w)
     rdx, rdw = generic_kernel("rms_norm_backward")(xp, dy, x, norm, rrstd, w)
-    k = len(norm)
-    xhat = x.astype(np.float64) * rrstd.reshape(*rrstd.shape, *(1,) * k)
-    assert_close(dx, rdx, ct, grad_scale(dy, rrstd, w, norm) * (1 + xmax * rmax), "dx")
-    assert_close(dw, rdw, ct, col_scale(dy * xhat, k) * (1 + xmax * rmax), "dweight")
+    dx_terms, dw_terms, _ = gradient_terms("rms_norm", x, dy, w, None, rrstd, batch=True)
+    assert_close(dx, rdx, ct, 4 * dx_terms, "dx")
+    assert_close(dw, rdw, ct, dw_terms, "dweight")
 
 
 # --- fast == generic ---------------------------------------------------------------------
