@@ -327,6 +327,29 @@ def statistic_ids(op: str, shape: tuple[int, ...], stat_shape: tuple[int, ...]) 
     return np.broadcast_to(np.arange(n).reshape(n, 1, *spatial) * groups + channel // (c // groups), shape)
 
 
+def at_elements(op: str, x, stat) -> np.ndarray:
+    """The float64 value of the statistic ``stat`` (shaped as ``op``'s mean or rstd) at
+    each element of ``x``."""
+    shape = np.shape(x)
+    return np.asarray(stat, np.float64).ravel()[statistic_ids(op, shape, np.shape(stat))]
+
+
+def count_at(op: str, x, stat) -> np.ndarray:
+    """The number of values of each element's statistic (``stat`` shaped as ``op``'s
+    mean or rstd)."""
+    ids = statistic_ids(op, np.shape(x), np.shape(stat))
+    return np.bincount(ids.ravel(), minlength=int(np.size(stat)))[ids]
+
+
+def weight_at(op: str, x, w) -> np.ndarray:
+    """``|w|`` in float64 where it broadcasts against ``x``: over the trailing axes
+    ("layer_norm", "rms_norm"), along axis 1 (the channel layers); 1 for None."""
+    if w is None:
+        return np.ones(())
+    w64 = np.abs(np.asarray(w, np.float64))
+    return w64 if op in ("layer_norm", "rms_norm") else w64.reshape(1, -1, *(1,) * (np.ndim(x) - 2))
+
+
 def gradient_terms(
     op: str, x, dy, w, mean, rstd, *, batch: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -348,14 +371,10 @@ def gradient_terms(
     rstd64 = np.abs(np.asarray(rstd, np.float64)).ravel()
     ids = statistic_ids(op, x64.shape, np.shape(rstd))
     rows = op in ("layer_norm", "rms_norm")
-    if w is None:
-        w64 = np.ones(())
-    else:  # rows: over the trailing axes; channels: along axis 1
-        w64 = np.abs(np.asarray(w, np.float64))
-        w64 = w64 if rows else w64.reshape(1, -1, *(1,) * (x64.ndim - 2))
+    w64 = weight_at(op, x64, w)
     r = rstd64[ids]
-    m = 0.0 if mean is None else np.asarray(mean, np.float64).ravel()[ids]
-    with np.errstate(invalid="ignore", over="ignore"):  # inf data: an infinite bound
+    m = 0.0 if mean is None else at_elements(op, x64, mean)
+    with np.errstate(invalid="ignore", over="ignore"):  # (non-finite data: see the end)
         xhat = (np.abs(x64 - m) if batch else np.abs(x64) + np.abs(m)) * r
         g = np.abs(dy64) * w64
         if batch:
@@ -367,6 +386,11 @@ def gradient_terms(
             dx = r * (g + average(g) + (xhat + 1) * (average(g * xhat) + average(g)))
         else:
             dx = r * g
-        summed = tuple(range(x64.ndim - np.ndim(w))) if rows else (0, *range(2, x64.ndim))
+        # over the rows (the leading axes, rstd's) or all but the channel axis
+        summed = tuple(range(np.ndim(rstd))) if rows else (0, *range(2, x64.ndim))
         dweight = np.sum(np.abs(dy64) * (xhat + 1), axis=summed)
-    return dx, dweight, np.sum(np.abs(dy64), axis=summed)
+        dbias = np.sum(np.abs(dy64), axis=summed)
+    # an infinite or NaN value (inf - inf, 0 * inf) makes its terms NaN, which no
+    # comparison passes: an infinite bound instead, as the largest terms of all gave
+    dx, dweight, dbias = (np.nan_to_num(t, nan=np.inf, posinf=np.inf) for t in (dx, dweight, dbias))
+    return dx, dweight, dbias

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import gradient_terms, op_calls, same_results
+from helpers import at_elements, gradient_terms, op_calls, same_results, weight_at
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -263,7 +263,8 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     rstd = ref_f[1] if ops[0] == "rms_norm_forward" else ref_f[2]
     rmax = float(np.max(np.abs(rstd.astype(np.float64)), initial=0.0))
     wmax = 1.0 if w is None else float(np.abs(w.astype(np.float64)).max())
-    # |x - mean| * rstd with the mean as the backward takes it, rounded to ct (see dx below)
+    # |x - mean| * rstd with the mean as the backward takes it, rounded to ct (dx's subnormal
+    # allowance below)
     xhat_max = (2 * xmax + 1) * rmax
     args64 = [as_float64(a) for a in fwd_args]
     if ops[0] == "rms_norm_forward" and args64[3] is None:
@@ -271,15 +272,18 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
         args64[3] = float(np.finfo(np.result_type(np.float32, p["x"].dtype)).eps)
     truth = generic_kernel(ops[0])(xp, *args64)
     b = p.get("b")
-    bmax = 0.0 if b is None else float(np.abs(np.asarray(b, np.float64)).max(initial=0.0))
     # Both centre with a float64 mean, which n values can put up to n - 1 roundings of xmax
     # off (and the two sum in other orders): the output to the rounding of ct relative to
     # its own terms, plus that error times rstd and the weight. (This was (2 xmax + 1) rstd
     # w times ct's rounding, as for a mean rounded to ct: over 1e5 x the output's scale at an
     # offset of 1e3 with spread 1e-3, where dropping the mean's low part passed.)
     mean_error = max(2, x.size) * ulp(np.dtype(np.float64)) * xmax
-    y_scale = float(np.max(np.abs(truth[0]), initial=0.0)) + bmax + wmax
-    y_scale += mean_error * rmax * wmax / REL[np.dtype(ct).name]
+    # (each element to its own terms: its weight, bias and statistic)
+    op = ops[0].removesuffix("_forward")
+    w_at = weight_at(op, x, w)
+    b_at = 0.0 if b is None else weight_at(op, x, b)
+    y_scale = np.abs(truth[0].astype(np.float64)) + b_at + w_at
+    y_scale = y_scale + mean_error * at_elements(op, x, np.abs(rstd)) * w_at / REL[np.dtype(ct).name]
     assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
     for i, name in enumerate(STATS[ops[0]][1:], start=1):
         if ref_f[i] is None:
@@ -308,10 +312,10 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     # dx = rstd * (g - mean(g) - ...): the reference takes mean(g) in the data's dtype, where a
     # mean of subnormal gradients rounds to the subnormal spacing, which rstd amplifies (dy
     # [1e-45, 0] with rstd 316 gave dx [4.4e-43, 0] against numba's float64 [2.2e-43, -2.2e-43])
+    # (that allowance's |xhat|: bounded by |x - mean| * rstd where xhat is centred again,
+    # as the reference's, else as wide as the data)
     dx_xhat = xhat_max
     if _centred_again(ops[0], fwd_args) and x.size:
-        # xhat centred again (as the reference's): the saved mean's rounding, which the
-        # xmax-wide bound allows for, no longer reaches dx; |xhat| itself bounds its terms
         dx_xhat = _xhat_bound(ops[0], x, ref_f[1], rstd)
     # and numba sums g * (x - mean) before scaling by rstd (the reference scales xhat first):
     # products below the normal range round to the subnormal spacing, which rstd^2 |xhat|
@@ -323,7 +327,6 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     # largest terms of all, a dx off by 50 roundings of its own terms, only on a statistic
     # whose terms are under 5% of the largest, passed the drawn LayerNorm, RMSNorm,
     # InstanceNorm and GroupNorm tests on 3 seeds of 3
-    op = ops[0].removesuffix("_forward")
     batch = _centred_again(ops[0], fwd_args) or op == "rms_norm"
     mean = None if op == "rms_norm" else ref_f[1]
     dx_terms, dw_terms, db_terms = gradient_terms(op, x, dy, w, mean, rstd, batch=batch)
