@@ -341,13 +341,29 @@ def count_at(op: str, x, stat) -> np.ndarray:
     return np.bincount(ids.ravel(), minlength=int(np.size(stat)))[ids]
 
 
-def weight_at(op: str, x, w) -> np.ndarray:
-    """``|w|`` in float64 where it broadcasts against ``x``: over the trailing axes
-    ("layer_norm", "rms_norm"), along axis 1 (the channel layers); 1 for None."""
+def parameter_at(op: str, x, w) -> np.ndarray:
+    """``|w|`` of an array shaped as ``op``'s parameters (a weight, a bias, any value per
+    channel or per normalized element), in float64 where it broadcasts against ``x``:
+    over the trailing axes ("layer_norm", "rms_norm"), along axis 1 (the channel layers);
+    1 for None."""
     if w is None:
         return np.ones(())
     w64 = np.abs(np.asarray(w, np.float64))
     return w64 if op in ("layer_norm", "rms_norm") else w64.reshape(1, -1, *(1,) * (np.ndim(x) - 2))
+
+
+def output_terms(op: str, x, w, mean, rstd) -> tuple[np.ndarray, np.ndarray]:
+    """``(terms, mean_rounding)`` per element of ``y = w (x - mean) r + b``, in float64:
+    ``|w| (|x - mean| r + 1)``, the size of ``w xhat`` and its rounding, and the float64
+    mean's rounding, up to n - 1 roundings of ``|mean|`` on a statistic of n values (two
+    at least), times ``r |w|``: what two kernels that both take back the mean's rounding
+    to the computation dtype may still differ by, for summing in other orders."""
+    x64 = np.asarray(x, np.float64)
+    mean_at, r_at = at_elements(op, x64, mean), np.abs(at_elements(op, x64, rstd))
+    w_at = parameter_at(op, x64, w)
+    n_at = np.maximum(count_at(op, x64, mean), 2)
+    terms = (np.abs(x64 - mean_at) * r_at + 1) * w_at
+    return terms, n_at * float(np.finfo(np.float64).eps) * np.abs(mean_at) * r_at * w_at
 
 
 def gradient_terms(
@@ -371,7 +387,7 @@ def gradient_terms(
     rstd64 = np.abs(np.asarray(rstd, np.float64)).ravel()
     ids = statistic_ids(op, x64.shape, np.shape(rstd))
     rows = op in ("layer_norm", "rms_norm")
-    w64 = weight_at(op, x64, w)
+    w64 = parameter_at(op, x64, w)
     r = rstd64[ids]
     m = 0.0 if mean is None else at_elements(op, x64, mean)
     with np.errstate(invalid="ignore", over="ignore"):  # (non-finite data: see the end)

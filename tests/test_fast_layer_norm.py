@@ -14,7 +14,7 @@ import tracemalloc
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import at_elements, count_at, gradient_terms, weight_at
+from helpers import at_elements, gradient_terms, output_terms, parameter_at
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -151,12 +151,9 @@ def check_layer_norm(p, eps=1e-5):
     # alone, up to n - 1 roundings of |mean| for a row of n values (with one of 2 max|x|
     # max rstd max|w| + max|b|, a forward whose output is off by 20 roundings of the mean
     # in ct, times rstd and w, passed both drawn tests)
-    b_at = 0.0 if b is None else weight_at("layer_norm", x, b)
-    mean_at, r_at = at_elements("layer_norm", x, rmean), at_elements("layer_norm", x, np.abs(rrstd))
-    xhat_bound = np.abs(x.astype(np.float64) - mean_at) * r_at + 1
-    n_at = np.maximum(count_at("layer_norm", x, rmean), 2)
-    mean_rounding = n_at * ulp(np.float64) * np.abs(mean_at) * r_at / REL[np.dtype(ct).name]
-    assert_close(y, ry, ct, (xhat_bound + mean_rounding) * weight_at("layer_norm", x, w) + b_at, "output")
+    b_at = 0.0 if b is None else parameter_at("layer_norm", x, b)
+    terms, mean_rounding = output_terms("layer_norm", x, w, rmean, rrstd)
+    assert_close(y, ry, ct, terms + mean_rounding / REL[np.dtype(ct).name] + b_at, "output")
 
     dx, dw, db = fast.layer_norm_backward(xp, dy, x, norm, rmean, rrstd, w, b)
     rdx, rdw, rdb = generic_kernel("layer_norm_backward")(xp, dy, x, norm, rmean, rrstd, w, b)
@@ -183,7 +180,7 @@ def check_rms_norm(p):
     ry, rrstd = generic_kernel("rms_norm_forward")(xp, x, norm, w, p["eps"])
     assert_close(rstd, rrstd, ct, np.abs(rrstd.astype(np.float64)) * 4, "rstd")
     xhat_bound = 2 * np.abs(x.astype(np.float64)) * at_elements("rms_norm", x, np.abs(rrstd))
-    assert_close(y, ry, ct, xhat_bound * weight_at("rms_norm", x, w), "output")
+    assert_close(y, ry, ct, xhat_bound * parameter_at("rms_norm", x, w), "output")
 
     dx, dw = fast.rms_norm_backward(xp, dy, x, norm, rrstd, w)
     rdx, rdw = generic_kernel("rms_norm_backward")(xp, dy, x, norm, rrstd, w)

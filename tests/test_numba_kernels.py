@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import at_elements, gradient_terms, op_calls, same_results, weight_at
+from helpers import at_elements, gradient_terms, op_calls, parameter_at, same_results
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -238,14 +238,11 @@ def _centred_again(op: str, fwd_args: tuple) -> bool:
 
 
 def _xhat_bound(op: str, x, mean, rstd) -> float:
-    """1 + max |x - mean| * rstd over the groups of x (one per mean: C-ordered, or
-    BatchNorm's channels, axis 1), in float64."""
-    m = np.asarray(mean, np.float64).reshape(-1, 1)
-    if op == "batch_norm_forward":
-        x = np.moveaxis(x, 1, 0)
-    rows = x.astype(np.float64).reshape(m.shape[0], -1)
-    r = np.abs(np.asarray(rstd, np.float64)).reshape(-1, 1)
-    return float(np.max(np.abs(rows - m) * r, initial=0.0)) + 1.0
+    """1 + max |x - mean| * rstd, each element with its own statistic's (``op`` a
+    forward's name), in float64."""
+    name = op.removesuffix("_forward")
+    xc = np.abs(x.astype(np.float64) - at_elements(name, x, mean))
+    return float(np.max(xc * np.abs(at_elements(name, x, rstd)), initial=0.0)) + 1.0
 
 
 def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tuple:
@@ -280,8 +277,8 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     mean_error = max(2, x.size) * ulp(np.dtype(np.float64)) * xmax
     # (each element to its own terms: its weight, bias and statistic)
     op = ops[0].removesuffix("_forward")
-    w_at = weight_at(op, x, w)
-    b_at = 0.0 if b is None else weight_at(op, x, b)
+    w_at = parameter_at(op, x, w)
+    b_at = 0.0 if b is None else parameter_at(op, x, b)
     y_scale = np.abs(truth[0].astype(np.float64)) + b_at + w_at
     y_scale = y_scale + mean_error * at_elements(op, x, np.abs(rstd)) * w_at / REL[np.dtype(ct).name]
     assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")

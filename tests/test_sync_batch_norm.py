@@ -29,7 +29,7 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import MPIEXEC, close, draw_state, gains, load_into_torch, needs_extra, randomize
+from helpers import MPIEXEC, close, draw_state, gains, load_into_torch, needs_extra, parameter_at, randomize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
@@ -1192,10 +1192,10 @@ def test_fast_kernels_match_generic(shape, dtype, layout, weight, offset, spread
     # its own channel (a bound from the largest term of all let a wrong dx pass on a channel
     # whose terms are small)
     r = np.reshape(rstd.astype(np.float64), (1, c) + (1,) * (len(shape) - 2))
-    w64 = 1.0 if w is None else np.reshape(w.astype(np.float64), r.shape)
+    w64 = parameter_at("batch_norm", x, w)  # (1 without a weight)
 
-    def per_channel(v: np.ndarray) -> np.ndarray:
-        return np.reshape(np.abs(v.astype(np.float64)), r.shape)
+    def per_channel(v: np.ndarray) -> np.ndarray:  # |v| along the channel axis
+        return parameter_at("batch_norm", x, v)
 
     xc = np.abs(x.astype(np.float64) - np.reshape(mean.astype(np.float64), r.shape))
     dy64 = np.abs(dy.astype(np.float64))
