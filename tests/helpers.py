@@ -341,6 +341,15 @@ def count_at(op: str, x, stat) -> np.ndarray:
     return np.bincount(ids.ravel(), minlength=int(np.size(stat)))[ids]
 
 
+def statistic_max(op: str, x, stat) -> np.ndarray:
+    """The largest ``|x|`` of each statistic's values, shaped as ``stat`` (``op``'s mean
+    or rstd, or a running buffer per channel), in float64; 0 for a statistic of none."""
+    ids = statistic_ids(op, np.shape(x), np.shape(stat)).ravel()
+    largest = np.zeros(int(np.size(stat)))
+    np.maximum.at(largest, ids, np.abs(np.asarray(x, np.float64)).ravel())
+    return largest.reshape(np.shape(stat))
+
+
 def parameter_at(op: str, x, w) -> np.ndarray:
     """``|w|`` of an array shaped as ``op``'s parameters (a weight, a bias, any value per
     channel or per normalized element), in float64 where it broadcasts against ``x``:

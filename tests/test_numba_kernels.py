@@ -17,7 +17,16 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import at_elements, gradient_terms, op_calls, parameter_at, same_results
+from helpers import (
+    at_elements,
+    count_at,
+    gradient_terms,
+    op_calls,
+    output_terms,
+    parameter_at,
+    same_results,
+    statistic_max,
+)
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -217,13 +226,6 @@ def assert_accurate(ours, ref, truth, scale, what: str) -> None:
     _within(ours, ref, truth, TIGHT, scale, what)
 
 
-def _count(op: str, x: np.ndarray) -> int:
-    """Values per statistic of ``op`` on ``x`` (N, C, *spatial): per channel over the batch
-    (BatchNorm), per (sample, channel) (InstanceNorm)."""
-    spatial = math.prod(x.shape[2:])
-    return x.shape[0] * spatial if op == "batch_norm_forward" else spatial
-
-
 def as_float64(a):
     return a.astype(np.float64) if isinstance(a, np.ndarray) else a
 
@@ -269,29 +271,34 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
         args64[3] = float(np.finfo(np.result_type(np.float32, p["x"].dtype)).eps)
     truth = generic_kernel(ops[0])(xp, *args64)
     b = p.get("b")
-    # Both centre with a float64 mean, which n values can put up to n - 1 roundings of xmax
-    # off (and the two sum in other orders): the output to the rounding of ct relative to
-    # its own terms, plus that error times rstd and the weight. (This was (2 xmax + 1) rstd
-    # w times ct's rounding, as for a mean rounded to ct: over 1e5 x the output's scale at an
-    # offset of 1e3 with spread 1e-3, where dropping the mean's low part passed.)
-    mean_error = max(2, x.size) * ulp(np.dtype(np.float64)) * xmax
-    # (each element to its own terms: its weight, bias and statistic)
+    # Both take the mean's rounding to ct back where it would show (each centres again, or
+    # folds the mean into the shift only near 0), so each element of the output goes by
+    # its own terms (its weight, bias and statistic: helpers.output_terms) and the float64
+    # mean's rounding, n - 1 roundings of |mean| on a statistic of n values (the two sum in
+    # other orders). (This was (2 xmax + 1) rstd w times ct's rounding, as for a mean
+    # rounded to ct: over 1e5 x the output's scale at an offset of 1e3 with spread 1e-3,
+    # where dropping the mean's low part passed; then x.size roundings of the largest |x|
+    # of all.)
     op = ops[0].removesuffix("_forward")
-    w_at = parameter_at(op, x, w)
+    mean = np.zeros(np.shape(rstd)) if op == "rms_norm" else ref_f[1]
+    terms, mean_rounding = output_terms(op, x, w, mean, rstd)
     b_at = 0.0 if b is None else parameter_at(op, x, b)
-    y_scale = np.abs(truth[0].astype(np.float64)) + b_at + w_at
-    y_scale = y_scale + mean_error * at_elements(op, x, np.abs(rstd)) * w_at / REL[np.dtype(ct).name]
+    y_scale = terms + b_at + np.abs(truth[0].astype(np.float64)) + mean_rounding / REL[np.dtype(ct).name]
     assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
     for i, name in enumerate(STATS[ops[0]][1:], start=1):
         if ref_f[i] is None:
             assert ours_f[i] is None, name
             continue
         t = np.abs(truth[i].astype(np.float64))
+        # each statistic to the largest |x| of its own values (or channel's, for a running
+        # buffer), not of all
+        x_max = statistic_max(op, x, t)
         # a two-pass variance is off by the square of its mean's error, and a float64 mean of
-        # n values can be off by up to n - 1 roundings of xmax (eps64 * xmax each): the
+        # n values can be off by up to n - 1 roundings of its largest |x| (eps64 each): the
         # reference's is, on a channel of 24 equal values 1000.0027 (variance 3.4e-25 for 0)
-        var_floor = (max(2, _count(ops[0], x)) * float(np.finfo(np.float64).eps) * xmax) ** 2 / TIGHT
-        scale = {"mean": xmax, "rstd": t, "running_mean": xmax + t, "running_var": t + var_floor}[name]
+        n = max(2, int(np.max(count_at(op, x, ref_f[1]), initial=0)))
+        var_floor = (n * ulp(np.dtype(np.float64)) * x_max) ** 2 / TIGHT
+        scale = {"mean": x_max, "rstd": t, "running_mean": x_max + t, "running_var": t + var_floor}[name]
         if name.startswith("running"):
             # new = (1 - m)*old + m*stat in the buffer's dtype: two products rounded, then
             # their sum, each term up to |old| + |new| (old -0.375 and a batch mean 3.67 at
@@ -301,10 +308,10 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
             if ops[0] == "instance_norm_forward" and name == "running_mean":
                 # numba averages the (sample, channel) means as returned, rounded to ct (as
                 # torch's instance_norm averages its float32 ones), the reference float64's:
-                # momentum times a rounding of up to xmax each (means 0, 1 and -16/15 of
-                # float32 data gave a running mean of -0.0022, 1.1e-9 apart)
+                # momentum times a rounding of up to the channel's largest |x| each (means
+                # 0, 1 and -16/15 of float32 data gave a running mean of -0.0022, 1.1e-9 apart)
                 momentum = fwd_args[6]  # (x, rm, rv, w, b, use_input_stats, momentum, eps)
-                scale = scale + abs(momentum or 1.0) * ulp(np.dtype(ct)) * xmax / TIGHT
+                scale = scale + abs(momentum or 1.0) * ulp(np.dtype(ct)) * x_max / TIGHT
         assert_accurate(ours_f[i], ref_f[i], truth[i], scale, name)
     # dx = rstd * (g - mean(g) - ...): the reference takes mean(g) in the data's dtype, where a
     # mean of subnormal gradients rounds to the subnormal spacing, which rstd amplifies (dy
