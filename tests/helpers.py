@@ -364,9 +364,10 @@ def parameter_at(op: str, x, w) -> np.ndarray:
 def output_terms(op: str, x, w, mean, rstd) -> tuple[np.ndarray, np.ndarray]:
     """``(terms, mean_rounding)`` per element of ``y = w (x - mean) r + b``, in float64:
     ``|w| (|x - mean| r + 1)``, the size of ``w xhat`` and its rounding, and the float64
-    mean's rounding, up to n - 1 roundings of ``|mean|`` on a statistic of n values (two
-    at least), times ``r |w|``: what two kernels that both take back the mean's rounding
-    to the computation dtype may still differ by, for summing in other orders."""
+    mean's rounding, n roundings of ``|mean|`` on a statistic of n values (its sum rounds
+    up to n - 1 times; two at least), times ``r |w|``: what two kernels that both take
+    back the mean's rounding to the computation dtype may still differ by, for summing in
+    other orders."""
     x64 = np.asarray(x, np.float64)
     mean_at, r_at = at_elements(op, x64, mean), np.abs(at_elements(op, x64, rstd))
     w_at = parameter_at(op, x64, w)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import gradient_terms, op_calls, output_terms, same_results, statistic_max
+from helpers import count_at, gradient_terms, op_calls, output_terms, same_results, statistic_max
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -134,10 +134,28 @@ def compare(ops: tuple[str, str], args_fwd, make_bwd, ct, x, dy, w):
     x_max, rstd64 = statistic_max(op, x, ref_f[1]), np.abs(ref_f[2].astype(np.float64))
     assert_close(fast_f[1], ref_f[1], ct, x_max, "mean")
     assert_close(fast_f[2], ref_f[2], ct, rstd64 * (1 + x_max * rstd64), "rstd")
+    # new = (1 - m) old + m batch, in ct (functional._channels.running_update): each buffer
+    # element to its own channel's terms, not the largest of all plus 1. They are the old
+    # value and m times the batch statistic's size: the channel's largest |x| for the mean,
+    # 2 sigma^2 for the unbiased variance (n / (n - 1) <= 2; sigma^2 = 1 / rstd^2, the
+    # largest of the channel's statistics). Both families take the variance in float64,
+    # two-pass: off by its own rounding and the square of the float64 mean's, up to n
+    # roundings of the channel's largest |x| on n values.
+    n = max(2, int(np.max(count_at(op, x, ref_f[1]), initial=0)))
     for i, name in ((3, "new_running_mean"), (4, "new_running_var")):
-        if len(ref_f) > i:
-            scale = 0 if ref_f[i] is None else float(np.max(np.abs(ref_f[i].astype(np.float64)))) + 1
-            assert_close(fast_f[i], ref_f[i], ct, scale, name)
+        if len(ref_f) <= i:
+            continue
+        scale = 0.0
+        if ref_f[i] is not None:
+            old = np.abs(args_fwd[i - 2].astype(np.float64))  # (x, running_mean, running_var, ..)
+            # (by channel: an InstanceNorm's buffers too, as a (C,) statistic is)
+            channel_max = statistic_max("batch_norm", x, ref_f[i])
+            variance = np.max(1 / rstd64.reshape(-1, x.shape[1]) ** 2, axis=0, initial=0.0)
+            floor = (n * ulp(np.float64) * channel_max) ** 2 / REL[np.dtype(ct).name]
+            batch = channel_max if i == 3 else 2 * variance + floor
+            momentum = args_fwd[6]  # (.., training, momentum, eps)
+            scale = np.abs(ref_f[i].astype(np.float64)) + old + abs(momentum) * batch
+        assert_close(fast_f[i], ref_f[i], ct, scale, name)
     # The backward recomputes xhat from the saved mean, rounded to ct (up to half an ulp of
     # |x|), which moves every xhat by that times rstd (PyTorch's too: dx 0.014 where the
     # exact dx is 0, data 4 + 0.006 * noise in float16). Both centre xhat again: the

@@ -274,7 +274,7 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     # Both take the mean's rounding to ct back where it would show (each centres again, or
     # folds the mean into the shift only near 0), so each element of the output goes by
     # its own terms (its weight, bias and statistic: helpers.output_terms) and the float64
-    # mean's rounding, n - 1 roundings of |mean| on a statistic of n values (the two sum in
+    # mean's rounding, n roundings of |mean| on a statistic of n values (the two sum in
     # other orders). (This was (2 xmax + 1) rstd w times ct's rounding, as for a mean
     # rounded to ct: over 1e5 x the output's scale at an offset of 1e3 with spread 1e-3,
     # where dropping the mean's low part passed; then x.size roundings of the largest |x|
@@ -285,6 +285,7 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
     b_at = 0.0 if b is None else parameter_at(op, x, b)
     y_scale = terms + b_at + np.abs(truth[0].astype(np.float64)) + mean_rounding / REL[np.dtype(ct).name]
     assert_close(ours_f[0], ref_f[0], ct, y_scale, "output")
+    n = max(2, int(np.max(count_at(op, x, ref_f[1]), initial=0)))  # values per statistic
     for i, name in enumerate(STATS[ops[0]][1:], start=1):
         if ref_f[i] is None:
             assert ours_f[i] is None, name
@@ -294,9 +295,9 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
         # buffer), not of all
         x_max = statistic_max(op, x, t)
         # a two-pass variance is off by the square of its mean's error, and a float64 mean of
-        # n values can be off by up to n - 1 roundings of its largest |x| (eps64 each): the
-        # reference's is, on a channel of 24 equal values 1000.0027 (variance 3.4e-25 for 0)
-        n = max(2, int(np.max(count_at(op, x, ref_f[1]), initial=0)))
+        # n values can be off by up to n - 1 roundings of its largest |x| (eps64 each; n
+        # here, two at least): the reference's is, on a channel of 24 equal values
+        # 1000.0027 (variance 3.4e-25 for 0)
         var_floor = (n * ulp(np.dtype(np.float64)) * x_max) ** 2 / TIGHT
         scale = {"mean": x_max, "rstd": t, "running_mean": x_max + t, "running_var": t + var_floor}[name]
         if name.startswith("running"):
