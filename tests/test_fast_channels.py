@@ -129,12 +129,13 @@ def compare(ops: tuple[str, str], args_fwd, make_bwd, ct, x, dy, w):
     terms, mean_rounding = output_terms(op, x, w, ref_f[1], ref_f[2])
     scale_y = terms + mean_rounding / REL[np.dtype(ct).name] + np.abs(ref_f[0].astype(np.float64))
     assert_close(fast_f[0], ref_f[0], ct, scale_y, "y")
-    # each statistic to its own values' largest |x|, not the largest of all (rstd to |rstd|
-    # (1 + that |x| rstd), the form the largest of all had: loose, as both families take
-    # the variance in float64)
+    # each mean to its own values' largest |x|, not the largest of all; rstd to a few
+    # roundings of itself, as both families take the variance in float64 (with |rstd| (1 +
+    # max|x| max rstd), an rstd off by 20 roundings of ct times its own |x| rstd, as from a
+    # variance rounded in ct, passed the three drawn tests)
     x_max, rstd64 = statistic_max(op, x, ref_f[1]), np.abs(ref_f[2].astype(np.float64))
     assert_close(fast_f[1], ref_f[1], ct, x_max, "mean")
-    assert_close(fast_f[2], ref_f[2], ct, rstd64 * (1 + x_max * rstd64), "rstd")
+    assert_close(fast_f[2], ref_f[2], ct, 4 * rstd64, "rstd")
     # new = (1 - m) old + m batch, in ct (functional._channels.running_update): each buffer
     # element to its own channel's terms, not the largest of all plus 1. They are the old
     # value and m times the batch statistic's size: the channel's largest |x| for the mean,
