@@ -327,6 +327,28 @@ def statistic_ids(op: str, shape: tuple[int, ...], stat_shape: tuple[int, ...]) 
     return np.broadcast_to(np.arange(n).reshape(n, 1, *spatial) * groups + channel // (c // groups), shape)
 
 
+# the sizes a drawn statistic is scaled to: powers of two, so that scaling rounds nothing
+# above the subnormals (float16 values of 1e-3 scaled by 2**-10 are subnormal and round)
+STATISTIC_SCALES = (1.0, 2.0**-5, 2.0**-10)
+
+
+def statistic_scales(op: str, shape: tuple[int, ...], stat_shape: tuple[int, ...]) -> st.SearchStrategy:
+    """A drawn factor per statistic of ``op`` (one of ``STATISTIC_SCALES``, statistics
+    shaped ``stat_shape`` as ``statistic_ids`` has them), at each element of an array of
+    ``shape``, in float64.
+
+    Drawn values multiplied by it give statistics up to 1024x apart in size, where one
+    spread (and one offset, or one per channel) for the whole array seldom did: the
+    bounds that go by each statistic's own values are exercised, and a wrong result on a
+    small statistic, which a bound from the largest statistic of all lets pass, is
+    caught far more often. Each factor is drawn on its own (``fill=st.nothing()``; with
+    hypothesis's default fill most statistics of a large array share one)."""
+    ids = statistic_ids(op, tuple(shape), tuple(stat_shape))
+    size = int(np.prod(stat_shape))
+    factors = hnp.arrays(np.float64, size, elements=st.sampled_from(STATISTIC_SCALES), fill=st.nothing())
+    return factors.map(lambda f: f[ids])
+
+
 def at_elements(op: str, x, stat) -> np.ndarray:
     """The float64 value of the statistic ``stat`` (shaped as ``op``'s mean or rstd) at
     each element of ``x``."""

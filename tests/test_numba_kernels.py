@@ -26,6 +26,7 @@ from helpers import (
     parameter_at,
     same_results,
     statistic_max,
+    statistic_scales,
 )
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -146,6 +147,7 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
         shape = draw(hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=9))
         k = draw(st.integers(1, min(2, len(shape))))
         pshape = shape[len(shape) - k :]
+        op, stat_shape = "layer_norm", shape[: len(shape) - k]  # (RMSNorm's rows too)
     else:
         groups = draw(st.integers(1, 3)) if kind == "group" else 0
         n = draw(st.integers(1, 4))
@@ -154,15 +156,20 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
             hnp.array_shapes(min_dims=0 if kind == "batch" else 1, max_dims=3, min_side=1, max_side=7)
         )
         shape, pshape = (n, c, *spatial), (c,)
+        op, stat_shape = f"{kind}_norm", {"batch": (c,), "instance": (n, c), "group": (n, groups)}[kind]
     pdt = draw(st.sampled_from((dtype, "float32", "float64")))
     offset = draw(st.sampled_from((0.0, 3.0, 1e3)))
     x = draw(values(dtype, shape))
     spread = draw(st.sampled_from((1.0, 1e-3)))
-    x = (x.astype(np.float64) * spread + offset).astype(dtype)
+    # and each statistic (x's and dy's) scaled on its own, so that statistics of very
+    # different sizes meet in one call
+    scales = statistic_scales(op, shape, stat_shape)
+    x = ((x.astype(np.float64) * spread + offset) * draw(scales)).astype(dtype)
+    dy = draw(values(dtype, shape)).astype(np.float64) * draw(scales)
     p = {
         "kind": kind,
         "x": laid_out(x, draw(st.sampled_from(LAYOUTS))),
-        "dy": laid_out(draw(values(dtype, shape)), draw(st.sampled_from(LAYOUTS))),
+        "dy": laid_out(dy.astype(dtype), draw(st.sampled_from(LAYOUTS))),
         "w": draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(0.5, 1.5)))
         if draw(st.booleans())
         else None,
@@ -312,7 +319,8 @@ def compare(ops: tuple[str, str], fwd_args: tuple, bwd_args, p: dict, ct) -> tup
                 # momentum times a rounding of up to the channel's largest |x| each (means
                 # 0, 1 and -16/15 of float32 data gave a running mean of -0.0022, 1.1e-9 apart)
                 momentum = fwd_args[6]  # (x, rm, rv, w, b, use_input_stats, momentum, eps)
-                scale = scale + abs(momentum or 1.0) * ulp(np.dtype(ct)) * x_max / TIGHT
+                share = 1.0 if momentum is None else abs(momentum)  # (None: 1 / count at most)
+                scale = scale + share * ulp(np.dtype(ct)) * x_max / TIGHT
         assert_accurate(ours_f[i], ref_f[i], truth[i], scale, name)
     # dx = rstd * (g - mean(g) - ...): the reference takes mean(g) in the data's dtype, where a
     # mean of subnormal gradients rounds to the subnormal spacing, which rstd amplifies (dy
