@@ -29,7 +29,17 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
 from conftest import assert_state_equal, snapshot
-from helpers import MPIEXEC, close, draw_state, gains, load_into_torch, needs_extra, parameter_at, randomize
+from helpers import (
+    MPIEXEC,
+    close,
+    draw_state,
+    gains,
+    load_into_torch,
+    needs_extra,
+    parameter_at,
+    randomize,
+    statistic_scales,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_fast_channels import LAYOUTS, config, laid_out
@@ -134,8 +144,11 @@ def sync_cases(draw):
     dtype = draw(st.sampled_from(["float64", "float32"]))
     shape = (sum(splits), c, *spatial)
     elements = st.floats(-50, 50, allow_nan=False, allow_subnormal=False)
-    x = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing()))
-    dy = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing()))
+    # each channel (x's and dy's) scaled on its own: channels of very different sizes in
+    # one call, for the per-channel bounds below
+    scales = statistic_scales("batch_norm", shape, (c,))
+    x = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing())) * draw(scales)
+    dy = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing())) * draw(scales)
     flags = dict(
         momentum=draw(st.sampled_from([0.1, 0.7, None])),
         affine=draw(st.booleans()),
