@@ -15,7 +15,15 @@ from collections.abc import Iterator
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import count_at, gradient_terms, op_calls, output_terms, same_results, statistic_max
+from helpers import (
+    count_at,
+    gradient_terms,
+    op_calls,
+    output_terms,
+    same_results,
+    statistic_max,
+    statistic_scales,
+)
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -227,6 +235,12 @@ def cases(draw, kind: str):
     offset = offset + draw(st.sampled_from((0.0, 1e4)), label="common offset")
     case["x"] = draw(hnp.arrays(np.float64, shape, elements=values, fill=st.nothing()), label="x") + offset
     case["dy"] = draw(hnp.arrays(np.float64, shape, elements=values, fill=st.nothing()), label="dy")
+    # and each statistic (x's and dy's) scaled on its own, so that statistics of very
+    # different sizes meet in one call
+    stat_shape = {"batch": (c,), "instance": (n, c), "group": (n, groups)}[kind]
+    scales = statistic_scales(f"{kind}_norm", shape, stat_shape)
+    for name in ("x", "dy"):
+        case[name] = case[name] * draw(scales, label=f"{name} scales")
     positive = st.floats(0.5, 2, width=16)
     case["w"] = draw(hnp.arrays(np.float64, c, elements=positive), label="w") if case["weight"] else None
     case["b"] = draw(hnp.arrays(np.float64, c, elements=values), label="b") if case["bias"] else None

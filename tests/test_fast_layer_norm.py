@@ -14,7 +14,7 @@ import tracemalloc
 import array_api_compat.numpy as xp
 import numpy as np
 import pytest
-from helpers import at_elements, gradient_terms, output_terms, parameter_at, statistic_max
+from helpers import at_elements, gradient_terms, output_terms, parameter_at, statistic_max, statistic_scales
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -121,6 +121,11 @@ def _problems(draw: st.DrawFn) -> dict:
     p["dy"] = draw(hnp.arrays(np.float64, full, elements=values, fill=st.nothing()), label="dy")
     p["w"] = draw(st.none() | hnp.arrays(np.float64, norm, elements=st.floats(0.5, 1.5, width=16)), label="w")
     p["b"] = draw(st.none() | hnp.arrays(np.float64, norm, elements=values), label="b")
+    # and each row (x's and dy's) scaled on its own, so that rows of very different sizes
+    # meet in one call (hand-made problems leave these out: 1)
+    scales = statistic_scales("layer_norm", full, tuple(p["batch"]))
+    for name in ("x", "dy"):
+        p[f"{name}_scale"] = draw(scales, label=f"{name} scales")
     return p
 
 
@@ -131,8 +136,8 @@ def make(p):
     """Input, upstream gradient and parameters of one problem, in its dtypes and layouts."""
     norm = tuple(p["norm"])
     pd = p["param_dtype"] or p["dtype"]
-    x = laid_out((p["x"] + p["offset"]).astype(p["dtype"]), p["layout"])
-    dy = laid_out(p["dy"].astype(p["dtype"]), p["dy_layout"])
+    x = laid_out(((p["x"] + p["offset"]) * p.get("x_scale", 1.0)).astype(p["dtype"]), p["layout"])
+    dy = laid_out((p["dy"] * p.get("dy_scale", 1.0)).astype(p["dtype"]), p["dy_layout"])
     w = None if p["w"] is None else p["w"].astype(pd)
     b = None if p["b"] is None else p["b"].astype(pd)
     return norm, x, dy, w, b
