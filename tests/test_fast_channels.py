@@ -239,15 +239,19 @@ def cases(draw, kind: str):
     # different sizes meet in one call
     stat_shape = {"batch": (c,), "instance": (n, c), "group": (n, groups)}[kind]
     scales = statistic_scales(f"{kind}_norm", shape, stat_shape)
+    factors = {name: draw(scales, label=f"{name} scales") for name in ("x", "dy")}
     for name in ("x", "dy"):
-        case[name] = case[name] * draw(scales, label=f"{name} scales")
+        case[name] = case[name] * factors[name]
     positive = st.floats(0.5, 2, width=16)
     case["w"] = draw(hnp.arrays(np.float64, c, elements=positive), label="w") if case["weight"] else None
     case["b"] = draw(hnp.arrays(np.float64, c, elements=values), label="b") if case["bias"] else None
     case["rm"] = case["rv"] = None
     if case["buffers"] or not case["training"]:
-        case["rm"] = draw(hnp.arrays(np.float64, c, elements=values), label="running_mean")
-        case["rv"] = draw(hnp.arrays(np.float64, c, elements=positive), label="running_var")
+        # to the size of their channel's data (its largest factor): a buffer of its own size
+        # does not hide a wrong batch statistic on a small channel
+        channel = factors["x"].reshape(n, c, -1).max(axis=(0, 2))  # C
+        case["rm"] = draw(hnp.arrays(np.float64, c, elements=values), label="running_mean") * channel
+        case["rv"] = draw(hnp.arrays(np.float64, c, elements=positive), label="running_var") * channel**2
     return case
 
 
