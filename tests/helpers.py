@@ -327,6 +327,14 @@ def statistic_ids(op: str, shape: tuple[int, ...], stat_shape: tuple[int, ...]) 
     return np.broadcast_to(np.arange(n).reshape(n, 1, *spatial) * groups + channel // (c // groups), shape)
 
 
+def statistic_shape(op: str, shape: tuple[int, ...], groups: int = 1) -> tuple[int, ...]:
+    """The shape of ``op``'s mean and rstd for (N, C, *spatial) input of ``shape``: per
+    channel ("batch_norm"), per (sample, channel) ("instance_norm") or per (sample, group)
+    ("group_norm", of ``groups`` groups)."""
+    n, c = shape[:2]
+    return {"batch_norm": (c,), "instance_norm": (n, c), "group_norm": (n, groups)}[op]
+
+
 # the sizes a drawn statistic is scaled to: powers of two, so that scaling rounds nothing
 # above the subnormals (float16 values of 1e-3 scaled by 2**-10 are subnormal and round)
 STATISTIC_SCALES = (1.0, 2.0**-5, 2.0**-10)

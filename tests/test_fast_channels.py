@@ -23,6 +23,7 @@ from helpers import (
     same_results,
     statistic_max,
     statistic_scales,
+    statistic_shape,
 )
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -237,8 +238,7 @@ def cases(draw, kind: str):
     case["dy"] = draw(hnp.arrays(np.float64, shape, elements=values, fill=st.nothing()), label="dy")
     # and each statistic (x's and dy's) scaled on its own, so that statistics of very
     # different sizes meet in one call
-    stat_shape = {"batch": (c,), "instance": (n, c), "group": (n, groups)}[kind]
-    scales = statistic_scales(f"{kind}_norm", shape, stat_shape)
+    scales = statistic_scales(f"{kind}_norm", shape, statistic_shape(f"{kind}_norm", shape, groups))
     factors = {name: draw(scales, label=f"{name} scales") for name in ("x", "dy")}
     for name in ("x", "dy"):
         case[name] = case[name] * factors[name]

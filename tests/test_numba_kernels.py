@@ -27,6 +27,7 @@ from helpers import (
     same_results,
     statistic_max,
     statistic_scales,
+    statistic_shape,
 )
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -156,7 +157,8 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
             hnp.array_shapes(min_dims=0 if kind == "batch" else 1, max_dims=3, min_side=1, max_side=7)
         )
         shape, pshape = (n, c, *spatial), (c,)
-        op, stat_shape = f"{kind}_norm", {"batch": (c,), "instance": (n, c), "group": (n, groups)}[kind]
+        op = f"{kind}_norm"
+        stat_shape = statistic_shape(op, shape, groups)
     pdt = draw(st.sampled_from((dtype, "float32", "float64")))
     offset = draw(st.sampled_from((0.0, 3.0, 1e3)))
     x = draw(values(dtype, shape))

@@ -39,6 +39,7 @@ from helpers import (
     parameter_at,
     randomize,
     statistic_scales,
+    statistic_shape,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,7 +147,7 @@ def sync_cases(draw):
     elements = st.floats(-50, 50, allow_nan=False, allow_subnormal=False)
     # each channel (x's and dy's) scaled on its own: channels of very different sizes in
     # one call, for the per-channel bounds below
-    scales = statistic_scales("batch_norm", shape, (c,))
+    scales = statistic_scales("batch_norm", shape, statistic_shape("batch_norm", shape))
     x = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing())) * draw(scales)
     dy = draw(hnp.arrays(np.float64, shape, elements=elements, fill=st.nothing())) * draw(scales)
     flags = dict(
