@@ -166,7 +166,8 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
     # and each statistic (x's and dy's) scaled on its own, so that statistics of very
     # different sizes meet in one call
     scales = statistic_scales(op, shape, stat_shape)
-    x = ((x.astype(np.float64) * spread + offset) * draw(scales)).astype(dtype)
+    x_factor = draw(scales)
+    x = ((x.astype(np.float64) * spread + offset) * x_factor).astype(dtype)
     dy = draw(values(dtype, shape)).astype(np.float64) * draw(scales)
     p = {
         "kind": kind,
@@ -190,8 +191,12 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
         p["groups"] = groups
     if kind in ("batch", "instance"):
         buffers = draw(st.booleans()) or not p["training"]
-        p["rm"] = draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(-2, 2))) if buffers else None
-        p["rv"] = draw(hnp.arrays(np.dtype(pdt), pshape, elements=st.floats(0.5, 2))) if buffers else None
+        # to the size of their channel's data (its largest factor): a buffer of its own size
+        # does not hide a wrong batch statistic on a small channel
+        channel = x_factor.reshape(n, c, -1).max(axis=(0, 2))  # C
+        for name, elements, power in (("rm", st.floats(-2, 2), 1), ("rv", st.floats(0.5, 2), 2)):
+            drawn = draw(hnp.arrays(np.dtype(pdt), pshape, elements=elements)) if buffers else None
+            p[name] = None if drawn is None else (drawn * channel**power).astype(pdt)
     return p
 
 
