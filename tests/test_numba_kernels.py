@@ -193,7 +193,7 @@ def problems(draw: st.DrawFn, kind: str) -> dict:
         buffers = draw(st.booleans()) or not p["training"]
         # to the size of their channel's data (its largest factor): a buffer of its own size
         # does not hide a wrong batch statistic on a small channel
-        channel = x_factor.reshape(n, c, -1).max(axis=(0, 2))  # C
+        channel = statistic_max("batch_norm", x_factor, np.zeros(c))  # C
         for name, elements, power in (("rm", st.floats(-2, 2), 1), ("rv", st.floats(0.5, 2), 2)):
             drawn = draw(hnp.arrays(np.dtype(pdt), pshape, elements=elements)) if buffers else None
             p[name] = None if drawn is None else (drawn * channel**power).astype(pdt)

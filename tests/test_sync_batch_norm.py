@@ -160,7 +160,7 @@ def sync_cases(draw):
         affine=draw(st.booleans()),
         track=draw(st.booleans()),
     )
-    channel = x_factor.reshape(shape[0], c, -1).max(axis=(0, 2))  # C: each channel's factor
+    channel = statistic_max("batch_norm", x_factor, np.zeros(c))  # C: each channel's factor
     return splits, x.astype(dtype), dy.astype(dtype), dtype, flags, channel
 
 
@@ -211,7 +211,8 @@ def check_splits(splits, x, dy, dtype: str, flags: dict, start: dict) -> None:
     w = start["weight"] if flags["affine"] else None
     w_at = parameter_at("batch_norm", x64, w)
     b_at = parameter_at("batch_norm", x64, start["bias"]) if flags["affine"] else 0.0
-    m_at = np.abs(at_elements("batch_norm", x64, mean))
+    mean_at = at_elements("batch_norm", x64, mean)
+    m_at = np.abs(mean_at)
     # the ranks' merge takes the difference of float64 means already rounded: the merged
     # variance is off by ~n eps64 |mean| spread, rstd by n eps64 |mean| r relative, which
     # dx and dweight carry (a channel of 49.999 and 50: dx 1e-10 off, tol * terms 2.4e-11)
@@ -220,7 +221,7 @@ def check_splits(splits, x, dy, dtype: str, flags: dict, start: dict) -> None:
     rstd = want[0][4].astype(np.float64)  # C (the same data both steps)
     r_at = at_elements("batch_norm", x64, rstd)
     merged = n_c * eps64 * np.abs(mean) * rstd  # C: rstd's relative error from the merge
-    xhat = np.abs(x64 - at_elements("batch_norm", x64, mean)) * r_at
+    xhat = np.abs(x64 - mean_at) * r_at
     terms, mean_rounding = output_terms("batch_norm", x64, w, mean, rstd)
     # y: the mean rounded to float32 where the ranks normalize with it, |mean| r up to
     # RECENTRE_ABOVE = 4 (beyond, with the float64 statistics: a y normalized with the
