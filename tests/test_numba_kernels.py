@@ -13,6 +13,7 @@ import contextlib
 import math
 import tracemalloc
 from collections.abc import Iterator
+from typing import Any
 
 import array_api_compat.numpy as xp
 import numpy as np
@@ -1401,32 +1402,47 @@ def test_long_rows_rule(monkeypatch, alone):
 
 
 @pytest.mark.parametrize("in_memory_order", [True, False])
-def test_batch_norm_training_forward_rule(monkeypatch, in_memory_order):
+def test_batch_norm_forward_loop_rule(monkeypatch, in_memory_order):
     """BatchNorm's training forward of channels of ``CHUNK`` values a sample and more (C-ordered
     or staged in blocks) runs ``channel_forward`` (memory order, AMD processors) or
-    ``channel_forward_pipelined`` (elsewhere) as ``CHANNELS_IN_MEMORY_ORDER`` says; with
-    running statistics, ``channel_forward``; short channels, the blocks' loop."""
+    ``channel_forward_pipelined`` (elsewhere) as ``CHANNELS_IN_MEMORY_ORDER`` says; short
+    channels, the blocks' loop in blocks of ``_channel_block``; with running statistics,
+    long channels or short, the blocks' loop with every channel in one block (memory order)."""
     from npnorm.kernels import _numba_loops as loops
+    from npnorm.kernels.numba_channels import _channel_block
 
     monkeypatch.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
-    called: list[str] = []
+    called: list[tuple[str, int | None]] = []  # the loop, and the blocks' channels
+
+    def recording(name: str, loop: Any) -> Any:
+        def record(*a: Any) -> Any:
+            called.append((name, a[9] if name == "channel_block_forward" else None))
+            return loop(*a)
+
+        return record
+
     for name in ("channel_forward", "channel_forward_pipelined", "channel_block_forward"):
-        loop = getattr(loops, name)
-        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+        monkeypatch.setattr(loops, name, recording(name, getattr(loops, name)))
     training_loop = "channel_forward" if in_memory_order else "channel_forward_pipelined"
     rng = np.random.default_rng(8)
     for shape, training, expected in [
-        ((2, 3, 16, 16), True, training_loop),
-        ((2, 3, 16, 16), False, "channel_forward"),
-        ((3, 4, 255), True, "channel_block_forward"),
+        ((2, 3, 16, 16), True, (training_loop, None)),
+        ((2, 3, 16, 16), False, ("channel_block_forward", 3)),
+        ((3, 4, 255), True, ("channel_block_forward", "short")),
+        ((3, 4, 255), False, ("channel_block_forward", 4)),
+        ((64, 24, 200), True, ("channel_block_forward", "short")),
+        ((64, 24, 200), False, ("channel_block_forward", 24)),  # (training's blocks: 11, 6 channels)
     ]:
         C = shape[1]
         for dtype in ("float32", "float64"):
+            want = expected
+            if expected[1] == "short":
+                want = (expected[0], _channel_block(shape[0], shape[2], np.dtype(dtype)))
             for layout in ("C", "sliced"):
                 called.clear()
                 x = laid_out(rng.normal(size=shape).astype(dtype), layout)
                 F.batch_norm_forward(x, np.zeros(C, dtype), np.ones(C, dtype), training=training)
-                assert set(called) == {expected}, (shape, training, dtype, layout, called)
+                assert set(called) == {want}, (shape, training, dtype, layout, called)
 
 
 @settings(max_examples=40)

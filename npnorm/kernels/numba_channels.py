@@ -5,12 +5,14 @@ Same signatures and results (to rounding) as the generic kernels in
 ``"numba"`` kernel family for NumPy arrays. An input of shape (N, C, *spatial) is seen
 as (N, C, S), S = prod(spatial):
 
-* BatchNorm's forward (and the running-statistics mode of InstanceNorm) reads the input
-  in memory order, sample by sample (``loops.channel_forward``): once for the statistics,
-  each row's pieces two-pass from cache and merged into their channel's (float64), and
-  once for the output; except in training on processors other than AMD's, where the
-  channels are pipelined as the backward's (``loops.channel_forward_pipelined``, see
-  ``_channel_loop``): each host takes the one that measured faster there. The backward
+* BatchNorm's training forward reads the input in memory order, sample by sample
+  (``loops.channel_forward``): once for the statistics, each row's pieces two-pass from
+  cache and merged into their channel's (float64), and once for the output; except on
+  processors other than AMD's, where the channels are pipelined as the backward's
+  (``loops.channel_forward_pipelined``, see ``_channel_loop``): each host takes the one
+  that measured faster there. With the running statistics (and InstanceNorm's
+  running-statistics mode) the output is one pass in memory order, every channel in one
+  block (``loops.channel_block_forward``). The backward
   works one channel at a time
   (``loops.channel_backward``): the channel's N*S values are read from memory once and
   stay in cache for its two sums and ``dx``, the channels pipelined as the rows below
@@ -164,7 +166,8 @@ def _compiled_buffers(
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
 
 # Channels of short rows (S < CHUNK values) go to ``loops.channel_block_forward`` /
-# ``_backward`` in blocks of channels: as many as keep BLOCK_BYTES of each array in cache
+# ``_backward`` in blocks of channels (the forward's output alone, with the running
+# statistics, in one block: see ``_channel_loop``): as many as keep BLOCK_BYTES of each array in cache
 # between the passes, and enough for rows of ROW_BYTES at least, so that the passes stream
 # through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
 # Timed against one channel at a time on a 2-vCPU Xeon (forward+backward, float32): 6-12x
@@ -542,15 +545,27 @@ def _one_call(input: np.ndarray, training: bool, ct: np.dtype[Any], out: np.ndar
     return True
 
 
-def _channel_loop(training: bool) -> Any:
-    """BatchNorm's forward loop for channels of ``loops.CHUNK`` values a sample and more:
-    in training, the input in memory order (``loops.channel_forward``) on AMD processors,
-    the channels pipelined (``channel_forward_pipelined``) on others, whichever measured
-    faster there (``loops.CHANNELS_IN_MEMORY_ORDER``); with running statistics,
-    ``channel_forward``."""
-    if training and not loops.CHANNELS_IN_MEMORY_ORDER:
+def _channel_loop() -> Any:
+    """BatchNorm's training forward loop for channels of ``loops.CHUNK`` values a sample
+    and more: the input in memory order (``loops.channel_forward``) on AMD processors, the
+    channels pipelined (``channel_forward_pipelined``) on others, whichever measured
+    faster there (``loops.CHANNELS_IN_MEMORY_ORDER``)."""
+    if not loops.CHANNELS_IN_MEMORY_ORDER:
         return loops.channel_forward_pipelined
     return loops.channel_forward
+
+
+# The output alone (the running statistics, or the batch's taken already by the threads'
+# spans) takes every channel as one block of ``loops.channel_block_forward``: each
+# sample's row of C*S values in memory order, a span of S values per channel. Short
+# channels in blocks of ``_channel_block`` made it read a block's N rows C*S values apart
+# (twice the time at (64, 256, 14, 14)), and ``channel_forward`` makes a view per (sample,
+# channel). Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops alone on one
+# thread, 15 interleaved rounds, medians of the per-round ratios; two runs): 0.50-0.52x
+# the blocks' time at (64, 256, 14, 14) (0.70 against 1.47 ms; a copy 0.63), 0.84-0.96x
+# at (64, 256, 7, 7) and (64, 64, 15, 15); 0.70-0.77x ``channel_forward``'s at (16, 256,
+# 16, 16) and 0.89x at (8, 64, 28, 28); 0.93-1.02x at nine other shapes from (2, 4, 9) to
+# (1, 64, 65536), where both loops made the same calls 1.00-1.06x.
 
 
 def _channel_forward(
@@ -578,15 +593,17 @@ def _channel_forward(
     S = prod(input.shape[2:])
     w, b = param_or(weight, C, ct, 1.0), param_or(bias, C, ct, 0.0)  # C, C
     rstd = np.empty(C, dtype=ct)  # C
-    B = _channel_block(N, S, ct)
+    B = _channel_block(N, S, ct)  # (in training; the output alone: every channel in one block)
     if one:  # the sweep's one call, made at once
         y = np.empty(input.shape, dtype=ct) if out is None else out
-        if B:  # x, y as N,C*S: the rows of the blocks
+        if training and not B:
+            _channel_loop()(
+                input.reshape(N, C, S), w, b, eps, True, mean, var, rstd, y.reshape(N, C, S), 0, C
+            )
+        else:  # x, y as N,C*S: the rows of the blocks
             x2, y2 = input.reshape(N, C * S), y.reshape(N, C * S)
-            loops.channel_block_forward(x2, w, b, eps, training, mean, var, rstd, y2, B, 0, C)
-        else:
-            _channel_loop(training)(
-                input.reshape(N, C, S), w, b, eps, training, mean, var, rstd, y.reshape(N, C, S), 0, C
+            loops.channel_block_forward(
+                x2, w, b, eps, training, mean, var, rstd, y2, B if training else C, 0, C
             )
         return y, rstd
 
@@ -599,11 +616,12 @@ def _channel_forward(
         stats: bool,
         p: Params = (w, b, mean, var),
     ) -> None:  # x, y (n,C',S); p: the C' channels' w, b, mean, var (all C, or a staged block's)
-        if B:  # x, y as n,C'*S: the rows of the blocks
-            x2, y2 = x.reshape(x.shape[0], -1), y.reshape(x.shape[0], -1)
-            loops.channel_block_forward(x2, p[0], p[1], eps, stats, p[2], p[3], r, y2, B, c0, c1)
-        else:
-            _channel_loop(stats)(x, p[0], p[1], eps, stats, p[2], p[3], r, y, c0, c1)
+        if stats and not B:
+            _channel_loop()(x, p[0], p[1], eps, True, p[2], p[3], r, y, c0, c1)
+            return
+        x2, y2 = x.reshape(x.shape[0], -1), y.reshape(x.shape[0], -1)  # n,C'*S: the rows of the blocks
+        block = B if stats else max(c1 - c0, 1)  # the output alone: one block
+        loops.channel_block_forward(x2, p[0], p[1], eps, stats, p[2], p[3], r, y2, block, c0, c1)
 
     def sweep(x: np.ndarray, y: np.ndarray) -> None:  # x, y: N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if training and B else None
