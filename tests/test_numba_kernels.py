@@ -1443,6 +1443,14 @@ def test_batch_norm_forward_loop_rule(monkeypatch, in_memory_order):
                 x = laid_out(rng.normal(size=shape).astype(dtype), layout)
                 F.batch_norm_forward(x, np.zeros(C, dtype), np.ones(C, dtype), training=training)
                 assert set(called) == {want}, (shape, training, dtype, layout, called)
+    # short channels in training whose spans of samples the threads split: the statistics
+    # by spans, then the output alone in one block (blocks of 1 channel here, as ``config``'s)
+    x = rng.normal(size=(130, 5, 4))
+    with config(2, small=True):
+        assert numba_channels._span_parts(130, 5, 4, x.itemsize) == [(0, 1), (1, 3)]
+        called.clear()
+        F.batch_norm_forward(x, np.zeros(5), np.ones(5), training=True)
+    assert set(called) == {("channel_block_forward", 5)}, called
 
 
 @settings(max_examples=40)

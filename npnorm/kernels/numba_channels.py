@@ -166,8 +166,9 @@ def _compiled_buffers(
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
 
 # Channels of short rows (S < CHUNK values) go to ``loops.channel_block_forward`` /
-# ``_backward`` in blocks of channels (the forward's output alone, with the running
-# statistics, in one block: see ``_channel_loop``): as many as keep BLOCK_BYTES of each array in cache
+# ``_backward`` in blocks of channels (the forward's output alone, as with the running
+# statistics, in one block: see the comment before ``_channel_forward``): as many as keep
+# BLOCK_BYTES of each array in cache
 # between the passes, and enough for rows of ROW_BYTES at least, so that the passes stream
 # through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
 # Timed against one channel at a time on a 2-vCPU Xeon (forward+backward, float32): 6-12x
@@ -564,8 +565,9 @@ def _channel_loop() -> Any:
 # thread, 15 interleaved rounds, medians of the per-round ratios; two runs): 0.50-0.52x
 # the blocks' time at (64, 256, 14, 14) (0.70 against 1.47 ms; a copy 0.63), 0.84-0.96x
 # at (64, 256, 7, 7) and (64, 64, 15, 15); 0.70-0.77x ``channel_forward``'s at (16, 256,
-# 16, 16) and 0.89x at (8, 64, 28, 28); 0.93-1.02x at nine other shapes from (2, 4, 9) to
-# (1, 64, 65536), where both loops made the same calls 1.00-1.06x.
+# 16, 16) and 0.89x at (8, 64, 28, 28); 0.93-1.02x at five other shapes from (8, 64, 12,
+# 12) to (1, 64, 65536); 1.00-1.06x at seven where both made the same calls (as many
+# channels as one short block holds).
 
 
 def _channel_forward(
@@ -579,8 +581,8 @@ def _channel_forward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``loops.channel_forward`` over all channels: with ``training`` it fills ``mean``
-    and ``var`` (float64 (C,)), else it normalizes with them. Returns ``(y, rstd)``.
+    """BatchNorm's forward loops over all channels: with ``training`` they fill ``mean``
+    and ``var`` (float64 (C,)), else they normalize with them. Returns ``(y, rstd)``.
     A channels-last or Fortran-ordered input is taken as a C-ordered view
     (``_channel_views``), y in its layout."""
     one = _one_call(input, training, ct, out)
