@@ -1453,6 +1453,47 @@ def test_batch_norm_forward_loop_rule(monkeypatch, in_memory_order):
     assert set(called) == {("channel_block_forward", 5)}, called
 
 
+def test_batch_norm_backward_block_rule(monkeypatch):
+    """BatchNorm's backward of short channels runs the blocks' loop in blocks of
+    ``_channel_block`` channels in training, and with running statistics (dx needs no sum)
+    every channel in one block; long channels run ``channel_backward`` either way."""
+    from npnorm.kernels import _numba_loops as loops
+    from npnorm.kernels.numba_channels import _channel_block
+
+    called: list[tuple[str, int | None]] = []  # the loop, and the blocks' channels
+    for name in ("channel_backward", "channel_block_backward"):
+        loop = getattr(loops, name)
+
+        def record(*a: Any, loop: Any = loop, name: str = name) -> Any:
+            called.append((name, a[9] if name == "channel_block_backward" else None))
+            return loop(*a)
+
+        monkeypatch.setattr(loops, name, record)
+    rng = np.random.default_rng(9)
+    for shape, training, expected in [
+        ((2, 3, 16, 16), True, ("channel_backward", None)),
+        ((2, 3, 16, 16), False, ("channel_backward", None)),
+        ((64, 24, 200), True, ("channel_block_backward", "short")),
+        ((64, 24, 200), False, ("channel_block_backward", 24)),  # (training's blocks: 11, 6 channels)
+        ((3, 4, 255), False, ("channel_block_backward", 4)),
+    ]:
+        C = shape[1]
+        for dtype in ("float32", "float64"):
+            want = expected
+            if expected[1] == "short":
+                want = (expected[0], _channel_block(shape[0], shape[2], np.dtype(dtype)))
+                assert want[1] < C
+            x = rng.normal(size=shape).astype(dtype)
+            dy = rng.normal(size=shape).astype(dtype)
+            mean, rstd = np.zeros(C, dtype), np.ones(C, dtype)
+            for layout in ("C", "sliced"):
+                called.clear()
+                F.batch_norm_backward(
+                    laid_out(dy, layout), laid_out(x, layout), mean, rstd, training=training
+                )
+                assert set(called) == {want}, (shape, training, dtype, layout, called)
+
+
 @settings(max_examples=40)
 @given(
     dtype=st.sampled_from(("float32", "float64")),
