@@ -1476,6 +1476,7 @@ def test_batch_norm_backward_block_rule(monkeypatch):
         ((64, 24, 200), True, ("channel_block_backward", "short")),
         ((64, 24, 200), False, ("channel_block_backward", 24)),  # (training's blocks: 11, 6 channels)
         ((3, 4, 255), False, ("channel_block_backward", 4)),
+        ((64, 5000), False, ("channel_block_backward", 5000)),  # (training's: 2048, 1024 channels)
     ]:
         C = shape[1]
         for dtype in ("float32", "float64"):
@@ -1483,6 +1484,8 @@ def test_batch_norm_backward_block_rule(monkeypatch):
             if expected[1] == "short":
                 want = (expected[0], _channel_block(shape[0], shape[2], np.dtype(dtype)))
                 assert want[1] < C
+            if len(shape) == 2:
+                assert _channel_block(shape[0], 1, np.dtype(dtype)) < C
             x = rng.normal(size=shape).astype(dtype)
             dy = rng.normal(size=shape).astype(dtype)
             mean, rstd = np.zeros(C, dtype), np.ones(C, dtype)
@@ -1492,6 +1495,35 @@ def test_batch_norm_backward_block_rule(monkeypatch):
                     laid_out(dy, layout), laid_out(x, layout), mean, rstd, training=training
                 )
                 assert set(called) == {want}, (shape, training, dtype, layout, called)
+
+
+@pytest.mark.parametrize("S", [1, 5])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_channel_block_backward_any_block(dtype, S):
+    """``loops.channel_block_backward`` gives bitwise the same dx, dweight and dbias in
+    blocks of 1, 3 or all channels, in training and with running statistics, with channels
+    near 0 and far from it mixed (the blocks' test whether any is far): each channel's sums
+    are added sample by sample in the same order whatever its block."""
+    from npnorm.kernels import _numba_loops as loops
+
+    N, C = 70, 7  # more than loops.SPAN samples: two spans
+    rng = np.random.default_rng(10)
+    offsets = np.array([0.0, 1e3, 0.0, 1e6, 0.0, 0.0, 5e2])  # C: channels near 0 and far
+    x = (offsets[:, None] + rng.normal(size=(N, C, S))).astype(dtype)
+    dy = rng.normal(size=(N, C, S)).astype(dtype)
+    mean = x.mean(axis=(0, 2), dtype=np.float64).astype(dtype)
+    rstd = (1 / np.sqrt(x.var(axis=(0, 2), dtype=np.float64) + 1e-5)).astype(dtype)
+    w = np.linspace(0.5, 1.5, C).astype(dtype)
+    x2, dy2 = x.reshape(N, C * S), dy.reshape(N, C * S)
+    for training in (True, False):
+        runs = []
+        for block in (1, 3, C):
+            dx, dw, db = np.empty_like(x2), np.empty(C), np.empty(C)
+            loops.channel_block_backward(dy2, x2, mean, rstd, w, training, dx, dw, db, block, 0, C)
+            runs.append((dx, dw, db))
+        for run in runs[1:]:
+            for a, b in zip(run, runs[0], strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"training={training}")
 
 
 @settings(max_examples=40)

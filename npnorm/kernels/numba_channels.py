@@ -19,10 +19,10 @@ as (N, C, S), S = prod(spatial):
   (while channel c's dx is written, the next channel's sums are taken). Channels of fewer
   than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C) input: one) are taken in
   blocks of channels instead (``loops.channel_block_forward`` / ``_backward``), whose
-  rows are contiguous; with the running statistics, every channel in one block. The
-  channels are split over the threads (with the running statistics, the forward's samples
-  are), or in training, where short channels have more
-  than ``loops.SPAN`` samples, the spans of samples are (``_span_parts``): each channel's
+  rows are contiguous; with the running statistics, each thread's channels in one block.
+  The channels are split over the threads (with the running statistics, the forward's
+  samples are), or, where short channels have more than ``loops.SPAN`` samples (in the
+  forward, in training only), the spans of samples are (``_span_parts``): each channel's
   sums are added in the same order by every loop, so a channel's results do not depend
   on the split, the blocks or the thread count. A channels-last input (and gradient) is
   taken as its (N*S, C) rows, BatchNorm1d's input, and a Fortran-ordered one as the (S, C,
