@@ -167,9 +167,9 @@ def _compiled_buffers(
 # --- per-channel statistics: BatchNorm, and running statistics --------------------------
 
 # Channels of short rows (S < CHUNK values) go to ``loops.channel_block_forward`` /
-# ``_backward`` in blocks of channels (the forward's output alone, as with the running
-# statistics, in one block: see the comment before ``_channel_forward``): as many as keep
-# BLOCK_BYTES of each array in cache
+# ``_backward`` in blocks of channels (with the running statistics, and the forward's
+# output pass alone, in one block: see the comments before ``_channel_forward`` and
+# ``_channel_backward``): as many as keep BLOCK_BYTES of each array in cache
 # between the passes, and enough for rows of ROW_BYTES at least, so that the passes stream
 # through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
 # Timed against one channel at a time on a 2-vCPU Xeon (forward+backward, float32): 6-12x
