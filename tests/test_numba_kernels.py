@@ -111,6 +111,27 @@ def config(threads: int, small: bool, stage_bytes: int | None = None) -> Iterato
         numba_channels.STAGED_SPAN_BYTES = saved[12]
 
 
+def recorded_loops(monkeypatch: pytest.MonkeyPatch, *names: str, blocks: bool = False) -> list[Any]:
+    """Each of the compiled loops ``names`` replaced by a wrapper that records its calls in
+    the list returned: the loop's name, or with ``blocks`` ``(name, its blocks' channels)``
+    (the tenth argument of BatchNorm's blocks' loops ``channel_block_*``; None for others)."""
+    from npnorm.kernels import _numba_loops as loops
+
+    called: list[Any] = []
+
+    def recording(name: str, loop: Any) -> Any:
+        def record(*a: Any) -> Any:
+            block = a[9] if name.startswith("channel_block_") else None
+            called.append((name, block) if blocks else name)
+            return loop(*a)
+
+        return record
+
+    for name in names:
+        monkeypatch.setattr(loops, name, recording(name, getattr(loops, name)))
+    return called
+
+
 def laid_out(a: np.ndarray, layout: str) -> np.ndarray:
     """The values of ``a`` in another memory layout (same dtype)."""
     if layout == "F":
@@ -1307,10 +1328,7 @@ def test_short_group_rows_rule(monkeypatch, alone):
 
     assert loops.LONG_FORWARD_ROW == 256  # the cases below straddle it
     monkeypatch.setattr(loops, "LONG_ROWS_ALONE", alone)
-    called: list[str] = []
-    for name in ("group_backward", "group_backward_short"):
-        loop = getattr(loops, name)
-        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    called = recorded_loops(monkeypatch, "group_backward", "group_backward_short")
     long = "group_backward_short" if alone else "group_backward"  # rows of 256 values and more
     cases = [
         ((2, 4, 7, 7), 4, "float32", "group_backward_short"),  # InstanceNorm 7x7
@@ -1378,10 +1396,8 @@ def test_long_rows_rule(monkeypatch, alone):
 
     assert loops.LONG_FORWARD_ROW == 256  # the cases below straddle it
     monkeypatch.setattr(loops, "LONG_ROWS_ALONE", alone)
-    called: list[str] = []
-    for name in ("layer_norm_forward", "layer_norm_forward_long", "group_forward", "group_forward_long"):
-        loop = getattr(loops, name)
-        monkeypatch.setattr(loops, name, lambda *a, loop=loop, name=name: (called.append(name), loop(*a))[1])
+    names = ("layer_norm_forward", "layer_norm_forward_long", "group_forward", "group_forward_long")
+    called = recorded_loops(monkeypatch, *names)
     rng = np.random.default_rng(6)
     cases = [
         (lambda x: F.layer_norm(x, 255), (3, 255), "layer_norm_forward"),
@@ -1412,17 +1428,8 @@ def test_batch_norm_forward_loop_rule(monkeypatch, in_memory_order):
     from npnorm.kernels.numba_channels import _channel_block
 
     monkeypatch.setattr(loops, "CHANNELS_IN_MEMORY_ORDER", in_memory_order)
-    called: list[tuple[str, int | None]] = []  # the loop, and the blocks' channels
-
-    def recording(name: str, loop: Any) -> Any:
-        def record(*a: Any) -> Any:
-            called.append((name, a[9] if name == "channel_block_forward" else None))
-            return loop(*a)
-
-        return record
-
-    for name in ("channel_forward", "channel_forward_pipelined", "channel_block_forward"):
-        monkeypatch.setattr(loops, name, recording(name, getattr(loops, name)))
+    names = ("channel_forward", "channel_forward_pipelined", "channel_block_forward")
+    called = recorded_loops(monkeypatch, *names, blocks=True)  # the loop, and the blocks' channels
     training_loop = "channel_forward" if in_memory_order else "channel_forward_pipelined"
     rng = np.random.default_rng(8)
     for shape, training, expected in [
@@ -1457,18 +1464,10 @@ def test_batch_norm_backward_block_rule(monkeypatch):
     """BatchNorm's backward of short channels runs the blocks' loop in blocks of
     ``_channel_block`` channels in training, and with running statistics (dx needs no sum)
     every channel in one block; long channels run ``channel_backward`` either way."""
-    from npnorm.kernels import _numba_loops as loops
     from npnorm.kernels.numba_channels import _channel_block
 
-    called: list[tuple[str, int | None]] = []  # the loop, and the blocks' channels
-    for name in ("channel_backward", "channel_block_backward"):
-        loop = getattr(loops, name)
-
-        def record(*a: Any, loop: Any = loop, name: str = name) -> Any:
-            called.append((name, a[9] if name == "channel_block_backward" else None))
-            return loop(*a)
-
-        monkeypatch.setattr(loops, name, record)
+    # the loop, and the blocks' channels
+    called = recorded_loops(monkeypatch, "channel_backward", "channel_block_backward", blocks=True)
     rng = np.random.default_rng(9)
     for shape, training, expected in [
         ((2, 3, 16, 16), True, ("channel_backward", None)),
