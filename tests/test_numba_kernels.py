@@ -1462,19 +1462,26 @@ def test_batch_norm_forward_loop_rule(monkeypatch, in_memory_order):
 
 def test_batch_norm_backward_block_rule(monkeypatch):
     """BatchNorm's backward of short channels runs the blocks' loop in blocks of
-    ``_channel_block`` channels in training, and with running statistics (dx needs no sum)
-    every channel in one block; long channels run ``channel_backward`` either way."""
-    from npnorm.kernels.numba_channels import _channel_block
+    ``_channel_block`` channels in training; with running statistics (dx needs no sum)
+    channels of ``RUNNING_ROW`` values a sample and more run ``channel_running_backward``,
+    shorter ones every channel in one block; long channels run ``channel_backward`` in
+    training."""
+    from npnorm.kernels.numba_channels import RUNNING_ROW, _channel_block
 
+    assert RUNNING_ROW == 64  # (the shapes below: 63 and 64 values a sample)
     # the loop, and the blocks' channels
-    called = recorded_loops(monkeypatch, "channel_backward", "channel_block_backward", blocks=True)
+    names = ("channel_backward", "channel_running_backward", "channel_block_backward")
+    called = recorded_loops(monkeypatch, *names, blocks=True)
     rng = np.random.default_rng(9)
     for shape, training, expected in [
         ((2, 3, 16, 16), True, ("channel_backward", None)),
-        ((2, 3, 16, 16), False, ("channel_backward", None)),
+        ((2, 3, 16, 16), False, ("channel_running_backward", None)),
         ((64, 24, 200), True, ("channel_block_backward", "short")),
-        ((64, 24, 200), False, ("channel_block_backward", 24)),  # (training's blocks: 11, 6 channels)
-        ((3, 4, 255), False, ("channel_block_backward", 4)),
+        ((64, 24, 200), False, ("channel_running_backward", None)),
+        ((64, 60, 40), True, ("channel_block_backward", "short")),
+        ((64, 60, 40), False, ("channel_block_backward", 60)),  # (training's blocks: 52, 26 channels)
+        ((3, 4, 63), False, ("channel_block_backward", 4)),
+        ((3, 4, 64), False, ("channel_running_backward", None)),
         ((64, 5000), False, ("channel_block_backward", 5000)),  # (training's: 2048, 1024 channels)
     ]:
         C = shape[1]
@@ -1523,6 +1530,45 @@ def test_channel_block_backward_any_block(dtype, S):
         for run in runs[1:]:
             for a, b in zip(run, runs[0], strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"training={training}")
+
+
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from(("float32", "float64")),
+    N=st.integers(0, 140),
+    S=st.integers(0, 700),
+    offsets=st.lists(st.sampled_from((0.0, 1.0, 1e3, -1e6)), min_size=1, max_size=4),
+    special=st.sampled_from((None, np.inf, -np.inf, np.nan)),
+    data=st.data(),
+)
+def test_channel_running_backward_is_channel_backward(dtype, N, S, offsets, special, data):
+    """``loops.channel_running_backward`` (the backward with running statistics, one pass
+    in memory order) gives bitwise ``loops.channel_backward``'s dx, dweight and dbias with
+    ``training`` false, on any range of channels: channels near 0 and far from it (where
+    ``channel_backward`` takes a third sum), one to three spans of samples, rows of one
+    value to a few chunks, empty ones, and an inf or NaN in x or dy."""
+    from npnorm.kernels import _numba_loops as loops
+
+    C = len(offsets)
+    c0 = data.draw(st.integers(0, C), label="c0")
+    c1 = data.draw(st.integers(c0, C), label="c1")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    x = (np.array(offsets)[:, None] + rng.normal(size=(N, C, S))).astype(dtype)  # N,C,S
+    dy = rng.normal(size=(N, C, S)).astype(dtype)  # N,C,S
+    if special is not None and x.size:
+        where = data.draw(st.integers(0, x.size - 1), label="where")
+        (x if data.draw(st.booleans(), label="in x") else dy).reshape(-1)[where] = special
+    mean = (np.array(offsets) + rng.normal(size=C)).astype(dtype)  # C: running statistics
+    rstd = rng.uniform(0.5, 2.0, size=C).astype(dtype)  # C
+    w = rng.uniform(-1.5, 1.5, size=C).astype(dtype)  # C
+    results = []
+    for loop in ("channel_backward", "channel_running_backward"):
+        dx, dw, db = np.full_like(x, 7), np.full(C, 7.0), np.full(C, 7.0)  # (7: untouched)
+        args = (dy, x, mean, rstd, w) + ((False,) if loop == "channel_backward" else ())
+        getattr(loops, loop)(*args, dx, dw, db, c0, c1)
+        results.append((dx, dw, db))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @settings(max_examples=40)
@@ -1673,8 +1719,9 @@ def test_short_channels_the_same_in_any_blocks(dtype, shape, monkeypatch):
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 1), (4, 6, 5), (2, 5, 255), (200, 5), (130, 4, 3)])
 def test_short_channels_backward_in_blocks_as_the_channel_loop(dtype, shape, monkeypatch):
     """BatchNorm's backward on short channels in blocks (one, two, all channels; split
-    over threads) is bitwise the one-channel-at-a-time loop's (``channel_backward``): the
-    same sums in the same order, and the same dx, in training and with running statistics."""
+    over threads) is bitwise the channel loops' (``channel_backward`` in training,
+    ``channel_running_backward`` with running statistics): the same sums in the same
+    order, and the same dx."""
     C = shape[1]
     x = 7 + rounding(dtype, shape, 3.0)
     dy = np.cos(np.arange(math.prod(shape))).reshape(shape).astype(dtype) / 7

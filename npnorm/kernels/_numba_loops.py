@@ -979,6 +979,54 @@ def channel_backward(dy, x, mean, rstd, w, training, dx, dw, db, c0, c1):  # typ
                 px[0] = 0.0
 
 
+# With the running statistics (a frozen BatchNorm's backward, and InstanceNorm's with
+# running statistics) dx = rstd*w*dy needs no sum, so one pass in memory order can take
+# every sum and write dx from each chunk while it is in cache: dy and x read from memory
+# once. Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops alone on one thread, 15
+# interleaved rounds, medians of the per-round ratios) against ``channel_backward``'s
+# pipeline: 0.40-0.45x its time at (32, 64, 56, 56) and (32, 64, 28, 28), 0.54x at (16,
+# 256, 16, 16), 0.72-0.74x at (8, 128, 28, 28) and (4, 64, 64, 64) (0.49x in float64),
+# 0.96x at (1, 64, 65536), with bitwise the same results.
+@_loop
+def channel_running_backward(dy, x, mean, rstd, w, dx, dw, db, c0, c1):  # type: ignore[no-untyped-def]
+    """``channel_backward`` with the running statistics (``training`` false) for channels
+    ``[c0, c1)`` of dy, x, dx (N,C,S): ``dx = a*dy``, ``a = rstd*w``, ``dbias = sum(dy)``
+    and ``dweight = rstd*sum(dy*(x - mean))`` (xhat is not centred again: its mean is a
+    constant here, and ``_batch_dw`` takes it as it is), in one pass through memory in
+    its own order, sample by sample: each chunk of CHUNK values of a channel's row gives
+    its sums, then its dx, while it is in cache. Each channel's sums are added chunk by
+    chunk and span by span (SPAN samples) in ``channel_backward``'s order: bitwise its
+    results."""
+    N, S = x.shape[0], x.shape[2]
+    k = max(0, c1 - c0)
+    a = np.empty(k, dtype=dx.dtype)  # rstd*w, per channel
+    sd = np.zeros(k)  # sum(dy) and sum(dy*(x - mean)) (float64),
+    sdx = np.zeros(k)
+    pd = np.zeros(k)  # and the same over this span of samples
+    pdx = np.zeros(k)
+    for c in range(c0, c1):
+        a[c - c0] = np.float64(rstd[c]) * np.float64(w[c])
+    for n in range(N):
+        for c in range(c0, c1):
+            j = c - c0
+            xr, dyr, dxr, m, ac = x[n, c], dy[n, c], dx[n, c], mean[c], a[j]
+            for lo in range(0, S, CHUNK):
+                hi = min(lo + CHUNK, S)
+                u, v = _sums_dy(dyr, xr, lo, hi, m)
+                pd[j] += u
+                pdx[j] += v
+                _scale_dy_span(dyr, dxr, lo, hi, ac)  # (dx does not depend on x: see channel_backward)
+        if (n + 1) % SPAN == 0 or n + 1 == N:  # the span's sums into the totals
+            for j in range(k):
+                sd[j] += pd[j]
+                sdx[j] += pdx[j]
+                pd[j] = 0.0
+                pdx[j] = 0.0
+    for c in range(c0, c1):
+        db[c] = sd[c - c0]
+        dw[c] = _batch_dw(mean[c], np.float64(rstd[c]), sd[c - c0], sdx[c - c0], 0.0, N * S, False)
+
+
 # Channels of short rows (S < CHUNK values per sample; BatchNorm1d's (N, C) input has S =
 # 1): taking one channel at a time would read every sample's row of a few bytes from a
 # cache line of its own, C*S values apart. So these loops take a block of channels [a, e)

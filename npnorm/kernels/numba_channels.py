@@ -12,14 +12,17 @@ as (N, C, S), S = prod(spatial):
   (``loops.channel_forward_pipelined``, see ``_channel_loop``): each host takes the one
   that measured faster there. With the running statistics (and InstanceNorm's
   running-statistics mode) the output is one pass in memory order, every channel in one
-  block (``loops.channel_block_forward``). The backward
-  works one channel at a time
-  (``loops.channel_backward``): the channel's N*S values are read from memory once and
-  stay in cache for its two sums and ``dx``, the channels pipelined as the rows below
-  (while channel c's dx is written, the next channel's sums are taken). Channels of fewer
-  than ``loops.CHUNK`` values per sample (BatchNorm1d's (N, C) input: one) are taken in
-  blocks of channels instead (``loops.channel_block_forward`` / ``_backward``), whose
-  rows are contiguous; with the running statistics, each thread's channels in one block.
+  block (``loops.channel_block_forward``). The training backward works one channel at a
+  time (``loops.channel_backward``): the channel's N*S values are read from memory once
+  and stay in cache for its two sums and ``dx``, the channels pipelined as the rows below
+  (while channel c's dx is written, the next channel's sums are taken). With the running
+  statistics ``dx`` needs no sum, and the backward of channels of ``RUNNING_ROW`` values
+  a sample and more is one pass in memory order, each chunk's sums and dx together
+  (``loops.channel_running_backward``). Channels of fewer than ``loops.CHUNK`` values per
+  sample (BatchNorm1d's (N, C) input: one) are taken in blocks of channels instead
+  (``loops.channel_block_forward`` / ``_backward``), whose rows are contiguous; with the
+  running statistics, each thread's channels in one block (the backward: where it does
+  not take them in one pass).
   The channels are split over the threads (with the running statistics, the forward's
   samples are), or, where short channels have more than ``loops.SPAN`` samples (in the
   forward, in training only), the spans of samples are (``_span_parts``): each channel's
@@ -683,16 +686,26 @@ def _channel_forward(
     return finish(y, out), rstd
 
 
-# With the running statistics the backward's dx (``a*dy``) needs no sum, and short
-# channels take every channel as one block of ``loops.channel_block_backward``: its sums
-# pass, then its dx pass, each through memory in order, instead of blocks whose N rows lie
-# C*S values apart (the same sums in the same order: bitwise the same results). Timed on a
-# 2-vCPU AMD EPYC (2026-12-07, float32, the loop alone on one thread, 15 interleaved
-# rounds, medians of the per-round ratios, two runs): 0.45-0.50x the blocks' time at (64,
-# 256, 14, 14), 0.68-0.73x at (64, 64, 15, 15), 0.85x at (64, 256, 7, 7), 0.84-0.87x at
-# (256, 8192), 0.98-1.02x at (8, 64, 12, 12); the same calls at (32, 128, 4, 4), (4096,
-# 1024) and (256, 64, 2, 2). Long channels keep ``channel_backward``, whose sums take a row
-# in pieces of CHUNK values (one block's whole rows would round dweight differently).
+# With the running statistics the backward's dx (``a*dy``) needs no sum. Channels of
+# RUNNING_ROW values a sample and more take ``loops.channel_running_backward``: one pass in
+# memory order, each chunk's sums and then its dx while it is in cache, dy read once
+# (unless the threads split the spans of samples: ``_span_backward``). Shorter channels
+# take every channel as one block of ``loops.channel_block_backward``: its sums pass, then
+# its dx pass, each through memory in order, instead of training's blocks, whose N rows
+# lie C*S values apart. Every one of these loops adds the same sums in the same order:
+# bitwise the same results. Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops
+# alone on one thread, 15 interleaved rounds, medians of the per-round ratios):
+# - one block against training's blocks (two runs): 0.45-0.50x their time at (64, 256,
+#   14, 14), 0.68-0.73x at (64, 64, 15, 15), 0.85x at (64, 256, 7, 7), 0.84-0.87x at (256,
+#   8192), 0.98-1.02x at (8, 64, 12, 12); the same calls at (32, 128, 4, 4), (4096, 1024)
+#   and (256, 64, 2, 2);
+# - the one pass against one block: 0.67x its time at (64, 256, 14, 14), 0.75x at (64, 64,
+#   15, 15), 0.78-0.83x at (64, 256, 8, 8) and (64, 256, 10, 10), 0.93x at (64, 256, 7,
+#   7); 0.89-0.99x at 32 to 40 values a sample, 1.1-1.7x at 24 and fewer (float64:
+#   0.69-0.74x at 64 and 100 values, 0.85x at 49, 1.07x at 32);
+# - the one pass against ``channel_backward`` on long channels: see
+#   ``loops.channel_running_backward`` (0.40-0.74x its time).
+RUNNING_ROW = 64
 
 
 def _channel_backward(
@@ -706,8 +719,9 @@ def _channel_backward(
     ct: np.dtype[Any],
     out: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
-    """``loops.channel_backward`` over all channels, from (C,) statistics: BatchNorm's
-    with ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``.
+    """BatchNorm's backward loops over all channels, from (C,) statistics: with
+    ``training`` (batch statistics), else the affine map's ``dx = rstd*w*dy``
+    (``loops.channel_backward``, ``channel_running_backward`` or the blocks' loop).
     Channels-last or Fortran-ordered input and gradient are taken as C-ordered views
     (``_channel_views``), dx in their layout."""
     views = _channel_views(out, grad_output, input)
@@ -722,15 +736,19 @@ def _channel_backward(
     dw, db = np.empty(C), np.empty(C)  # C, C float64
     B = _channel_block(N, S, ct)
 
+    fused = not training and S >= RUNNING_ROW  # (else short channels: in blocks)
+
     def loop(
         dy: np.ndarray, x: np.ndarray, dx: np.ndarray, c0: int, c1: int, p: Params = (m, r, w, dw, db)
     ) -> None:  # N,C',S; p: the C' channels' mean, rstd, w, dw, db (all C, or a staged block's)
-        if B:  # as N,C'*S: the rows of the blocks
+        if B and not fused:  # as N,C'*S: the rows of the blocks
             dy2, x2, dx2 = dy.reshape(N, -1), x.reshape(N, -1), dx.reshape(N, -1)
             block = B if training else max(c1 - c0, 1)  # with the running statistics: one block
             loops.channel_block_backward(dy2, x2, p[0], p[1], p[2], training, dx2, p[3], p[4], block, c0, c1)
-        else:
-            loops.channel_backward(dy, x, p[0], p[1], p[2], training, dx, p[3], p[4], c0, c1)
+        elif training:
+            loops.channel_backward(dy, x, p[0], p[1], p[2], True, dx, p[3], p[4], c0, c1)
+        else:  # dx needs no sum: one pass in memory order
+            loops.channel_running_backward(dy, x, p[0], p[1], p[2], dx, p[3], p[4], c0, c1)
 
     def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if B else None
