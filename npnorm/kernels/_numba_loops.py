@@ -995,8 +995,9 @@ def channel_running_backward(dy, x, mean, rstd, w, dx, dw, db, c0, c1):  # type:
     constant here, and ``_batch_dw`` takes it as it is), in one pass through memory in
     its own order, sample by sample: each chunk of CHUNK values of a channel's row gives
     its sums, then its dx, while it is in cache. Each channel's sums are added chunk by
-    chunk and span by span (SPAN samples) in ``channel_backward``'s order: bitwise its
-    results."""
+    chunk and span by span (SPAN samples) in ``channel_backward``'s order, by the helper
+    it takes (``_sums_dy_dev`` on a channel ``_far_from_zero``, else ``_sums_dy``):
+    bitwise its results."""
     N, S = x.shape[0], x.shape[2]
     k = max(0, c1 - c0)
     a = np.empty(k, dtype=dx.dtype)  # rstd*w, per channel
@@ -1004,15 +1005,24 @@ def channel_running_backward(dy, x, mean, rstd, w, dx, dw, db, c0, c1):  # type:
     sdx = np.zeros(k)
     pd = np.zeros(k)  # and the same over this span of samples
     pdx = np.zeros(k)
+    far = np.empty(k, dtype=np.bool_)  # per channel, channel_backward's helper (see below)
+    zero = np.zeros(1, dtype=dx.dtype)[0]  # 0 in the data's dtype
     for c in range(c0, c1):
         a[c - c0] = np.float64(rstd[c]) * np.float64(w[c])
+        far[c - c0] = _far_from_zero(mean[c], rstd[c])
     for n in range(N):
         for c in range(c0, c1):
             j = c - c0
             xr, dyr, dxr, m, ac = x[n, c], dy[n, c], dx[n, c], mean[c], a[j]
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
-                u, v = _sums_dy(dyr, xr, lo, hi, m)
+                # the third sum, sum(x - mean), is not needed here, but the two helpers'
+                # vectorized sums may add in different orders (with AVX2 they did): the
+                # helper channel_backward and the blocks take keeps their results bitwise
+                if far[j]:
+                    u, v, _ = _sums_dy_dev(dyr, xr, lo, hi, m, zero)
+                else:
+                    u, v = _sums_dy(dyr, xr, lo, hi, m)
                 pd[j] += u
                 pdx[j] += v
                 _scale_dy_span(dyr, dxr, lo, hi, ac)  # (dx does not depend on x: see channel_backward)

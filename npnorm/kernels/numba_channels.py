@@ -21,8 +21,8 @@ as (N, C, S), S = prod(spatial):
   (``loops.channel_running_backward``). Channels of fewer than ``loops.CHUNK`` values per
   sample (BatchNorm1d's (N, C) input: one) are taken in blocks of channels instead
   (``loops.channel_block_forward`` / ``_backward``), whose rows are contiguous; with the
-  running statistics, each thread's channels in one block (the backward: where it does
-  not take them in one pass).
+  running statistics, each thread's channels in one block (the backward: channels of
+  fewer than ``RUNNING_ROW`` values a sample).
   The channels are split over the threads (with the running statistics, the forward's
   samples are), or, where short channels have more than ``loops.SPAN`` samples (in the
   forward, in training only), the spans of samples are (``_span_parts``): each channel's
@@ -171,7 +171,8 @@ def _compiled_buffers(
 
 # Channels of short rows (S < CHUNK values) go to ``loops.channel_block_forward`` /
 # ``_backward`` in blocks of channels (with the running statistics, and the forward's
-# output pass alone, in one block: see the comments before ``_channel_forward`` and
+# output pass alone, in one block; the backward with running statistics only below
+# RUNNING_ROW values: see the comments before ``_channel_forward`` and
 # ``_channel_backward``): as many as keep BLOCK_BYTES of each array in cache
 # between the passes, and enough for rows of ROW_BYTES at least, so that the passes stream
 # through memory where the channels are long (BatchNorm1d's (N, C) input with many samples).
@@ -690,7 +691,8 @@ def _channel_forward(
 # RUNNING_ROW values a sample and more take ``loops.channel_running_backward``: one pass in
 # memory order, each chunk's sums and then its dx while it is in cache, dy read once
 # (unless the threads split the spans of samples: ``_span_backward``). Shorter channels
-# take every channel as one block of ``loops.channel_block_backward``: its sums pass, then
+# take each thread's channels (or a staged block's) as one block of
+# ``loops.channel_block_backward``: its sums pass, then
 # its dx pass, each through memory in order, instead of training's blocks, whose N rows
 # lie C*S values apart. Every one of these loops adds the same sums in the same order:
 # bitwise the same results. Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops
@@ -702,7 +704,8 @@ def _channel_forward(
 # - the one pass against one block: 0.67x its time at (64, 256, 14, 14), 0.75x at (64, 64,
 #   15, 15), 0.78-0.83x at (64, 256, 8, 8) and (64, 256, 10, 10), 0.93x at (64, 256, 7,
 #   7); 0.89-0.99x at 32 to 40 values a sample, 1.1-1.7x at 24 and fewer (float64:
-#   0.69-0.74x at 64 and 100 values, 0.85x at 49, 1.07x at 32);
+#   0.69-0.74x at 64 and 100 values, 0.85x at 49, 1.07x at 32): RUNNING_ROW is where
+#   both dtypes gained more than this VM's noise;
 # - the one pass against ``channel_backward`` on long channels: see
 #   ``loops.channel_running_backward`` (0.40-0.74x its time).
 RUNNING_ROW = 64
