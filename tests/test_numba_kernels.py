@@ -1509,6 +1509,46 @@ def test_batch_norm_backward_block_rule(monkeypatch):
         assert set(called) == {expected}, (N, called)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_running_backward_splits_the_channels_of_wide_shares(monkeypatch, dtype):
+    """Where the threads would split the spans of samples, the backward with running
+    statistics of channels of ``RUNNING_ROW`` values and more splits the channels instead
+    (one pass, ``channel_running_backward``) if each thread's share of a sample's row has
+    ``RUNNING_SHARE_BYTES``, else it keeps the spans (``channel_span_dy_sums``); training
+    keeps the spans. Bitwise the same results every way, and on one thread."""
+    N, C, S = 130, 4, 70  # three spans of samples; rows of 4*70 values
+    rng = np.random.default_rng(11)
+    offsets = np.array([0.0, 1e3, -5.0, 1e6])[None, :, None]  # channels near 0 and far
+    x = (offsets + rng.normal(size=(N, C, S))).astype(dtype)
+    dy = rng.normal(size=(N, C, S)).astype(dtype)
+    mean = (offsets[0, :, 0] + rng.normal(size=C)).astype(dtype)
+    rstd = rng.uniform(0.5, 2.0, size=C).astype(dtype)
+    w = np.linspace(-1.5, 1.5, C).astype(dtype)
+    called = recorded_loops(monkeypatch, "channel_running_backward", "channel_span_dy_sums")
+    results = {}
+    for threads, share in ((1, None), (2, C * S * x.itemsize // 2), (2, C * S * x.itemsize // 2 + 1)):
+        if share is not None:
+            monkeypatch.setattr(numba_channels, "RUNNING_SHARE_BYTES", share)
+        for training in (False, True):
+            called.clear()
+            with config(threads, small=True):
+                results[threads, share, training] = F.batch_norm_backward(
+                    dy, x, mean, rstd, w, training=training
+                )
+            if threads == 2:
+                split = not training and share == C * S * x.itemsize // 2
+                assert set(called) == ({"channel_running_backward"} if split else {"channel_span_dy_sums"}), (
+                    share,
+                    training,
+                    called,
+                )
+    for (threads, share, training), got in results.items():
+        for a, b in zip(got, results[1, None, training], strict=True):
+            np.testing.assert_array_equal(
+                a, b, err_msg=f"{threads} threads, shares {share}, training={training}"
+            )
+
+
 @pytest.mark.parametrize("S", [1, 5])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_channel_block_backward_any_block(dtype, S):
