@@ -1017,8 +1017,8 @@ def channel_running_backward(dy, x, mean, rstd, w, dx, dw, db, c0, c1):  # type:
             for lo in range(0, S, CHUNK):
                 hi = min(lo + CHUNK, S)
                 # the third sum, sum(x - mean), is not needed here, but the two helpers'
-                # vectorized sums may add in different orders (with AVX2 they did): the
-                # helper channel_backward and the blocks take keeps their results bitwise
+                # vectorized sums may add in different orders (compiled for AVX2 they did):
+                # the helper that channel_backward and the blocks take gives their sums
                 if far[j]:
                     u, v, _ = _sums_dy_dev(dyr, xr, lo, hi, m, zero)
                 else:

@@ -692,12 +692,12 @@ def _channel_forward(
 # With the running statistics the backward's dx (``a*dy``) needs no sum. Channels of
 # RUNNING_ROW values a sample and more take ``loops.channel_running_backward``: one pass in
 # memory order, each chunk's sums and then its dx while it is in cache, dy read once
-# (unless the threads split the spans of samples: ``_span_backward``). Shorter channels
-# take each thread's channels (or a staged block's) as one block of
-# ``loops.channel_block_backward``: its sums pass, then
-# its dx pass, each through memory in order, instead of training's blocks, whose N rows
-# lie C*S values apart. Every one of these loops adds the same sums in the same order:
-# bitwise the same results. Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops
+# (unless the threads split the spans of samples, ``_span_backward``: see
+# RUNNING_SHARE_BYTES). Shorter channels take each thread's channels (or a staged block's)
+# as one block of ``loops.channel_block_backward``: its sums pass, then its dx pass, each
+# through memory in order, instead of training's blocks, whose N rows lie C*S values
+# apart. Every one of these loops adds the same sums in the same order: bitwise the same
+# results. Timed on a 2-vCPU AMD EPYC (2026-12-07, float32, the loops
 # alone on one thread, 15 interleaved rounds, medians of the per-round ratios):
 # - one block against training's blocks (two runs): 0.45-0.50x their time at (64, 256,
 #   14, 14), 0.68-0.73x at (64, 64, 15, 15), 0.85x at (64, 256, 7, 7), 0.84-0.87x at (256,
