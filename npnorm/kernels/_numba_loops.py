@@ -1018,7 +1018,8 @@ def channel_running_backward(dy, x, mean, rstd, w, dx, dw, db, c0, c1):  # type:
                 hi = min(lo + CHUNK, S)
                 # the third sum, sum(x - mean), is not needed here, but the two helpers'
                 # vectorized sums may add in different orders (compiled for AVX2 they did):
-                # the helper that channel_backward and the blocks take gives their sums
+                # so it takes the helper channel_backward and the blocks take for the
+                # channel, and their sums, bitwise
                 if far[j]:
                     u, v, _ = _sums_dy_dev(dyr, xr, lo, hi, m, zero)
                 else:

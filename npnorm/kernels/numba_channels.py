@@ -25,9 +25,10 @@ as (N, C, S), S = prod(spatial):
   fewer than ``RUNNING_ROW`` values a sample).
   The channels are split over the threads (with the running statistics, the forward's
   samples are), or, where short channels have more than ``loops.SPAN`` samples (in the
-  forward, in training only; in the backward with running statistics, not where the one
-  pass takes them and each thread's share of a row has ``RUNNING_SHARE_BYTES``), the
-  spans of samples are (``_span_parts``): each channel's
+  forward, in training only), the spans of samples are (``_span_parts``; with the running
+  statistics, the backward of channels of ``RUNNING_ROW`` values and more splits the
+  channels instead where each thread's share of a sample's row is ``RUNNING_SHARE_BYTES``
+  or more): each channel's
   sums are added in the same order by every loop, so a channel's results do not depend
   on the split, the blocks or the thread count. A channels-last input (and gradient) is
   taken as its (N*S, C) rows, BatchNorm1d's input, and a Fortran-ordered one as the (S, C,
@@ -711,15 +712,16 @@ def _channel_forward(
 # - the one pass against ``channel_backward`` on long channels: see
 #   ``loops.channel_running_backward`` (0.40-0.74x its time).
 RUNNING_ROW = 64
-# Where the threads would split the spans of samples of such channels (``_span_parts``:
-# many samples, millions of values; ``_span_backward`` reads dy twice), the one pass splits
-# the channels instead where each thread's share of a sample's row has RUNNING_SHARE_BYTES
-# at least. Two threads, float32, ``F.batch_norm_backward`` with running statistics into
-# ``out``, split so against the spans in alternating processes (four runs each): 4.4-5.8
-# ms against 5.7-6.9 at (256, 256, 14, 14) (shares of 100 KB), 1.3-1.4 against 1.6-2.4 at
-# (128, 512, 8, 8) (64 KB), 1.2-1.9 against 1.4-2.3 at (256, 256, 8, 8) (32 KB); about
-# the same at (512, 128, 8, 8) (16 KB); slower with shares of 8 KB and 4 KB ((1024, 64, 8,
-# 8) 1.7-2.7 against 1.4-2.2, (2048, 32, 8, 8) 1.7-3.2 against 1.4-2.4 ms).
+# Where the threads would split the spans of samples of channels of RUNNING_ROW to 255
+# values a sample (under CHUNK) (``_span_parts``: many samples, millions of values;
+# ``_span_backward`` reads dy twice), the one pass splits the channels instead where each
+# thread's share of a sample's row is RUNNING_SHARE_BYTES or more. Two threads, float32,
+# ``F.batch_norm_backward`` with running statistics into ``out``, split so against the
+# spans in alternating processes (four runs each): 4.4-5.8 ms against 5.7-6.9 at (256,
+# 256, 14, 14) (shares of 100 KB), 1.3-1.4 against 1.6-2.4 at (128, 512, 8, 8) (64 KB),
+# 1.2-1.9 against 1.4-2.3 at (256, 256, 8, 8) (32 KB); about the same at (512, 128, 8, 8)
+# (16 KB); slower with shares of 8 KB and 4 KB ((1024, 64, 8, 8) 1.7-2.7 against 1.4-2.2,
+# (2048, 32, 8, 8) 1.7-3.2 against 1.4-2.4 ms).
 RUNNING_SHARE_BYTES = 32 * 1024
 
 
@@ -767,8 +769,10 @@ def _channel_backward(
 
     def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if B else None
-        if parts is not None and fused and C * S * ct.itemsize >= RUNNING_SHARE_BYTES * len(parts):
-            parts = None  # the one pass, the threads splitting the channels (see RUNNING_ROW)
+        if parts is not None and len(parts) > 1 and fused:  # (see RUNNING_SHARE_BYTES)
+            shares = len(ranges(C, N * S))  # the threads that would split the channels
+            if C * S * ct.itemsize >= RUNNING_SHARE_BYTES * shares:
+                parts = None  # the one pass, the threads splitting the channels
         if parts is None or len(parts) == 1:  # the threads split the channels, or one thread
             run(partial(loop, dy, x, dx), ranges(C, N * S) if parts is None else [(0, C)])
             return
