@@ -1540,8 +1540,8 @@ def test_running_backward_splits_the_channels_of_wide_shares(monkeypatch, dtype)
                 )
             if threads == 2:  # the one pass on two ranges of channels, or the spans
                 split = not training and share == C * S * x.itemsize // 2
-                loops = {name for name, _ in called}
-                assert loops == ({"channel_running_backward"} if split else {"channel_span_dy_sums"}), called
+                taken = {name for name, _ in called}
+                assert taken == ({"channel_running_backward"} if split else {"channel_span_dy_sums"}), called
                 if split:
                     assert sorted(c for _, c in called) == [(0, C // 2), (C // 2, C)], called
     for (threads, share, training), got in results.items():
