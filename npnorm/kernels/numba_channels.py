@@ -769,12 +769,12 @@ def _channel_backward(
 
     def sweep(dy: np.ndarray, x: np.ndarray, dx: np.ndarray) -> None:  # N,C,S
         parts = _span_parts(N, C, S, ct.itemsize) if B else None
+        channels = ranges(C, N * S)  # the threads' channels, where they split them
         if parts is not None and len(parts) > 1 and fused:  # (see RUNNING_SHARE_BYTES)
-            shares = len(ranges(C, N * S))  # the threads that would split the channels
-            if C * S * ct.itemsize >= RUNNING_SHARE_BYTES * shares:
+            if C * S * ct.itemsize >= RUNNING_SHARE_BYTES * len(channels):
                 parts = None  # the one pass, the threads splitting the channels
         if parts is None or len(parts) == 1:  # the threads split the channels, or one thread
-            run(partial(loop, dy, x, dx), ranges(C, N * S) if parts is None else [(0, C)])
+            run(partial(loop, dy, x, dx), channels if parts is None else [(0, C)])
             return
         args = (dy.reshape(N, C * S), x.reshape(N, C * S), dx.reshape(N, C * S), S, m, r, w)  # N,C*S each
         _span_backward(*args, training, dw, db, parts)
